@@ -1,0 +1,905 @@
+//! The CUDA backend: driver-API virtual memory management (VMM) on one GPU.
+//!
+//! Address ranges, physical chunks and mappings are RAII handles built directly on
+//! `cudarc::driver::sys` (cudarc's safe layer has no VMM): a [`CudaReservation`] frees its
+//! range on drop, a [`CudaChunk`] releases its physical memory on drop, and a [`CudaMapping`]
+//! owns its chunk, so dropping it unmaps first and then releases. Every handle holds the
+//! context, which therefore outlives all memory it created.
+//!
+//! The context, streams, module loading and kernel launches use cudarc's safe layer. The
+//! backend keeps three non-blocking streams: host→device copies, device→host copies and
+//! kernels. Every public method binds the context to the calling thread first, because the
+//! pager calls from many threads.
+//!
+//! Errors from `Drop` cannot be returned; they are printed once to stderr and never panic.
+
+use std::ffi::c_void;
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKernelArg, sys};
+
+use super::{
+    Backend, BackendError, BackendKind, BackendResult, DeviceInfo, HostBuffer, Mapping, MemInfo,
+    Reservation,
+};
+use crate::kernels::{self, KernelModule, abi};
+
+/// Formats a driver error as `"<error name>: <error string>"`.
+fn describe(e: DriverError) -> String {
+    let name = e
+        .error_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("CUresult {}", e.0 as u32));
+    let text = e
+        .error_string()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "(no description)".to_owned());
+    format!("{name}: {text}")
+}
+
+/// A [`BackendError::Driver`] for the failed call `op`.
+fn driver_err(op: &'static str, e: DriverError) -> BackendError {
+    BackendError::Driver {
+        op,
+        message: describe(e),
+    }
+}
+
+/// Turns a raw `CUresult` into a `Result`.
+fn check(r: sys::CUresult) -> Result<(), DriverError> {
+    r.result()
+}
+
+/// Makes `ctx` current on the calling thread.
+///
+/// cudarc records errors of its own `Drop` impls (events, streams, modules, graphs) in the
+/// context and returns them from the next `bind_to_thread`, clearing them. Such a deferred
+/// error does not concern the caller's operation: it is printed and the bind retried once.
+fn bind(ctx: &CudaContext) -> BackendResult<()> {
+    match ctx.bind_to_thread() {
+        Ok(()) => Ok(()),
+        Err(deferred) => {
+            eprintln!(
+                "gpu-pager: CUDA error deferred from an earlier release of a driver object: {}",
+                describe(deferred)
+            );
+            ctx.bind_to_thread()
+                .map_err(|e| driver_err("cuCtxSetCurrent", e))
+        }
+    }
+}
+
+/// Binds `ctx` inside a `Drop`, where errors can only be reported.
+fn bind_in_drop(ctx: &CudaContext, what: &str) {
+    if let Err(e) = bind(ctx) {
+        eprintln!("gpu-pager: dropping {what}: {e}");
+    }
+}
+
+/// Allocation properties of pinned device memory on `device`.
+fn device_alloc_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: device,
+        },
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+/// Queries the allocation granularity of pinned device memory on `device`.
+fn query_granularity(
+    device: sys::CUdevice,
+    option: sys::CUmemAllocationGranularity_flags,
+) -> Result<usize, DriverError> {
+    let prop = device_alloc_prop(device);
+    let mut granularity = 0usize;
+    // SAFETY: both pointers are valid for the duration of the call; `prop` is fully
+    // initialised.
+    check(unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, &prop, option) })?;
+    Ok(granularity)
+}
+
+/// [`kernels::check_chunk_hash_args`] as a backend error (the host backend checks the same).
+fn check_chunk_hash_args(src: u64, bytes: usize, chunk_bytes: usize) -> BackendResult<()> {
+    kernels::check_chunk_hash_args(src, bytes, chunk_bytes).map_err(|reason| {
+        BackendError::Invalid {
+            op: "chunk_hash",
+            reason,
+        }
+    })
+}
+
+/// The kernels of [`KernelModule::Fill`].
+#[derive(Debug)]
+struct FillKernels {
+    fill: CudaFunction,
+}
+
+/// The kernels of [`KernelModule::ChunkHash`].
+#[derive(Debug)]
+struct ChunkHashKernels {
+    partial: CudaFunction,
+    finalize: CudaFunction,
+}
+
+/// Device memory from `cuMemAlloc` for the per-chunk hashes of [`Backend::chunk_hash`].
+struct DeviceScratch {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for DeviceScratch {
+    fn drop(&mut self) {
+        bind_in_drop(&self.ctx, "chunk-hash scratch memory");
+        // SAFETY: `ptr` came from cuMemAlloc and is freed exactly once, here; every use was
+        // followed by a stream synchronisation before the lock guarding it was released.
+        if let Err(e) = check(unsafe { sys::cuMemFree_v2(self.ptr) }) {
+            eprintln!(
+                "gpu-pager: cuMemFree of {} bytes of scratch memory failed: {}",
+                self.bytes,
+                describe(e)
+            );
+        }
+    }
+}
+
+/// The CUDA backend on one device.
+///
+/// Thread-safe: every method binds the context to the calling thread first.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    device: sys::CUdevice,
+    h2d: Arc<CudaStream>,
+    d2h: Arc<CudaStream>,
+    kernel_stream: Arc<CudaStream>,
+    info: DeviceInfo,
+    recommended_granularity: usize,
+    fill_kernels: OnceLock<FillKernels>,
+    chunk_hash_kernels: OnceLock<ChunkHashKernels>,
+    hash_scratch: Mutex<Option<DeviceScratch>>,
+}
+
+impl fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("info", &self.info)
+            .field("recommended_granularity", &self.recommended_granularity)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`: retains its primary context, creates the streams and
+    /// queries the device.
+    ///
+    /// Returns [`BackendError::Unavailable`] (never panics) when the driver library is not
+    /// installed, when `cuInit` fails, when there is no such device or when the device does
+    /// not support virtual memory management.
+    pub fn new(ordinal: usize) -> BackendResult<Self> {
+        // SAFETY: only tries to open the driver library; no driver call is made.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(BackendError::Unavailable(
+                "the CUDA driver library (libcuda.so) is not installed".to_owned(),
+            ));
+        }
+        cudarc::driver::result::init()
+            .map_err(|e| BackendError::Unavailable(format!("cuInit failed: {}", describe(e))))?;
+        let count = cudarc::driver::result::device::get_count().map_err(|e| {
+            BackendError::Unavailable(format!("cuDeviceGetCount failed: {}", describe(e)))
+        })?;
+        let count = usize::try_from(count).unwrap_or(0);
+        if ordinal >= count {
+            return Err(BackendError::Unavailable(format!(
+                "CUDA device {ordinal} requested, but {count} device(s) are visible"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| {
+            BackendError::Unavailable(format!(
+                "cannot open a context on CUDA device {ordinal}: {}",
+                describe(e)
+            ))
+        })?;
+        let device = ctx.cu_device();
+        let vmm = ctx
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            )
+            .map_err(|e| driver_err("cuDeviceGetAttribute", e))?;
+        if vmm == 0 {
+            return Err(BackendError::Unavailable(format!(
+                "CUDA device {ordinal} does not support virtual memory management"
+            )));
+        }
+        let granularity = query_granularity(
+            device,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+        .map_err(|e| driver_err("cuMemGetAllocationGranularity", e))?;
+        let recommended_granularity = query_granularity(
+            device,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+        )
+        .map_err(|e| driver_err("cuMemGetAllocationGranularity", e))?;
+        if granularity == 0 {
+            return Err(BackendError::Unavailable(format!(
+                "CUDA device {ordinal} reports an allocation granularity of 0"
+            )));
+        }
+        let name = ctx.name().map_err(|e| driver_err("cuDeviceGetName", e))?;
+        let total_bytes = ctx
+            .total_mem()
+            .map_err(|e| driver_err("cuDeviceTotalMem", e))?;
+        let compute_capability = ctx
+            .compute_capability()
+            .map_err(|e| driver_err("cuDeviceGetAttribute", e))?;
+        let new_stream = || {
+            ctx.new_stream()
+                .map_err(|e| driver_err("cuStreamCreate", e))
+        };
+        let h2d = new_stream()?;
+        let d2h = new_stream()?;
+        let kernel_stream = new_stream()?;
+        Ok(Self {
+            device,
+            h2d,
+            d2h,
+            kernel_stream,
+            info: DeviceInfo {
+                kind: BackendKind::Cuda,
+                name,
+                granularity,
+                total_bytes,
+                compute_capability: Some(compute_capability),
+            },
+            recommended_granularity,
+            fill_kernels: OnceLock::new(),
+            chunk_hash_kernels: OnceLock::new(),
+            hash_scratch: Mutex::new(None),
+            ctx,
+        })
+    }
+
+    /// The CUDA context (the device's primary context).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream [`Backend::fill`] and [`Backend::chunk_hash`] launch their kernels on.
+    pub fn kernel_stream(&self) -> &Arc<CudaStream> {
+        &self.kernel_stream
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// The driver's recommended allocation granularity (`CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`),
+    /// a multiple of the minimum in [`DeviceInfo::granularity`].
+    pub fn recommended_granularity(&self) -> usize {
+        self.recommended_granularity
+    }
+
+    /// Loads every kernel module now instead of at first use. Call it before capturing
+    /// [`CudaBackend::fill_on`] or [`CudaBackend::chunk_hash_on`] into a CUDA graph, so that
+    /// no module is loaded while a stream captures.
+    pub fn preload_kernels(&self) -> BackendResult<()> {
+        bind(&self.ctx)?;
+        self.fill_kernels()?;
+        self.chunk_hash_kernels()?;
+        Ok(())
+    }
+
+    /// Loads the fatbin of `module` into the context.
+    fn load_module(&self, module: KernelModule) -> BackendResult<Arc<cudarc::driver::CudaModule>> {
+        self.ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(module.fatbin().to_vec()))
+            .map_err(|e| driver_err("cuModuleLoadData", e))
+    }
+
+    /// The fill kernel, loading its module on first use.
+    fn fill_kernels(&self) -> BackendResult<&FillKernels> {
+        if let Some(k) = self.fill_kernels.get() {
+            return Ok(k);
+        }
+        let module = self.load_module(KernelModule::Fill)?;
+        let fill = module
+            .load_function(kernels::FILL)
+            .map_err(|e| driver_err("cuModuleGetFunction", e))?;
+        // Two threads may race to load; the loser's module is unloaded when dropped.
+        Ok(self.fill_kernels.get_or_init(|| FillKernels { fill }))
+    }
+
+    /// The chunk-hash kernels, loading their module on first use.
+    fn chunk_hash_kernels(&self) -> BackendResult<&ChunkHashKernels> {
+        if let Some(k) = self.chunk_hash_kernels.get() {
+            return Ok(k);
+        }
+        let module = self.load_module(KernelModule::ChunkHash)?;
+        let partial = module
+            .load_function(kernels::CHUNK_HASH_PARTIAL)
+            .map_err(|e| driver_err("cuModuleGetFunction", e))?;
+        let finalize = module
+            .load_function(kernels::CHUNK_HASH_FINALIZE)
+            .map_err(|e| driver_err("cuModuleGetFunction", e))?;
+        Ok(self
+            .chunk_hash_kernels
+            .get_or_init(|| ChunkHashKernels { partial, finalize }))
+    }
+
+    /// Fails unless `stream` belongs to this backend's context.
+    fn check_stream(&self, op: &'static str, stream: &CudaStream) -> BackendResult<()> {
+        if **stream.context() == *self.ctx {
+            Ok(())
+        } else {
+            Err(BackendError::Invalid {
+                op,
+                reason: "the stream belongs to another CUDA context".to_owned(),
+            })
+        }
+    }
+
+    /// Enqueues a fill of `bytes` at `dst` with the 32-bit `pattern` (see [`Backend::fill`])
+    /// on `stream`, without waiting. Only enqueues work, so it may be captured into a CUDA
+    /// graph (load the kernels first with [`CudaBackend::preload_kernels`]).
+    ///
+    /// # Safety
+    /// `dst .. dst + bytes` must be mapped device memory of this context when the work runs,
+    /// and nothing else may access it concurrently.
+    pub unsafe fn fill_on(
+        &self,
+        stream: &CudaStream,
+        dst: u64,
+        bytes: usize,
+        pattern: u32,
+    ) -> BackendResult<()> {
+        self.check_stream("fill", stream)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        bind(&self.ctx)?;
+        let k = self.fill_kernels()?;
+        let params = abi::GpFillParams {
+            dst,
+            bytes: bytes as u64,
+            pattern,
+            _pad: 0,
+        };
+        let cfg = kernels::fill_geometry(dst, bytes as u64).to_config();
+        let mut launch = stream.launch_builder(&k.fill);
+        launch.arg(&params);
+        // SAFETY: `gp_fill` takes one `GpFillParams` by value, which `params` is; the caller
+        // guarantees the range it writes is mapped device memory.
+        unsafe { launch.launch(cfg) }.map_err(|e| driver_err("cuLaunchKernel", e))?;
+        Ok(())
+    }
+
+    /// Enqueues the hashes of `bytes` at `src` in chunks of `chunk_bytes` (see
+    /// [`Backend::chunk_hash`]) on `stream`, without waiting: `cuMemsetD8Async` zeroes the
+    /// `chunk_count` u64 values at `out`, then the partial and the finalize kernels run.
+    /// Only enqueues work, so it may be captured into a CUDA graph (load the kernels first
+    /// with [`CudaBackend::preload_kernels`]).
+    ///
+    /// The arguments must pass [`kernels::check_chunk_hash_args`] (`src` 16-byte aligned,
+    /// `bytes` > 0, `chunk_bytes` a non-zero multiple of 16, at most
+    /// [`kernels::MAX_HASH_CHUNKS`] chunks) and `out` must be 8-byte aligned; otherwise
+    /// [`BackendError::Invalid`] returns and nothing is enqueued.
+    ///
+    /// # Safety
+    /// `src .. src + bytes` and `out .. out + 8 * chunk_count` must be mapped device memory
+    /// of this context when the work runs; `out` must not overlap the source, and nothing
+    /// else may write either range concurrently.
+    pub unsafe fn chunk_hash_on(
+        &self,
+        stream: &CudaStream,
+        src: u64,
+        bytes: usize,
+        chunk_bytes: usize,
+        out: u64,
+    ) -> BackendResult<()> {
+        self.check_stream("chunk_hash", stream)?;
+        check_chunk_hash_args(src, bytes, chunk_bytes)?;
+        if out % 8 != 0 {
+            return Err(BackendError::Invalid {
+                op: "chunk_hash",
+                reason: format!("output address {out:#x} is not 8-byte aligned"),
+            });
+        }
+        let chunks = kernels::chunk_count(bytes, chunk_bytes);
+        let geometry =
+            kernels::chunk_hash_geometry(bytes as u64, chunk_bytes as u64).map_err(|reason| {
+                BackendError::Invalid {
+                    op: "chunk_hash",
+                    reason,
+                }
+            })?;
+        bind(&self.ctx)?;
+        let k = self.chunk_hash_kernels()?;
+        let params = abi::GpChunkHashParams {
+            src,
+            bytes: bytes as u64,
+            chunk_bytes: chunk_bytes as u64,
+            out,
+        };
+        // SAFETY: the caller guarantees `out .. out + 8 * chunks` is mapped device memory;
+        // the stream is a live stream of this context.
+        check(unsafe { sys::cuMemsetD8Async(out, 0, chunks * 8, stream.cu_stream()) })
+            .map_err(|e| driver_err("cuMemsetD8Async", e))?;
+        let mut partial = stream.launch_builder(&k.partial);
+        partial.arg(&params);
+        // SAFETY: `gp_chunk_hash_partial` takes one `GpChunkHashParams` by value; the caller
+        // guarantees that the ranges it reads and writes are mapped device memory.
+        unsafe { partial.launch(geometry.to_config()) }
+            .map_err(|e| driver_err("cuLaunchKernel", e))?;
+        let mut finalize = stream.launch_builder(&k.finalize);
+        finalize.arg(&params);
+        // SAFETY: as for the partial kernel; it only touches `out .. out + 8 * chunks`.
+        unsafe { finalize.launch(kernels::chunk_hash_finalize_geometry(chunks).to_config()) }
+            .map_err(|e| driver_err("cuLaunchKernel", e))?;
+        Ok(())
+    }
+
+    /// Returns the address of scratch device memory of at least `bytes` in `slot`, growing
+    /// it when needed. The caller holds the lock on `slot` while it uses the memory.
+    fn scratch(&self, slot: &mut Option<DeviceScratch>, bytes: usize) -> BackendResult<u64> {
+        if let Some(s) = slot.as_ref().filter(|s| s.bytes >= bytes) {
+            return Ok(s.ptr);
+        }
+        // Free the smaller buffer first (its last use was synchronised).
+        *slot = None;
+        let size = bytes.next_power_of_two().max(4096);
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is a valid out-pointer; the context is bound.
+        match check(unsafe { sys::cuMemAlloc_v2(&mut ptr, size) }) {
+            Ok(()) => {}
+            Err(DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)) => {
+                return Err(BackendError::OutOfMemory { requested: size });
+            }
+            Err(e) => return Err(driver_err("cuMemAlloc", e)),
+        }
+        *slot = Some(DeviceScratch {
+            ptr,
+            bytes: size,
+            ctx: self.ctx.clone(),
+        });
+        Ok(ptr)
+    }
+}
+
+impl Backend for CudaBackend {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn mem_info(&self) -> BackendResult<MemInfo> {
+        bind(&self.ctx)?;
+        let (free, total) =
+            cudarc::driver::result::mem_get_info().map_err(|e| driver_err("cuMemGetInfo", e))?;
+        Ok(MemInfo { free, total })
+    }
+
+    fn reserve(&self, bytes: usize) -> BackendResult<Box<dyn Reservation>> {
+        let g = self.info.granularity;
+        if bytes == 0 || bytes % g != 0 {
+            return Err(BackendError::Invalid {
+                op: "reserve",
+                reason: format!("{bytes} bytes is not a non-zero multiple of the granularity {g}"),
+            });
+        }
+        bind(&self.ctx)?;
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: `base` is a valid out-pointer; alignment 0 and address hint 0 let the
+        // driver choose (aligned to the granularity).
+        check(unsafe { sys::cuMemAddressReserve(&mut base, bytes, 0, 0, 0) })
+            .map_err(|e| driver_err("cuMemAddressReserve", e))?;
+        Ok(Box::new(CudaReservation {
+            base,
+            len: bytes,
+            ctx: self.ctx.clone(),
+        }))
+    }
+
+    unsafe fn map(&self, at: u64, chunk_sizes: &[usize]) -> BackendResult<Vec<Box<dyn Mapping>>> {
+        let g = self.info.granularity;
+        let invalid = |reason: String| BackendError::Invalid { op: "map", reason };
+        if chunk_sizes.is_empty() {
+            return Err(invalid("no chunk sizes given".to_owned()));
+        }
+        if at % g as u64 != 0 {
+            return Err(invalid(format!(
+                "address {at:#x} is not aligned to the granularity {g}"
+            )));
+        }
+        let mut total = 0usize;
+        for &size in chunk_sizes {
+            if size == 0 || size % g != 0 {
+                return Err(invalid(format!(
+                    "chunk size {size} is not a non-zero multiple of the granularity {g}"
+                )));
+            }
+            total = total
+                .checked_add(size)
+                .ok_or_else(|| invalid("chunk sizes overflow usize".to_owned()))?;
+        }
+        if at.checked_add(total as u64).is_none() {
+            return Err(invalid(format!(
+                "{total} bytes at {at:#x} overflow the address space"
+            )));
+        }
+        bind(&self.ctx)?;
+        let oom_or = |op: &'static str, e: DriverError| match e.0 {
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                BackendError::OutOfMemory { requested: total }
+            }
+            _ => driver_err(op, e),
+        };
+        let prop = device_alloc_prop(self.device);
+        // On any early return below, `mappings` drops: every mapping made so far is unmapped
+        // and its chunk released, which makes the call all-or-nothing.
+        let mut mappings: Vec<CudaMapping> = Vec::with_capacity(chunk_sizes.len());
+        let mut ptr = at;
+        for &size in chunk_sizes {
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: `handle` is a valid out-pointer and `prop` fully initialised.
+            check(unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })
+                .map_err(|e| oom_or("cuMemCreate", e))?;
+            let chunk = CudaChunk {
+                handle,
+                len: size,
+                ctx: self.ctx.clone(),
+            };
+            // SAFETY: the caller guarantees `ptr .. ptr + size` lies in a live reservation
+            // and is unmapped; `size` is the whole chunk, so offset 0 is in range.
+            check(unsafe { sys::cuMemMap(ptr, size, 0, chunk.handle, 0) })
+                .map_err(|e| oom_or("cuMemMap", e))?;
+            mappings.push(CudaMapping {
+                ptr,
+                len: size,
+                chunk,
+            });
+            ptr += size as u64;
+        }
+        let access = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.device,
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // One call over the whole span: far cheaper than one per chunk.
+        // SAFETY: `at .. at + total` is fully mapped by the loop above; `access` is one valid
+        // descriptor.
+        check(unsafe { sys::cuMemSetAccess(at, total, &access, 1) })
+            .map_err(|e| oom_or("cuMemSetAccess", e))?;
+        Ok(mappings
+            .into_iter()
+            .map(|m| Box::new(m) as Box<dyn Mapping>)
+            .collect())
+    }
+
+    fn synchronize(&self) -> BackendResult<()> {
+        bind(&self.ctx)?;
+        // SAFETY: the context is current on this thread.
+        check(unsafe { sys::cuCtxSynchronize() }).map_err(|e| driver_err("cuCtxSynchronize", e))
+    }
+
+    fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>> {
+        if bytes == 0 {
+            return Err(BackendError::Invalid {
+                op: "alloc_pinned",
+                reason: "0 bytes requested".to_owned(),
+            });
+        }
+        bind(&self.ctx)?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `p` is a valid out-pointer.
+        check(unsafe { sys::cuMemHostAlloc(&mut p, bytes, sys::CU_MEMHOSTALLOC_PORTABLE) })
+            .map_err(|e| driver_err("cuMemHostAlloc", e))?;
+        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| BackendError::Driver {
+            op: "cuMemHostAlloc",
+            message: "returned a null pointer".to_owned(),
+        })?;
+        // Own it before anything else can fail, so that it is freed on every path.
+        let buffer = CudaHostBuffer {
+            ptr,
+            len: bytes,
+            ctx: self.ctx.clone(),
+        };
+        // The driver hands out fresh (zeroed) pages, but Rust may only read initialised
+        // memory, so initialise it explicitly (cheap next to pinning itself).
+        // SAFETY: `ptr` is valid for writes of `bytes` bytes and not yet shared.
+        unsafe { std::ptr::write_bytes(buffer.ptr.as_ptr(), 0, bytes) };
+        Ok(Box::new(buffer))
+    }
+
+    unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        bind(&self.ctx)?;
+        // SAFETY: `src` is valid for reads of its length until the stream synchronisation
+        // below returns; the caller guarantees `dst .. dst + src.len()` is mapped.
+        check(unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), self.h2d.cu_stream())
+        })
+        .map_err(|e| driver_err("cuMemcpyHtoDAsync", e))?;
+        self.h2d
+            .synchronize()
+            .map_err(|e| driver_err("cuStreamSynchronize", e))
+    }
+
+    unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        bind(&self.ctx)?;
+        // SAFETY: `dst` is valid for writes of its length until the stream synchronisation
+        // below returns; the caller guarantees `src .. src + dst.len()` is mapped.
+        check(unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                dst.as_mut_ptr().cast(),
+                src,
+                dst.len(),
+                self.d2h.cu_stream(),
+            )
+        })
+        .map_err(|e| driver_err("cuMemcpyDtoHAsync", e))?;
+        self.d2h
+            .synchronize()
+            .map_err(|e| driver_err("cuStreamSynchronize", e))
+    }
+
+    unsafe fn fill(&self, dst: u64, bytes: usize, pattern: u32) -> BackendResult<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.fill_on(&self.kernel_stream, dst, bytes, pattern) }?;
+        self.kernel_stream
+            .synchronize()
+            .map_err(|e| driver_err("cuStreamSynchronize", e))
+    }
+
+    unsafe fn chunk_hash(
+        &self,
+        src: u64,
+        bytes: usize,
+        chunk_bytes: usize,
+    ) -> BackendResult<Vec<u64>> {
+        check_chunk_hash_args(src, bytes, chunk_bytes)?;
+        let chunks = kernels::chunk_count(bytes, chunk_bytes);
+        let out_bytes = chunks * 8;
+        bind(&self.ctx)?;
+        // The scratch memory is shared: hold the lock until the results are on the host.
+        let mut slot = self
+            .hash_scratch
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let out = self.scratch(&mut slot, out_bytes)?;
+        // SAFETY: the source range is forwarded from the caller; `out` is scratch memory of
+        // at least `out_bytes`, used by nobody else while the lock is held.
+        unsafe { self.chunk_hash_on(&self.kernel_stream, src, bytes, chunk_bytes, out) }?;
+        let mut hashes = vec![0u64; chunks];
+        // SAFETY: `hashes` is valid for writes of `out_bytes` until the synchronisation
+        // below returns; the copy is ordered after the kernels on the same stream.
+        check(unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                hashes.as_mut_ptr().cast(),
+                out,
+                out_bytes,
+                self.kernel_stream.cu_stream(),
+            )
+        })
+        .map_err(|e| driver_err("cuMemcpyDtoHAsync", e))?;
+        self.kernel_stream
+            .synchronize()
+            .map_err(|e| driver_err("cuStreamSynchronize", e))?;
+        Ok(hashes)
+    }
+}
+
+/// A reserved virtual address range (`cuMemAddressReserve`); dropping it frees the range.
+pub struct CudaReservation {
+    base: sys::CUdeviceptr,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl fmt::Debug for CudaReservation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaReservation")
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Reservation for CudaReservation {
+    fn base(&self) -> u64 {
+        self.base
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for CudaReservation {
+    fn drop(&mut self) {
+        bind_in_drop(&self.ctx, "an address reservation");
+        // SAFETY: the range came from cuMemAddressReserve with exactly this base and size and
+        // is freed once, here; the owner dropped every mapping inside it first.
+        if let Err(e) = check(unsafe { sys::cuMemAddressFree(self.base, self.len) }) {
+            eprintln!(
+                "gpu-pager: cuMemAddressFree of {} bytes at {:#x} failed: {}",
+                self.len,
+                self.base,
+                describe(e)
+            );
+        }
+    }
+}
+
+/// Physical device memory from `cuMemCreate`; dropping it releases the handle (the memory
+/// returns to the device once it is also unmapped).
+pub struct CudaChunk {
+    handle: sys::CUmemGenericAllocationHandle,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl CudaChunk {
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the chunk is empty (never true for a live chunk).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl fmt::Debug for CudaChunk {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaChunk")
+            .field("handle", &format_args!("{:#x}", self.handle))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Drop for CudaChunk {
+    fn drop(&mut self) {
+        bind_in_drop(&self.ctx, "a physical chunk");
+        // SAFETY: the handle came from cuMemCreate and is released once, here.
+        if let Err(e) = check(unsafe { sys::cuMemRelease(self.handle) }) {
+            eprintln!(
+                "gpu-pager: cuMemRelease of a {}-byte chunk failed: {}",
+                self.len,
+                describe(e)
+            );
+        }
+    }
+}
+
+/// A [`CudaChunk`] mapped at a fixed address. Dropping it unmaps the range, then releases
+/// the chunk.
+pub struct CudaMapping {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    // Dropped after `Drop::drop` has unmapped the range.
+    chunk: CudaChunk,
+}
+
+impl CudaMapping {
+    /// The physical chunk behind the mapping.
+    pub fn chunk(&self) -> &CudaChunk {
+        &self.chunk
+    }
+}
+
+impl fmt::Debug for CudaMapping {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaMapping")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("chunk", &self.chunk)
+            .finish()
+    }
+}
+
+impl Mapping for CudaMapping {
+    fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for CudaMapping {
+    fn drop(&mut self) {
+        bind_in_drop(&self.chunk.ctx, "a mapping");
+        // SAFETY: exactly this range was mapped by cuMemMap and is unmapped once, here. The
+        // owner synchronised the device before dropping, so no work still touches it.
+        if let Err(e) = check(unsafe { sys::cuMemUnmap(self.ptr, self.len) }) {
+            eprintln!(
+                "gpu-pager: cuMemUnmap of {} bytes at {:#x} failed: {}",
+                self.len,
+                self.ptr,
+                describe(e)
+            );
+        }
+    }
+}
+
+/// Page-locked host memory from `cuMemHostAlloc` (portable to every context); dropping it
+/// calls `cuMemFreeHost`.
+pub struct CudaHostBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the buffer exclusively owns its allocation, which any thread may use or free;
+// shared references only read it and writes need `&mut self`.
+unsafe impl Send for CudaHostBuffer {}
+// SAFETY: see `Send`; `&CudaHostBuffer` hands out only `&[u8]`.
+unsafe impl Sync for CudaHostBuffer {}
+
+impl fmt::Debug for CudaHostBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaHostBuffer")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl HostBuffer for CudaHostBuffer {
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` bytes allocated by cuMemHostAlloc, initialised in
+        // `alloc_pinned` and owned by self until drop; no `&mut` exists while `&self` is
+        // borrowed.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for CudaHostBuffer {
+    fn drop(&mut self) {
+        bind_in_drop(&self.ctx, "pinned host memory");
+        // SAFETY: the pointer came from cuMemHostAlloc and is freed once, here; no slice of
+        // it outlives `self`.
+        if let Err(e) = check(unsafe { sys::cuMemFreeHost(self.ptr.as_ptr().cast()) }) {
+            eprintln!(
+                "gpu-pager: cuMemFreeHost of {} bytes failed: {}",
+                self.len,
+                describe(e)
+            );
+        }
+    }
+}

@@ -1,0 +1,368 @@
+//! The backend primitives on host memory, so every pager path runs without a GPU.
+//!
+//! A reservation is an anonymous `PROT_NONE` mapping: touching an unmapped part faults, just
+//! as a GPU kernel touching an unmapped VMM range does, instead of reading stale data. A
+//! physical chunk is a memfd of the chunk's size, mapped `MAP_FIXED | MAP_SHARED` over its
+//! slice of the reservation; dropping it puts the `PROT_NONE` placeholder back and closes the
+//! memfd, so the memory really goes back to the system. A capacity limit stands in for the
+//! device's memory size, and [`HostBackend::hold`] stands in for another user of the device
+//! (the trainer), so out-of-memory paths run in CI.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::{
+    Backend, BackendError, BackendKind, BackendResult, DeviceInfo, HostBuffer, Mapping, MemInfo,
+    Reservation,
+};
+use crate::kernels::{self, reference};
+
+/// Settings of a [`HostBackend`].
+#[derive(Debug, Clone, Copy)]
+pub struct HostConfig {
+    /// Bytes of "device memory" the backend hands out before it reports out-of-memory.
+    pub capacity: usize,
+    /// Allocation granularity in bytes (a multiple of the OS page size).
+    pub granularity: usize,
+}
+
+impl Default for HostConfig {
+    /// 32 GiB capacity (memory is only used where touched) and 2 MiB granularity, like the GPU.
+    fn default() -> Self {
+        HostConfig {
+            capacity: 32 << 30,
+            granularity: 2 << 20,
+        }
+    }
+}
+
+/// Host-memory implementation of [`Backend`].
+#[derive(Debug)]
+pub struct HostBackend {
+    info: DeviceInfo,
+    used: Arc<AtomicUsize>,
+}
+
+impl HostBackend {
+    /// A backend with the given capacity and granularity. The granularity is rounded up to
+    /// the OS page size.
+    pub fn new(config: HostConfig) -> Self {
+        let page = page_size();
+        let granularity = config.granularity.max(page).div_ceil(page) * page;
+        HostBackend {
+            info: DeviceInfo {
+                kind: BackendKind::Host,
+                name: "host memory (no GPU)".to_owned(),
+                granularity,
+                total_bytes: config.capacity,
+                compute_capability: None,
+            },
+            used: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// Takes `bytes` of capacity away, as another program's allocation on the device would
+    /// (a trainer's tensors). Returned when the [`Hold`] drops. Fails with `OutOfMemory`
+    /// when that much is not free.
+    pub fn hold(&self, bytes: usize) -> BackendResult<Hold> {
+        charge(&self.used, self.info.total_bytes, bytes)?;
+        Ok(Hold {
+            used: self.used.clone(),
+            bytes,
+        })
+    }
+
+    /// Bytes of capacity in use (mapped chunks and holds).
+    pub fn used_bytes(&self) -> usize {
+        self.used.load(Ordering::SeqCst)
+    }
+}
+
+/// Capacity taken by [`HostBackend::hold`]; given back on drop.
+#[derive(Debug)]
+pub struct Hold {
+    used: Arc<AtomicUsize>,
+    bytes: usize,
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.used.fetch_sub(self.bytes, Ordering::SeqCst);
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(p).unwrap_or(4096).max(4096)
+}
+
+fn charge(used: &AtomicUsize, capacity: usize, bytes: usize) -> BackendResult<()> {
+    used.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |u| {
+        u.checked_add(bytes).filter(|&n| n <= capacity)
+    })
+    .map(|_| ())
+    .map_err(|_| BackendError::OutOfMemory { requested: bytes })
+}
+
+fn os_error(op: &'static str) -> BackendError {
+    BackendError::Os {
+        op,
+        source: std::io::Error::last_os_error(),
+    }
+}
+
+/// Maps `len` bytes at `addr` as an inaccessible placeholder (`addr == 0`: anywhere).
+fn map_placeholder(addr: u64, len: usize) -> BackendResult<u64> {
+    let fixed = if addr == 0 { 0 } else { libc::MAP_FIXED };
+    // SAFETY: an anonymous PROT_NONE mapping; with MAP_FIXED, `addr..addr+len` lies inside a
+    // reservation this backend owns (the caller's contract), so nothing else is replaced.
+    let p = unsafe {
+        libc::mmap(
+            addr as *mut libc::c_void,
+            len,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | fixed,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(os_error("mmap(PROT_NONE)"));
+    }
+    Ok(p as u64)
+}
+
+#[derive(Debug)]
+struct HostReservation {
+    base: u64,
+    len: usize,
+}
+
+impl Reservation for HostReservation {
+    fn base(&self) -> u64 {
+        self.base
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for HostReservation {
+    fn drop(&mut self) {
+        // SAFETY: the range was mapped by `reserve` and is owned by this reservation alone.
+        if unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) } != 0 {
+            eprintln!(
+                "gpu-pager: munmap of a reservation failed: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+}
+
+#[derive(Debug)]
+struct HostMapping {
+    ptr: u64,
+    len: usize,
+    _memfd: OwnedFd,
+    used: Arc<AtomicUsize>,
+}
+
+impl Mapping for HostMapping {
+    fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for HostMapping {
+    fn drop(&mut self) {
+        // Unmap (put the placeholder back so the address stays reserved), then the memfd
+        // closes as the field drops and its memory goes back to the system.
+        if let Err(e) = map_placeholder(self.ptr, self.len) {
+            eprintln!("gpu-pager: unmapping a host chunk failed: {e}");
+        }
+        self.used.fetch_sub(self.len, Ordering::SeqCst);
+    }
+}
+
+impl HostBackend {
+    fn map_one(&self, at: u64, len: usize) -> BackendResult<HostMapping> {
+        charge(&self.used, self.info.total_bytes, len)?;
+        let uncharge = |e| {
+            self.used.fetch_sub(len, Ordering::SeqCst);
+            e
+        };
+        // SAFETY: memfd_create with a NUL-terminated name has no memory-safety preconditions.
+        let fd = unsafe { libc::memfd_create(c"gpu-pager-chunk".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(uncharge(os_error("memfd_create")));
+        }
+        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+        let memfd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let size = libc::off_t::try_from(len).map_err(|_| BackendError::Invalid {
+            op: "map",
+            reason: format!("{len} bytes exceed off_t"),
+        });
+        let size = size.map_err(uncharge)?;
+        // SAFETY: ftruncate on a descriptor we own.
+        if unsafe { libc::ftruncate(memfd.as_raw_fd(), size) } != 0 {
+            return Err(uncharge(os_error("ftruncate")));
+        }
+        // SAFETY: `at..at+len` lies inside a reservation of this backend and is unmapped
+        // (the caller's contract), so MAP_FIXED replaces only our own placeholder.
+        let p = unsafe {
+            libc::mmap(
+                at as *mut libc::c_void,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                memfd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(uncharge(os_error("mmap(memfd)")));
+        }
+        Ok(HostMapping {
+            ptr: at,
+            len,
+            _memfd: memfd,
+            used: self.used.clone(),
+        })
+    }
+}
+
+#[derive(Debug)]
+struct HostVec(Vec<u8>);
+
+impl HostBuffer for HostVec {
+    fn as_slice(&self) -> &[u8] {
+        &self.0
+    }
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
+impl Backend for HostBackend {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn mem_info(&self) -> BackendResult<MemInfo> {
+        let total = self.info.total_bytes;
+        Ok(MemInfo {
+            free: total.saturating_sub(self.used_bytes()),
+            total,
+        })
+    }
+
+    fn reserve(&self, bytes: usize) -> BackendResult<Box<dyn Reservation>> {
+        if bytes == 0 || bytes % self.info.granularity != 0 {
+            return Err(BackendError::Invalid {
+                op: "reserve",
+                reason: format!(
+                    "{bytes} bytes is not a non-zero multiple of the granularity {}",
+                    self.info.granularity
+                ),
+            });
+        }
+        // Over-reserve by one granule, then trim head and tail so the base is aligned to the
+        // granularity, as CUDA's reservations are.
+        let g = self.info.granularity;
+        let raw = map_placeholder(0, bytes + g)?;
+        let base = raw.next_multiple_of(g as u64);
+        let head = (base - raw) as usize;
+        let tail = g - head;
+        for (addr, len) in [(raw, head), (base + bytes as u64, tail)] {
+            // SAFETY: both pieces lie inside the mapping made just above and outside the
+            // returned range, so nothing else refers to them.
+            if len > 0 && unsafe { libc::munmap(addr as *mut libc::c_void, len) } != 0 {
+                return Err(os_error("munmap"));
+            }
+        }
+        Ok(Box::new(HostReservation { base, len: bytes }))
+    }
+
+    unsafe fn map(&self, at: u64, chunk_sizes: &[usize]) -> BackendResult<Vec<Box<dyn Mapping>>> {
+        let g = self.info.granularity as u64;
+        if at % g != 0 || chunk_sizes.iter().any(|&s| s == 0 || s as u64 % g != 0) {
+            return Err(BackendError::Invalid {
+                op: "map",
+                reason: format!("address and chunk sizes must be non-zero multiples of {g}"),
+            });
+        }
+        let total: usize = chunk_sizes.iter().sum();
+        let mut out: Vec<Box<dyn Mapping>> = Vec::with_capacity(chunk_sizes.len());
+        let mut offset = 0u64;
+        for &len in chunk_sizes {
+            match self.map_one(at + offset, len) {
+                Ok(m) => out.push(Box::new(m)),
+                // Dropping `out` unmaps and releases what this call mapped.
+                Err(BackendError::OutOfMemory { .. }) => {
+                    return Err(BackendError::OutOfMemory { requested: total });
+                }
+                Err(e) => return Err(e),
+            }
+            offset += len as u64;
+        }
+        Ok(out)
+    }
+
+    fn synchronize(&self) -> BackendResult<()> {
+        Ok(())
+    }
+
+    fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>> {
+        if bytes == 0 {
+            return Err(BackendError::Invalid {
+                op: "alloc_pinned",
+                reason: "zero bytes".to_owned(),
+            });
+        }
+        Ok(Box::new(HostVec(vec![0u8; bytes])))
+    }
+
+    unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()> {
+        // SAFETY: the caller guarantees `dst..dst+len` is mapped memory of this backend with no
+        // concurrent writer; `src` is a valid slice that cannot overlap it (it is pageable
+        // host memory outside any reservation).
+        unsafe { ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
+        // SAFETY: the caller guarantees `src..src+len` is mapped memory of this backend.
+        unsafe { ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    unsafe fn fill(&self, dst: u64, bytes: usize, pattern: u32) -> BackendResult<()> {
+        // SAFETY: the caller guarantees `dst..dst+bytes` is mapped memory of this backend.
+        let buf = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, bytes) };
+        reference::fill(buf, pattern);
+        Ok(())
+    }
+
+    unsafe fn chunk_hash(
+        &self,
+        src: u64,
+        bytes: usize,
+        chunk_bytes: usize,
+    ) -> BackendResult<Vec<u64>> {
+        kernels::check_chunk_hash_args(src, bytes, chunk_bytes).map_err(|reason| {
+            BackendError::Invalid {
+                op: "chunk_hash",
+                reason,
+            }
+        })?;
+        // SAFETY: the caller guarantees `src..src+bytes` is mapped memory of this backend.
+        let data = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) };
+        Ok(reference::chunk_hash(data, chunk_bytes))
+    }
+}

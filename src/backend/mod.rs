@@ -1,0 +1,229 @@
+//! The few primitives the pager needs from a device, and two implementations.
+//!
+//! [`cuda::CudaBackend`] drives CUDA virtual memory management (VMM) through the driver API;
+//! [`host::HostBackend`] provides the same primitives on host memory (memfd + mmap) so that
+//! every pager path, out-of-memory included, runs without a GPU.
+//!
+//! The handles are RAII: a [`Mapping`] unmaps and then releases its physical memory when
+//! dropped; a [`Reservation`] frees its address range when dropped. Owners must drop every
+//! mapping inside a reservation before the reservation itself (the region declares its
+//! mappings before its reservation, so field drop order does this).
+//!
+//! Device addresses are plain `u64` values. Functions that dereference them are `unsafe`:
+//! the caller promises the range lies inside mapped memory of this backend.
+
+pub mod cuda;
+pub mod host;
+
+use std::fmt;
+
+/// Which implementation a backend is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    /// CUDA driver VMM on a GPU.
+    Cuda,
+    /// Host memory standing in for a GPU (memfd + mmap).
+    Host,
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BackendKind::Cuda => "cuda",
+            BackendKind::Host => "host",
+        })
+    }
+}
+
+/// What a backend says about its device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Implementation.
+    pub kind: BackendKind,
+    /// Human-readable device name (e.g. "NVIDIA H200", "host memory").
+    pub name: String,
+    /// Physical allocation granularity in bytes (queried, never assumed). Chunk sizes and
+    /// mapping offsets are multiples of it.
+    pub granularity: usize,
+    /// Total device memory in bytes (for the host backend: its capacity limit).
+    pub total_bytes: usize,
+    /// Compute capability (major, minor) on CUDA, `None` on the host backend.
+    pub compute_capability: Option<(i32, i32)>,
+}
+
+/// Free and total device memory, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemInfo {
+    /// Bytes a new allocation could still get.
+    pub free: usize,
+    /// Bytes the device has in all.
+    pub total: usize,
+}
+
+/// A failure inside a backend. The pager turns these into [`crate::Error`] values that
+/// name the region.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The device could not provide `requested` bytes of physical memory.
+    #[error("out of device memory: {requested} bytes requested")]
+    OutOfMemory {
+        /// Bytes asked for in the failing call.
+        requested: usize,
+    },
+    /// A driver call failed.
+    #[error("{op} failed: {message}")]
+    Driver {
+        /// The driver call, e.g. `cuMemMap`.
+        op: &'static str,
+        /// The driver's error name and text.
+        message: String,
+    },
+    /// An operating-system call failed (host backend).
+    #[error("{op} failed: {source}")]
+    Os {
+        /// The system call, e.g. `mmap`.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Arguments the backend cannot act on (misaligned, zero-sized, ...).
+    #[error("invalid argument to {op}: {reason}")]
+    Invalid {
+        /// The operation.
+        op: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// No usable device (no driver, no GPU).
+    #[error("no usable device: {0}")]
+    Unavailable(String),
+    /// A fault injected through a test hook.
+    #[error("injected fault in {op}")]
+    Injected {
+        /// The operation that was made to fail.
+        op: &'static str,
+    },
+}
+
+/// Result type of backend calls.
+pub type BackendResult<T> = Result<T, BackendError>;
+
+/// A reserved virtual address range. Dropping it frees the range; every mapping inside it
+/// must have been dropped first.
+pub trait Reservation: Send + Sync + fmt::Debug {
+    /// First address of the range.
+    fn base(&self) -> u64;
+    /// Length of the range in bytes.
+    fn len(&self) -> usize;
+    /// Whether the range is empty (never true for a live reservation).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Physical memory mapped at a fixed address with read/write access. Dropping it unmaps the
+/// range (leaving the address reserved) and then releases the physical memory.
+pub trait Mapping: Send + Sync + fmt::Debug {
+    /// Address the memory is mapped at.
+    fn ptr(&self) -> u64;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the mapping is empty (never true for a live mapping).
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Page-locked ("pinned") host memory that the device can copy to and from at full link
+/// speed. Allocated once per region and kept across cycles (pinning is slow).
+pub trait HostBuffer: Send + Sync + fmt::Debug {
+    /// The bytes.
+    fn as_slice(&self) -> &[u8];
+    /// The bytes, mutable.
+    fn as_mut_slice(&mut self) -> &mut [u8];
+    /// Length in bytes.
+    fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+    /// Whether the buffer is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The primitives the pager needs. Implementations are thread-safe; the pager serialises
+/// moves of one region itself.
+pub trait Backend: Send + Sync + fmt::Debug {
+    /// Describes the device.
+    fn info(&self) -> &DeviceInfo;
+
+    /// Free and total device memory now.
+    fn mem_info(&self) -> BackendResult<MemInfo>;
+
+    /// Reserves `bytes` (a multiple of the granularity) of virtual address space, mapped to
+    /// nothing. Accessing it faults until something is mapped.
+    fn reserve(&self, bytes: usize) -> BackendResult<Box<dyn Reservation>>;
+
+    /// Creates one physical chunk per entry of `chunk_sizes` (each a multiple of the
+    /// granularity), maps them back to back starting at `at`, and enables read/write access
+    /// over the whole span. All or nothing: on failure everything created in this call is
+    /// unmapped and released before the error returns.
+    ///
+    /// # Safety
+    /// `at .. at + sum(chunk_sizes)` must lie inside a live [`Reservation`] of this backend
+    /// and must not be mapped already.
+    unsafe fn map(&self, at: u64, chunk_sizes: &[usize]) -> BackendResult<Vec<Box<dyn Mapping>>>;
+
+    /// Waits until every operation queued on the device (by anyone in this process) has
+    /// finished. Release calls this before it unmaps anything.
+    fn synchronize(&self) -> BackendResult<()>;
+
+    /// Allocates `bytes` of pinned host memory.
+    fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>>;
+
+    /// Copies `src` to device address `dst` and waits for the copy to finish.
+    ///
+    /// # Safety
+    /// `dst .. dst + src.len()` must be mapped device memory of this backend that no other
+    /// thread writes concurrently.
+    unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()>;
+
+    /// Copies device address `src` into `dst` and waits for the copy to finish.
+    ///
+    /// # Safety
+    /// `src .. src + dst.len()` must be mapped device memory of this backend.
+    unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> BackendResult<()>;
+
+    /// Fills `bytes` at `dst` with the 32-bit `pattern` repeated (byte `j` of the range is
+    /// byte `j % 4` of `pattern` in little-endian order; pattern 0 zeroes). Waits for it.
+    ///
+    /// # Safety
+    /// `dst .. dst + bytes` must be mapped device memory of this backend.
+    unsafe fn fill(&self, dst: u64, bytes: usize, pattern: u32) -> BackendResult<()>;
+
+    /// Hashes `bytes` at `src` in chunks of `chunk_bytes` (the last chunk may be shorter) with
+    /// [`crate::kernels::reference::chunk_hash`]'s function and returns one hash per chunk.
+    /// `src` must be 16-byte aligned and `chunk_bytes` a non-zero multiple of 16.
+    ///
+    /// # Safety
+    /// `src .. src + bytes` must be mapped device memory of this backend.
+    unsafe fn chunk_hash(
+        &self,
+        src: u64,
+        bytes: usize,
+        chunk_bytes: usize,
+    ) -> BackendResult<Vec<u64>>;
+}
+
+/// Picks the CUDA backend when a driver and a GPU are present, else the host backend.
+/// Returns the backend and, when it fell back, why.
+pub fn auto() -> (std::sync::Arc<dyn Backend>, Option<String>) {
+    match cuda::CudaBackend::new(0) {
+        Ok(b) => (std::sync::Arc::new(b), None),
+        Err(e) => (
+            std::sync::Arc::new(host::HostBackend::new(host::HostConfig::default())),
+            Some(e.to_string()),
+        ),
+    }
+}

@@ -1,0 +1,181 @@
+//! The one error type of the crate. Every variant names the region (tag) it concerns and,
+//! in its message, what to do about it.
+
+use crate::backend::BackendError;
+use crate::region::Policy;
+
+/// Result type of the pager.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong, as values. Nothing in the pager panics or exits on bad
+/// input or driver failure.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The region is released; the operation needs it resident.
+    #[error(
+        "region `{tag}` is released, so {op} cannot touch it; resume it first (pager.resume(&[\"{tag}\"]))"
+    )]
+    NotResident {
+        /// The region.
+        tag: String,
+        /// What was attempted.
+        op: &'static str,
+    },
+
+    /// No region has this tag.
+    #[error("no region is tagged `{tag}`; create it with pager.region(\"{tag}\", bytes, policy)")]
+    UnknownTag {
+        /// The tag asked for.
+        tag: String,
+    },
+
+    /// The region is held resident by leases and cannot be released now.
+    #[error("region `{tag}` is held by {leases} lease(s); drop them before releasing it")]
+    Busy {
+        /// The region.
+        tag: String,
+        /// Live leases on it.
+        leases: usize,
+    },
+
+    /// Resume could not get physical memory: something else (a trainer) still holds it.
+    /// Nothing was lost; the region stays released with its backup, and a later resume
+    /// succeeds once the memory is free.
+    #[error(
+        "resuming `{tag}` needs {requested} bytes of device memory but only {free} are free; \
+         free the other holder's memory (e.g. the trainer's buffers) and resume again — the region \
+         is still released with its contents backed up"
+    )]
+    OutOfMemory {
+        /// The region.
+        tag: String,
+        /// Bytes the resume asked the device for.
+        requested: usize,
+        /// Bytes the device had free at the failure.
+        free: usize,
+    },
+
+    /// A size was zero, too large, or not acceptable here.
+    #[error("invalid size for `{tag}`: {reason}")]
+    InvalidSize {
+        /// The region.
+        tag: String,
+        /// What is wrong and the accepted range.
+        reason: String,
+    },
+
+    /// An access outside a buffer or region.
+    #[error(
+        "out of range in `{tag}`: {len} bytes at offset {offset} exceed the {size}-byte {what}"
+    )]
+    OutOfRange {
+        /// The region.
+        tag: String,
+        /// `"buffer"` or `"region"`.
+        what: &'static str,
+        /// Start of the access.
+        offset: usize,
+        /// Length of the access.
+        len: usize,
+        /// Size of the buffer or region.
+        size: usize,
+    },
+
+    /// The buffer is not (or no longer) allocated in its region.
+    #[error(
+        "buffer #{id} at offset {offset} of `{tag}` is not allocated (freed already, or from another pager); \
+         free each buffer once"
+    )]
+    StaleBuffer {
+        /// The region.
+        tag: String,
+        /// The buffer's id.
+        id: u64,
+        /// The buffer's offset.
+        offset: usize,
+    },
+
+    /// The region has no free space large enough.
+    #[error(
+        "region `{tag}` has no free range of {requested} bytes (aligned to {align}); {free} bytes free \
+         in all — create a larger region or free buffers"
+    )]
+    RegionFull {
+        /// The region.
+        tag: String,
+        /// Bytes asked for.
+        requested: usize,
+        /// Alignment asked for.
+        align: usize,
+        /// Free bytes in the region (maybe fragmented).
+        free: usize,
+    },
+
+    /// The tag exists with another policy or size.
+    #[error(
+        "region `{tag}` exists as {existing}; it was asked for again as {requested}; use another tag \
+         or the same policy and size"
+    )]
+    TagConflict {
+        /// The region.
+        tag: String,
+        /// What it is.
+        existing: String,
+        /// What was asked for.
+        requested: String,
+    },
+
+    /// An argument other than a size is not acceptable.
+    #[error("invalid argument for `{tag}`: {reason}")]
+    InvalidArgument {
+        /// The region (or `*` when none applies).
+        tag: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// The device or the operating system failed.
+    #[error("{op} on `{tag}` failed: {source}")]
+    Backend {
+        /// The region (or `*` when none applies).
+        tag: String,
+        /// What the pager was doing.
+        op: &'static str,
+        /// The backend's error.
+        #[source]
+        source: BackendError,
+    },
+}
+
+impl Error {
+    /// The tag the error concerns.
+    pub fn tag(&self) -> &str {
+        match self {
+            Error::NotResident { tag, .. }
+            | Error::UnknownTag { tag }
+            | Error::Busy { tag, .. }
+            | Error::OutOfMemory { tag, .. }
+            | Error::InvalidSize { tag, .. }
+            | Error::OutOfRange { tag, .. }
+            | Error::StaleBuffer { tag, .. }
+            | Error::RegionFull { tag, .. }
+            | Error::TagConflict { tag, .. }
+            | Error::InvalidArgument { tag, .. }
+            | Error::Backend { tag, .. } => tag,
+        }
+    }
+
+    pub(crate) fn backend(tag: &str, op: &'static str, source: BackendError) -> Self {
+        Error::Backend {
+            tag: tag.to_owned(),
+            op,
+            source,
+        }
+    }
+}
+
+/// Describes a policy for error messages.
+pub(crate) fn describe(policy: Policy, bytes: usize) -> String {
+    format!("{policy:?} with {bytes} bytes")
+}

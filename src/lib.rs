@@ -1,0 +1,49 @@
+//! gpu-pager owns the GPU memory of an LLM rollout engine (weights, KV cache, CUDA-graph
+//! pools) as tagged regions at stable device addresses. The engine releases them so that a
+//! trainer can use the GPU, then resumes them stage by stage — `weights`, update the
+//! weights, then `kv_cache` — without reloading the model or recapturing CUDA graphs.
+//!
+//! ```
+//! use gpu_pager::{Pager, Policy, Error};
+//! use gpu_pager::backend::host::{HostBackend, HostConfig};
+//! use std::sync::Arc;
+//!
+//! # fn main() -> Result<(), Error> {
+//! // On a GPU use `gpu_pager::backend::auto()`; the host backend runs anywhere.
+//! let pager = Pager::new(Arc::new(HostBackend::new(HostConfig::default())));
+//! let weights = pager.region("weights", 64 << 20, Policy::Preserve)?;
+//! pager.region("kv_cache", 256 << 20, Policy::Discard)?;
+//! let w = pager.alloc("weights", 4096)?;
+//! pager.write(&w, 0, &[7u8; 4096])?;
+//!
+//! pager.release(&["kv_cache", "weights"])?;     // sleep: memory goes back to the device
+//! assert!(matches!(pager.ptr(&w), Err(Error::NotResident { .. })));
+//!
+//! pager.resume(&["weights"])?;                  // stage 1: contents restored bit-exact
+//! pager.write(&w, 0, &[8u8; 4096])?;            // update the weights in place
+//! pager.resume(&["kv_cache"])?;                 // stage 2
+//!
+//! assert_eq!(pager.info("weights")?.base, weights.base); // same addresses
+//! let mut back = vec![0u8; 4096];
+//! pager.read(&w, 0, &mut back)?;
+//! assert_eq!(back, vec![8u8; 4096]);
+//! # Ok(()) }
+//! ```
+//!
+//! The invariants (see `DESIGN.md` in the repository): addresses never change; release
+//! waits for outstanding device work before unmapping; pager-mediated access to a released
+//! region is [`Error::NotResident`], never a fault; resume is all or nothing and a failed
+//! one (e.g. [`Error::OutOfMemory`]) loses nothing; nothing panics on bad input.
+
+pub mod backend;
+mod error;
+pub mod kernels;
+mod pager;
+mod region;
+pub mod report;
+mod suballoc;
+
+pub use error::{Error, Result};
+pub use pager::{Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, Lease, Pager, PagerConfig, Stats};
+pub use region::{Policy, RegionInfo, RegionOptions, RegionStats, State};
+pub use report::{Move, Outcome, RegionReport, Report, Steps};

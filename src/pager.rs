@@ -1,0 +1,582 @@
+//! The pager: regions by tag, release and resume of tag sets, buffers, leases and stats.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+use crate::backend::{Backend, BackendKind};
+use crate::error::{Error, Result, describe};
+use crate::region::{Policy, Region, RegionInfo, RegionOptions, RegionStats, remember};
+use crate::report::{Move, Outcome, RegionReport, Report, Steps};
+use crate::suballoc::AllocError;
+
+/// Default physical chunk size: 512 MiB. Large chunks make mapping cheap (on the H200,
+/// 32 GiB maps in ~3 ms as 1 GiB chunks and in ~650 ms as 2 MiB chunks).
+pub const DEFAULT_CHUNK_BYTES: usize = 512 << 20;
+
+/// Default buffer alignment: 256 bytes, what CUDA's own allocators guarantee.
+pub const DEFAULT_ALIGN: usize = 256;
+
+/// Pager settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagerConfig {
+    /// Physical chunk size in bytes; rounded up to the backend's granularity and to a power
+    /// of two. A region smaller than a chunk is one chunk of its own (rounded) size.
+    pub chunk_bytes: usize,
+}
+
+impl Default for PagerConfig {
+    fn default() -> Self {
+        PagerConfig {
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+        }
+    }
+}
+
+/// A buffer sub-allocated inside a region: a handle (tag, offset, length), not a pointer.
+/// Get its device address with [`Pager::ptr`] while the region is resident.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Buffer {
+    tag: Arc<str>,
+    id: u64,
+    offset: usize,
+    len: usize,
+}
+
+impl Buffer {
+    /// The region's tag.
+    pub fn tag(&self) -> &str {
+        &self.tag
+    }
+    /// Offset from the region's base address.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether the buffer is empty (never: zero-byte buffers are refused).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Statistics of the whole pager.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stats {
+    /// One entry per region, in tag order.
+    pub regions: Vec<RegionStats>,
+}
+
+impl Stats {
+    /// Physical bytes mapped over all regions.
+    pub fn resident_bytes(&self) -> usize {
+        self.regions.iter().map(|r| r.resident_bytes).sum()
+    }
+    /// Reserved-but-unmapped bytes over all regions.
+    pub fn released_bytes(&self) -> usize {
+        self.regions.iter().map(|r| r.released_bytes).sum()
+    }
+    /// Pinned host backup bytes over all regions.
+    pub fn backup_bytes(&self) -> usize {
+        self.regions.iter().map(|r| r.backup_bytes).sum()
+    }
+    /// The entry for `tag`.
+    pub fn region(&self, tag: &str) -> Option<&RegionStats> {
+        self.regions.iter().find(|r| r.info.tag == tag)
+    }
+}
+
+type Slot = Arc<Mutex<Region>>;
+
+/// Owns tagged regions of device memory at stable addresses and moves them out of and back
+/// into physical memory. `Send + Sync`: moves of different tags may run concurrently from
+/// different threads; moves of one tag are serialised.
+///
+/// Raw device pointers obtained from [`Pager::ptr`] stay valid addresses forever but are
+/// only backed by memory while the region is resident: dereferencing one after a release
+/// (in a kernel, a copy, a graph replay) is the caller's responsibility. Use a [`Lease`] to
+/// keep tags resident while such pointers are in use.
+pub struct Pager {
+    backend: Arc<dyn Backend>,
+    config: PagerConfig,
+    regions: RwLock<BTreeMap<String, Slot>>,
+    next_id: AtomicU64,
+}
+
+impl std::fmt::Debug for Pager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pager")
+            .field("backend", &self.backend.info().name)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Locks a mutex, recovering from poisoning: region state is updated only after each
+/// fallible step succeeds, so a panic elsewhere cannot leave it half-changed.
+fn lock(slot: &Slot) -> MutexGuard<'_, Region> {
+    slot.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Pager {
+    /// A pager over `backend` with default settings.
+    pub fn new(backend: Arc<dyn Backend>) -> Self {
+        Self::with_config(backend, PagerConfig::default())
+    }
+
+    /// A pager over `backend` with the given settings.
+    pub fn with_config(backend: Arc<dyn Backend>, config: PagerConfig) -> Self {
+        let g = backend.info().granularity.max(1);
+        let chunk = config
+            .chunk_bytes
+            .max(g)
+            .div_ceil(g)
+            .saturating_mul(g)
+            .checked_next_power_of_two()
+            .unwrap_or(usize::MAX / 2 + 1);
+        Pager {
+            backend,
+            config: PagerConfig { chunk_bytes: chunk },
+            regions: RwLock::new(BTreeMap::new()),
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// Whether the pager runs on a GPU or on host memory.
+    pub fn backend_kind(&self) -> BackendKind {
+        self.backend.info().kind
+    }
+
+    /// The effective settings (chunk size rounded).
+    pub fn config(&self) -> PagerConfig {
+        self.config
+    }
+
+    fn slot(&self, tag: &str) -> Result<Slot> {
+        let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
+        map.get(tag).cloned().ok_or_else(|| Error::UnknownTag {
+            tag: tag.to_owned(),
+        })
+    }
+
+    /// The slots for `tags`, deduplicated, in tag order (the lock order).
+    fn slots(&self, tags: &[&str]) -> Result<Vec<Slot>> {
+        let mut sorted: Vec<&str> = tags.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        sorted.into_iter().map(|t| self.slot(t)).collect()
+    }
+
+    /// Creates a region of `bytes` (rounded up to the granularity), resident, at a device
+    /// address that stays the same until the pager is dropped or the region removed. Asking
+    /// again for an existing tag with the same size and policy returns the existing region.
+    pub fn region(&self, tag: &str, bytes: usize, policy: Policy) -> Result<RegionInfo> {
+        self.region_with(tag, bytes, policy, RegionOptions::default())
+    }
+
+    /// [`Pager::region`] with options (e.g. `prepin`).
+    pub fn region_with(
+        &self,
+        tag: &str,
+        bytes: usize,
+        policy: Policy,
+        options: RegionOptions,
+    ) -> Result<RegionInfo> {
+        if tag.is_empty() || tag == "*" {
+            return Err(Error::InvalidArgument {
+                tag: tag.to_owned(),
+                reason: "a tag must be a non-empty name other than `*`".to_owned(),
+            });
+        }
+        let g = self.backend.info().granularity;
+        let size = bytes
+            .checked_next_multiple_of(g)
+            .filter(|&s| s > 0)
+            .ok_or_else(|| Error::InvalidSize {
+                tag: tag.to_owned(),
+                reason: format!(
+                    "{bytes} bytes: a region needs at least one byte and at most {} bytes",
+                    usize::MAX - g
+                ),
+            })?;
+        let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(slot) = map.get(tag) {
+            let r = lock(slot);
+            if r.policy == policy && r.size() == size {
+                return Ok(r.info());
+            }
+            return Err(Error::TagConflict {
+                tag: tag.to_owned(),
+                existing: describe(r.policy, r.size()),
+                requested: describe(policy, size),
+            });
+        }
+        let chunk = self.config.chunk_bytes.min(size);
+        let region = Region::create(self.backend.as_ref(), tag, size, chunk, policy, options)?;
+        let info = region.info();
+        map.insert(tag.to_owned(), Arc::new(Mutex::new(region)));
+        Ok(info)
+    }
+
+    /// Removes a region: unmaps it, frees its backup and its address range. Refused while
+    /// leased. Buffers of the region become stale.
+    pub fn remove(&self, tag: &str) -> Result<()> {
+        let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
+        let slot = map.get(tag).ok_or_else(|| Error::UnknownTag {
+            tag: tag.to_owned(),
+        })?;
+        {
+            let r = lock(slot);
+            if r.leases > 0 {
+                return Err(Error::Busy {
+                    tag: tag.to_owned(),
+                    leases: r.leases,
+                });
+            }
+            self.backend
+                .synchronize()
+                .map_err(|e| Error::backend(tag, "waiting for device work", e))?;
+        }
+        map.remove(tag);
+        Ok(())
+    }
+
+    /// Tags of all regions, in order.
+    pub fn tags(&self) -> Vec<String> {
+        let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
+        map.keys().cloned().collect()
+    }
+
+    /// A region's description. Its `base` is valid to record (e.g. in a CUDA graph) at any
+    /// time; it is backed by memory only while the region is resident.
+    pub fn info(&self, tag: &str) -> Result<RegionInfo> {
+        Ok(lock(&self.slot(tag)?).info())
+    }
+
+    /// Allocates a buffer of `bytes` in region `tag`, aligned to [`DEFAULT_ALIGN`].
+    pub fn alloc(&self, tag: &str, bytes: usize) -> Result<Buffer> {
+        self.alloc_aligned(tag, bytes, DEFAULT_ALIGN)
+    }
+
+    /// Allocates a buffer of `bytes` in region `tag` at an offset that is a multiple of
+    /// `align` (a power of two). Works whether the region is resident or released.
+    pub fn alloc_aligned(&self, tag: &str, bytes: usize, align: usize) -> Result<Buffer> {
+        let slot = self.slot(tag)?;
+        let mut r = lock(&slot);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        match r.alloc.alloc(bytes, align, id) {
+            Ok(a) => Ok(Buffer {
+                tag: Arc::from(tag),
+                id,
+                offset: a.offset,
+                len: a.len,
+            }),
+            Err(AllocError::Invalid(reason)) => Err(if bytes == 0 {
+                Error::InvalidSize {
+                    tag: tag.to_owned(),
+                    reason,
+                }
+            } else {
+                Error::InvalidArgument {
+                    tag: tag.to_owned(),
+                    reason,
+                }
+            }),
+            Err(AllocError::Full { free }) => Err(Error::RegionFull {
+                tag: tag.to_owned(),
+                requested: bytes,
+                align,
+                free,
+            }),
+            Err(AllocError::Stale) => Err(Error::InvalidArgument {
+                tag: tag.to_owned(),
+                reason: "internal: stale on alloc".to_owned(),
+            }),
+        }
+    }
+
+    /// Frees a buffer. A second free of the same buffer returns `StaleBuffer`.
+    pub fn free(&self, buf: &Buffer) -> Result<()> {
+        let slot = self.slot(&buf.tag)?;
+        let mut r = lock(&slot);
+        r.alloc
+            .free(buf.offset, buf.id)
+            .map(|_| ())
+            .map_err(|_| stale(buf))
+    }
+
+    /// Runs `f` on the locked region of `buf` after checking that the buffer is live, that
+    /// `offset + len` fits in it and that the region is resident. `f` gets the device
+    /// address of `buf + offset`.
+    fn with_resident<T>(
+        &self,
+        buf: &Buffer,
+        offset: usize,
+        len: usize,
+        op: &'static str,
+        f: impl FnOnce(&Region, u64) -> Result<T>,
+    ) -> Result<T> {
+        let slot = self.slot(&buf.tag)?;
+        let r = lock(&slot);
+        if !r.alloc.is_live(buf.offset, buf.id) {
+            return Err(stale(buf));
+        }
+        if offset.checked_add(len).is_none_or(|end| end > buf.len) {
+            return Err(Error::OutOfRange {
+                tag: buf.tag.to_string(),
+                what: "buffer",
+                offset,
+                len,
+                size: buf.len,
+            });
+        }
+        r.require_resident(op)?;
+        let addr = r.base() + (buf.offset + offset) as u64;
+        f(&r, addr)
+    }
+
+    /// The device address of a buffer. `NotResident` while its region is released. The
+    /// address is stable across cycles, but see the type's docs on using it.
+    pub fn ptr(&self, buf: &Buffer) -> Result<u64> {
+        self.with_resident(buf, 0, 0, "a pointer lookup", |_, addr| Ok(addr))
+    }
+
+    /// Copies `data` from the host into `buf` at `offset` and waits for it.
+    pub fn write(&self, buf: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
+        self.with_resident(buf, offset, data.len(), "a write", |r, addr| {
+            // SAFETY: the range is inside a live buffer of a resident region (checked), and
+            // the region's lock is held, so it is mapped for the whole copy.
+            unsafe { self.backend.copy_to_device(addr, data) }
+                .map_err(|e| Error::backend(&r.tag, "copying host data to the device", e))
+        })
+    }
+
+    /// Copies `out.len()` bytes of `buf` at `offset` to the host and waits for it.
+    pub fn read(&self, buf: &Buffer, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.with_resident(buf, offset, out.len(), "a read", |r, addr| {
+            // SAFETY: as in `write`: mapped, live, locked.
+            unsafe { self.backend.copy_to_host(out, addr) }
+                .map_err(|e| Error::backend(&r.tag, "copying device data to the host", e))
+        })
+    }
+
+    /// Fills the whole buffer with the 32-bit `pattern` (0 zeroes) with the `fill` kernel.
+    pub fn fill(&self, buf: &Buffer, pattern: u32) -> Result<()> {
+        self.with_resident(buf, 0, buf.len, "the fill kernel", |r, addr| {
+            // SAFETY: as in `write`: mapped, live, locked.
+            unsafe { self.backend.fill(addr, buf.len, pattern) }
+                .map_err(|e| Error::backend(&r.tag, "the fill kernel", e))
+        })
+    }
+
+    /// Hashes the buffer in chunks of `chunk_bytes` (a multiple of 16) with the `chunk_hash`
+    /// kernel; see [`crate::kernels::reference::chunk_hash`] for the function.
+    pub fn hash(&self, buf: &Buffer, chunk_bytes: usize) -> Result<Vec<u64>> {
+        self.with_resident(buf, 0, buf.len, "the chunk_hash kernel", |r, addr| {
+            // SAFETY: as in `write`: mapped, live, locked.
+            unsafe { self.backend.chunk_hash(addr, buf.len, chunk_bytes) }
+                .map_err(|e| Error::backend(&r.tag, "the chunk_hash kernel", e))
+        })
+    }
+
+    /// Keeps `tags` resident until the lease drops: releasing any of them fails with
+    /// `Busy` meanwhile. Fails with `NotResident` if one is released now.
+    pub fn lease(&self, tags: &[&str]) -> Result<Lease> {
+        let slots = self.slots(tags)?;
+        let mut guards: Vec<_> = slots.iter().map(lock).collect();
+        for g in &guards {
+            g.require_resident("a lease")?;
+        }
+        for g in &mut guards {
+            g.leases += 1;
+        }
+        drop(guards);
+        Ok(Lease { slots })
+    }
+
+    /// Gives the physical memory of `tags` back to the device. Waits for all outstanding
+    /// device work first; copies `Preserve` regions to their pinned backups; then unmaps.
+    /// Regions already released are reported as such. All or nothing: if any region is
+    /// leased, or a copy fails, nothing is released.
+    pub fn release(&self, tags: &[&str]) -> Result<Report> {
+        let start = Instant::now();
+        let slots = self.slots(tags)?;
+        let mut regions: Vec<_> = slots.iter().map(lock).collect();
+        for r in &regions {
+            if r.is_resident() && r.leases > 0 {
+                return Err(Error::Busy {
+                    tag: r.tag.clone(),
+                    leases: r.leases,
+                });
+            }
+        }
+        let t = Instant::now();
+        self.backend
+            .synchronize()
+            .map_err(|e| Error::backend(&tags.join(","), "waiting for device work", e))?;
+        let sync = t.elapsed();
+
+        let mut steps = vec![Steps::default(); regions.len()];
+        let mut copied = vec![0usize; regions.len()];
+        // Copies first, for every region: a failure leaves everything resident.
+        for (i, r) in regions.iter_mut().enumerate() {
+            if r.is_resident() && r.policy == Policy::Preserve {
+                steps[i].pin = r.ensure_backup(self.backend.as_ref())?;
+                (copied[i], steps[i].copy) = r.save(self.backend.as_ref())?;
+            }
+        }
+        let mut out = Vec::with_capacity(regions.len());
+        for (i, r) in regions.iter_mut().enumerate() {
+            if !r.is_resident() {
+                out.push(already(&r.tag));
+                continue;
+            }
+            let (bytes, unmap) = r.unmap_all();
+            steps[i].unmap = unmap;
+            r.set_released(copied[i]);
+            out.push(RegionReport {
+                tag: r.tag.clone(),
+                outcome: Outcome::Done,
+                bytes,
+                copied: copied[i],
+                steps: steps[i],
+            });
+        }
+        let report = Report {
+            op: Move::Release,
+            sync,
+            regions: out,
+            total: start.elapsed(),
+        };
+        for r in &mut regions {
+            remember(&report, r);
+        }
+        Ok(report)
+    }
+
+    /// Maps physical memory back under `tags` at the same addresses and restores
+    /// `Preserve` contents. All or nothing: if any region cannot be mapped (e.g.
+    /// `OutOfMemory` because a trainer still holds the memory) or restored, every region
+    /// mapped by this call is unmapped again, stays released with its backup intact, and
+    /// the error returns; a later resume succeeds.
+    pub fn resume(&self, tags: &[&str]) -> Result<Report> {
+        let start = Instant::now();
+        let slots = self.slots(tags)?;
+        let mut regions: Vec<_> = slots.iter().map(lock).collect();
+        let todo: Vec<bool> = regions.iter().map(|r| !r.is_resident()).collect();
+        let mut steps = vec![Steps::default(); regions.len()];
+        let mut copied = vec![0usize; regions.len()];
+
+        let result = (|| {
+            for (i, r) in regions.iter_mut().enumerate().filter(|(i, _)| todo[*i]) {
+                steps[i].map = r.map_all(self.backend.as_ref())?;
+            }
+            for (i, r) in regions.iter_mut().enumerate().filter(|(i, _)| todo[*i]) {
+                match r.policy {
+                    Policy::Preserve => {
+                        (copied[i], steps[i].copy) = r.restore(self.backend.as_ref())?
+                    }
+                    Policy::DiscardZeroed => steps[i].fill = r.zero(self.backend.as_ref())?,
+                    Policy::Discard => {}
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            for (i, r) in regions.iter_mut().enumerate() {
+                if todo[i] {
+                    r.unmap_all();
+                }
+            }
+            return Err(e);
+        }
+
+        let mut out = Vec::with_capacity(regions.len());
+        for (i, r) in regions.iter_mut().enumerate() {
+            if !todo[i] {
+                out.push(already(&r.tag));
+                continue;
+            }
+            r.set_resident();
+            out.push(RegionReport {
+                tag: r.tag.clone(),
+                outcome: Outcome::Done,
+                bytes: r.size(),
+                copied: copied[i],
+                steps: steps[i],
+            });
+        }
+        let report = Report {
+            op: Move::Resume,
+            sync: Duration::ZERO,
+            regions: out,
+            total: start.elapsed(),
+        };
+        for r in &mut regions {
+            remember(&report, r);
+        }
+        Ok(report)
+    }
+
+    /// Frees a region's pinned backup (the next release pins again). Refused while the
+    /// region is released with its contents in the backup.
+    pub fn free_backup(&self, tag: &str) -> Result<usize> {
+        lock(&self.slot(tag)?).free_backup()
+    }
+
+    /// Statistics of every region.
+    pub fn stats(&self) -> Stats {
+        let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
+        Stats {
+            regions: map.values().map(|s| lock(s).stats()).collect(),
+        }
+    }
+}
+
+fn stale(buf: &Buffer) -> Error {
+    Error::StaleBuffer {
+        tag: buf.tag.to_string(),
+        id: buf.id,
+        offset: buf.offset,
+    }
+}
+
+fn already(tag: &str) -> RegionReport {
+    RegionReport {
+        tag: tag.to_owned(),
+        outcome: Outcome::AlreadyDone,
+        bytes: 0,
+        copied: 0,
+        steps: Steps::default(),
+    }
+}
+
+/// Keeps tags resident while alive; see [`Pager::lease`].
+#[derive(Debug)]
+pub struct Lease {
+    slots: Vec<Slot>,
+}
+
+impl Lease {
+    /// The leased tags.
+    pub fn tags(&self) -> Vec<String> {
+        self.slots.iter().map(|s| lock(s).tag.clone()).collect()
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        for s in &self.slots {
+            let mut r = lock(s);
+            r.leases = r.leases.saturating_sub(1);
+        }
+    }
+}

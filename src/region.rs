@@ -1,0 +1,334 @@
+//! One tagged region: a virtual address range reserved once, the physical chunks mapped into
+//! it while resident, its sub-allocator, and its pinned host backup.
+//!
+//! The region performs the steps of a move; [`crate::Pager`] orders them across the regions
+//! of one call so that each call is all or nothing.
+
+use std::time::{Duration, Instant};
+
+use crate::backend::{Backend, BackendError, HostBuffer, Mapping, Reservation};
+use crate::error::{Error, Result};
+use crate::report::{RegionReport, Report};
+use crate::suballoc::SubAllocator;
+
+/// What happens to a region's contents across a release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Policy {
+    /// Copied to pinned host memory on release and restored bit-exact on resume (weights).
+    Preserve,
+    /// Dropped on release; the memory comes back uninitialised (KV cache).
+    Discard,
+    /// Dropped on release; the memory comes back zero-filled.
+    DiscardZeroed,
+}
+
+/// Whether a region's physical memory is mapped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum State {
+    /// Mapped: device addresses are backed by memory.
+    Resident,
+    /// Unmapped: the addresses stay reserved but nothing backs them.
+    Released,
+}
+
+/// Options fixed when a region is created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RegionOptions {
+    /// Allocate the pinned host backup now (Preserve only), so the first release pays no
+    /// pinning on its critical path.
+    pub prepin: bool,
+}
+
+/// A public description of a region.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionInfo {
+    /// The tag.
+    pub tag: String,
+    /// First device address; never changes while the region exists.
+    pub base: u64,
+    /// Reserved bytes (the requested size rounded up to the granularity).
+    pub size: usize,
+    /// Physical chunk size (the last chunk may be smaller).
+    pub chunk_bytes: usize,
+    /// Contents policy.
+    pub policy: Policy,
+    /// Current state.
+    pub state: State,
+}
+
+/// Per-region statistics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionStats {
+    /// The region.
+    pub info: RegionInfo,
+    /// Physical bytes mapped now.
+    pub resident_bytes: usize,
+    /// Reserved bytes with nothing mapped (the whole region while released).
+    pub released_bytes: usize,
+    /// Bytes in live buffers.
+    pub allocated_bytes: usize,
+    /// Live buffers.
+    pub buffers: usize,
+    /// Pinned host backup held, in bytes.
+    pub backup_bytes: usize,
+    /// Live leases.
+    pub leases: usize,
+    /// The last release that changed this region.
+    pub last_release: Option<RegionReport>,
+    /// The last resume that changed this region.
+    pub last_resume: Option<RegionReport>,
+}
+
+pub(crate) struct Region {
+    pub tag: String,
+    pub policy: Policy,
+    pub chunk_bytes: usize,
+    // Field order is drop order: mappings are unmapped and released before the reservation
+    // frees the address range.
+    mappings: Vec<Box<dyn Mapping>>,
+    reservation: Box<dyn Reservation>,
+    /// Pinned host copy; kept across cycles once allocated.
+    backup: Option<Box<dyn HostBuffer>>,
+    /// While released: how many leading bytes the backup holds (0 for Discard).
+    saved: usize,
+    pub state: State,
+    pub alloc: SubAllocator,
+    pub leases: usize,
+    pub last_release: Option<RegionReport>,
+    pub last_resume: Option<RegionReport>,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("tag", &self.tag)
+            .field("policy", &self.policy)
+            .field("state", &self.state)
+            .field("base", &format_args!("{:#x}", self.base()))
+            .field("size", &self.size())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Splits `size` into chunks of `chunk` bytes, the last one shorter.
+pub(crate) fn chunk_sizes(size: usize, chunk: usize) -> Vec<usize> {
+    let mut out = vec![chunk; size / chunk];
+    if size % chunk != 0 {
+        out.push(size % chunk);
+    }
+    out
+}
+
+impl Region {
+    /// Reserves the range and maps it (the region starts resident).
+    pub fn create(
+        backend: &dyn Backend,
+        tag: &str,
+        size: usize,
+        chunk_bytes: usize,
+        policy: Policy,
+        options: RegionOptions,
+    ) -> Result<Region> {
+        let reservation = backend
+            .reserve(size)
+            .map_err(|e| Error::backend(tag, "reserving the address range", e))?;
+        let mut region = Region {
+            tag: tag.to_owned(),
+            policy,
+            chunk_bytes,
+            mappings: Vec::new(),
+            reservation,
+            backup: None,
+            saved: 0,
+            state: State::Released,
+            alloc: SubAllocator::new(size),
+            leases: 0,
+            last_release: None,
+            last_resume: None,
+        };
+        region.map_all(backend)?;
+        if policy == Policy::DiscardZeroed {
+            region.zero(backend)?;
+        }
+        region.state = State::Resident;
+        if options.prepin && policy == Policy::Preserve {
+            region.ensure_backup(backend)?;
+        }
+        Ok(region)
+    }
+
+    pub fn base(&self) -> u64 {
+        self.reservation.base()
+    }
+
+    pub fn size(&self) -> usize {
+        self.reservation.len()
+    }
+
+    pub fn info(&self) -> RegionInfo {
+        RegionInfo {
+            tag: self.tag.clone(),
+            base: self.base(),
+            size: self.size(),
+            chunk_bytes: self.chunk_bytes,
+            policy: self.policy,
+            state: self.state,
+        }
+    }
+
+    pub fn stats(&self) -> RegionStats {
+        let resident: usize = self.mappings.iter().map(|m| m.len()).sum();
+        RegionStats {
+            info: self.info(),
+            resident_bytes: resident,
+            released_bytes: self.size() - resident,
+            allocated_bytes: self.alloc.allocated_bytes(),
+            buffers: self.alloc.count(),
+            backup_bytes: self.backup.as_ref().map_or(0, |b| b.len()),
+            leases: self.leases,
+            last_release: self.last_release.clone(),
+            last_resume: self.last_resume.clone(),
+        }
+    }
+
+    pub fn is_resident(&self) -> bool {
+        self.state == State::Resident
+    }
+
+    /// Errors with `NotResident` unless resident.
+    pub fn require_resident(&self, op: &'static str) -> Result<()> {
+        if self.is_resident() {
+            Ok(())
+        } else {
+            Err(Error::NotResident {
+                tag: self.tag.clone(),
+                op,
+            })
+        }
+    }
+
+    /// Maps every chunk. On failure nothing stays mapped. Returns the time it took.
+    pub fn map_all(&mut self, backend: &dyn Backend) -> Result<Duration> {
+        debug_assert!(self.mappings.is_empty());
+        let t = Instant::now();
+        let sizes = chunk_sizes(self.size(), self.chunk_bytes);
+        // SAFETY: the span is exactly this region's reservation, which nothing maps now
+        // (mappings is empty while released).
+        let mapped = unsafe { backend.map(self.base(), &sizes) };
+        self.mappings = mapped.map_err(|e| match e {
+            BackendError::OutOfMemory { requested } => Error::OutOfMemory {
+                tag: self.tag.clone(),
+                requested,
+                free: backend.mem_info().map_or(0, |m| m.free),
+            },
+            e => Error::backend(&self.tag, "mapping physical memory", e),
+        })?;
+        Ok(t.elapsed())
+    }
+
+    /// Unmaps and releases every chunk. Returns (bytes, time).
+    pub fn unmap_all(&mut self) -> (usize, Duration) {
+        let t = Instant::now();
+        let bytes = self.mappings.iter().map(|m| m.len()).sum();
+        self.mappings.clear();
+        (bytes, t.elapsed())
+    }
+
+    /// Zero-fills the whole region (must be mapped).
+    pub fn zero(&self, backend: &dyn Backend) -> Result<Duration> {
+        let t = Instant::now();
+        // SAFETY: the whole reservation is mapped (called right after map_all).
+        unsafe { backend.fill(self.base(), self.size(), 0) }
+            .map_err(|e| Error::backend(&self.tag, "zero-filling", e))?;
+        Ok(t.elapsed())
+    }
+
+    /// Allocates the pinned backup if there is none. Returns the time it took.
+    pub fn ensure_backup(&mut self, backend: &dyn Backend) -> Result<Duration> {
+        if self.backup.is_some() {
+            return Ok(Duration::ZERO);
+        }
+        let t = Instant::now();
+        let b = backend
+            .alloc_pinned(self.size())
+            .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e))?;
+        self.backup = Some(b);
+        Ok(t.elapsed())
+    }
+
+    /// Frees the pinned backup. Refused while released (it holds the contents).
+    pub fn free_backup(&mut self) -> Result<usize> {
+        if !self.is_resident() && self.saved > 0 {
+            return Err(Error::InvalidArgument {
+                tag: self.tag.clone(),
+                reason: "the region is released and its backup holds its contents; resume it \
+                         before freeing the backup"
+                    .to_owned(),
+            });
+        }
+        Ok(self.backup.take().map_or(0, |b| b.len()))
+    }
+
+    /// Copies the live prefix of a resident Preserve region into the backup (which must
+    /// exist). Returns (bytes, time). Does not change state.
+    pub fn save(&mut self, backend: &dyn Backend) -> Result<(usize, Duration)> {
+        let t = Instant::now();
+        let n = self.alloc.high_water();
+        let base = self.base();
+        let Some(backup) = self.backup.as_mut() else {
+            return Err(Error::InvalidArgument {
+                tag: self.tag.clone(),
+                reason: "internal: save without a backup".to_owned(),
+            });
+        };
+        if n > 0 {
+            // SAFETY: the region is resident, so `base..base+n` (n <= size) is mapped.
+            unsafe { backend.copy_to_host(&mut backup.as_mut_slice()[..n], base) }
+                .map_err(|e| Error::backend(&self.tag, "copying contents to the host backup", e))?;
+        }
+        Ok((n, t.elapsed()))
+    }
+
+    /// Marks the region released after its chunks were unmapped.
+    pub fn set_released(&mut self, saved: usize) {
+        self.saved = saved;
+        self.state = State::Released;
+    }
+
+    /// Copies the backup back into the freshly mapped region. Returns (bytes, time).
+    pub fn restore(&mut self, backend: &dyn Backend) -> Result<(usize, Duration)> {
+        let t = Instant::now();
+        let n = self.saved;
+        if n > 0 {
+            let Some(backup) = self.backup.as_ref() else {
+                return Err(Error::InvalidArgument {
+                    tag: self.tag.clone(),
+                    reason: "internal: saved contents without a backup".to_owned(),
+                });
+            };
+            // SAFETY: map_all just mapped the whole region, so `base..base+n` is mapped, and
+            // the pager holds the region's lock, so nothing else writes it.
+            unsafe { backend.copy_to_device(self.base(), &backup.as_slice()[..n]) }
+                .map_err(|e| Error::backend(&self.tag, "restoring contents from the backup", e))?;
+        }
+        Ok((n, t.elapsed()))
+    }
+
+    /// Marks the region resident after its chunks were mapped and its contents restored.
+    pub fn set_resident(&mut self) {
+        self.saved = 0;
+        self.state = State::Resident;
+    }
+}
+
+/// Records the per-region entries of a report on the regions (for stats).
+pub(crate) fn remember(report: &Report, region: &mut Region) {
+    if let Some(r) = report.region(&region.tag) {
+        if r.outcome == crate::report::Outcome::Done {
+            match report.op {
+                crate::report::Move::Release => region.last_release = Some(r.clone()),
+                crate::report::Move::Resume => region.last_resume = Some(r.clone()),
+            }
+        }
+    }
+}

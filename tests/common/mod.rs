@@ -1,0 +1,91 @@
+//! Shared by the GPU test files: a cross-process lock, seeded random data, comparisons.
+#![allow(dead_code)]
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Serialises the GPU tests across threads and processes (nextest runs each test in its own
+/// process): they measure free device memory and one of them exhausts it.
+pub struct GpuLock(File);
+
+pub fn gpu_lock() -> GpuLock {
+    let path = std::env::temp_dir().join("gpu-pager-gpu-tests.lock");
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .expect("open the GPU test lock file");
+    // SAFETY: a plain flock on a descriptor we own; released when the file closes.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+    assert_eq!(rc, 0, "flock {}", path.display());
+    GpuLock(file)
+}
+
+/// splitmix64: small, fast, good enough for test data.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn seeded(test: &str) -> Self {
+        let seed = match std::env::var("GPU_PAGER_SEED") {
+            Ok(s) => {
+                let s = s.trim();
+                let parsed = match s.strip_prefix("0x") {
+                    Some(hex) => u64::from_str_radix(hex, 16),
+                    None => s.parse(),
+                };
+                parsed.expect("GPU_PAGER_SEED must be a u64 (decimal or 0x-hex)")
+            }
+            Err(_) => {
+                let now = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .expect("clock after 1970");
+                now.as_nanos() as u64 ^ (u64::from(std::process::id()) << 32)
+            }
+        };
+        eprintln!("{test}: seed {seed:#x} (replay with GPU_PAGER_SEED={seed:#x})");
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        let mut words = buf.chunks_exact_mut(8);
+        for w in &mut words {
+            w.copy_from_slice(&self.next_u64().to_le_bytes());
+        }
+        let rest = words.into_remainder();
+        let last = self.next_u64().to_le_bytes();
+        rest.copy_from_slice(&last[..rest.len()]);
+    }
+
+    pub fn bytes(&mut self, len: usize) -> Vec<u8> {
+        let mut v = vec![0u8; len];
+        self.fill(&mut v);
+        v
+    }
+}
+
+/// Compares byte buffers without dumping gigabytes on failure.
+pub fn assert_bytes_eq(what: &str, got: &[u8], want: &[u8]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    if got == want {
+        return;
+    }
+    let first = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
+    let count = got.iter().zip(want).filter(|(a, b)| a != b).count();
+    let end = (first + 16).min(got.len());
+    panic!(
+        "{what}: {count} of {} bytes differ; first at {first}: got {:02x?}, want {:02x?}",
+        got.len(),
+        &got[first..end],
+        &want[first..end]
+    );
+}

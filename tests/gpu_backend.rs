@@ -1,0 +1,535 @@
+//! GPU-only tests of the CUDA backend: VMM mapping and copies, out-of-memory without leaks,
+//! the fill and chunk-hash kernels against their Rust references, and the capturable
+//! launchers replayed from a CUDA graph (also across an unmap/remap at the same address).
+//!
+//! Every test is `#[ignore = "needs a CUDA GPU"]` and fails (never passes silently) when no
+//! GPU is present. Random data comes from a seeded PRNG; the seed is printed, and
+//! `GPU_PAGER_SEED=<seed>` replays a run.
+
+mod common;
+
+use common::{Rng, assert_bytes_eq, gpu_lock};
+use cudarc::driver::sys;
+use gpu_pager::backend::cuda::CudaBackend;
+use gpu_pager::backend::{Backend, BackendError, Mapping, Reservation};
+use gpu_pager::kernels::reference;
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+/// Slack for free-memory comparisons: the driver and other processes allocate too.
+const SLACK: usize = 64 * MIB;
+/// Poison written into outputs before a kernel runs.
+const POISON: u32 = 0xA5C3_5A3C;
+
+fn backend() -> CudaBackend {
+    CudaBackend::new(0).expect("CUDA device 0 (this test needs a CUDA GPU)")
+}
+
+fn round_up(x: usize, to: usize) -> usize {
+    x.div_ceil(to) * to
+}
+
+/// Device memory for a test: a reservation and the chunks mapped into it. The mappings are
+/// declared first, so they drop (unmap, release) before the reservation is freed.
+struct DeviceBuf {
+    _mappings: Vec<Box<dyn Mapping>>,
+    reservation: Box<dyn Reservation>,
+}
+
+impl DeviceBuf {
+    /// At least `bytes`, mapped as chunks of at most `chunk` (both rounded to the
+    /// granularity).
+    fn new(b: &CudaBackend, bytes: usize, chunk: usize) -> Self {
+        let g = b.info().granularity;
+        let total = round_up(bytes.max(1), g);
+        let chunk = round_up(chunk.max(1), g);
+        let reservation = b.reserve(total).expect("reserve");
+        let sizes = split(total, chunk);
+        // SAFETY: the range is the whole fresh reservation, mapped nowhere yet.
+        let mappings = unsafe { b.map(reservation.base(), &sizes) }.expect("map");
+        DeviceBuf {
+            _mappings: mappings,
+            reservation,
+        }
+    }
+
+    fn ptr(&self) -> u64 {
+        self.reservation.base()
+    }
+
+    fn len(&self) -> usize {
+        self.reservation.len()
+    }
+}
+
+/// `total` cut into pieces of `chunk` (the last one shorter).
+fn split(total: usize, chunk: usize) -> Vec<usize> {
+    let mut sizes = Vec::new();
+    let mut left = total;
+    while left > 0 {
+        let s = left.min(chunk);
+        sizes.push(s);
+        left -= s;
+    }
+    sizes
+}
+
+fn upload(b: &CudaBackend, dst: u64, data: &[u8]) {
+    // SAFETY: every caller passes a range inside a live DeviceBuf.
+    unsafe { b.copy_to_device(dst, data) }.expect("copy_to_device");
+}
+
+fn download(b: &CudaBackend, src: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0x5Au8; len];
+    // SAFETY: every caller passes a range inside a live DeviceBuf.
+    unsafe { b.copy_to_host(&mut out, src) }.expect("copy_to_host");
+    out
+}
+
+fn download_u64(b: &CudaBackend, src: u64, n: usize) -> Vec<u64> {
+    download(b, src, n * 8)
+        .chunks_exact(8)
+        .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn map_copy_round_trip_and_unmap_frees_memory() {
+    let _lock = gpu_lock();
+    let b = backend();
+    let mut rng = Rng::seeded("map_copy_round_trip_and_unmap_frees_memory");
+    let info = b.info().clone();
+    eprintln!(
+        "{info:?}, recommended granularity {}",
+        b.recommended_granularity()
+    );
+    let g = info.granularity;
+    assert!(g > 0 && g.is_power_of_two(), "granularity {g}");
+    assert!(b.recommended_granularity() >= g);
+    assert_eq!(info.kind, gpu_pager::backend::BackendKind::Cuda);
+    assert!(info.compute_capability.is_some());
+
+    // Granularity-sized chunks and bigger ones, mapped one granule into the reservation.
+    let sizes = [g, g, 3 * g, round_up(64 * MIB, g), g, round_up(GIB, g)];
+    let total: usize = sizes.iter().sum();
+    let reservation = b.reserve(total + 2 * g).expect("reserve");
+    let at = reservation.base() + g as u64;
+
+    let free_before = b.mem_info().expect("mem_info").free;
+    // SAFETY: `at .. at + total` lies inside the fresh reservation.
+    let mappings = unsafe { b.map(at, &sizes) }.expect("map");
+    let free_mapped = b.mem_info().expect("mem_info").free;
+    eprintln!("free: {free_before} before, {free_mapped} mapped ({total} bytes)");
+    assert!(
+        free_mapped + total <= free_before + SLACK,
+        "mapping {total} bytes took only {} bytes of free memory",
+        free_before.saturating_sub(free_mapped)
+    );
+
+    assert_eq!(mappings.len(), sizes.len());
+    let mut expect_ptr = at;
+    for (m, &s) in mappings.iter().zip(&sizes) {
+        assert_eq!(m.ptr(), expect_ptr);
+        assert_eq!(m.len(), s);
+        expect_ptr += s as u64;
+    }
+
+    // Pageable round trip over the whole span (crossing every chunk boundary).
+    let data = rng.bytes(total);
+    upload(&b, at, &data);
+    assert_bytes_eq("whole span", &download(&b, at, total), &data);
+    // Each mapping on its own.
+    for m in &mappings {
+        let off = (m.ptr() - at) as usize;
+        assert_bytes_eq(
+            "one mapping",
+            &download(&b, m.ptr(), m.len()),
+            &data[off..off + m.len()],
+        );
+    }
+
+    // Pinned round trip at odd offsets and lengths.
+    let mut pinned = b.alloc_pinned(64 * MIB + 13).expect("alloc_pinned");
+    assert_eq!(pinned.len(), 64 * MIB + 13);
+    assert!(pinned.as_slice().iter().all(|&x| x == 0));
+    rng.fill(pinned.as_mut_slice());
+    let dst = at + (3 * g) as u64 - 7; // straddles a chunk boundary
+    // SAFETY: inside the mapped span.
+    unsafe { b.copy_to_device(dst, pinned.as_slice()) }.expect("copy_to_device (pinned)");
+    let mut back = b.alloc_pinned(pinned.len()).expect("alloc_pinned");
+    // SAFETY: inside the mapped span.
+    unsafe { b.copy_to_host(back.as_mut_slice(), dst) }.expect("copy_to_host (pinned)");
+    assert_bytes_eq("pinned", back.as_slice(), pinned.as_slice());
+    drop(back);
+    drop(pinned);
+
+    b.synchronize().expect("synchronize");
+    drop(mappings);
+    let free_after = b.mem_info().expect("mem_info").free;
+    eprintln!("free after unmap: {free_after}");
+    assert!(
+        free_after + SLACK >= free_mapped + total,
+        "unmapping {total} bytes freed only {} bytes",
+        free_after.saturating_sub(free_mapped)
+    );
+
+    // The addresses are reusable: map fresh memory at the same place.
+    // SAFETY: the range was unmapped just above and lies in the reservation.
+    let again = unsafe { b.map(at, &[g, 2 * g]) }.expect("map again at the same address");
+    let small = rng.bytes(3 * g);
+    upload(&b, at, &small);
+    assert_bytes_eq("remapped", &download(&b, at, 3 * g), &small);
+    drop(again);
+    drop(reservation);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn invalid_arguments_are_errors() {
+    let _lock = gpu_lock();
+    let b = backend();
+    let g = b.info().granularity;
+    assert!(matches!(b.reserve(0), Err(BackendError::Invalid { .. })));
+    assert!(matches!(
+        b.reserve(g + 1),
+        Err(BackendError::Invalid { .. })
+    ));
+    assert!(matches!(
+        b.alloc_pinned(0),
+        Err(BackendError::Invalid { .. })
+    ));
+    let r = b.reserve(4 * g).expect("reserve");
+    // SAFETY: each call is rejected before touching the range (checked by the asserts).
+    unsafe {
+        assert!(matches!(
+            b.map(r.base(), &[]),
+            Err(BackendError::Invalid { .. })
+        ));
+        assert!(matches!(
+            b.map(r.base(), &[0]),
+            Err(BackendError::Invalid { .. })
+        ));
+        assert!(matches!(
+            b.map(r.base(), &[g + 1]),
+            Err(BackendError::Invalid { .. })
+        ));
+        assert!(matches!(
+            b.map(r.base() + 1, &[g]),
+            Err(BackendError::Invalid { .. })
+        ));
+    }
+    // SAFETY: fresh reserved memory.
+    let m = unsafe { b.map(r.base(), &[g]) }.expect("map");
+    // chunk_hash argument checks.
+    // SAFETY: rejected before any device access.
+    unsafe {
+        assert!(matches!(
+            b.chunk_hash(r.base() + 8, 64, 16),
+            Err(BackendError::Invalid { .. })
+        ));
+        assert!(matches!(
+            b.chunk_hash(r.base(), 64, 24),
+            Err(BackendError::Invalid { .. })
+        ));
+        assert!(matches!(
+            b.chunk_hash(r.base(), 64, 0),
+            Err(BackendError::Invalid { .. })
+        ));
+        assert!(matches!(
+            b.chunk_hash(r.base(), 0, 16),
+            Err(BackendError::Invalid { .. })
+        ));
+        // More chunks than one launch covers (the host backend rejects the same).
+        assert!(matches!(
+            b.chunk_hash(r.base(), (gpu_pager::kernels::MAX_HASH_CHUNKS + 1) * 16, 16),
+            Err(BackendError::Invalid { .. })
+        ));
+    }
+    drop(m);
+    drop(r);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn map_beyond_free_memory_is_out_of_memory_and_leaks_nothing() {
+    let _lock = gpu_lock();
+    let b = backend();
+    let g = b.info().granularity;
+    let free_before = b.mem_info().expect("mem_info").free;
+    let request = round_up(free_before + GIB, g);
+    let sizes = split(request, round_up(GIB, g));
+    let reservation = b
+        .reserve(request)
+        .expect("reserve more than the free memory");
+    // SAFETY: the range is the whole fresh reservation.
+    let result = unsafe { b.map(reservation.base(), &sizes) };
+    match result {
+        Err(BackendError::OutOfMemory { requested }) => assert_eq!(requested, request),
+        Err(e) => panic!("expected OutOfMemory, got {e}"),
+        Ok(m) => panic!(
+            "mapping {request} bytes with {free_before} free succeeded ({} mappings)",
+            m.len()
+        ),
+    }
+    let free_after = b.mem_info().expect("mem_info").free;
+    eprintln!("free: {free_before} before, {free_after} after the failed map of {request}");
+    assert!(
+        free_after + SLACK >= free_before,
+        "the failed map leaked {} bytes",
+        free_before - free_after
+    );
+    // Everything was unmapped: the start of the range maps again.
+    // SAFETY: the failed call left the reservation unmapped.
+    let m = unsafe { b.map(reservation.base(), &[g]) }.expect("map after the failure");
+    let data = vec![0x77u8; g];
+    upload(&b, reservation.base(), &data);
+    assert_bytes_eq("after OOM", &download(&b, reservation.base(), g), &data);
+    drop(m);
+    drop(reservation);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fill_matches_reference() {
+    let _lock = gpu_lock();
+    let b = backend();
+    let mut rng = Rng::seeded("fill_matches_reference");
+    let big = 3 * GIB + 48;
+    let buf = DeviceBuf::new(&b, big + 4 * KIB, 512 * MIB);
+    let guard = 64;
+
+    let sizes = [
+        1,
+        2,
+        3,
+        4,
+        5,
+        15,
+        16,
+        17,
+        31,
+        33,
+        4093,
+        4096,
+        MIB + 5,
+        64 * MIB + 7,
+    ];
+    for &len in &sizes {
+        for off in [0usize, 1, 3, 7, 16, 512 * MIB - 5] {
+            let pattern = match rng.next_u64() % 4 {
+                0 => 0,
+                _ => rng.next_u64() as u32,
+            };
+            // [guard][filled range][guard], starting `off` bytes into the buffer.
+            let start = off.saturating_sub(guard);
+            let span = (off - start) + len + guard;
+            let base = buf.ptr() + start as u64;
+            let data = rng.bytes(span);
+            upload(&b, base, &data);
+            // SAFETY: inside the mapped buffer.
+            unsafe { b.fill(buf.ptr() + off as u64, len, pattern) }.expect("fill");
+            let mut want = data.clone();
+            reference::fill(&mut want[off - start..off - start + len], pattern);
+            assert_bytes_eq(
+                &format!("fill len {len} at +{off} pattern {pattern:#x}"),
+                &download(&b, base, span),
+                &want,
+            );
+        }
+    }
+
+    // The multi-GiB range, unaligned, with guards on both sides.
+    let off = 3;
+    let len = big - 2 * guard;
+    let data_head = rng.bytes(guard);
+    let data_tail = rng.bytes(guard);
+    upload(&b, buf.ptr() + (off - 3) as u64, &data_head[..3]);
+    upload(&b, buf.ptr() + (off + len) as u64, &data_tail);
+    let pattern = rng.next_u64() as u32 | 1;
+    // SAFETY: inside the mapped buffer.
+    unsafe { b.fill(buf.ptr() + off as u64, len, pattern) }.expect("fill (big)");
+    let got = download(&b, buf.ptr(), off + len + guard);
+    let mut want = vec![0u8; off + len + guard];
+    want[..3].copy_from_slice(&data_head[..3]);
+    reference::fill(&mut want[off..off + len], pattern);
+    want[off + len..].copy_from_slice(&data_tail);
+    assert_bytes_eq(&format!("fill {len} bytes at +{off}"), &got, &want);
+
+    // Zero-length fill is a no-op.
+    // SAFETY: nothing is written.
+    unsafe { b.fill(buf.ptr(), 0, 0xFFFF_FFFF) }.expect("fill 0 bytes");
+    assert_eq!(download(&b, buf.ptr(), 3), data_head[..3].to_vec());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn chunk_hash_matches_reference() {
+    let _lock = gpu_lock();
+    let b = backend();
+    let mut rng = Rng::seeded("chunk_hash_matches_reference");
+    let big = 3 * GIB + 48;
+    let buf = DeviceBuf::new(&b, big + 64, 512 * MIB);
+    let out = DeviceBuf::new(&b, MIB, MIB);
+    let data = rng.bytes(big + 64);
+    upload(&b, buf.ptr(), &data);
+
+    let cases: &[(usize, usize, usize)] = &[
+        // (offset, bytes, chunk_bytes); offsets are 16-byte aligned as the kernel requires.
+        (0, 1, 16),
+        (0, 15, 16),
+        (16, 16, 16),
+        (48, 17, 16),
+        (0, 1000 * 16 + 7, 16),
+        (32, 65535 * 16, 16),
+        (0, 4096, 4096),
+        (16, 5 * 4096 + 13, 4096),
+        (0, 3 * (MIB + 16) + 5, MIB + 16),
+        (4096, 40 * MIB + 1, MIB + 16),
+        (0, 64 * MIB, 64 * MIB),
+        (64, 2 * 64 * MIB + 24, 64 * MIB),
+        (0, big, 64 * MIB),
+        (16, big, MIB + 16),
+        (0, big, big), // one chunk of more than 2^32 bytes
+    ];
+    for &(off, bytes, chunk) in cases {
+        let what = format!("chunk_hash of {bytes} bytes at +{off} in chunks of {chunk}");
+        let want = reference::chunk_hash(&data[off..off + bytes], chunk);
+        // SAFETY: inside the mapped buffer.
+        let got = unsafe { b.chunk_hash(buf.ptr() + off as u64, bytes, chunk) }
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(got.len(), bytes.div_ceil(chunk), "{what}: count");
+        assert!(got == want, "{what}: differs from the reference");
+
+        // The capturable form, into a poisoned output buffer.
+        let n = want.len();
+        if n * 8 <= out.len() {
+            // SAFETY: inside the mapped output buffer.
+            unsafe { b.fill(out.ptr(), out.len(), POISON) }.expect("poison");
+            // SAFETY: source and output lie in distinct mapped buffers.
+            unsafe {
+                b.chunk_hash_on(
+                    b.kernel_stream(),
+                    buf.ptr() + off as u64,
+                    bytes,
+                    chunk,
+                    out.ptr(),
+                )
+            }
+            .unwrap_or_else(|e| panic!("{what} (chunk_hash_on): {e}"));
+            b.kernel_stream().synchronize().expect("synchronize");
+            let got = download_u64(&b, out.ptr(), n + 1);
+            assert!(got[..n] == want[..], "{what} (chunk_hash_on): differs");
+            assert_eq!(
+                got[n],
+                u64::from(POISON) | (u64::from(POISON) << 32),
+                "{what} (chunk_hash_on): wrote past the last hash"
+            );
+        }
+    }
+
+    // One flipped bit changes exactly its chunk's hash.
+    let chunk = MIB + 16;
+    let bytes = 16 * chunk + 3;
+    // SAFETY: inside the mapped buffer.
+    let before = unsafe { b.chunk_hash(buf.ptr(), bytes, chunk) }.expect("chunk_hash");
+    let pos = 5 * chunk + 1234;
+    upload(&b, buf.ptr() + pos as u64, &[data[pos] ^ 0x10]);
+    // SAFETY: inside the mapped buffer.
+    let after = unsafe { b.chunk_hash(buf.ptr(), bytes, chunk) }.expect("chunk_hash");
+    for (i, (x, y)) in before.iter().zip(&after).enumerate() {
+        assert_eq!(x == y, i != 5, "chunk {i} after flipping a bit in chunk 5");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn captured_graph_replays_across_remap() {
+    let _lock = gpu_lock();
+    let b = backend();
+    let mut rng = Rng::seeded("captured_graph_replays_across_remap");
+    let g = b.info().granularity;
+    b.preload_kernels().expect("preload_kernels");
+    let stream = b.context().new_stream().expect("new_stream");
+
+    let bytes = 8 * MIB + 48;
+    let chunk = MIB + 16;
+    let n = bytes.div_ceil(chunk);
+    let span = round_up(bytes, g);
+    let src_res = b.reserve(span).expect("reserve");
+    let src = src_res.base();
+    // SAFETY: the fresh reservation.
+    let mut src_map = unsafe { b.map(src, &split(span, g)) }.expect("map");
+    let out = DeviceBuf::new(&b, g, g);
+    let fill_at = out.ptr() + 4096 + 3;
+    let fill_len = 1000;
+    let fill_pattern = 0x0102_0304;
+
+    // Capture: poisoned output, nothing runs during capture.
+    // SAFETY: inside the mapped buffer.
+    unsafe { b.fill(out.ptr(), out.len(), POISON) }.expect("poison");
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .expect("begin_capture");
+    // SAFETY: source and output are mapped now and at every replay below.
+    let captured = unsafe {
+        b.chunk_hash_on(&stream, src, bytes, chunk, out.ptr())
+            .and_then(|()| b.fill_on(&stream, fill_at, fill_len, fill_pattern))
+    };
+    let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    captured.expect("enqueue into the capture");
+    let graph = ended.expect("end_capture").expect("a graph was captured");
+    let poison64 = u64::from(POISON) | (u64::from(POISON) << 32);
+    assert!(
+        download_u64(&b, out.ptr(), n)
+            .iter()
+            .all(|&h| h == poison64),
+        "capturing must not run the work"
+    );
+
+    let check = |what: &str, data: &[u8]| {
+        // SAFETY: inside the mapped buffer.
+        unsafe { b.fill(out.ptr(), out.len(), POISON) }.expect("poison");
+        graph.launch().expect("graph launch");
+        stream.synchronize().expect("synchronize");
+        let got = download_u64(&b, out.ptr(), n + 1);
+        let want = reference::chunk_hash(data, chunk);
+        assert!(
+            got[..n] == want[..],
+            "{what}: hashes differ from the reference"
+        );
+        assert_eq!(got[n], poison64, "{what}: wrote past the last hash");
+        let filled = download(&b, fill_at - 1, fill_len + 2);
+        let mut want_fill = vec![0u8; fill_len + 2];
+        let poison_bytes = POISON.to_le_bytes();
+        // Byte j of the output buffer holds poison byte j % 4.
+        let first = (fill_at - 1 - out.ptr()) as usize;
+        for (i, x) in want_fill.iter_mut().enumerate() {
+            *x = poison_bytes[(first + i) % 4];
+        }
+        reference::fill(&mut want_fill[1..=fill_len], fill_pattern);
+        assert_bytes_eq(&format!("{what}: fill"), &filled, &want_fill);
+    };
+
+    let data1 = rng.bytes(bytes);
+    upload(&b, src, &data1);
+    check("first replay", &data1);
+    let data2 = rng.bytes(bytes);
+    upload(&b, src, &data2);
+    check("replay after new data", &data2);
+
+    // Release and resume at the same address: the graph still replays correctly.
+    b.synchronize().expect("synchronize");
+    src_map.clear();
+    // SAFETY: unmapped just above; inside the reservation.
+    src_map = unsafe { b.map(src, &[span]) }.expect("remap as one chunk");
+    let data3 = rng.bytes(bytes);
+    upload(&b, src, &data3);
+    check("replay after unmap and remap", &data3);
+
+    drop(graph);
+    drop(stream);
+    drop(src_map);
+    drop(src_res);
+}

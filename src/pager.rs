@@ -529,7 +529,13 @@ impl Pager {
     /// Frees a region's pinned backup (the next release pins again). Refused while the
     /// region is released with its contents in the backup.
     pub fn free_backup(&self, tag: &str) -> Result<usize> {
-        lock(&self.slot(tag)?).free_backup()
+        let slot = self.slot(tag)?;
+        let mut r = lock(&slot);
+        // An asynchronous restore (`resume_on`) may still read the backup.
+        self.backend
+            .synchronize()
+            .map_err(|e| Error::backend(tag, "waiting for device work", e))?;
+        r.free_backup()
     }
 
     /// Statistics of every region.

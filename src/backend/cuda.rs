@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKernelArg, sys};
 
 use super::{
-    Backend, BackendError, BackendKind, BackendResult, DeviceInfo, HostBuffer, Mapping, MemInfo,
-    Reservation,
+    Backend, BackendError, BackendKind, BackendResult, DeviceInfo, Held, HostBuffer, Mapping,
+    MemInfo, RawStream, Reservation,
 };
 use crate::kernels::{self, KernelModule, abi};
 
@@ -626,28 +626,45 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()> {
-        if src.is_empty() {
-            return Ok(());
-        }
-        bind(&self.ctx)?;
-        // SAFETY: `src` is valid for reads of its length until the stream synchronisation
-        // below returns; the caller guarantees `dst .. dst + src.len()` is mapped.
-        check(unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), self.h2d.cu_stream())
-        })
-        .map_err(|e| driver_err("cuMemcpyHtoDAsync", e))?;
+        // SAFETY: the caller's contract; `src` outlives the wait below.
+        unsafe { self.copy_to_device_async(dst, src, None) }?;
         self.h2d
             .synchronize()
             .map_err(|e| driver_err("cuStreamSynchronize", e))
     }
 
     unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
+        // SAFETY: the caller's contract; `dst` outlives the wait below.
+        unsafe { self.copy_to_host_async(dst, src) }?;
+        self.d2h
+            .synchronize()
+            .map_err(|e| driver_err("cuStreamSynchronize", e))
+    }
+
+    unsafe fn copy_to_device_async(
+        &self,
+        dst: u64,
+        src: &[u8],
+        stream: Option<RawStream>,
+    ) -> BackendResult<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        bind(&self.ctx)?;
+        let stream = stream.map_or(self.h2d.cu_stream(), |s| s.0 as sys::CUstream);
+        // SAFETY: the caller guarantees `src` stays valid and `dst .. dst + src.len()` mapped
+        // until the copy finishes, and that `stream` is a live stream of this context.
+        check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), stream) })
+            .map_err(|e| driver_err("cuMemcpyHtoDAsync", e))
+    }
+
+    unsafe fn copy_to_host_async(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
         if dst.is_empty() {
             return Ok(());
         }
         bind(&self.ctx)?;
-        // SAFETY: `dst` is valid for writes of its length until the stream synchronisation
-        // below returns; the caller guarantees `src .. src + dst.len()` is mapped.
+        // SAFETY: the caller guarantees `dst` stays valid and `src .. src + dst.len()` mapped
+        // until the copy finishes.
         check(unsafe {
             sys::cuMemcpyDtoHAsync_v2(
                 dst.as_mut_ptr().cast(),
@@ -656,10 +673,32 @@ impl Backend for CudaBackend {
                 self.d2h.cu_stream(),
             )
         })
-        .map_err(|e| driver_err("cuMemcpyDtoHAsync", e))?;
-        self.d2h
-            .synchronize()
-            .map_err(|e| driver_err("cuStreamSynchronize", e))
+        .map_err(|e| driver_err("cuMemcpyDtoHAsync", e))
+    }
+
+    fn wait_copies(&self) -> BackendResult<()> {
+        bind(&self.ctx)?;
+        for s in [&self.h2d, &self.d2h] {
+            s.synchronize()
+                .map_err(|e| driver_err("cuStreamSynchronize", e))?;
+        }
+        Ok(())
+    }
+
+    fn hog(&self, bytes: usize) -> BackendResult<Box<dyn Held>> {
+        bind(&self.ctx)?;
+        // SAFETY: a plain device allocation, owned by the returned handle and freed once.
+        let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }.map_err(|e| match e.0 {
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                BackendError::OutOfMemory { requested: bytes }
+            }
+            _ => driver_err("cuMemAlloc", e),
+        })?;
+        Ok(Box::new(CudaHog {
+            ptr,
+            len: bytes,
+            ctx: self.ctx.clone(),
+        }))
     }
 
     unsafe fn fill(&self, dst: u64, bytes: usize, pattern: u32) -> BackendResult<()> {
@@ -898,6 +937,33 @@ impl Drop for CudaHostBuffer {
             eprintln!(
                 "gpu-pager: cuMemFreeHost of {} bytes failed: {}",
                 self.len,
+                describe(e)
+            );
+        }
+    }
+}
+
+/// A plain `cuMemAlloc` allocation from [`Backend::hog`]; freed on drop.
+#[derive(Debug)]
+pub struct CudaHog {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl Held for CudaHog {
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for CudaHog {
+    fn drop(&mut self) {
+        bind_in_drop(&self.ctx, "a memory hog");
+        // SAFETY: `ptr` came from cuMemAlloc in `hog` and is freed only here.
+        if let Err(e) = unsafe { cudarc::driver::result::free_sync(self.ptr) } {
+            eprintln!(
+                "gpu-pager: cuMemFree of a memory hog failed: {}",
                 describe(e)
             );
         }

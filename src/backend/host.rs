@@ -87,6 +87,12 @@ pub struct Hold {
     bytes: usize,
 }
 
+impl super::Held for Hold {
+    fn len(&self) -> usize {
+        self.bytes
+    }
+}
+
 impl Drop for Hold {
     fn drop(&mut self) {
         self.used.fetch_sub(self.bytes, Ordering::SeqCst);
@@ -340,6 +346,30 @@ impl Backend for HostBackend {
         // SAFETY: the caller guarantees `src..src+len` is mapped memory of this backend.
         unsafe { ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
         Ok(())
+    }
+
+    unsafe fn copy_to_device_async(
+        &self,
+        dst: u64,
+        src: &[u8],
+        _stream: Option<super::RawStream>,
+    ) -> BackendResult<()> {
+        // SAFETY: the caller's contract is copy_to_device's and more; host copies are
+        // synchronous, so they are finished when this returns.
+        unsafe { self.copy_to_device(dst, src) }
+    }
+
+    unsafe fn copy_to_host_async(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
+        // SAFETY: as above, with copy_to_host's contract.
+        unsafe { self.copy_to_host(dst, src) }
+    }
+
+    fn wait_copies(&self) -> BackendResult<()> {
+        Ok(())
+    }
+
+    fn hog(&self, bytes: usize) -> BackendResult<Box<dyn super::Held>> {
+        Ok(Box::new(self.hold(bytes)?))
     }
 
     unsafe fn fill(&self, dst: u64, bytes: usize, pattern: u32) -> BackendResult<()> {

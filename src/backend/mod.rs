@@ -152,6 +152,23 @@ pub trait HostBuffer: Send + Sync + fmt::Debug {
     }
 }
 
+/// Device memory held by someone other than the pager (a stand-in for the trainer's
+/// tensors), from [`Backend::hog`]. Freed on drop.
+pub trait Held: Send + Sync + fmt::Debug {
+    /// Bytes held.
+    fn len(&self) -> usize;
+    /// Whether nothing is held.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A CUDA stream (`CUstream`) of the caller's, as an integer so that it is `Send`. The
+/// backend enqueues work on it without taking ownership. `RawStream(0)` is the legacy
+/// default stream. The host backend runs everything synchronously and ignores it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RawStream(pub usize);
+
 /// The primitives the pager needs. Implementations are thread-safe; the pager serialises
 /// moves of one region itself.
 pub trait Backend: Send + Sync + fmt::Debug {
@@ -194,6 +211,36 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// # Safety
     /// `src .. src + dst.len()` must be mapped device memory of this backend.
     unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> BackendResult<()>;
+
+    /// Enqueues a copy of `src` to device address `dst` and returns without waiting: on
+    /// `stream` when given, else on the backend's own host→device stream (then
+    /// [`Backend::wait_copies`] waits for it).
+    ///
+    /// # Safety
+    /// As [`Backend::copy_to_device`], and `src` must stay alive and unmodified, and `dst`
+    /// mapped, until the copy has finished (a wait on the stream, `wait_copies`, or
+    /// `synchronize`).
+    unsafe fn copy_to_device_async(
+        &self,
+        dst: u64,
+        src: &[u8],
+        stream: Option<RawStream>,
+    ) -> BackendResult<()>;
+
+    /// Enqueues a copy of device address `src` into `dst` on the backend's device→host
+    /// stream and returns without waiting.
+    ///
+    /// # Safety
+    /// As [`Backend::copy_to_host`], and `dst` must stay alive and untouched, and `src`
+    /// mapped, until [`Backend::wait_copies`] (or `synchronize`) returns.
+    unsafe fn copy_to_host_async(&self, dst: &mut [u8], src: u64) -> BackendResult<()>;
+
+    /// Waits for every copy enqueued on the backend's own copy streams.
+    fn wait_copies(&self) -> BackendResult<()>;
+
+    /// Takes `bytes` of device memory the way another program would (a plain allocation),
+    /// to stand in for a trainer in tests, benchmarks and fault injection.
+    fn hog(&self, bytes: usize) -> BackendResult<Box<dyn Held>>;
 
     /// Fills `bytes` at `dst` with the 32-bit `pattern` repeated (byte `j` of the range is
     /// byte `j % 4` of `pattern` in little-endian order; pattern 0 zeroes). Waits for it.

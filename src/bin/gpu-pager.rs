@@ -344,7 +344,11 @@ fn line(t: &Timeline, what: &str, r: &Report, link: f64) {
 fn link_probe(pager: &Pager, target: &Buffer) -> Result<(f64, f64), Error> {
     let b = pager.backend();
     // 2 GiB reaches the link's plateau on a GPU; on the host backend it only measures memcpy.
-    let cap = if b.info().kind == BackendKind::Cuda { 2 * GIB } else { 256 << 20 };
+    let cap = if b.info().kind == BackendKind::Cuda {
+        2 * GIB
+    } else {
+        256 << 20
+    };
     let n = target.len().min(cap);
     let err = |e| Error::Backend {
         tag: "kv_cache".into(),

@@ -126,6 +126,19 @@ pub enum Error {
         requested: String,
     },
 
+    /// Restored contents differ from what was backed up (`verify_restore` found it). The
+    /// region was unmapped again and stays released with its backup.
+    #[error(
+        "restored contents of `{tag}` differ from its backup in the hash chunk at offset {offset}; \
+         the region stays released — check for host memory errors or writes into the pinned backup"
+    )]
+    Corrupted {
+        /// The region.
+        tag: String,
+        /// Byte offset of the first differing hash chunk.
+        offset: usize,
+    },
+
     /// An argument other than a size is not acceptable.
     #[error("invalid argument for `{tag}`: {reason}")]
     InvalidArgument {
@@ -162,6 +175,7 @@ impl Error {
             | Error::RegionFull { tag, .. }
             | Error::TagConflict { tag, .. }
             | Error::InvalidArgument { tag, .. }
+            | Error::Corrupted { tag, .. }
             | Error::Backend { tag, .. } => tag,
         }
     }

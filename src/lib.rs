@@ -36,6 +36,7 @@
 //! one (e.g. [`Error::OutOfMemory`]) loses nothing; nothing panics on bad input.
 
 pub mod backend;
+mod backup;
 mod error;
 pub mod kernels;
 mod pager;

@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BackendKind};
+use crate::backend::{Backend, BackendKind, RawStream};
+use crate::backup::Saved;
 use crate::error::{Error, Result, describe};
 use crate::region::{Policy, Region, RegionInfo, RegionOptions, RegionStats, remember};
 use crate::report::{Move, Outcome, RegionReport, Report, Steps};
@@ -24,12 +25,25 @@ pub struct PagerConfig {
     /// Physical chunk size in bytes; rounded up to the backend's granularity and to a power
     /// of two. A region smaller than a chunk is one chunk of its own (rounded) size.
     pub chunk_bytes: usize,
+    /// On release, hash `Preserve` contents and copy only the hash chunks that changed since
+    /// the last backup or restore (default on; see [`crate::backup`]).
+    pub skip_unchanged: bool,
+    /// Hash-chunk size in bytes for `skip_unchanged` and `verify_restore` (a multiple of
+    /// 16; default 32 MiB).
+    pub hash_chunk_bytes: usize,
+    /// After each restore, hash the device contents and compare with the backup's hashes;
+    /// a mismatch fails the resume with [`Error::Corrupted`] (default off: it costs one hash
+    /// pass, a few ms per 16 GiB on an H200). Not applied by [`Pager::resume_on`].
+    pub verify_restore: bool,
 }
 
 impl Default for PagerConfig {
     fn default() -> Self {
         PagerConfig {
             chunk_bytes: DEFAULT_CHUNK_BYTES,
+            skip_unchanged: true,
+            hash_chunk_bytes: crate::backup::DEFAULT_HASH_CHUNK_BYTES,
+            verify_restore: false,
         }
     }
 }
@@ -137,9 +151,14 @@ impl Pager {
             .saturating_mul(g)
             .checked_next_power_of_two()
             .unwrap_or(usize::MAX / 2 + 1);
+        let hash_chunk = config.hash_chunk_bytes.max(16).next_multiple_of(16);
         Pager {
             backend,
-            config: PagerConfig { chunk_bytes: chunk },
+            config: PagerConfig {
+                chunk_bytes: chunk,
+                hash_chunk_bytes: hash_chunk,
+                ..config
+            },
             regions: RwLock::new(BTreeMap::new()),
             next_id: AtomicU64::new(1),
         }
@@ -403,9 +422,10 @@ impl Pager {
     }
 
     /// Gives the physical memory of `tags` back to the device. Waits for all outstanding
-    /// device work first; copies `Preserve` regions to their pinned backups; then unmaps.
-    /// Regions already released are reported as such. All or nothing: if any region is
-    /// leased, or a copy fails, nothing is released.
+    /// device work first; copies `Preserve` regions to their pinned backups (only the parts
+    /// that changed, with `skip_unchanged`); then unmaps. Regions already released are
+    /// reported as such. All or nothing: if any region is leased, or a copy fails, nothing
+    /// is released.
     pub fn release(&self, tags: &[&str]) -> Result<Report> {
         let start = Instant::now();
         let slots = self.slots(tags)?;
@@ -425,12 +445,17 @@ impl Pager {
         let sync = t.elapsed();
 
         let mut steps = vec![Steps::default(); regions.len()];
-        let mut copied = vec![0usize; regions.len()];
+        let mut saved = vec![Saved::default(); regions.len()];
         // Copies first, for every region: a failure leaves everything resident.
         for (i, r) in regions.iter_mut().enumerate() {
             if r.is_resident() && r.policy == Policy::Preserve {
                 steps[i].pin = r.ensure_backup(self.backend.as_ref())?;
-                (copied[i], steps[i].copy) = r.save(self.backend.as_ref())?;
+                saved[i] = r.save(
+                    self.backend.as_ref(),
+                    self.config.skip_unchanged,
+                    self.config.hash_chunk_bytes,
+                )?;
+                (steps[i].hash, steps[i].copy) = (saved[i].hash, saved[i].copy);
             }
         }
         let mut out = Vec::with_capacity(regions.len());
@@ -441,12 +466,12 @@ impl Pager {
             }
             let (bytes, unmap) = r.unmap_all();
             steps[i].unmap = unmap;
-            r.set_released(copied[i]);
+            r.set_released(saved[i].len);
             out.push(RegionReport {
                 tag: r.tag.clone(),
                 outcome: Outcome::Done,
                 bytes,
-                copied: copied[i],
+                copied: saved[i].copied,
                 steps: steps[i],
             });
         }
@@ -463,34 +488,84 @@ impl Pager {
     }
 
     /// Maps physical memory back under `tags` at the same addresses and restores
-    /// `Preserve` contents. All or nothing: if any region cannot be mapped (e.g.
+    /// `Preserve` contents, overlapping the copies with the mapping. Returns when the
+    /// contents are in place. All or nothing: if any region cannot be mapped (e.g.
     /// `OutOfMemory` because a trainer still holds the memory) or restored, every region
     /// mapped by this call is unmapped again, stays released with its backup intact, and
     /// the error returns; a later resume succeeds.
     pub fn resume(&self, tags: &[&str]) -> Result<Report> {
+        self.resume_impl(tags, None)
+    }
+
+    /// Like [`Pager::resume`], but enqueues the restore copies on the caller's CUDA
+    /// `stream` and returns once the mapping is done, so that the engine's next kernels on
+    /// that stream run after the restore without a host-side wait. Contents are in place
+    /// when the stream reaches that point; pager reads and writes of the region from the
+    /// host before then are the caller's to order (synchronize the stream first).
+    /// `verify_restore` is not applied. On the host backend copies are synchronous.
+    pub fn resume_on(&self, tags: &[&str], stream: RawStream) -> Result<Report> {
+        self.resume_impl(tags, Some(stream))
+    }
+
+    fn resume_impl(&self, tags: &[&str], stream: Option<RawStream>) -> Result<Report> {
         let start = Instant::now();
         let slots = self.slots(tags)?;
         let mut regions: Vec<_> = slots.iter().map(lock).collect();
         let todo: Vec<bool> = regions.iter().map(|r| !r.is_resident()).collect();
         let mut steps = vec![Steps::default(); regions.len()];
         let mut copied = vec![0usize; regions.len()];
+        let backend = self.backend.as_ref();
+        let preserve = |r: &Region| r.policy == Policy::Preserve;
 
         let result = (|| {
-            for (i, r) in regions.iter_mut().enumerate().filter(|(i, _)| todo[*i]) {
-                steps[i].map = r.map_all(self.backend.as_ref())?;
+            // Regions without contents first: cheap, and an out-of-memory shows up before
+            // any copy starts.
+            for (i, r) in regions.iter_mut().enumerate() {
+                if todo[i] && !preserve(r) {
+                    steps[i].map = r.map_all(backend)?;
+                }
             }
-            for (i, r) in regions.iter_mut().enumerate().filter(|(i, _)| todo[*i]) {
-                match r.policy {
-                    Policy::Preserve => {
-                        (copied[i], steps[i].copy) = r.restore(self.backend.as_ref())?
+            for (i, r) in regions.iter_mut().enumerate() {
+                if todo[i] && preserve(r) {
+                    let t = Instant::now();
+                    (steps[i].map, copied[i]) = r.map_and_restore(backend, stream)?;
+                    steps[i].copy = t.elapsed() - steps[i].map;
+                }
+            }
+            if stream.is_none() {
+                let t = Instant::now();
+                backend.wait_copies().map_err(|e| {
+                    Error::backend(&tags.join(","), "restoring contents from the backup", e)
+                })?;
+                // The wait is copy time not hidden behind mapping; charge it to the
+                // Preserve regions by their share of the bytes.
+                let waited = t.elapsed();
+                let total: usize = copied.iter().sum();
+                for (i, c) in copied.iter().enumerate() {
+                    if total > 0 {
+                        steps[i].copy += waited.mul_f64(*c as f64 / total as f64);
                     }
-                    Policy::DiscardZeroed => steps[i].fill = r.zero(self.backend.as_ref())?,
-                    Policy::Discard => {}
+                }
+            }
+            for (i, r) in regions.iter_mut().enumerate() {
+                if !todo[i] {
+                    continue;
+                }
+                match r.policy {
+                    Policy::DiscardZeroed => steps[i].fill = r.zero(backend)?,
+                    Policy::Preserve if self.config.verify_restore && stream.is_none() => {
+                        let t = Instant::now();
+                        r.verify(backend, self.config.hash_chunk_bytes)?;
+                        steps[i].hash = t.elapsed();
+                    }
+                    _ => {}
                 }
             }
             Ok(())
         })();
         if let Err(e) = result {
+            // Copies may be in flight into what this call mapped: let them finish first.
+            let _ = backend.synchronize();
             for (i, r) in regions.iter_mut().enumerate() {
                 if todo[i] {
                     r.unmap_all();

@@ -6,7 +6,8 @@
 
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BackendError, HostBuffer, Mapping, Reservation};
+use crate::backend::{Backend, BackendError, Mapping, RawStream, Reservation};
+use crate::backup::{Backup, Saved};
 use crate::error::{Error, Result};
 use crate::report::{RegionReport, Report};
 use crate::suballoc::SubAllocator;
@@ -88,8 +89,8 @@ pub(crate) struct Region {
     mappings: Vec<Box<dyn Mapping>>,
     reservation: Box<dyn Reservation>,
     /// Pinned host copy; kept across cycles once allocated.
-    backup: Option<Box<dyn HostBuffer>>,
-    /// While released: how many leading bytes the backup holds (0 for Discard).
+    backup: Backup,
+    /// How many leading bytes the backup holds (0 for Discard): what a resume restores.
     saved: usize,
     pub state: State,
     pub alloc: SubAllocator,
@@ -138,7 +139,7 @@ impl Region {
             chunk_bytes,
             mappings: Vec::new(),
             reservation,
-            backup: None,
+            backup: Backup::default(),
             saved: 0,
             state: State::Released,
             alloc: SubAllocator::new(size),
@@ -184,7 +185,7 @@ impl Region {
             released_bytes: self.size() - resident,
             allocated_bytes: self.alloc.allocated_bytes(),
             buffers: self.alloc.count(),
-            backup_bytes: self.backup.as_ref().map_or(0, |b| b.len()),
+            backup_bytes: self.backup.bytes(),
             leases: self.leases,
             last_release: self.last_release.clone(),
             last_resume: self.last_resume.clone(),
@@ -207,7 +208,20 @@ impl Region {
         }
     }
 
-    /// Maps every chunk. On failure nothing stays mapped. Returns the time it took.
+    /// The pager's error for a failed map of this region.
+    fn map_error(&self, backend: &dyn Backend, e: BackendError) -> Error {
+        match e {
+            BackendError::OutOfMemory { requested } => Error::OutOfMemory {
+                tag: self.tag.clone(),
+                requested,
+                free: backend.mem_info().map_or(0, |m| m.free),
+            },
+            e => Error::backend(&self.tag, "mapping physical memory", e),
+        }
+    }
+
+    /// Maps every chunk with one backend call (one access change over the whole range, the
+    /// cheapest pattern). On failure nothing stays mapped. Returns the time it took.
     pub fn map_all(&mut self, backend: &dyn Backend) -> Result<Duration> {
         debug_assert!(self.mappings.is_empty());
         let t = Instant::now();
@@ -215,15 +229,70 @@ impl Region {
         // SAFETY: the span is exactly this region's reservation, which nothing maps now
         // (mappings is empty while released).
         let mapped = unsafe { backend.map(self.base(), &sizes) };
-        self.mappings = mapped.map_err(|e| match e {
-            BackendError::OutOfMemory { requested } => Error::OutOfMemory {
-                tag: self.tag.clone(),
-                requested,
-                free: backend.mem_info().map_or(0, |m| m.free),
-            },
-            e => Error::backend(&self.tag, "mapping physical memory", e),
-        })?;
+        self.mappings = mapped.map_err(|e| self.map_error(backend, e))?;
         Ok(t.elapsed())
+    }
+
+    /// Maps the region and enqueues the restore of its backup, overlapping the two: chunks
+    /// are mapped in groups of doubling size (1, 2, 4, … chunks, one backend call each), and
+    /// each group's copy is enqueued before the next group is mapped. Copies go on `stream`
+    /// or the backend's own copy stream; the caller waits for them. On failure the caller
+    /// must synchronize before unmapping (copies may be in flight). Returns (time spent
+    /// mapping, bytes enqueued).
+    pub fn map_and_restore(
+        &mut self,
+        backend: &dyn Backend,
+        stream: Option<RawStream>,
+    ) -> Result<(Duration, usize)> {
+        debug_assert!(self.mappings.is_empty());
+        let sizes = chunk_sizes(self.size(), self.chunk_bytes);
+        let (mut first, mut group, mut offset) = (0, 1, 0usize);
+        let (mut map_time, mut copied) = (Duration::ZERO, 0);
+        while first < sizes.len() {
+            let last = (first + group).min(sizes.len());
+            let bytes: usize = sizes[first..last].iter().sum();
+            let t = Instant::now();
+            // SAFETY: the span lies inside this region's reservation, past everything mapped
+            // so far, so it is unmapped.
+            let mapped = unsafe { backend.map(self.base() + offset as u64, &sizes[first..last]) };
+            map_time += t.elapsed();
+            self.mappings
+                .extend(mapped.map_err(|e| self.map_error(backend, e))?);
+            // SAFETY: the span was just mapped and stays mapped until the copies finish (the
+            // caller waits, or synchronizes before unmapping on failure); release
+            // synchronizes before it writes the backup again.
+            copied += unsafe {
+                self.backup.restore_async(
+                    backend,
+                    self.base(),
+                    offset..offset + bytes,
+                    self.saved,
+                    stream,
+                )
+            }
+            .map_err(|e| Error::backend(&self.tag, "restoring contents from the backup", e))?;
+            offset += bytes;
+            first = last;
+            group *= 2;
+        }
+        Ok((map_time, copied))
+    }
+
+    /// Checks the restored contents against the backup's hashes (`verify_restore`).
+    pub fn verify(&self, backend: &dyn Backend, hash_chunk: usize) -> Result<()> {
+        // SAFETY: called after the restore finished, with the region mapped.
+        let bad = unsafe {
+            self.backup
+                .verify(backend, self.base(), self.saved, hash_chunk)
+        }
+        .map_err(|e| Error::backend(&self.tag, "verifying restored contents", e))?;
+        match bad {
+            None => Ok(()),
+            Some(chunk) => Err(Error::Corrupted {
+                tag: self.tag.clone(),
+                offset: chunk * Backup::hash_chunk(self.saved, hash_chunk),
+            }),
+        }
     }
 
     /// Unmaps and releases every chunk. Returns (bytes, time).
@@ -245,15 +314,10 @@ impl Region {
 
     /// Allocates the pinned backup if there is none. Returns the time it took.
     pub fn ensure_backup(&mut self, backend: &dyn Backend) -> Result<Duration> {
-        if self.backup.is_some() {
-            return Ok(Duration::ZERO);
-        }
-        let t = Instant::now();
-        let b = backend
-            .alloc_pinned(self.size())
-            .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e))?;
-        self.backup = Some(b);
-        Ok(t.elapsed())
+        let size = self.size();
+        self.backup
+            .ensure(backend, size)
+            .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e))
     }
 
     /// Frees the pinned backup. Refused while released (it holds the contents).
@@ -266,57 +330,38 @@ impl Region {
                     .to_owned(),
             });
         }
-        Ok(self.backup.take().map_or(0, |b| b.len()))
+        self.saved = 0;
+        Ok(self.backup.free())
     }
 
     /// Copies the live prefix of a resident Preserve region into the backup (which must
-    /// exist). Returns (bytes, time). Does not change state.
-    pub fn save(&mut self, backend: &dyn Backend) -> Result<(usize, Duration)> {
-        let t = Instant::now();
+    /// exist), only the changed hash chunks when `skip_unchanged`. Does not change state.
+    pub fn save(
+        &mut self,
+        backend: &dyn Backend,
+        skip_unchanged: bool,
+        hash_chunk: usize,
+    ) -> Result<Saved> {
         let n = self.alloc.high_water();
-        let base = self.base();
-        let Some(backup) = self.backup.as_mut() else {
-            return Err(Error::InvalidArgument {
-                tag: self.tag.clone(),
-                reason: "internal: save without a backup".to_owned(),
-            });
-        };
-        if n > 0 {
-            // SAFETY: the region is resident, so `base..base+n` (n <= size) is mapped.
-            unsafe { backend.copy_to_host(&mut backup.as_mut_slice()[..n], base) }
-                .map_err(|e| Error::backend(&self.tag, "copying contents to the host backup", e))?;
+        // SAFETY: the region is resident, so `base..base+n` (n <= size) is mapped, and the
+        // pager holds its lock after a synchronize, so nothing writes it meanwhile (engine
+        // kernels launched later are the caller's contract, as for any raw pointer).
+        unsafe {
+            self.backup
+                .save(backend, self.base(), n, skip_unchanged, hash_chunk)
         }
-        Ok((n, t.elapsed()))
+        .map_err(|e| Error::backend(&self.tag, "copying contents to the host backup", e))
     }
 
-    /// Marks the region released after its chunks were unmapped.
+    /// Marks the region released after its chunks were unmapped; the backup holds `saved`
+    /// leading bytes.
     pub fn set_released(&mut self, saved: usize) {
         self.saved = saved;
         self.state = State::Released;
     }
 
-    /// Copies the backup back into the freshly mapped region. Returns (bytes, time).
-    pub fn restore(&mut self, backend: &dyn Backend) -> Result<(usize, Duration)> {
-        let t = Instant::now();
-        let n = self.saved;
-        if n > 0 {
-            let Some(backup) = self.backup.as_ref() else {
-                return Err(Error::InvalidArgument {
-                    tag: self.tag.clone(),
-                    reason: "internal: saved contents without a backup".to_owned(),
-                });
-            };
-            // SAFETY: map_all just mapped the whole region, so `base..base+n` is mapped, and
-            // the pager holds the region's lock, so nothing else writes it.
-            unsafe { backend.copy_to_device(self.base(), &backup.as_slice()[..n]) }
-                .map_err(|e| Error::backend(&self.tag, "restoring contents from the backup", e))?;
-        }
-        Ok((n, t.elapsed()))
-    }
-
     /// Marks the region resident after its chunks were mapped and its contents restored.
     pub fn set_resident(&mut self) {
-        self.saved = 0;
         self.state = State::Resident;
     }
 }

@@ -26,7 +26,8 @@ pub enum Outcome {
 pub struct Steps {
     /// Allocating the pinned host backup (first release only, unless prepinned).
     pub pin: Duration,
-    /// Copying contents (device→host on release, host→device on resume).
+    /// Copying contents (device→host on release, host→device on resume). On resume, the
+    /// part of the copy not hidden behind mapping.
     pub copy: Duration,
     /// Creating and mapping physical memory and enabling access.
     pub map: Duration,
@@ -34,12 +35,14 @@ pub struct Steps {
     pub unmap: Duration,
     /// Zero-filling (Discard regions resumed with `DiscardZeroed`).
     pub fill: Duration,
+    /// Hashing contents (release with `skip_unchanged`; resume with `verify_restore`).
+    pub hash: Duration,
 }
 
 impl Steps {
     /// Sum of the steps.
     pub fn total(&self) -> Duration {
-        self.pin + self.copy + self.map + self.unmap + self.fill
+        self.pin + self.copy + self.map + self.unmap + self.fill + self.hash
     }
 }
 

@@ -62,7 +62,11 @@ proptest! {
     #[test]
     fn pager_matches_model(ops in proptest::collection::vec(op(), 1..60)) {
         let backend = Arc::new(HostBackend::new(HostConfig { capacity: CAPACITY, granularity: 64 * KIB }));
-        let pager = Pager::with_config(backend.clone(), PagerConfig { chunk_bytes: 128 * KIB });
+        let pager = Pager::with_config(backend.clone(), PagerConfig {
+            chunk_bytes: 128 * KIB,
+            hash_chunk_bytes: 16 * KIB,
+            ..PagerConfig::default()
+        });
         let mut resident: BTreeMap<&str, bool> = BTreeMap::new();
         let mut leased: BTreeMap<&str, usize> = BTreeMap::new();
         let mut bases = BTreeMap::new();

@@ -18,6 +18,9 @@ fn setup(capacity: usize) -> (Arc<HostBackend>, Pager) {
         backend.clone(),
         PagerConfig {
             chunk_bytes: 2 * MIB,
+            hash_chunk_bytes: 256 << 10,
+            verify_restore: true,
+            ..PagerConfig::default()
         },
     );
     (backend, pager)
@@ -445,4 +448,161 @@ fn pager_is_send_and_sync_and_tags_move_concurrently() {
     });
     assert_eq!(backend.used_bytes(), 32 * MIB);
     assert!(backend.mem_info().unwrap().free >= 480 * MIB);
+}
+
+#[test]
+fn release_copies_only_changed_chunks() {
+    let (_b, pager) = setup(64 * MIB);
+    pager.region("weights", 8 * MIB, Policy::Preserve).unwrap();
+    let bufs: Vec<_> = (0..8)
+        .map(|_| pager.alloc("weights", MIB - 512).unwrap())
+        .collect();
+    for (i, b) in bufs.iter().enumerate() {
+        pager.write(b, 0, &pattern(i as u64, b.len())).unwrap();
+    }
+    let first = pager.release(&["weights"]).unwrap();
+    let all = first.copied();
+    assert!(all > 7 * MIB);
+    pager.resume(&["weights"]).unwrap();
+
+    // Nothing changed since the restore: nothing to copy.
+    let unchanged = pager.release(&["weights"]).unwrap();
+    assert_eq!(unchanged.copied(), 0);
+    pager.resume(&["weights"]).unwrap();
+
+    // One buffer changed: only the hash chunks (256 KiB here) it touches are copied.
+    pager.write(&bufs[3], 1000, &[0xEE; 300_000]).unwrap();
+    let partial = pager.release(&["weights"]).unwrap();
+    assert!(
+        partial.copied() > 0 && partial.copied() <= 3 * (256 << 10),
+        "{}",
+        partial.copied()
+    );
+    pager.resume(&["weights"]).unwrap();
+    for (i, b) in bufs.iter().enumerate() {
+        let mut want = pattern(i as u64, b.len());
+        if i == 3 {
+            want[1000..301_000].fill(0xEE);
+        }
+        assert_eq!(read_all(&pager, b), want, "buffer {i}");
+    }
+}
+
+#[test]
+fn resume_on_a_stream_restores_contents() {
+    let (_b, pager) = setup(64 * MIB);
+    pager.region("weights", 4 * MIB, Policy::Preserve).unwrap();
+    let w = pager.alloc("weights", 3 * MIB).unwrap();
+    let data = pattern(11, w.len());
+    pager.write(&w, 0, &data).unwrap();
+    pager.release(&["weights"]).unwrap();
+    let rep = pager
+        .resume_on(&["weights"], gpu_pager::backend::RawStream(0))
+        .unwrap();
+    assert_eq!(rep.copied(), 3 * MIB);
+    assert_eq!(read_all(&pager, &w), data);
+}
+
+/// A backend whose restores flip one byte: `verify_restore` must catch it, undo the resume
+/// and keep the backup, so that a resume without the fault succeeds.
+#[test]
+fn verify_restore_catches_a_corrupted_restore() {
+    use gpu_pager::backend::{
+        BackendResult, DeviceInfo, Held, HostBuffer, Mapping, MemInfo, RawStream, Reservation,
+    };
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    #[derive(Debug)]
+    struct Flipping(HostBackend, AtomicBool);
+    impl Backend for Flipping {
+        fn info(&self) -> &DeviceInfo {
+            self.0.info()
+        }
+        fn mem_info(&self) -> BackendResult<MemInfo> {
+            self.0.mem_info()
+        }
+        fn reserve(&self, bytes: usize) -> BackendResult<Box<dyn Reservation>> {
+            self.0.reserve(bytes)
+        }
+        unsafe fn map(&self, at: u64, sizes: &[usize]) -> BackendResult<Vec<Box<dyn Mapping>>> {
+            unsafe { self.0.map(at, sizes) }
+        }
+        fn synchronize(&self) -> BackendResult<()> {
+            self.0.synchronize()
+        }
+        fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>> {
+            self.0.alloc_pinned(bytes)
+        }
+        unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()> {
+            unsafe { self.0.copy_to_device(dst, src) }
+        }
+        unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
+            unsafe { self.0.copy_to_host(dst, src) }
+        }
+        unsafe fn copy_to_device_async(
+            &self,
+            dst: u64,
+            src: &[u8],
+            stream: Option<RawStream>,
+        ) -> BackendResult<()> {
+            unsafe { self.0.copy_to_device_async(dst, src, stream) }?;
+            if self.1.load(Ordering::SeqCst) && !src.is_empty() {
+                let flipped = [src[src.len() / 2] ^ 0x01];
+                unsafe { self.0.copy_to_device(dst + src.len() as u64 / 2, &flipped) }?;
+            }
+            Ok(())
+        }
+        unsafe fn copy_to_host_async(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
+            unsafe { self.0.copy_to_host_async(dst, src) }
+        }
+        fn wait_copies(&self) -> BackendResult<()> {
+            self.0.wait_copies()
+        }
+        fn hog(&self, bytes: usize) -> BackendResult<Box<dyn Held>> {
+            self.0.hog(bytes)
+        }
+        unsafe fn fill(&self, dst: u64, bytes: usize, pattern: u32) -> BackendResult<()> {
+            unsafe { self.0.fill(dst, bytes, pattern) }
+        }
+        unsafe fn chunk_hash(
+            &self,
+            src: u64,
+            bytes: usize,
+            chunk: usize,
+        ) -> BackendResult<Vec<u64>> {
+            unsafe { self.0.chunk_hash(src, bytes, chunk) }
+        }
+    }
+
+    let host = HostBackend::new(HostConfig {
+        capacity: 64 * MIB,
+        granularity: 64 << 10,
+    });
+    let backend = Arc::new(Flipping(host, AtomicBool::new(false)));
+    for skip_unchanged in [true, false] {
+        let pager = Pager::with_config(
+            backend.clone(),
+            PagerConfig {
+                chunk_bytes: MIB,
+                verify_restore: true,
+                skip_unchanged,
+                ..PagerConfig::default()
+            },
+        );
+        pager.region("weights", 4 * MIB, Policy::Preserve).unwrap();
+        let w = pager.alloc("weights", 3 * MIB).unwrap();
+        let data = pattern(5, w.len());
+        pager.write(&w, 0, &data).unwrap();
+        pager.release(&["weights"]).unwrap();
+        backend.1.store(true, Ordering::SeqCst);
+        let err = pager.resume(&["weights"]).unwrap_err();
+        assert!(
+            matches!(err, Error::Corrupted { ref tag, .. } if tag == "weights"),
+            "{err}"
+        );
+        assert_eq!(pager.info("weights").unwrap().state, State::Released);
+        backend.1.store(false, Ordering::SeqCst);
+        pager.resume(&["weights"]).unwrap();
+        assert_eq!(read_all(&pager, &w), data);
+    }
 }

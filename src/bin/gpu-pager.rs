@@ -151,6 +151,7 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), Error> {
         backend.clone(),
         PagerConfig {
             chunk_bytes: a.chunk_mib << 20,
+            ..PagerConfig::default()
         },
     );
     let t = Timeline(Instant::now());

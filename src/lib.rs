@@ -37,6 +37,7 @@
 
 pub mod backend;
 mod backup;
+pub mod bench;
 mod error;
 pub mod kernels;
 mod pager;

@@ -33,6 +33,34 @@ enum Command {
     Demo(DemoArgs),
     /// Describes the device and the backend in use.
     Info,
+    /// Release/resume latency table: every figure next to its limit measured in the same
+    /// run (pinned link bandwidth, bare VMM calls), on DESIGN.md's workload.
+    Bench(BenchArgs),
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// GiB of weights [default: 16 on a GPU (scaled down to fit), 0.25 on the host backend].
+    #[arg(long)]
+    weights_gib: Option<f64>,
+    /// GiB of KV cache [default: 64 on a GPU (scaled down to fit), 1 on the host backend].
+    #[arg(long)]
+    kv_gib: Option<f64>,
+    /// Number of weight buffers.
+    #[arg(long, default_value_t = 291)]
+    buffers: usize,
+    /// Repetitions of each timed move.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Physical chunk size in MiB.
+    #[arg(long, default_value_t = 512)]
+    chunk_mib: usize,
+    /// Skip the first release without prepin (it pins the whole backup: ~0.44 s per GiB).
+    #[arg(long)]
+    no_cold: bool,
+    /// Also sweep bare map/unmap over these chunk sizes in MiB (e.g. 2,64,256,512,1024,2048).
+    #[arg(long, value_delimiter = ',')]
+    sweep_mib: Vec<usize>,
 }
 
 #[derive(clap::Args)]
@@ -61,6 +89,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Demo(args) => demo(backend, &args),
         Command::Info => info(backend.as_ref()),
+        Command::Bench(args) => bench(backend, &args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -371,4 +400,35 @@ fn link_probe(pager: &Pager, target: &Buffer) -> Result<(f64, f64), Error> {
         d2h = d2h.max(gbps(n, t.elapsed()));
     }
     Ok((h2d, d2h))
+}
+
+fn bench(backend: Arc<dyn Backend>, a: &BenchArgs) -> Result<(), Error> {
+    use gpu_pager::bench::{self, BenchConfig};
+    let on_gpu = backend.info().kind == BackendKind::Cuda;
+    let mut cfg = if on_gpu {
+        BenchConfig::design()
+    } else {
+        BenchConfig::small()
+    };
+    if let Some(w) = a.weights_gib {
+        cfg.weights_bytes = (w * GIB as f64) as usize;
+    }
+    if let Some(k) = a.kv_gib {
+        cfg.kv_bytes = (k * GIB as f64) as usize;
+    }
+    cfg.weight_buffers = a.buffers;
+    cfg.repeats = a.repeats;
+    cfg.chunk_bytes = a.chunk_mib << 20;
+    cfg.cold_release &= !a.no_cold;
+    cfg.sweep = a.sweep_mib.iter().map(|m| m << 20).collect();
+    if on_gpu && a.weights_gib.is_none() && a.kv_gib.is_none() {
+        let free = backend.mem_info().map(|m| m.free).unwrap_or(0);
+        cfg = cfg.fit(free);
+    }
+    let start = Instant::now();
+    let table = bench::run(backend, &cfg, &mut |line| {
+        eprintln!("[{:>7.1} s] {line}", start.elapsed().as_secs_f64())
+    })?;
+    println!("{table}");
+    Ok(())
 }

@@ -1,0 +1,483 @@
+//! The release/resume benchmark: every figure next to the physical limit measured in the
+//! same run, on the same device, in the same memory state.
+//!
+//! Used by `gpu-pager bench` (the table in BENCHMARKS.md) and by the criterion bench
+//! `resume_latency`. The workload is DESIGN.md's: 16 GiB of weights in 291 buffers
+//! (`Preserve`) and 64 GiB of KV cache (`Discard`), scaled down when the device has less
+//! free memory.
+//!
+//! Limits: the pinned host↔device bandwidth (one large copy each way, best of three, through
+//! the backend's own copy path) for the copies, and the bare VMM calls — `cuMemCreate` +
+//! `cuMemMap` + one `cuMemSetAccess` over the range, and `cuMemUnmap` + `cuMemRelease` — on a
+//! separate reservation of the KV cache's size, alternated with the pager's own moves so both
+//! see the same driver state.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::backend::{Backend, BackendError, Mapping, Reservation};
+use crate::region::chunk_sizes;
+use crate::report::{gbps, ms};
+use crate::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, Result};
+
+const GIB: usize = 1 << 30;
+const MIB: usize = 1 << 20;
+
+/// What to measure.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchConfig {
+    /// Bytes of weights (Preserve).
+    pub weights_bytes: usize,
+    /// Number of weight buffers.
+    pub weight_buffers: usize,
+    /// Bytes of KV cache (Discard).
+    pub kv_bytes: usize,
+    /// Physical chunk size.
+    pub chunk_bytes: usize,
+    /// Repetitions of each timed move (the median is reported, with min and max).
+    pub repeats: usize,
+    /// Also time a first release without prepin (pins on the critical path; slow).
+    pub cold_release: bool,
+    /// Chunk sizes for the bare map/unmap sweep (empty: no sweep).
+    pub sweep: Vec<usize>,
+}
+
+impl BenchConfig {
+    /// DESIGN.md's workload: 16 GiB of weights in 291 buffers, 64 GiB of KV cache.
+    pub fn design() -> Self {
+        BenchConfig {
+            weights_bytes: 16 * GIB,
+            weight_buffers: 291,
+            kv_bytes: 64 * GIB,
+            chunk_bytes: crate::DEFAULT_CHUNK_BYTES,
+            repeats: 5,
+            cold_release: true,
+            sweep: Vec::new(),
+        }
+    }
+
+    /// A small workload for the host backend.
+    pub fn small() -> Self {
+        BenchConfig {
+            weights_bytes: 256 * MIB,
+            weight_buffers: 291,
+            kv_bytes: GIB,
+            chunk_bytes: 64 * MIB,
+            repeats: 3,
+            cold_release: false,
+            sweep: Vec::new(),
+        }
+    }
+
+    /// Peak device bytes the run needs: weights (twice with `cold_release`), the KV cache,
+    /// the bare VMM range of the same size while the KV cache is released, a link buffer.
+    pub fn peak_bytes(&self) -> usize {
+        let cold = if self.cold_release {
+            self.weights_bytes
+        } else {
+            0
+        };
+        self.weights_bytes + cold + self.kv_bytes + self.link_bytes()
+    }
+
+    fn link_bytes(&self) -> usize {
+        self.weights_bytes.min(4 * GIB)
+    }
+
+    /// Halves the workload until it fits in `free` bytes with 4 GiB to spare.
+    pub fn fit(mut self, free: usize) -> Self {
+        while self.peak_bytes() + 4 * GIB > free && self.kv_bytes > 64 * MIB {
+            self.weights_bytes /= 2;
+            self.kv_bytes /= 2;
+        }
+        self
+    }
+}
+
+/// Median, min and max of repeated timings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Spread {
+    /// Median.
+    pub median: Duration,
+    /// Fastest.
+    pub min: Duration,
+    /// Slowest.
+    pub max: Duration,
+}
+
+impl Spread {
+    /// The spread of `samples` (at least one).
+    pub fn of(samples: &[Duration]) -> Spread {
+        let mut s = samples.to_vec();
+        s.sort();
+        Spread {
+            median: s.get(s.len() / 2).copied().unwrap_or_default(),
+            min: s.first().copied().unwrap_or_default(),
+            max: s.last().copied().unwrap_or_default(),
+        }
+    }
+}
+
+/// One line of the table: a figure, the limit it is compared with, and the target ratio.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    /// What was timed.
+    pub name: String,
+    /// The pager's time.
+    pub figure: Spread,
+    /// The limit's time for the same work.
+    pub limit: Spread,
+    /// How the limit was obtained.
+    pub limit_name: String,
+    /// The target for figure / limit (`None`: for information).
+    pub target: Option<f64>,
+}
+
+impl Row {
+    /// Median figure over median limit.
+    pub fn ratio(&self) -> f64 {
+        let l = self.limit.median.as_secs_f64();
+        if l > 0.0 {
+            self.figure.median.as_secs_f64() / l
+        } else {
+            f64::INFINITY
+        }
+    }
+
+    /// Whether the target is met (true when there is none).
+    pub fn met(&self) -> bool {
+        self.target.is_none_or(|t| self.ratio() <= t)
+    }
+}
+
+/// The measured limits of the link.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Link {
+    /// Pinned host→device, GB/s (10^9 bytes).
+    pub h2d_gbps: f64,
+    /// Pinned device→host, GB/s.
+    pub d2h_gbps: f64,
+}
+
+/// The result of [`run`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Table {
+    /// Device name and backend.
+    pub device: String,
+    /// What was measured.
+    pub config: BenchConfig,
+    /// The link limits.
+    pub link: Link,
+    /// The rows.
+    pub rows: Vec<Row>,
+    /// Bare map / unmap of the KV size per chunk size: (chunk, map, unmap).
+    pub sweep: Vec<(usize, Spread, Spread)>,
+}
+
+fn ms_spread(s: &Spread) -> String {
+    if s.min == s.max {
+        format!("{:.2}", ms(s.median))
+    } else {
+        format!("{:.2} ({:.2}–{:.2})", ms(s.median), ms(s.min), ms(s.max))
+    }
+}
+
+impl fmt::Display for Table {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.config;
+        writeln!(
+            f,
+            "{}: weights {:.2} GiB in {} buffers, KV {:.2} GiB, chunks {} MiB, {} repeats",
+            self.device,
+            c.weights_bytes as f64 / GIB as f64,
+            c.weight_buffers,
+            c.kv_bytes as f64 / GIB as f64,
+            c.chunk_bytes / MIB,
+            c.repeats
+        )?;
+        writeln!(
+            f,
+            "link (pinned, measured now): host→device {:.1} GB/s, device→host {:.1} GB/s",
+            self.link.h2d_gbps, self.link.d2h_gbps
+        )?;
+        writeln!(
+            f,
+            "| operation | pager ms (median, min–max) | limit ms | limit | ratio | target |"
+        )?;
+        writeln!(f, "|---|---|---|---|---|---|")?;
+        for r in &self.rows {
+            let target = match r.target {
+                Some(t) => format!("≤ {t:.2} {}", if r.met() { "met" } else { "MISSED" }),
+                None => "—".to_owned(),
+            };
+            writeln!(
+                f,
+                "| {} | {} | {} | {} | {:.3} | {} |",
+                r.name,
+                ms_spread(&r.figure),
+                ms_spread(&r.limit),
+                r.limit_name,
+                r.ratio(),
+                target
+            )?;
+        }
+        if !self.sweep.is_empty() {
+            writeln!(
+                f,
+                "\nbare VMM, {:.0} GiB: chunk size → map (create+map+one set-access) / unmap+release, ms",
+                self.config.kv_bytes as f64 / GIB as f64
+            )?;
+            writeln!(f, "| chunk | map ms | unmap ms |")?;
+            writeln!(f, "|---|---|---|")?;
+            for (chunk, map, unmap) in &self.sweep {
+                writeln!(
+                    f,
+                    "| {} MiB | {} | {} |",
+                    chunk / MIB,
+                    ms_spread(map),
+                    ms_spread(unmap)
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn backend_err<'a>(tag: &'a str, op: &'static str) -> impl Fn(BackendError) -> Error + 'a {
+    move |e| Error::backend(tag, op, e)
+}
+
+/// Pinned host↔device bandwidth through the backend's copy path, best of three.
+fn measure_link(pager: &Pager, bytes: usize) -> Result<Link> {
+    let b = pager.backend();
+    pager.region("bench_link", bytes, Policy::Discard)?;
+    let buf = pager.alloc("bench_link", bytes)?;
+    let dst = pager.ptr(&buf)?;
+    let mut host = b
+        .alloc_pinned(bytes)
+        .map_err(backend_err("bench_link", "pinning"))?;
+    let (mut h2d, mut d2h) = (0f64, 0f64);
+    for _ in 0..3 {
+        let t = Instant::now();
+        // SAFETY: `dst..dst+bytes` is a live buffer of the resident bench_link region.
+        unsafe { b.copy_to_device(dst, host.as_slice()) }
+            .map_err(backend_err("bench_link", "copy"))?;
+        h2d = h2d.max(gbps(bytes, t.elapsed()));
+        let t = Instant::now();
+        // SAFETY: as above.
+        unsafe { b.copy_to_host(host.as_mut_slice(), dst) }
+            .map_err(backend_err("bench_link", "copy"))?;
+        d2h = d2h.max(gbps(bytes, t.elapsed()));
+    }
+    drop(host);
+    pager.remove("bench_link")?;
+    Ok(Link {
+        h2d_gbps: h2d,
+        d2h_gbps: d2h,
+    })
+}
+
+/// The bare VMM loop on its own reservation.
+struct Bare {
+    mapped: Vec<Box<dyn Mapping>>,
+    range: Box<dyn Reservation>,
+}
+
+impl Bare {
+    fn new(b: &dyn Backend, bytes: usize) -> Result<Bare> {
+        Ok(Bare {
+            mapped: Vec::new(),
+            range: b
+                .reserve(bytes)
+                .map_err(backend_err("bench_bare", "reserving"))?,
+        })
+    }
+
+    /// (map time, unmap time) for the whole range in chunks of `chunk`.
+    fn cycle(&mut self, b: &dyn Backend, chunk: usize) -> Result<(Duration, Duration)> {
+        let sizes = chunk_sizes(self.range.len(), chunk);
+        let t = Instant::now();
+        // SAFETY: the range is this reservation, unmapped (mapped is empty between cycles).
+        self.mapped = unsafe { b.map(self.range.base(), &sizes) }
+            .map_err(backend_err("bench_bare", "mapping"))?;
+        let map = t.elapsed();
+        let t = Instant::now();
+        self.mapped.clear();
+        Ok((map, t.elapsed()))
+    }
+}
+
+/// Weight buffers: sizes vary ±5% around an equal share, as a model's tensors do.
+fn weight_buffers(pager: &Pager, cfg: &BenchConfig) -> Result<Vec<Buffer>> {
+    let unit = cfg.weights_bytes / cfg.weight_buffers.max(1);
+    (0..cfg.weight_buffers)
+        .map(|i| {
+            let len = (unit - 4096 - (i * 7919) % (unit / 20).max(1)).max(16);
+            pager.alloc("weights", len)
+        })
+        .collect()
+}
+
+fn write_weights(pager: &Pager, bufs: &[Buffer], generation: u32) -> Result<()> {
+    for (i, b) in bufs.iter().enumerate() {
+        pager.fill(
+            b,
+            (i as u32).wrapping_mul(0x9E37_79B9) ^ generation.wrapping_mul(0x85EB_CA6B),
+        )?;
+    }
+    Ok(())
+}
+
+/// Runs the benchmark. `log` gets a line per phase.
+pub fn run(
+    backend: Arc<dyn Backend>,
+    cfg: &BenchConfig,
+    log: &mut dyn FnMut(&str),
+) -> Result<Table> {
+    let device = format!("{} ({})", backend.info().name, backend.info().kind);
+    let pager = Pager::with_config(
+        backend.clone(),
+        PagerConfig {
+            chunk_bytes: cfg.chunk_bytes,
+            ..PagerConfig::default()
+        },
+    );
+    let repeats = cfg.repeats.max(1);
+    let mut rows = Vec::new();
+
+    log("measuring the link (pinned copies, best of 3)");
+    let link = measure_link(&pager, cfg.link_bytes())?;
+    let d2h_time = |bytes: usize| Duration::from_secs_f64(bytes as f64 / (link.d2h_gbps * 1e9));
+    let h2d_time = |bytes: usize| Duration::from_secs_f64(bytes as f64 / (link.h2d_gbps * 1e9));
+
+    log("weights: creating the region with its backup pinned ahead (prepin)");
+    pager.region_with(
+        "weights",
+        cfg.weights_bytes,
+        Policy::Preserve,
+        RegionOptions { prepin: true },
+    )?;
+    let bufs = weight_buffers(&pager, cfg)?;
+    write_weights(&pager, &bufs, 0)?;
+    let first = pager.release(&["weights"])?;
+    let copied = first.copied();
+    rows.push(Row {
+        name: "first release, backup pinned ahead (prepin)".into(),
+        figure: Spread::of(&[first.total]),
+        limit: Spread::of(&[d2h_time(copied)]),
+        limit_name: format!("{:.2} GiB / D2H", copied as f64 / GIB as f64),
+        target: Some(1.1),
+    });
+
+    let (mut resume, mut changed, mut unchanged) = (vec![], vec![], vec![]);
+    let mut changed_bytes = 0;
+    for rep in 0..repeats {
+        log(&format!("weights: cycle {} of {repeats}", rep + 1));
+        resume.push(pager.resume(&["weights"])?.total);
+        unchanged.push(pager.release(&["weights"])?.total);
+        pager.resume(&["weights"])?;
+        write_weights(&pager, &bufs, rep as u32 + 1)?;
+        let r = pager.release(&["weights"])?;
+        changed.push(r.total);
+        changed_bytes = r.copied();
+    }
+    let restored = pager
+        .stats()
+        .region("weights")
+        .map_or(0, |s| s.last_resume.as_ref().map_or(0, |r| r.copied));
+    rows.push(Row {
+        name: "resume weights".into(),
+        figure: Spread::of(&resume),
+        limit: Spread::of(&[h2d_time(restored)]),
+        limit_name: format!("{:.2} GiB / H2D", restored as f64 / GIB as f64),
+        target: Some(1.05),
+    });
+    rows.push(Row {
+        name: "release weights, contents changed".into(),
+        figure: Spread::of(&changed),
+        limit: Spread::of(&[d2h_time(changed_bytes)]),
+        limit_name: format!("{:.2} GiB / D2H", changed_bytes as f64 / GIB as f64),
+        target: Some(1.05),
+    });
+    let budget = Duration::from_millis(20).mul_f64(cfg.weights_bytes as f64 / (16 * GIB) as f64);
+    rows.push(Row {
+        name: "release weights, unchanged since last backup".into(),
+        figure: Spread::of(&unchanged),
+        limit: Spread::of(&[budget]),
+        limit_name: "20 ms per 16 GiB (target)".into(),
+        target: Some(1.0),
+    });
+    pager.resume(&["weights"])?;
+
+    if cfg.cold_release {
+        log("weights: first release without prepin (pins on the critical path)");
+        pager.region("weights_cold", cfg.weights_bytes, Policy::Preserve)?;
+        let cold = pager.alloc("weights_cold", cfg.weights_bytes)?;
+        pager.fill(&cold, 0x5A5A_5A5A)?;
+        let r = pager.release(&["weights_cold"])?;
+        rows.push(Row {
+            name: "first release, no prepin (pinning included)".into(),
+            figure: Spread::of(&[r.total]),
+            limit: Spread::of(&[d2h_time(r.copied())]),
+            limit_name: format!("{:.2} GiB / D2H", r.copied() as f64 / GIB as f64),
+            target: None,
+        });
+        pager.remove("weights_cold")?;
+    }
+
+    log("kv_cache: release/resume alternated with the bare VMM loop");
+    pager.region("kv_cache", cfg.kv_bytes, Policy::Discard)?;
+    let kv_size = pager.info("kv_cache")?.size;
+    let mut bare = Bare::new(backend.as_ref(), kv_size)?;
+    let (mut rel, mut res, mut bmap, mut bunmap) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..repeats {
+        rel.push(pager.release(&["kv_cache"])?.total);
+        let (m, u) = bare.cycle(backend.as_ref(), pager.config().chunk_bytes)?;
+        bmap.push(m);
+        bunmap.push(u);
+        res.push(pager.resume(&["kv_cache"])?.total);
+    }
+    let chunks = kv_size.div_ceil(pager.config().chunk_bytes);
+    rows.push(Row {
+        name: format!("release KV {:.0} GiB", kv_size as f64 / GIB as f64),
+        figure: Spread::of(&rel),
+        limit: Spread::of(&bunmap),
+        limit_name: format!("bare unmap+release, {chunks} chunks"),
+        target: Some(1.1),
+    });
+    rows.push(Row {
+        name: format!("resume KV {:.0} GiB", kv_size as f64 / GIB as f64),
+        figure: Spread::of(&res),
+        limit: Spread::of(&bmap),
+        limit_name: format!("bare create+map+set-access, {chunks} chunks"),
+        target: Some(1.1),
+    });
+
+    let mut sweep = Vec::new();
+    if !cfg.sweep.is_empty() {
+        pager.release(&["kv_cache", "weights"])?;
+        for &chunk in &cfg.sweep {
+            let g = backend.info().granularity;
+            let chunk = chunk.max(g).next_multiple_of(g);
+            log(&format!(
+                "sweep: bare map/unmap in {} MiB chunks",
+                chunk / MIB
+            ));
+            let (mut m, mut u) = (vec![], vec![]);
+            for _ in 0..repeats.min(3) {
+                let (a, b) = bare.cycle(backend.as_ref(), chunk)?;
+                m.push(a);
+                u.push(b);
+            }
+            sweep.push((chunk, Spread::of(&m), Spread::of(&u)));
+        }
+    }
+    Ok(Table {
+        device,
+        config: cfg.clone(),
+        link,
+        rows,
+        sweep,
+    })
+}

@@ -1,7 +1,7 @@
 //! The pager: regions by tag, release and resume of tag sets, buffers, leases and stats.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -35,6 +35,10 @@ pub struct PagerConfig {
     /// a mismatch fails the resume with [`Error::Corrupted`] (default off: it costs one hash
     /// pass, a few ms per 16 GiB on an H200). Not applied by [`Pager::resume_on`].
     pub verify_restore: bool,
+    /// On resume, map `Preserve` regions in groups of doubling size and copy each group while
+    /// the next one maps (default on). Off: map the whole region with one call, then copy.
+    /// Also switchable at run time with [`Pager::set_overlap_restore`].
+    pub overlap_restore: bool,
 }
 
 impl Default for PagerConfig {
@@ -44,6 +48,7 @@ impl Default for PagerConfig {
             skip_unchanged: true,
             hash_chunk_bytes: crate::backup::DEFAULT_HASH_CHUNK_BYTES,
             verify_restore: false,
+            overlap_restore: true,
         }
     }
 }
@@ -118,6 +123,7 @@ pub struct Pager {
     config: PagerConfig,
     regions: RwLock<BTreeMap<String, Slot>>,
     next_id: AtomicU64,
+    overlap_restore: AtomicBool,
 }
 
 impl std::fmt::Debug for Pager {
@@ -161,7 +167,13 @@ impl Pager {
             },
             regions: RwLock::new(BTreeMap::new()),
             next_id: AtomicU64::new(1),
+            overlap_restore: AtomicBool::new(config.overlap_restore),
         }
+    }
+
+    /// Switches [`PagerConfig::overlap_restore`] for later resumes.
+    pub fn set_overlap_restore(&self, on: bool) {
+        self.overlap_restore.store(on, Ordering::Relaxed);
     }
 
     /// The backend.
@@ -516,6 +528,7 @@ impl Pager {
         let mut copied = vec![0usize; regions.len()];
         let backend = self.backend.as_ref();
         let preserve = |r: &Region| r.policy == Policy::Preserve;
+        let overlap = self.overlap_restore.load(Ordering::Relaxed);
 
         let result = (|| {
             // Regions without contents first: cheap, and an out-of-memory shows up before
@@ -528,7 +541,7 @@ impl Pager {
             for (i, r) in regions.iter_mut().enumerate() {
                 if todo[i] && preserve(r) {
                     let t = Instant::now();
-                    (steps[i].map, copied[i]) = r.map_and_restore(backend, stream)?;
+                    (steps[i].map, copied[i]) = r.map_and_restore(backend, stream, overlap)?;
                     steps[i].copy = t.elapsed() - steps[i].map;
                 }
             }

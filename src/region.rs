@@ -235,7 +235,8 @@ impl Region {
 
     /// Maps the region and enqueues the restore of its backup, overlapping the two: chunks
     /// are mapped in groups of doubling size (1, 2, 4, … chunks, one backend call each), and
-    /// each group's copy is enqueued before the next group is mapped. Copies go on `stream`
+    /// each group's copy is enqueued before the next group is mapped. Without `overlap`, one
+    /// group: map everything, then copy. Copies go on `stream`
     /// or the backend's own copy stream; the caller waits for them. On failure the caller
     /// must synchronize before unmapping (copies may be in flight). Returns (time spent
     /// mapping, bytes enqueued).
@@ -243,10 +244,12 @@ impl Region {
         &mut self,
         backend: &dyn Backend,
         stream: Option<RawStream>,
+        overlap: bool,
     ) -> Result<(Duration, usize)> {
         debug_assert!(self.mappings.is_empty());
         let sizes = chunk_sizes(self.size(), self.chunk_bytes);
-        let (mut first, mut group, mut offset) = (0, 1, 0usize);
+        let first_group = if overlap { 1 } else { sizes.len() };
+        let (mut first, mut group, mut offset) = (0, first_group, 0usize);
         let (mut map_time, mut copied) = (Duration::ZERO, 0);
         while first < sizes.len() {
             let last = (first + group).min(sizes.len());

@@ -66,7 +66,7 @@ fn gpu_seed_scenario_at_scale() {
     let ptrs: Vec<u64> = bufs.iter().map(|b| pager.ptr(b).unwrap()).collect();
     // Random data from the host in a few buffers (checked by full read-back), the fill
     // kernel with per-buffer patterns in the rest (checked by hash).
-    let random: Vec<(usize, Vec<u8>)> = (0..n)
+    let mut random: Vec<(usize, Vec<u8>)> = (0..n)
         .step_by(37)
         .map(|i| (i, rng.bytes(bufs[i].len())))
         .collect();
@@ -129,9 +129,16 @@ fn gpu_seed_scenario_at_scale() {
             pager.read(&bufs[*i], 0, &mut got).unwrap();
             assert_bytes_eq(&format!("buffer {i} after cycle {cycle}"), &got, data);
         }
-        // Update the weights in place (every third buffer), then stage 2.
+        // Update the weights in place (every third buffer), then stage 2. Buffers checked
+        // by read-back get fresh random bytes, the others a new fill pattern.
         for (i, b) in bufs.iter().enumerate().skip(cycle).step_by(3) {
-            pager.fill(b, rng.next_u64() as u32).unwrap();
+            match random.iter_mut().find(|(j, _)| *j == i) {
+                Some((_, data)) => {
+                    *data = rng.bytes(b.len());
+                    pager.write(b, 0, data).unwrap();
+                }
+                None => pager.fill(b, rng.next_u64() as u32).unwrap(),
+            }
             want[i] = whole_hash(&pager, b);
         }
         let r2 = pager.resume(&["kv_cache"]).unwrap();

@@ -2,7 +2,8 @@
 //!
 //! [`cuda::CudaBackend`] drives CUDA virtual memory management (VMM) through the driver API;
 //! [`host::HostBackend`] provides the same primitives on host memory (memfd + mmap) so that
-//! every pager path, out-of-memory included, runs without a GPU.
+//! every pager path, out-of-memory included, runs without a GPU. [`faulty::FaultyBackend`]
+//! wraps either and injects failures, to test the pager's error paths.
 //!
 //! The handles are RAII: a [`Mapping`] unmaps and then releases its physical memory when
 //! dropped; a [`Reservation`] frees its address range when dropped. Owners must drop every
@@ -13,6 +14,7 @@
 //! the caller promises the range lies inside mapped memory of this backend.
 
 pub mod cuda;
+pub mod faulty;
 pub mod host;
 
 use std::fmt;

@@ -1,0 +1,582 @@
+//! A [`Backend`] wrapper that makes chosen calls fail, to test the pager's error paths.
+//!
+//! [`FaultyBackend`] delegates every call to the backend it wraps. Before delegating
+//! [`Backend::map`], the copies ([`Backend::copy_to_device`], [`Backend::copy_to_host`] and
+//! their `_async` forms) and [`Backend::alloc_pinned`], it may return
+//! [`BackendError::Injected`] instead — **without** calling the wrapped backend, so a failed
+//! `map` maps nothing (it stays all or nothing) and a failed copy moves no byte.
+//!
+//! Two sources of faults:
+//! - a seeded [`FaultPlan`]: each call at a [`FaultPoint`] fails with the plan's probability.
+//!   The decision is a pure function of the seed, the point and how many calls that point
+//!   has seen, so one sequence of calls always meets the same faults;
+//! - [`FaultyBackend::fail_next`] / [`FaultyBackend::fail_after`]: the next (or the
+//!   `n+1`-th next) call at a point fails, for deterministic tests.
+//!
+//! [`FaultyBackend::injected`] counts what was injected.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::{
+    Backend, BackendError, BackendResult, DeviceInfo, Held, HostBuffer, Mapping, MemInfo,
+    RawStream, Reservation,
+};
+
+/// A call that can be made to fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FaultPoint {
+    /// [`Backend::map`] (resume, region creation).
+    Map,
+    /// [`Backend::copy_to_device`] and [`Backend::copy_to_device_async`] (restore, writes).
+    CopyToDevice,
+    /// [`Backend::copy_to_host`] and [`Backend::copy_to_host_async`] (backup, reads).
+    CopyToHost,
+    /// [`Backend::alloc_pinned`] (the first release of a `Preserve` region).
+    AllocPinned,
+}
+
+impl FaultPoint {
+    /// Every point, in index order.
+    pub const ALL: [FaultPoint; 4] = [
+        FaultPoint::Map,
+        FaultPoint::CopyToDevice,
+        FaultPoint::CopyToHost,
+        FaultPoint::AllocPinned,
+    ];
+
+    fn index(self) -> usize {
+        match self {
+            FaultPoint::Map => 0,
+            FaultPoint::CopyToDevice => 1,
+            FaultPoint::CopyToHost => 2,
+            FaultPoint::AllocPinned => 3,
+        }
+    }
+}
+
+/// Which calls fail at random, and how often (per mille: 0 never, 1000 always).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FaultPlan {
+    /// Seed of the decisions.
+    pub seed: u64,
+    /// Probability that a copy (either direction, sync or async) fails, per mille.
+    pub copy_per_mille: u32,
+    /// Probability that a `map` fails, per mille.
+    pub map_per_mille: u32,
+    /// Probability that an `alloc_pinned` fails, per mille.
+    pub pin_per_mille: u32,
+}
+
+impl FaultPlan {
+    /// A plan that injects nothing (use [`FaultyBackend::fail_next`] alone).
+    pub fn none() -> Self {
+        FaultPlan::default()
+    }
+
+    fn per_mille(&self, point: FaultPoint) -> u32 {
+        match point {
+            FaultPoint::Map => self.map_per_mille,
+            FaultPoint::CopyToDevice | FaultPoint::CopyToHost => self.copy_per_mille,
+            FaultPoint::AllocPinned => self.pin_per_mille,
+        }
+    }
+
+    /// Whether the `n`-th call (from 0) at `point` fails under this plan.
+    pub fn fails(&self, point: FaultPoint, n: u64) -> bool {
+        let p = self.per_mille(point);
+        if p == 0 {
+            return false;
+        }
+        let salt = (point.index() as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+        splitmix64(self.seed ^ salt ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)) % 1000 < u64::from(p)
+    }
+}
+
+/// Faults injected so far, per point.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FaultCounts {
+    /// Failed `map` calls.
+    pub map: u64,
+    /// Failed host→device copies.
+    pub copy_to_device: u64,
+    /// Failed device→host copies.
+    pub copy_to_host: u64,
+    /// Failed pinned allocations.
+    pub alloc_pinned: u64,
+}
+
+impl FaultCounts {
+    /// All faults.
+    pub fn total(&self) -> u64 {
+        self.map + self.copy_to_device + self.copy_to_host + self.alloc_pinned
+    }
+}
+
+impl fmt::Display for FaultCounts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "map {}, copy to device {}, copy to host {}, pin {}",
+            self.map, self.copy_to_device, self.copy_to_host, self.alloc_pinned
+        )
+    }
+}
+
+/// Delegates to another backend, injecting faults; see the module docs.
+pub struct FaultyBackend {
+    inner: Arc<dyn Backend>,
+    plan: FaultPlan,
+    enabled: AtomicBool,
+    /// Calls seen per point (drives the plan).
+    calls: [AtomicU64; 4],
+    /// Armed one-shot faults per point: for each, how many calls still pass before it fires
+    /// ([`FaultyBackend::fail_after`]).
+    armed: [Mutex<Vec<u64>>; 4],
+    /// Faults injected per point.
+    injected: [AtomicU64; 4],
+}
+
+impl fmt::Debug for FaultyBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FaultyBackend")
+            .field("inner", &self.inner)
+            .field("plan", &self.plan)
+            .field("enabled", &self.enabled.load(Ordering::Relaxed))
+            .field("injected", &self.injected())
+            .finish()
+    }
+}
+
+impl FaultyBackend {
+    /// Wraps `inner`; the plan is active from the start (see [`FaultyBackend::set_enabled`]).
+    pub fn new(inner: Arc<dyn Backend>, plan: FaultPlan) -> Self {
+        FaultyBackend {
+            inner,
+            plan,
+            enabled: AtomicBool::new(true),
+            calls: Default::default(),
+            armed: Default::default(),
+            injected: Default::default(),
+        }
+    }
+
+    /// The wrapped backend.
+    pub fn inner(&self) -> &Arc<dyn Backend> {
+        &self.inner
+    }
+
+    /// The plan.
+    pub fn plan(&self) -> FaultPlan {
+        self.plan
+    }
+
+    /// Turns the random plan on or off (armed [`FaultyBackend::fail_next`] faults still
+    /// fire). Calls made while it is off do not advance the plan.
+    pub fn set_enabled(&self, on: bool) {
+        self.enabled.store(on, Ordering::SeqCst);
+    }
+
+    /// Whether the random plan is on.
+    pub fn enabled(&self) -> bool {
+        self.enabled.load(Ordering::SeqCst)
+    }
+
+    /// Makes the next call at `point` fail (calling it `n` times arms `n` faults).
+    pub fn fail_next(&self, point: FaultPoint) {
+        self.fail_after(point, 0);
+    }
+
+    /// Lets `pass` calls at `point` through, then makes the next one fail (once). Calls from
+    /// every thread count.
+    pub fn fail_after(&self, point: FaultPoint, pass: u64) {
+        self.armed(point).push(pass);
+    }
+
+    fn armed(&self, point: FaultPoint) -> std::sync::MutexGuard<'_, Vec<u64>> {
+        self.armed[point.index()]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Faults injected so far.
+    pub fn injected(&self) -> FaultCounts {
+        let n = |p: FaultPoint| self.injected[p.index()].load(Ordering::SeqCst);
+        FaultCounts {
+            map: n(FaultPoint::Map),
+            copy_to_device: n(FaultPoint::CopyToDevice),
+            copy_to_host: n(FaultPoint::CopyToHost),
+            alloc_pinned: n(FaultPoint::AllocPinned),
+        }
+    }
+
+    /// Decides whether this call at `point` fails; `Err` (to return as is) when it does.
+    fn check(&self, point: FaultPoint, op: &'static str) -> BackendResult<()> {
+        let i = point.index();
+        let armed = {
+            let mut countdowns = self.armed(point);
+            let due = countdowns.iter().position(|&n| n == 0);
+            match due {
+                Some(k) => {
+                    countdowns.swap_remove(k);
+                }
+                None => countdowns.iter_mut().for_each(|n| *n -= 1),
+            }
+            due.is_some()
+        };
+        let planned = !armed && self.enabled() && {
+            let n = self.calls[i].fetch_add(1, Ordering::SeqCst);
+            self.plan.fails(point, n)
+        };
+        if armed || planned {
+            self.injected[i].fetch_add(1, Ordering::SeqCst);
+            return Err(BackendError::Injected { op });
+        }
+        Ok(())
+    }
+}
+
+/// splitmix64's output function: a well-mixed 64-bit hash of `x`.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl Backend for FaultyBackend {
+    fn info(&self) -> &DeviceInfo {
+        self.inner.info()
+    }
+
+    fn mem_info(&self) -> BackendResult<MemInfo> {
+        self.inner.mem_info()
+    }
+
+    fn reserve(&self, bytes: usize) -> BackendResult<Box<dyn Reservation>> {
+        self.inner.reserve(bytes)
+    }
+
+    /// # Safety
+    /// As [`Backend::map`]. An injected fault returns before anything is mapped.
+    unsafe fn map(&self, at: u64, chunk_sizes: &[usize]) -> BackendResult<Vec<Box<dyn Mapping>>> {
+        self.check(FaultPoint::Map, "map")?;
+        // SAFETY: the caller upholds `map`'s contract, which is the wrapped backend's.
+        unsafe { self.inner.map(at, chunk_sizes) }
+    }
+
+    fn synchronize(&self) -> BackendResult<()> {
+        self.inner.synchronize()
+    }
+
+    fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>> {
+        self.check(FaultPoint::AllocPinned, "alloc_pinned")?;
+        self.inner.alloc_pinned(bytes)
+    }
+
+    /// # Safety
+    /// As [`Backend::copy_to_device`]. An injected fault returns before the copy starts.
+    unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()> {
+        self.check(FaultPoint::CopyToDevice, "copy_to_device")?;
+        // SAFETY: the caller upholds `copy_to_device`'s contract, the wrapped backend's.
+        unsafe { self.inner.copy_to_device(dst, src) }
+    }
+
+    /// # Safety
+    /// As [`Backend::copy_to_host`]. An injected fault returns before the copy starts.
+    unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
+        self.check(FaultPoint::CopyToHost, "copy_to_host")?;
+        // SAFETY: the caller upholds `copy_to_host`'s contract, the wrapped backend's.
+        unsafe { self.inner.copy_to_host(dst, src) }
+    }
+
+    /// # Safety
+    /// As [`Backend::copy_to_device_async`]. An injected fault returns before anything is
+    /// enqueued.
+    unsafe fn copy_to_device_async(
+        &self,
+        dst: u64,
+        src: &[u8],
+        stream: Option<RawStream>,
+    ) -> BackendResult<()> {
+        self.check(FaultPoint::CopyToDevice, "copy_to_device_async")?;
+        // SAFETY: the caller upholds `copy_to_device_async`'s contract (lifetimes until the
+        // copy finishes included), the wrapped backend's.
+        unsafe { self.inner.copy_to_device_async(dst, src, stream) }
+    }
+
+    /// # Safety
+    /// As [`Backend::copy_to_host_async`]. An injected fault returns before anything is
+    /// enqueued.
+    unsafe fn copy_to_host_async(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
+        self.check(FaultPoint::CopyToHost, "copy_to_host_async")?;
+        // SAFETY: the caller upholds `copy_to_host_async`'s contract, the wrapped backend's.
+        unsafe { self.inner.copy_to_host_async(dst, src) }
+    }
+
+    fn wait_copies(&self) -> BackendResult<()> {
+        self.inner.wait_copies()
+    }
+
+    fn hog(&self, bytes: usize) -> BackendResult<Box<dyn Held>> {
+        self.inner.hog(bytes)
+    }
+
+    /// # Safety
+    /// As [`Backend::fill`].
+    unsafe fn fill(&self, dst: u64, bytes: usize, pattern: u32) -> BackendResult<()> {
+        // SAFETY: the caller upholds `fill`'s contract, the wrapped backend's.
+        unsafe { self.inner.fill(dst, bytes, pattern) }
+    }
+
+    /// # Safety
+    /// As [`Backend::chunk_hash`].
+    unsafe fn chunk_hash(
+        &self,
+        src: u64,
+        bytes: usize,
+        chunk_bytes: usize,
+    ) -> BackendResult<Vec<u64>> {
+        // SAFETY: the caller upholds `chunk_hash`'s contract, the wrapped backend's.
+        unsafe { self.inner.chunk_hash(src, bytes, chunk_bytes) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::host::{HostBackend, HostConfig};
+    use crate::{Buffer, Error, Pager, PagerConfig, Policy, State};
+
+    const MIB: usize = 1 << 20;
+
+    /// A pager over a faulty host backend: 1 MiB chunks, 256 KiB hash chunks.
+    fn setup(skip_unchanged: bool) -> (Arc<HostBackend>, Arc<FaultyBackend>, Pager) {
+        let host = Arc::new(HostBackend::new(HostConfig {
+            capacity: 64 * MIB,
+            granularity: 64 << 10,
+        }));
+        let faulty = Arc::new(FaultyBackend::new(host.clone(), FaultPlan::none()));
+        let pager = Pager::with_config(
+            faulty.clone(),
+            PagerConfig {
+                chunk_bytes: MIB,
+                hash_chunk_bytes: 256 << 10,
+                skip_unchanged,
+                ..PagerConfig::default()
+            },
+        );
+        (host, faulty, pager)
+    }
+
+    fn bytes(seed: u64, len: usize) -> Vec<u8> {
+        (0..len as u64)
+            .map(|i| (splitmix64(seed ^ (i / 8)) >> ((i % 8) * 8)) as u8)
+            .collect()
+    }
+
+    fn read_all(pager: &Pager, b: &Buffer) -> Vec<u8> {
+        let mut out = vec![0u8; b.len()];
+        pager.read(b, 0, &mut out).expect("read");
+        out
+    }
+
+    fn injected(e: &Error) -> bool {
+        matches!(
+            e,
+            Error::Backend {
+                source: BackendError::Injected { .. },
+                ..
+            }
+        )
+    }
+
+    /// `weights`: Preserve, 4 MiB (4 chunks), 3 MiB of data in one buffer; `kv`: Discard,
+    /// 2 MiB.
+    fn weights(pager: &Pager, seed: u64) -> (Buffer, Vec<u8>) {
+        pager.region("weights", 4 * MIB, Policy::Preserve).unwrap();
+        pager.region("kv", 2 * MIB, Policy::Discard).unwrap();
+        let w = pager.alloc("weights", 3 * MIB).unwrap();
+        let data = bytes(seed, w.len());
+        pager.write(&w, 0, &data).unwrap();
+        (w, data)
+    }
+
+    fn state(pager: &Pager, tag: &str) -> State {
+        pager.info(tag).unwrap().state
+    }
+
+    #[test]
+    fn the_plan_is_deterministic_and_respects_its_rates() {
+        let plan = FaultPlan {
+            seed: 7,
+            copy_per_mille: 100,
+            map_per_mille: 0,
+            pin_per_mille: 1000,
+        };
+        let seq = |p: FaultPlan| (0..2000).map(move |n| p.fails(FaultPoint::CopyToHost, n));
+        assert!(seq(plan).eq(seq(plan)));
+        let hits = seq(plan).filter(|&f| f).count();
+        assert!((120..=280).contains(&hits), "{hits} of 2000 at 10%");
+        assert!((0..2000).all(|n| !plan.fails(FaultPoint::Map, n)));
+        assert!((0..2000).all(|n| plan.fails(FaultPoint::AllocPinned, n)));
+        let other = FaultPlan { seed: 8, ..plan };
+        assert!(!seq(plan).eq(seq(other)), "the seed matters");
+    }
+
+    #[test]
+    fn armed_faults_fire_once_map_nothing_and_count() {
+        let (host, faulty, _pager) = setup(true);
+        let r = faulty.reserve(2 * MIB).unwrap();
+        faulty.fail_after(FaultPoint::Map, 1);
+        // SAFETY: each span lies in the fresh reservation and is mapped at most once.
+        let first = unsafe { faulty.map(r.base(), &[MIB]) }.unwrap();
+        let second = r.base() + MIB as u64;
+        // SAFETY: as above.
+        let err = unsafe { faulty.map(second, &[MIB]) }.unwrap_err();
+        assert!(matches!(err, BackendError::Injected { op: "map" }));
+        assert_eq!(host.used_bytes(), MIB, "a failed map maps nothing");
+        // SAFETY: as above; the failed call mapped nothing.
+        let again = unsafe { faulty.map(second, &[MIB]) }.unwrap();
+        assert_eq!(host.used_bytes(), 2 * MIB);
+        drop((first, again));
+        assert_eq!(faulty.injected().map, 1);
+        assert_eq!(faulty.injected().total(), 1);
+
+        // The plan: off means no faults and no progress through it.
+        let always = FaultyBackend::new(
+            host.clone(),
+            FaultPlan {
+                copy_per_mille: 1000,
+                ..FaultPlan::none()
+            },
+        );
+        let mut one = [0u8; 1];
+        // SAFETY: the injected fault returns before the address is touched.
+        let e = unsafe { always.copy_to_host_async(&mut one, 0) }.unwrap_err();
+        assert!(matches!(
+            e,
+            BackendError::Injected {
+                op: "copy_to_host_async"
+            }
+        ));
+        always.set_enabled(false);
+        assert_eq!(always.injected().copy_to_host, 1);
+    }
+
+    #[test]
+    fn release_copy_fault_leaves_the_region_resident_and_intact() {
+        // The save copies two runs of changed hash chunks (or everything): fail the first
+        // copy, then the second (after the first run already landed in the backup).
+        for (skip_unchanged, pass) in [(true, 0), (true, 1), (false, 0)] {
+            let (host, faulty, pager) = setup(skip_unchanged);
+            let (w, data) = weights(&pager, 1);
+            // A first cycle, so that the backup and its hashes exist; then change the
+            // first and the last hash chunk of the buffer.
+            pager.release(&["weights"]).unwrap();
+            pager.resume(&["weights"]).unwrap();
+            let mut data2 = data.clone();
+            data2[..100].fill(0xA5);
+            data2[3 * MIB - 100..].fill(0x5A);
+            pager.write(&w, 0, &data2).unwrap();
+            let used = host.used_bytes();
+
+            faulty.fail_after(FaultPoint::CopyToHost, pass);
+            let err = pager.release(&["kv", "weights"]).unwrap_err();
+            assert!(injected(&err), "{err}");
+            assert_eq!(state(&pager, "weights"), State::Resident);
+            assert_eq!(state(&pager, "kv"), State::Resident);
+            assert_eq!(host.used_bytes(), used, "nothing was unmapped");
+            assert_eq!(read_all(&pager, &w), data2, "contents intact");
+
+            // The retry releases, and a resume brings back the new contents.
+            pager.release(&["kv", "weights"]).unwrap();
+            assert_eq!(host.used_bytes(), 0);
+            pager.resume(&["weights"]).unwrap();
+            assert_eq!(
+                read_all(&pager, &w),
+                data2,
+                "skip {skip_unchanged} pass {pass}"
+            );
+            assert_eq!(faulty.injected().copy_to_host, 1);
+        }
+    }
+
+    #[test]
+    fn pin_fault_on_first_release_leaves_the_region_resident() {
+        let (_host, faulty, pager) = setup(true);
+        let (w, data) = weights(&pager, 3);
+        faulty.fail_next(FaultPoint::AllocPinned);
+        let err = pager.release(&["weights"]).unwrap_err();
+        assert!(injected(&err), "{err}");
+        assert_eq!(state(&pager, "weights"), State::Resident);
+        assert_eq!(read_all(&pager, &w), data);
+        pager.release(&["weights"]).unwrap();
+        pager.resume(&["weights"]).unwrap();
+        assert_eq!(read_all(&pager, &w), data);
+    }
+
+    #[test]
+    fn resume_map_fault_leaves_the_regions_released_and_a_retry_restores() {
+        // Map calls of `resume(["kv", "weights"])`: kv (Discard, first), then weights in
+        // groups of 1, 2, 1 chunks. Fail each in turn.
+        for pass in 0..4 {
+            let (host, faulty, pager) = setup(true);
+            let (w, data) = weights(&pager, 4);
+            pager.release(&["weights", "kv"]).unwrap();
+            assert_eq!(host.used_bytes(), 0);
+            faulty.fail_after(FaultPoint::Map, pass);
+            let err = pager.resume(&["kv", "weights"]).unwrap_err();
+            assert!(injected(&err), "map call {pass}: {err}");
+            assert_eq!(state(&pager, "weights"), State::Released);
+            assert_eq!(state(&pager, "kv"), State::Released);
+            assert_eq!(
+                host.used_bytes(),
+                0,
+                "everything this call mapped is unmapped"
+            );
+            assert!(matches!(pager.ptr(&w), Err(Error::NotResident { .. })));
+
+            pager.resume(&["kv", "weights"]).unwrap();
+            assert_eq!(
+                read_all(&pager, &w),
+                data,
+                "bit-exact after the retry ({pass})"
+            );
+            assert_eq!(faulty.injected().map, 1);
+        }
+    }
+
+    #[test]
+    fn resume_restore_copy_fault_leaves_the_region_released_and_a_retry_restores() {
+        // Restore copies: chunk group 1 (1 MiB), group 2 (2 MiB); group 3 is past the data.
+        for pass in 0..2 {
+            let (host, faulty, pager) = setup(true);
+            let (w, data) = weights(&pager, 5);
+            pager.release(&["weights"]).unwrap();
+            let used = host.used_bytes();
+            faulty.fail_after(FaultPoint::CopyToDevice, pass);
+            let err = pager.resume(&["weights"]).unwrap_err();
+            assert!(injected(&err), "copy {pass}: {err}");
+            assert_eq!(state(&pager, "weights"), State::Released);
+            assert_eq!(
+                host.used_bytes(),
+                used,
+                "the mapped groups are unmapped again"
+            );
+
+            pager.resume(&["weights"]).unwrap();
+            assert_eq!(
+                read_all(&pager, &w),
+                data,
+                "bit-exact after the retry ({pass})"
+            );
+            // And the next cycle still saves and restores correctly.
+            pager.release(&["weights"]).unwrap();
+            pager.resume(&["weights"]).unwrap();
+            assert_eq!(read_all(&pager, &w), data);
+            assert_eq!(faulty.injected().copy_to_device, 1);
+        }
+    }
+}

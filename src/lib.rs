@@ -43,6 +43,7 @@ pub mod kernels;
 mod pager;
 mod region;
 pub mod report;
+pub mod stress;
 mod suballoc;
 
 pub use error::{Error, Result};

@@ -1,5 +1,6 @@
 //! The `gpu-pager` program: `demo` runs the multi-stage wake-up with a timeline; `info`
-//! describes the device. Without a GPU both run on the host backend and say so.
+//! describes the device; `bench` times release and resume; `stress` soaks the pager.
+//! Without a GPU they run on the host backend and say so.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -36,6 +37,26 @@ enum Command {
     /// Release/resume latency table: every figure next to its limit measured in the same
     /// run (pinned link bandwidth, bare VMM calls), on DESIGN.md's workload.
     Bench(BenchArgs),
+    /// A randomized soak: threads releasing, resuming, allocating, writing and leasing
+    /// shared tags, every buffer's contents checked, faults injected; exits non-zero on any
+    /// corruption, leak, unrecovered fault or unexpected error.
+    Stress(StressArgs),
+}
+
+#[derive(clap::Args)]
+struct StressArgs {
+    /// How long to run: e.g. 500ms, 30s, 10m, 1h (a bare number is seconds).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    duration: Duration,
+    /// Seed of the random choices and of the fault plan [default: from the clock, printed].
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Worker threads.
+    #[arg(long, default_value_t = 4)]
+    threads: usize,
+    /// Do not inject faults (no failing copies or maps, no memory hog).
+    #[arg(long)]
+    no_faults: bool,
 }
 
 #[derive(clap::Args)]
@@ -90,6 +111,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo(backend, &args),
         Command::Info => info(backend.as_ref()),
         Command::Bench(args) => bench(backend, &args),
+        Command::Stress(args) => stress(backend, &args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -431,4 +453,102 @@ fn bench(backend: Arc<dyn Backend>, a: &BenchArgs) -> Result<(), Error> {
     })?;
     println!("{table}");
     Ok(())
+}
+
+/// Parses `500ms`, `30s`, `10m`, `1h` (or a bare number of seconds).
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("`{s}`: expected a number with a unit, e.g. 30s or 10m"))?;
+    let secs = match unit {
+        "ms" => return Ok(Duration::from_millis(n)),
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        _ => return Err(format!("`{s}`: unknown unit `{unit}` (use ms, s, m or h)")),
+    };
+    n.checked_mul(secs)
+        .map(Duration::from_secs)
+        .ok_or_else(|| format!("`{s}` is too long"))
+}
+
+fn stress(backend: Arc<dyn Backend>, a: &StressArgs) -> Result<(), Error> {
+    use gpu_pager::stress::{self, StressConfig};
+    use indicatif::{ProgressBar, ProgressStyle};
+
+    let seed = a.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
+    let cfg = StressConfig {
+        duration: a.duration,
+        seed,
+        threads: a.threads,
+        faults: !a.no_faults,
+        ..StressConfig::for_kind(backend.info().kind)
+    };
+    println!(
+        "stress: {:.0} s, {} threads, seed {seed} (replay with --seed {seed}), faults {}; \
+         regions: weights {:.2} GiB, kv_cache {:.2} GiB, graph {:.2} GiB, aux {:.2} GiB",
+        cfg.duration.as_secs_f64(),
+        cfg.threads,
+        if cfg.faults { "on" } else { "off" },
+        gib(cfg.weights_bytes),
+        gib(cfg.kv_cache_bytes),
+        gib(cfg.graph_bytes),
+        gib(cfg.aux_bytes),
+    );
+    let total = cfg.duration.as_secs().max(1);
+    let bar = ProgressBar::new(total);
+    if let Ok(style) = ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] {bar:30.cyan/blue} {pos}/{len} s  {msg}",
+    ) {
+        bar.set_style(style);
+    }
+    let summary = stress::run(backend, &cfg, &|p| {
+        bar.set_position(p.elapsed.as_secs().min(total));
+        bar.set_message(format!(
+            "cycles {}  faults {}  corruptions {}  errors {}",
+            p.cycles, p.faults, p.corruptions, p.errors
+        ));
+    })?;
+    bar.finish_and_clear();
+    println!("{summary}");
+    if summary.ok() {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument {
+            tag: "*".into(),
+            reason: format!(
+                "the stress failed: {} corruptions, {} leaked bytes, {} of {} faults recovered, \
+                 {} errors",
+                summary.corruptions,
+                summary.leaked_bytes,
+                summary.faults_recovered,
+                summary.faults_injected,
+                summary.errors.len()
+            ),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
+        for bad in ["", "m", "10x", "1.5s", "-3s", "99999999999999999999h"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
 }

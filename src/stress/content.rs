@@ -77,9 +77,16 @@ pub(crate) fn fill_window(pattern: u32, offset: usize, len: usize) -> Vec<u8> {
 /// Bytes `offset .. offset + len` of the random contents of `seed` (word `i` is
 /// `mix(seed + i * GOLDEN)`, little-endian), so any window is cheap to regenerate.
 pub(crate) fn random_window(seed: u64, offset: usize, len: usize) -> Vec<u8> {
-    (offset..offset + len)
-        .map(|j| (mix(seed.wrapping_add((j / 8) as u64 * GOLDEN)) >> ((j % 8) * 8)) as u8)
-        .collect()
+    let word = |i: usize| mix(seed.wrapping_add((i as u64).wrapping_mul(GOLDEN))).to_le_bytes();
+    let (first, last) = (offset / 8, (offset + len).div_ceil(8));
+    let mut out = Vec::with_capacity((last - first) * 8);
+    for i in first..last {
+        out.extend_from_slice(&word(i));
+    }
+    let skip = offset - first * 8;
+    out.drain(..skip);
+    out.truncate(len);
+    out
 }
 
 /// What a buffer holds, as far as its owner knows.

@@ -42,9 +42,10 @@ pub(crate) enum Op {
     Readback,
     Hog,
     FreeBackup,
+    LeaseRace,
 }
 
-const OPS: usize = 16;
+const OPS: usize = 17;
 
 /// Counters, the error list, and the run's clock.
 #[derive(Debug)]
@@ -168,6 +169,7 @@ impl Shared {
             readbacks: n(Op::Readback),
             hogs: n(Op::Hog),
             free_backups: n(Op::FreeBackup),
+            lease_races: n(Op::LeaseRace),
         }
     }
 }

@@ -136,7 +136,9 @@ impl<'a> Worker<'a> {
             710..760 => self.lease_hold(),
             760..860 => self.verify_random(),
             860..940 => self.readback_random(),
-            940..950 => self.free_backup_random(),
+            940..945 => self.free_backup_random(),
+            // Both restore paths (overlapped with mapping, or map then copy) get exercised.
+            945..950 => self.pager.set_overlap_restore(self.rng.below(2) == 0),
             _ if self.cfg.faults && self.rng.chance(400) => self.hog_cycle(),
             _ => self.verify_random(),
         }
@@ -246,7 +248,9 @@ impl<'a> Worker<'a> {
                     drop(lease);
                     return Some(out);
                 }
-                Err(Error::NotResident { .. }) if start.elapsed() < STARVATION => {}
+                Err(Error::NotResident { .. }) if start.elapsed() < STARVATION => {
+                    self.sh.count(Op::LeaseRace)
+                }
                 Err(e) => {
                     self.fail(what, &e);
                     return None;
@@ -258,8 +262,9 @@ impl<'a> Worker<'a> {
     // ---- checks ---------------------------------------------------------------------------
 
     /// Checks tag `t`'s base address and every buffer this thread owns in it (under a
-    /// lease). `fresh`: this thread's resume brought the tag back before buffers numbered
-    /// below it were... allocated after: those must hold their backup or zeroes.
+    /// lease). `fresh`: a resume by this thread brought the tag back, and buffers with a
+    /// sequence number below it were allocated before that resume, so a `DiscardZeroed`
+    /// one must hold zeroes.
     fn verify_tag(&mut self, t: usize, fresh: Option<u64>) {
         self.sh.count(Op::Verify);
         self.seen_resumes[t] = Shared::get(&self.sh.resumes[t]);
@@ -305,15 +310,23 @@ impl<'a> Worker<'a> {
             Ok(h) => h,
             Err(e) => return self.fail("hash under a lease", &e),
         };
-        let zeroes = |w: &mut Self| w.memo.hashes(0, buf.len(), vchunk);
-        if got == want || (policy(t) == Policy::DiscardZeroed && got == zeroes(self)) {
-            if policy(t) == Policy::DiscardZeroed && got != want || is_fresh {
-                // It was zeroed by a resume (someone else's if not fresh): expect zeroes now.
-                self.owned[k].content = Content::Fill {
-                    pattern: 0,
-                    hashes: got,
-                };
-            }
+        let zeroed = policy(t) == Policy::DiscardZeroed;
+        // A DiscardZeroed buffer may have been zeroed by anyone's resume since it was
+        // written; once seen zeroed (or just resumed by its owner), zeroes are expected.
+        let now_zero = zeroed
+            && if got == want {
+                is_fresh
+            } else {
+                got == self.memo.hashes(0, buf.len(), vchunk)
+            };
+        if now_zero {
+            self.owned[k].content = Content::Fill {
+                pattern: 0,
+                hashes: got,
+            };
+            return;
+        }
+        if got == want {
             return;
         }
         let bad = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
@@ -354,9 +367,7 @@ impl<'a> Worker<'a> {
                 self.seen_resumes[t] = now;
                 continue;
             }
-            self.with_lease(&[t], "verifying after a resume", |w| {
-                w.verify_tag(t, None)
-            });
+            self.with_lease(&[t], "verifying after a resume", |w| w.verify_tag(t, None));
         }
     }
 
@@ -425,7 +436,10 @@ impl<'a> Worker<'a> {
         let set = self.rng.subset(TAGS.len());
         self.sh.count(Op::Resume);
         if self.resume(&set, "resume") {
-            let back: Vec<usize> = set.into_iter().filter(|&t| self.fresh[t].is_some()).collect();
+            let back: Vec<usize> = set
+                .into_iter()
+                .filter(|&t| self.fresh[t].is_some())
+                .collect();
             if !back.is_empty() {
                 // The lease checks what came back.
                 self.with_lease(&back, "checking a resume", |_| ());
@@ -536,12 +550,10 @@ impl<'a> Worker<'a> {
         // SAFETY: the caller holds a lease on the buffer's region, so the region is mapped
         // and cannot be released meanwhile; the buffer is live and owned by this thread, so
         // nothing else writes or frees it; `addr .. addr + len` is exactly the buffer.
-        unsafe { self.pager.backend().fill(addr, buf.len(), pattern) }.map_err(|e| {
-            Error::Backend {
-                tag: buf.tag().to_owned(),
-                op: "a raw fill",
-                source: e,
-            }
+        unsafe { self.pager.backend().fill(addr, buf.len(), pattern) }.map_err(|e| Error::Backend {
+            tag: buf.tag().to_owned(),
+            op: "a raw fill",
+            source: e,
         })
     }
 
@@ -556,8 +568,7 @@ impl<'a> Worker<'a> {
 
     fn host_write_own(&mut self) {
         let max = self.cfg.max_host_write_bytes;
-        let Some(k) = self.pick(|o| policy(o.tag) == Policy::Preserve && o.buf.len() <= max)
-        else {
+        let Some(k) = self.pick(|o| policy(o.tag) == Policy::Preserve && o.buf.len() <= max) else {
             return;
         };
         let t = self.owned[k].tag;

@@ -139,6 +139,15 @@ pub enum Error {
         offset: usize,
     },
 
+    /// The backup cannot be freed: the region is released and the backup holds its contents.
+    #[error(
+        "the backup of `{tag}` holds its contents while it is released; resume it before freeing the backup"
+    )]
+    BackupInUse {
+        /// The region.
+        tag: String,
+    },
+
     /// An argument other than a size is not acceptable.
     #[error("invalid argument for `{tag}`: {reason}")]
     InvalidArgument {
@@ -176,6 +185,7 @@ impl Error {
             | Error::TagConflict { tag, .. }
             | Error::InvalidArgument { tag, .. }
             | Error::Corrupted { tag, .. }
+            | Error::BackupInUse { tag }
             | Error::Backend { tag, .. } => tag,
         }
     }

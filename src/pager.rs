@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BackendKind, RawStream};
+use crate::backend::{Backend, BackendKind, Fence, RawStream};
 use crate::backup::Saved;
 use crate::error::{Error, Result, describe};
 use crate::region::{Policy, Region, RegionInfo, RegionOptions, RegionStats, remember};
@@ -356,7 +356,7 @@ impl Pager {
         f: impl FnOnce(&Region, u64) -> Result<T>,
     ) -> Result<T> {
         let slot = self.slot(&buf.tag)?;
-        let r = lock(&slot);
+        let mut r = lock(&slot);
         if !r.alloc.is_live(buf.offset, buf.id) {
             return Err(stale(buf));
         }
@@ -370,6 +370,7 @@ impl Pager {
             });
         }
         r.require_resident(op)?;
+        r.settle()?;
         let addr = r.base() + (buf.offset + offset) as u64;
         f(&r, addr)
     }
@@ -425,6 +426,9 @@ impl Pager {
         let mut guards: Vec<_> = slots.iter().map(lock).collect();
         for g in &guards {
             g.require_resident("a lease")?;
+        }
+        for g in &mut guards {
+            g.settle()?;
         }
         for g in &mut guards {
             g.leases += 1;
@@ -506,7 +510,18 @@ impl Pager {
     /// mapped by this call is unmapped again, stays released with its backup intact, and
     /// the error returns; a later resume succeeds.
     pub fn resume(&self, tags: &[&str]) -> Result<Report> {
-        self.resume_impl(tags, None)
+        self.resume_impl(tags, None, false).map(|(r, _)| r)
+    }
+
+    /// [`Pager::resume`] and [`Pager::lease`] in one step: no other thread can release the
+    /// tags in between.
+    pub fn resume_and_lease(&self, tags: &[&str]) -> Result<(Report, Lease)> {
+        let (report, lease) = self.resume_impl(tags, None, true)?;
+        let lease = lease.ok_or_else(|| Error::InvalidArgument {
+            tag: tags.join(","),
+            reason: "internal: no lease".to_owned(),
+        })?;
+        Ok((report, lease))
     }
 
     /// Like [`Pager::resume`], but enqueues the restore copies on the caller's CUDA
@@ -516,10 +531,15 @@ impl Pager {
     /// host before then are the caller's to order (synchronize the stream first).
     /// `verify_restore` is not applied. On the host backend copies are synchronous.
     pub fn resume_on(&self, tags: &[&str], stream: RawStream) -> Result<Report> {
-        self.resume_impl(tags, Some(stream))
+        self.resume_impl(tags, Some(stream), false).map(|(r, _)| r)
     }
 
-    fn resume_impl(&self, tags: &[&str], stream: Option<RawStream>) -> Result<Report> {
+    fn resume_impl(
+        &self,
+        tags: &[&str],
+        stream: Option<RawStream>,
+        leased: bool,
+    ) -> Result<(Report, Option<Lease>)> {
         let start = Instant::now();
         let slots = self.slots(tags)?;
         let mut regions: Vec<_> = slots.iter().map(lock).collect();
@@ -576,9 +596,21 @@ impl Pager {
             }
             Ok(())
         })();
+        // With `resume_on`, pager access waits for this fence before touching the contents.
+        let mut fence: Option<Arc<dyn Fence>> = None;
+        let result = match (result, stream) {
+            (Ok(()), Some(s)) => backend
+                .fence(s)
+                .map(|f| fence = Some(Arc::from(f)))
+                .map_err(|e| Error::backend(&tags.join(","), "recording the restore's fence", e)),
+            (r, _) => r,
+        };
         if let Err(e) = result {
-            // Copies may be in flight into what this call mapped: let them finish first.
-            let _ = backend.synchronize();
+            // Copies may be in flight into what this call mapped: let them finish first. If
+            // even that fails the context is broken (sticky error) and runs nothing more.
+            if let Err(sync) = backend.synchronize() {
+                eprintln!("gpu-pager: synchronize after a failed resume of {tags:?}: {sync}");
+            }
             for (i, r) in regions.iter_mut().enumerate() {
                 if todo[i] {
                     r.unmap_all();
@@ -593,7 +625,7 @@ impl Pager {
                 out.push(already(&r.tag));
                 continue;
             }
-            r.set_resident();
+            r.set_resident(fence.clone());
             out.push(RegionReport {
                 tag: r.tag.clone(),
                 outcome: Outcome::Done,
@@ -611,7 +643,16 @@ impl Pager {
         for r in &mut regions {
             remember(&report, r);
         }
-        Ok(report)
+        let lease = leased.then(|| {
+            for r in &mut regions {
+                r.leases += 1;
+            }
+            Lease {
+                slots: slots.clone(),
+            }
+        });
+        drop(regions);
+        Ok((report, lease))
     }
 
     /// Frees a region's pinned backup (the next release pins again). Refused while the

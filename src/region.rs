@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BackendError, Mapping, RawStream, Reservation};
+use crate::backend::{Backend, BackendError, Fence, Mapping, RawStream, Reservation};
 use crate::backup::{Backup, Saved};
 use crate::error::{Error, Result};
 use crate::report::{RegionReport, Report};
@@ -93,6 +93,8 @@ pub(crate) struct Region {
     /// How many leading bytes the backup holds (0 for Discard): what a resume restores.
     saved: usize,
     pub state: State,
+    /// After `resume_on`: the restore copies still in flight on the caller's stream.
+    pending: Option<std::sync::Arc<dyn Fence>>,
     pub alloc: SubAllocator,
     pub leases: usize,
     pub last_release: Option<RegionReport>,
@@ -142,6 +144,7 @@ impl Region {
             backup: Backup::default(),
             saved: 0,
             state: State::Released,
+            pending: None,
             alloc: SubAllocator::new(size),
             leases: 0,
             last_release: None,
@@ -298,8 +301,10 @@ impl Region {
         }
     }
 
-    /// Unmaps and releases every chunk. Returns (bytes, time).
+    /// Unmaps and releases every chunk. Returns (bytes, time). The caller has synchronized
+    /// the device, so a pending restore is over.
     pub fn unmap_all(&mut self) -> (usize, Duration) {
+        self.pending = None;
         let t = Instant::now();
         let bytes = self.mappings.iter().map(|m| m.len()).sum();
         self.mappings.clear();
@@ -326,11 +331,8 @@ impl Region {
     /// Frees the pinned backup. Refused while released (it holds the contents).
     pub fn free_backup(&mut self) -> Result<usize> {
         if !self.is_resident() && self.saved > 0 {
-            return Err(Error::InvalidArgument {
+            return Err(Error::BackupInUse {
                 tag: self.tag.clone(),
-                reason: "the region is released and its backup holds its contents; resume it \
-                         before freeing the backup"
-                    .to_owned(),
             });
         }
         self.saved = 0;
@@ -363,9 +365,23 @@ impl Region {
         self.state = State::Released;
     }
 
-    /// Marks the region resident after its chunks were mapped and its contents restored.
-    pub fn set_resident(&mut self) {
+    /// Marks the region resident after its chunks were mapped and its contents restored
+    /// (or, with `pending`, enqueued behind that fence).
+    pub fn set_resident(&mut self, pending: Option<std::sync::Arc<dyn Fence>>) {
         self.state = State::Resident;
+        self.pending = pending;
+    }
+
+    /// Waits for a restore enqueued by `resume_on` to finish, so that pager-mediated access
+    /// (on other streams, or the host) sees the restored contents.
+    pub fn settle(&mut self) -> Result<()> {
+        if let Some(f) = &self.pending {
+            f.wait().map_err(|e| {
+                Error::backend(&self.tag, "waiting for a restore on the caller's stream", e)
+            })?;
+            self.pending = None;
+        }
+        Ok(())
     }
 }
 

@@ -261,3 +261,53 @@ fn gpu_graph_captured_before_release_replays_after_resume() {
         assert_eq!(read_out(&pager), want);
     }
 }
+
+/// `resume_on(stream)`: the restore is enqueued on the engine's stream, so a kernel launched
+/// on that stream right after (here: hashing the weights into the KV region) sees the
+/// restored contents without any host-side wait; pager reads from the host wait too.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_resume_on_orders_the_restore_before_the_engines_kernels() {
+    let _lock = gpu_lock();
+    let backend = gpu();
+    let pager = Pager::new(backend.clone());
+    pager
+        .region("weights", 4 * GIB / scale(), Policy::Preserve)
+        .unwrap();
+    pager.region("kv_cache", GIB, Policy::Discard).unwrap();
+    let w = pager.alloc("weights", 3 * GIB / scale() + 4096).unwrap();
+    let out = pager.alloc("kv_cache", 1 << 20).unwrap();
+    let mut rng = Rng::seeded("gpu_resume_on");
+    let data = rng.bytes(64 * MIB);
+    pager.fill(&w, rng.next_u64() as u32).unwrap();
+    pager.write(&w, w.len() - data.len(), &data).unwrap();
+    let chunk = 16 * MIB;
+    let want = pager.hash(&w, chunk).unwrap();
+    backend.preload_kernels().unwrap();
+    let stream = backend.context().new_stream().unwrap();
+    for _ in 0..3 {
+        pager.release(&["weights", "kv_cache"]).unwrap();
+        pager.resume(&["kv_cache"]).unwrap();
+        pager.fill(&out, 0xDEAD_BEEF).unwrap();
+        let raw = gpu_pager::backend::RawStream(stream.cu_stream() as usize);
+        pager.resume_on(&["weights"], raw).unwrap();
+        let (src, dst) = (pager.ptr(&w).unwrap(), pager.ptr(&out).unwrap());
+        // SAFETY: both buffers are live in resident regions; the kernel is ordered after the
+        // restore on `stream`.
+        unsafe { backend.chunk_hash_on(&stream, src, w.len(), chunk, dst) }.unwrap();
+        stream.synchronize().unwrap();
+        let mut bytes = vec![0u8; want.len() * 8];
+        pager.read(&out, 0, &mut bytes).unwrap();
+        let got: Vec<u64> = bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(
+            got, want,
+            "the kernel after resume_on saw unrestored weights"
+        );
+        let mut tail = vec![0u8; data.len()];
+        pager.read(&w, w.len() - data.len(), &mut tail).unwrap();
+        assert_bytes_eq("tail after resume_on", &tail, &data);
+    }
+}

@@ -1,6 +1,8 @@
 //! The pager on the host backend: the multi-stage wake-up, misuse, out-of-memory rollback,
 //! leases, idempotence, bad input and concurrency. Runs in CI (no GPU needed).
 
+mod common;
+
 use std::sync::Arc;
 
 use gpu_pager::backend::Backend;
@@ -390,7 +392,7 @@ fn remove_and_backup_freeing() {
     pager.release(&["weights"]).unwrap();
     assert!(matches!(
         pager.free_backup("weights"),
-        Err(Error::InvalidArgument { .. })
+        Err(Error::BackupInUse { .. })
     ));
     pager.remove("weights").unwrap();
     assert_eq!(backend.used_bytes(), 0);
@@ -507,78 +509,15 @@ fn resume_on_a_stream_restores_contents() {
 /// and keep the backup, so that a resume without the fault succeeds.
 #[test]
 fn verify_restore_catches_a_corrupted_restore() {
-    use gpu_pager::backend::{
-        BackendResult, DeviceInfo, Held, HostBuffer, Mapping, MemInfo, RawStream, Reservation,
-    };
-    use std::sync::atomic::{AtomicBool, Ordering};
-
-    #[derive(Debug)]
-    struct Flipping(HostBackend, AtomicBool);
-    impl Backend for Flipping {
-        fn info(&self) -> &DeviceInfo {
-            self.0.info()
-        }
-        fn mem_info(&self) -> BackendResult<MemInfo> {
-            self.0.mem_info()
-        }
-        fn reserve(&self, bytes: usize) -> BackendResult<Box<dyn Reservation>> {
-            self.0.reserve(bytes)
-        }
-        unsafe fn map(&self, at: u64, sizes: &[usize]) -> BackendResult<Vec<Box<dyn Mapping>>> {
-            unsafe { self.0.map(at, sizes) }
-        }
-        fn synchronize(&self) -> BackendResult<()> {
-            self.0.synchronize()
-        }
-        fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>> {
-            self.0.alloc_pinned(bytes)
-        }
-        unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()> {
-            unsafe { self.0.copy_to_device(dst, src) }
-        }
-        unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
-            unsafe { self.0.copy_to_host(dst, src) }
-        }
-        unsafe fn copy_to_device_async(
-            &self,
-            dst: u64,
-            src: &[u8],
-            stream: Option<RawStream>,
-        ) -> BackendResult<()> {
-            unsafe { self.0.copy_to_device_async(dst, src, stream) }?;
-            if self.1.load(Ordering::SeqCst) && !src.is_empty() {
-                let flipped = [src[src.len() / 2] ^ 0x01];
-                unsafe { self.0.copy_to_device(dst + src.len() as u64 / 2, &flipped) }?;
-            }
-            Ok(())
-        }
-        unsafe fn copy_to_host_async(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
-            unsafe { self.0.copy_to_host_async(dst, src) }
-        }
-        fn wait_copies(&self) -> BackendResult<()> {
-            self.0.wait_copies()
-        }
-        fn hog(&self, bytes: usize) -> BackendResult<Box<dyn Held>> {
-            self.0.hog(bytes)
-        }
-        unsafe fn fill(&self, dst: u64, bytes: usize, pattern: u32) -> BackendResult<()> {
-            unsafe { self.0.fill(dst, bytes, pattern) }
-        }
-        unsafe fn chunk_hash(
-            &self,
-            src: u64,
-            bytes: usize,
-            chunk: usize,
-        ) -> BackendResult<Vec<u64>> {
-            unsafe { self.0.chunk_hash(src, bytes, chunk) }
-        }
-    }
+    use common::broken::{Broken, Flaw};
+    use std::sync::atomic::Ordering;
 
     let host = HostBackend::new(HostConfig {
         capacity: 64 * MIB,
         granularity: 64 << 10,
     });
-    let backend = Arc::new(Flipping(host, AtomicBool::new(false)));
+    let backend = Arc::new(Broken::new(host, Flaw::FlipRestores));
+    backend.active.store(false, Ordering::SeqCst);
     for skip_unchanged in [true, false] {
         let pager = Pager::with_config(
             backend.clone(),
@@ -594,15 +533,34 @@ fn verify_restore_catches_a_corrupted_restore() {
         let data = pattern(5, w.len());
         pager.write(&w, 0, &data).unwrap();
         pager.release(&["weights"]).unwrap();
-        backend.1.store(true, Ordering::SeqCst);
+        backend.active.store(true, Ordering::SeqCst);
         let err = pager.resume(&["weights"]).unwrap_err();
         assert!(
             matches!(err, Error::Corrupted { ref tag, .. } if tag == "weights"),
             "{err}"
         );
         assert_eq!(pager.info("weights").unwrap().state, State::Released);
-        backend.1.store(false, Ordering::SeqCst);
+        backend.active.store(false, Ordering::SeqCst);
         pager.resume(&["weights"]).unwrap();
         assert_eq!(read_all(&pager, &w), data);
     }
+}
+
+#[test]
+fn resume_and_lease_leaves_no_gap() {
+    let (_b, pager) = setup(64 * MIB);
+    pager.region("weights", 4 * MIB, Policy::Preserve).unwrap();
+    pager.release(&["weights"]).unwrap();
+    let (rep, lease) = pager.resume_and_lease(&["weights"]).unwrap();
+    assert_eq!(rep.region("weights").unwrap().outcome, Outcome::Done);
+    assert!(matches!(
+        pager.release(&["weights"]),
+        Err(Error::Busy { leases: 1, .. })
+    ));
+    drop(lease);
+    pager.release(&["weights"]).unwrap();
+    assert!(matches!(
+        pager.resume_and_lease(&["nope"]),
+        Err(Error::UnknownTag { .. })
+    ));
 }

@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKernelArg, sys};
 
 use super::{
-    Backend, BackendError, BackendKind, BackendResult, DeviceInfo, Held, HostBuffer, Mapping,
-    MemInfo, RawStream, Reservation,
+    Backend, BackendError, BackendKind, BackendResult, DeviceInfo, Fence, Held, HostBuffer,
+    Mapping, MemInfo, RawStream, Reservation,
 };
 use crate::kernels::{self, KernelModule, abi};
 
@@ -685,6 +685,24 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn fence(&self, stream: RawStream) -> BackendResult<Box<dyn Fence>> {
+        bind(&self.ctx)?;
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: `event` is a valid out-pointer.
+        check(unsafe { sys::cuEventCreate(&mut event, flags) })
+            .map_err(|e| driver_err("cuEventCreate", e))?;
+        let fence = CudaFence {
+            event,
+            ctx: self.ctx.clone(),
+        };
+        // SAFETY: the event was just created in this context; the caller guarantees `stream`
+        // is a live stream of this context.
+        check(unsafe { sys::cuEventRecord(fence.event, stream.0 as sys::CUstream) })
+            .map_err(|e| driver_err("cuEventRecord", e))?;
+        Ok(Box::new(fence))
+    }
+
     fn hog(&self, bytes: usize) -> BackendResult<Box<dyn Held>> {
         bind(&self.ctx)?;
         // SAFETY: a plain device allocation, owned by the returned handle and freed once.
@@ -966,6 +984,38 @@ impl Drop for CudaHog {
                 "gpu-pager: cuMemFree of a memory hog failed: {}",
                 describe(e)
             );
+        }
+    }
+}
+
+/// A CUDA event recorded on a caller's stream ([`Backend::fence`]); destroyed on drop.
+#[derive(Debug)]
+pub struct CudaFence {
+    event: sys::CUevent,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: a CUevent handle may be used from any thread once its context is bound (every
+// use binds first).
+unsafe impl Send for CudaFence {}
+// SAFETY: as above; cuEventSynchronize may be called concurrently.
+unsafe impl Sync for CudaFence {}
+
+impl Fence for CudaFence {
+    fn wait(&self) -> BackendResult<()> {
+        bind(&self.ctx)?;
+        // SAFETY: the event is live until drop.
+        check(unsafe { sys::cuEventSynchronize(self.event) })
+            .map_err(|e| driver_err("cuEventSynchronize", e))
+    }
+}
+
+impl Drop for CudaFence {
+    fn drop(&mut self) {
+        bind_in_drop(&self.ctx, "a fence");
+        // SAFETY: the event was created by `fence` and is destroyed only here.
+        if let Err(e) = check(unsafe { sys::cuEventDestroy_v2(self.event) }) {
+            eprintln!("gpu-pager: cuEventDestroy failed: {}", describe(e));
         }
     }
 }

@@ -319,6 +319,10 @@ impl Backend for FaultyBackend {
         self.inner.wait_copies()
     }
 
+    fn fence(&self, stream: super::RawStream) -> BackendResult<Box<dyn super::Fence>> {
+        self.inner.fence(stream)
+    }
+
     fn hog(&self, bytes: usize) -> BackendResult<Box<dyn Held>> {
         self.inner.hog(bytes)
     }

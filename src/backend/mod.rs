@@ -171,6 +171,12 @@ pub trait Held: Send + Sync + fmt::Debug {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RawStream(pub usize);
 
+/// A point in a stream's work, recorded by [`Backend::fence`].
+pub trait Fence: Send + Sync + fmt::Debug {
+    /// Blocks until the stream's work before the fence has finished.
+    fn wait(&self) -> BackendResult<()>;
+}
+
 /// The primitives the pager needs. Implementations are thread-safe; the pager serialises
 /// moves of one region itself.
 pub trait Backend: Send + Sync + fmt::Debug {
@@ -239,6 +245,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Waits for every copy enqueued on the backend's own copy streams.
     fn wait_copies(&self) -> BackendResult<()>;
+
+    /// Records a fence on the caller's `stream` after the work enqueued on it so far (a CUDA
+    /// event). The host backend's fences are already passed.
+    fn fence(&self, stream: RawStream) -> BackendResult<Box<dyn Fence>>;
 
     /// Takes `bytes` of device memory the way another program would (a plain allocation),
     /// to stand in for a trainer in tests, benchmarks and fault injection.

@@ -668,7 +668,7 @@ impl<'a> Worker<'a> {
         self.sh.count(Op::FreeBackup);
         match self.pager.free_backup(TAGS[t].0) {
             // Refused while the region is released with its contents in the backup.
-            Ok(_) | Err(Error::InvalidArgument { .. }) => {}
+            Ok(_) | Err(Error::BackupInUse { .. }) => {}
             Err(e) => self.fail("free_backup", &e),
         }
     }

@@ -1,6 +1,8 @@
 //! Shared by the GPU test files: a cross-process lock, seeded random data, comparisons.
 #![allow(dead_code)]
 
+pub mod broken;
+
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::time::{SystemTime, UNIX_EPOCH};

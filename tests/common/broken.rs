@@ -1,0 +1,115 @@
+//! A host backend that breaks the pager's contract on purpose, to show that checks notice.
+
+use gpu_pager::backend::host::HostBackend;
+use gpu_pager::backend::{
+    Backend, BackendResult, DeviceInfo, Fence, Held, HostBuffer, Mapping, MemInfo, RawStream,
+    Reservation,
+};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flaw {
+    /// Every restore copy lands with one byte flipped.
+    FlipRestores,
+    /// Every 5th map also takes memory that is never given back.
+    LeakOnMap,
+}
+
+#[derive(Debug)]
+pub struct Broken {
+    inner: HostBackend,
+    flaw: Flaw,
+    /// The flaw acts only while this is set (it is, from the start).
+    pub active: AtomicBool,
+    maps: AtomicU64,
+}
+
+impl Broken {
+    /// `inner` with `flaw`, active.
+    pub fn new(inner: HostBackend, flaw: Flaw) -> Self {
+        Broken {
+            inner,
+            flaw,
+            active: AtomicBool::new(true),
+            maps: AtomicU64::new(0),
+        }
+    }
+
+    fn has(&self, flaw: Flaw) -> bool {
+        self.flaw == flaw && self.active.load(Ordering::SeqCst)
+    }
+}
+
+impl Backend for Broken {
+    fn info(&self) -> &DeviceInfo {
+        self.inner.info()
+    }
+    fn mem_info(&self) -> BackendResult<MemInfo> {
+        self.inner.mem_info()
+    }
+    fn reserve(&self, bytes: usize) -> BackendResult<Box<dyn Reservation>> {
+        self.inner.reserve(bytes)
+    }
+    unsafe fn map(&self, at: u64, sizes: &[usize]) -> BackendResult<Vec<Box<dyn Mapping>>> {
+        if self.has(Flaw::LeakOnMap) && self.maps.fetch_add(1, Ordering::SeqCst) % 5 == 4 {
+            if let Ok(h) = self.inner.hog(self.inner.info().granularity) {
+                Box::leak(h);
+            }
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.inner.map(at, sizes) }
+    }
+    fn synchronize(&self) -> BackendResult<()> {
+        self.inner.synchronize()
+    }
+    fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>> {
+        self.inner.alloc_pinned(bytes)
+    }
+    unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.inner.copy_to_device(dst, src) }
+    }
+    unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.inner.copy_to_host(dst, src) }
+    }
+    unsafe fn copy_to_device_async(
+        &self,
+        dst: u64,
+        src: &[u8],
+        stream: Option<RawStream>,
+    ) -> BackendResult<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.inner.copy_to_device_async(dst, src, stream) }?;
+        if self.has(Flaw::FlipRestores) && !src.is_empty() {
+            let mid = src.len() / 2;
+            // SAFETY: `dst + mid` lies inside the range the caller guarantees mapped.
+            unsafe {
+                self.inner
+                    .copy_to_device(dst + mid as u64, &[src[mid] ^ 0x10])
+            }?;
+        }
+        Ok(())
+    }
+    unsafe fn copy_to_host_async(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.inner.copy_to_host_async(dst, src) }
+    }
+    fn wait_copies(&self) -> BackendResult<()> {
+        self.inner.wait_copies()
+    }
+    fn fence(&self, stream: RawStream) -> BackendResult<Box<dyn Fence>> {
+        self.inner.fence(stream)
+    }
+    fn hog(&self, bytes: usize) -> BackendResult<Box<dyn Held>> {
+        self.inner.hog(bytes)
+    }
+    unsafe fn fill(&self, dst: u64, bytes: usize, pattern: u32) -> BackendResult<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.inner.fill(dst, bytes, pattern) }
+    }
+    unsafe fn chunk_hash(&self, src: u64, bytes: usize, chunk: usize) -> BackendResult<Vec<u64>> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.inner.chunk_hash(src, bytes, chunk) }
+    }
+}

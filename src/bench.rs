@@ -409,7 +409,7 @@ pub fn run(
         .region("weights")
         .map_or(0, |s| s.last_resume.as_ref().map_or(0, |r| r.copied));
     rows.push(Row {
-        name: "resume weights".into(),
+        name: "resume weights, immediately after the release".into(),
         figure: Spread::of(&resume),
         limit: Spread::of(&[h2d_time(restored)]),
         limit_name: format!("{:.2} GiB / H2D", restored as f64 / GIB as f64),

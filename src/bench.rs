@@ -372,14 +372,7 @@ pub fn run(
     let bufs = weight_buffers(&pager, cfg)?;
     write_weights(&pager, &bufs, 0)?;
     let first = pager.release(&["weights"])?;
-    let copied = first.copied();
-    rows.push(Row {
-        name: "first release, backup pinned ahead (prepin)".into(),
-        figure: Spread::of(&[first.total]),
-        limit: Spread::of(&[d2h_time(copied)]),
-        limit_name: format!("{:.2} GiB / D2H", copied as f64 / GIB as f64),
-        target: Some(1.1),
-    });
+    let first_row = (first.total, first.copied());
 
     let (mut resume, mut changed, mut unchanged) = (vec![], vec![], vec![]);
     let (mut resume_idle, mut resume_flat) = (vec![], vec![]);
@@ -408,34 +401,56 @@ pub fn run(
         .stats()
         .region("weights")
         .map_or(0, |s| s.last_resume.as_ref().map_or(0, |r| r.copied));
-    rows.push(Row {
-        name: "resume weights, immediately after the release".into(),
-        figure: Spread::of(&resume),
-        limit: Spread::of(&[h2d_time(restored)]),
-        limit_name: format!("{:.2} GiB / H2D", restored as f64 / GIB as f64),
-        target: Some(1.05),
-    });
-    rows.push(Row {
-        name: "resume weights, 1 s after the release".into(),
-        figure: Spread::of(&resume_idle),
-        limit: Spread::of(&[h2d_time(restored)]),
-        limit_name: format!("{:.2} GiB / H2D", restored as f64 / GIB as f64),
-        target: Some(1.05),
-    });
-    rows.push(Row {
-        name: "resume weights, 1 s after, map all then copy (no overlap)".into(),
-        figure: Spread::of(&resume_flat),
-        limit: Spread::of(&[h2d_time(restored)]),
-        limit_name: format!("{:.2} GiB / H2D", restored as f64 / GIB as f64),
-        target: None,
-    });
-    rows.push(Row {
-        name: "release weights, contents changed".into(),
-        figure: Spread::of(&changed),
-        limit: Spread::of(&[d2h_time(changed_bytes)]),
-        limit_name: format!("{:.2} GiB / D2H", changed_bytes as f64 / GIB as f64),
-        target: Some(1.05),
-    });
+    // A copy-bound row: `samples` against `bytes` over the link in direction `dir`.
+    let copy_row = |name: &str, samples: &[Duration], bytes: usize, dir: &str, target| {
+        let limit = if dir == "H2D" {
+            h2d_time(bytes)
+        } else {
+            d2h_time(bytes)
+        };
+        Row {
+            name: name.into(),
+            figure: Spread::of(samples),
+            limit: Spread::of(&[limit]),
+            limit_name: format!("{:.2} GiB / {dir}", bytes as f64 / GIB as f64),
+            target,
+        }
+    };
+    rows.push(copy_row(
+        "first release, backup pinned ahead (prepin)",
+        &[first_row.0],
+        first_row.1,
+        "D2H",
+        Some(1.1),
+    ));
+    rows.push(copy_row(
+        "resume weights, immediately after the release",
+        &resume,
+        restored,
+        "H2D",
+        Some(1.05),
+    ));
+    rows.push(copy_row(
+        "resume weights, 1 s after the release",
+        &resume_idle,
+        restored,
+        "H2D",
+        Some(1.05),
+    ));
+    rows.push(copy_row(
+        "resume weights, 1 s after, map all then copy (no overlap)",
+        &resume_flat,
+        restored,
+        "H2D",
+        None,
+    ));
+    rows.push(copy_row(
+        "release weights, contents changed",
+        &changed,
+        changed_bytes,
+        "D2H",
+        Some(1.05),
+    ));
     let budget = Duration::from_millis(20).mul_f64(cfg.weights_bytes as f64 / (16 * GIB) as f64);
     rows.push(Row {
         name: "release weights, unchanged since last backup".into(),
@@ -452,13 +467,13 @@ pub fn run(
         let cold = pager.alloc("weights_cold", cfg.weights_bytes)?;
         pager.fill(&cold, 0x5A5A_5A5A)?;
         let r = pager.release(&["weights_cold"])?;
-        rows.push(Row {
-            name: "first release, no prepin (pinning included)".into(),
-            figure: Spread::of(&[r.total]),
-            limit: Spread::of(&[d2h_time(r.copied())]),
-            limit_name: format!("{:.2} GiB / D2H", r.copied() as f64 / GIB as f64),
-            target: None,
-        });
+        rows.push(copy_row(
+            "first release, no prepin (pinning included)",
+            &[r.total],
+            r.copied(),
+            "D2H",
+            None,
+        ));
         pager.remove("weights_cold")?;
     }
 

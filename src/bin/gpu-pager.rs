@@ -59,24 +59,33 @@ struct StressArgs {
     no_faults: bool,
 }
 
+/// The workload of `demo` and `bench`.
 #[derive(clap::Args)]
-struct BenchArgs {
-    /// GiB of weights [default: 16 on a GPU (scaled down to fit), 0.25 on the host backend].
+struct Workload {
+    /// GiB of weights (Preserve) [default: demo 4, bench 16 on a GPU (bench scales down to
+    /// fit); demo 1, bench 0.25 on the host backend, where first-touch page faults dominate].
     #[arg(long)]
     weights_gib: Option<f64>,
-    /// GiB of KV cache [default: 64 on a GPU (scaled down to fit), 1 on the host backend].
+    /// GiB of KV cache (Discard) [default: demo 8, bench 64 on a GPU; demo 2, bench 1 on the
+    /// host backend].
     #[arg(long)]
     kv_gib: Option<f64>,
-    /// Number of weight buffers.
+    /// Number of weight allocations (tensors).
     #[arg(long, default_value_t = 291)]
     buffers: usize,
-    /// Repetitions of each timed move.
-    #[arg(long, default_value_t = 5)]
-    repeats: usize,
     /// Physical chunk size in MiB.
     #[arg(long, default_value_t = 512)]
     chunk_mib: usize,
-    /// Skip the first release without prepin (it pins the whole backup: ~0.44 s per GiB).
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    load: Workload,
+    /// Repetitions of each timed move.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Skip the first release without prepin (it pins the whole backup: ~0.5 s per GiB).
     #[arg(long)]
     no_cold: bool,
     /// Also sweep bare map/unmap over these chunk sizes in MiB (e.g. 2,64,256,512,1024,2048).
@@ -86,22 +95,11 @@ struct BenchArgs {
 
 #[derive(clap::Args)]
 struct DemoArgs {
-    /// GiB of weights (Preserve), in `--buffers` allocations [default: 4 on a GPU, 1 on the
-    /// host backend, where first-touch page faults dominate].
-    #[arg(long)]
-    weights_gib: Option<f64>,
-    /// GiB of KV cache (Discard) [default: 8 on a GPU, 2 on the host backend].
-    #[arg(long)]
-    kv_gib: Option<f64>,
-    /// Number of weight allocations (tensors).
-    #[arg(long, default_value_t = 291)]
-    buffers: usize,
+    #[command(flatten)]
+    load: Workload,
     /// Sleep/wake cycles.
     #[arg(long, default_value_t = 2)]
     cycles: usize,
-    /// Physical chunk size in MiB.
-    #[arg(long, default_value_t = 512)]
-    chunk_mib: usize,
 }
 
 fn main() -> ExitCode {
@@ -189,9 +187,9 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), Error> {
         reason: reason.into(),
     };
     let on_gpu = backend.info().kind == BackendKind::Cuda;
-    let weights_gib = a.weights_gib.unwrap_or(if on_gpu { 4.0 } else { 1.0 });
-    let kv_gib = a.kv_gib.unwrap_or(if on_gpu { 8.0 } else { 2.0 });
-    if !(weights_gib > 0.0 && kv_gib > 0.0 && a.buffers > 0 && a.cycles > 0) {
+    let weights_gib = a.load.weights_gib.unwrap_or(if on_gpu { 4.0 } else { 1.0 });
+    let kv_gib = a.load.kv_gib.unwrap_or(if on_gpu { 8.0 } else { 2.0 });
+    if !(weights_gib > 0.0 && kv_gib > 0.0 && a.load.buffers > 0 && a.cycles > 0) {
         return Err(bad(
             "--weights-gib, --kv-gib, --buffers and --cycles must be positive",
         ));
@@ -201,7 +199,7 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), Error> {
     let pager = Pager::with_config(
         backend.clone(),
         PagerConfig {
-            chunk_bytes: a.chunk_mib << 20,
+            chunk_bytes: a.load.chunk_mib << 20,
             ..PagerConfig::default()
         },
     );
@@ -223,9 +221,9 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), Error> {
     );
 
     // Weights in `buffers` allocations of varying size (like a model's tensors).
-    let unit = weights_bytes / a.buffers;
-    let mut bufs = Vec::with_capacity(a.buffers);
-    for i in 0..a.buffers {
+    let unit = weights_bytes / a.load.buffers;
+    let mut bufs = Vec::with_capacity(a.load.buffers);
+    for i in 0..a.load.buffers {
         // 90–100% of an equal share, so the weights fill the region.
         let len = (unit - (i * 7919) % (unit / 10).max(1)).max(16);
         bufs.push(pager.alloc("weights", len)?);
@@ -432,18 +430,18 @@ fn bench(backend: Arc<dyn Backend>, a: &BenchArgs) -> Result<(), Error> {
     } else {
         BenchConfig::small()
     };
-    if let Some(w) = a.weights_gib {
+    if let Some(w) = a.load.weights_gib {
         cfg.weights_bytes = (w * GIB as f64) as usize;
     }
-    if let Some(k) = a.kv_gib {
+    if let Some(k) = a.load.kv_gib {
         cfg.kv_bytes = (k * GIB as f64) as usize;
     }
-    cfg.weight_buffers = a.buffers;
+    cfg.weight_buffers = a.load.buffers;
     cfg.repeats = a.repeats;
-    cfg.chunk_bytes = a.chunk_mib << 20;
+    cfg.chunk_bytes = a.load.chunk_mib << 20;
     cfg.cold_release &= !a.no_cold;
     cfg.sweep = a.sweep_mib.iter().map(|m| m << 20).collect();
-    if on_gpu && a.weights_gib.is_none() && a.kv_gib.is_none() {
+    if on_gpu && a.load.weights_gib.is_none() && a.load.kv_gib.is_none() {
         let free = backend.mem_info().map(|m| m.free).unwrap_or(0);
         cfg = cfg.fit(free);
     }

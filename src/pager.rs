@@ -562,7 +562,7 @@ impl Pager {
                 if todo[i] && preserve(r) {
                     let t = Instant::now();
                     (steps[i].map, copied[i]) = r.map_and_restore(backend, stream, overlap)?;
-                    steps[i].copy = t.elapsed() - steps[i].map;
+                    steps[i].copy = t.elapsed().saturating_sub(steps[i].map);
                 }
             }
             if stream.is_none() {

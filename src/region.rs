@@ -113,6 +113,16 @@ impl std::fmt::Debug for Region {
     }
 }
 
+impl Drop for Region {
+    /// A restore enqueued by `resume_on` may still be copying from the backup into the
+    /// mappings: wait for it before the fields (mappings, then the backup) are freed.
+    fn drop(&mut self) {
+        if let Err(e) = self.settle() {
+            eprintln!("gpu-pager: dropping `{}`: {e}", self.tag);
+        }
+    }
+}
+
 /// Splits `size` into chunks of `chunk` bytes, the last one shorter.
 pub(crate) fn chunk_sizes(size: usize, chunk: usize) -> Vec<usize> {
     let mut out = vec![chunk; size / chunk];

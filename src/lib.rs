@@ -40,6 +40,7 @@ mod backup;
 pub mod bench;
 mod error;
 pub mod kernels;
+pub mod kv;
 mod pager;
 mod region;
 pub mod report;

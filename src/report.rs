@@ -124,11 +124,12 @@ impl fmt::Display for Report {
             }
             write!(
                 f,
-                " {:>8.2} GiB  map {:>7.1} ms  unmap {:>7.1} ms  pin {:>7.1} ms  copy {:>7.1} ms ({:.1} GB/s)  fill {:>6.1} ms",
+                " {:>8.2} GiB  map {:>7.1} ms  unmap {:>7.1} ms  pin {:>7.1} ms  hash {:>6.1} ms  copy {:>7.1} ms ({:.1} GB/s)  fill {:>6.1} ms",
                 r.bytes as f64 / (1u64 << 30) as f64,
                 ms(s.map),
                 ms(s.unmap),
                 ms(s.pin),
+                ms(s.hash),
                 ms(s.copy),
                 gbps(r.copied, s.copy),
                 ms(s.fill)

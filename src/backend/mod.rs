@@ -263,7 +263,9 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Hashes `bytes` at `src` in chunks of `chunk_bytes` (the last chunk may be shorter) with
     /// [`crate::kernels::reference::chunk_hash`]'s function and returns one hash per chunk.
-    /// `src` must be 16-byte aligned and `chunk_bytes` a non-zero multiple of 16.
+    /// `src` must be 16-byte aligned, `bytes` non-zero, `chunk_bytes` a non-zero multiple of
+    /// 16, and the range at most [`crate::kernels::MAX_HASH_CHUNKS`] chunks; otherwise
+    /// [`BackendError::Invalid`].
     ///
     /// # Safety
     /// `src .. src + bytes` must be mapped device memory of this backend.

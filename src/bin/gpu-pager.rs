@@ -364,28 +364,40 @@ fn line(t: &Timeline, what: &str, r: &Report, link: f64) {
     } else {
         0.0
     };
+    let copied = if r.copied() > 0 {
+        format!(
+            "; copied {:.2} GiB at {:.1} GB/s ({:.2}× the link floor {:.1} ms)",
+            gib(r.copied()),
+            gbps(r.copied(), copy),
+            if floor > 0.0 {
+                ms(r.total) / floor
+            } else {
+                0.0
+            },
+            floor
+        )
+    } else {
+        String::new()
+    };
     t.line(
         what,
         format!(
-            "{:.2} GiB in {:.1} ms; copied {:.2} GiB at {:.1} GB/s ({:.2}× the link floor {:.1} ms)",
+            "{:.2} GiB in {:.1} ms (sync {:.1} ms){copied}",
             gib(r.bytes()),
             ms(r.total),
-            gib(r.copied()),
-            gbps(r.copied(), copy),
-            if floor > 0.0 { ms(r.total) / floor } else { 0.0 },
-            floor
+            ms(r.sync)
         ),
     );
     for reg in &r.regions {
         let s = reg.steps;
         println!(
-            "               {:<12} map {:>7.1} ms  unmap {:>7.1} ms  pin {:>7.1} ms  copy {:>7.1} ms  sync {:>5.1} ms",
+            "               {:<12} map {:>7.1} ms  unmap {:>7.1} ms  pin {:>7.1} ms  hash {:>5.1} ms  copy {:>7.1} ms",
             reg.tag,
             ms(s.map),
             ms(s.unmap),
             ms(s.pin),
-            ms(s.copy),
-            ms(r.sync)
+            ms(s.hash),
+            ms(s.copy)
         );
     }
 }

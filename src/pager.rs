@@ -26,7 +26,7 @@ pub struct PagerConfig {
     /// of two. A region smaller than a chunk is one chunk of its own (rounded) size.
     pub chunk_bytes: usize,
     /// On release, hash `Preserve` contents and copy only the hash chunks that changed since
-    /// the last backup or restore (default on; see [`crate::backup`]).
+    /// the last backup or restore (default on).
     pub skip_unchanged: bool,
     /// Hash-chunk size in bytes for `skip_unchanged` and `verify_restore` (a multiple of
     /// 16; default 32 MiB).

@@ -16,7 +16,7 @@
 //! then [`CHUNK_HASH_FINALIZE`] (mixes in each chunk's length). Validate the arguments with
 //! [`check_chunk_hash_args`] first: the kernels do not.
 //!
-//! [`reference`] holds the bit-exact host implementations; the host backend uses them and
+//! [`reference`](mod@reference) holds the bit-exact host implementations; the host backend uses them and
 //! the GPU tests compare against them.
 
 pub mod reference;

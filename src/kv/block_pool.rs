@@ -1,34 +1,4 @@
-//! Block allocator of the paged KV cache: reference counts, fork, copy-on-write, per-sequence
-//! block tables, and generation-checked ids.
-//!
-//! # Complexity
-//!
-//! Free blocks are kept in a two-way hierarchical bitset (a 64-ary tree of `u64` words, one bit
-//! per block at the leaves; an inner bit is set when its child word is non-zero), and live blocks
-//! in a second one. Allocation takes the **lowest** free id by descending the tree with
-//! trailing-zero counts; freeing sets one leaf bit and at most one bit per level above it. Both
-//! are `O(log₆₄ capacity)` word operations: 3 levels up to 262,144 blocks, 4 up to 16.7 M,
-//! 6 for `u32::MAX` — constant in practice, and no per-block `Arc`, lock or heap node.
-//! [`BlockPool::highest_live_block`] is the same descent on the live tree.
-//!
-//! | operation | cost |
-//! |---|---|
-//! | [`allocate`](BlockPool::allocate), [`free`](BlockPool::free), [`retain`](BlockPool::retain) | `O(log₆₄ n)` |
-//! | [`append_tokens`](BlockPool::append_tokens) | `O(new blocks · log₆₄ n)` amortised |
-//! | [`write_slot`](BlockPool::write_slot) | `O(1)`, `O(log₆₄ n)` when it copies |
-//! | [`fork`](BlockPool::fork), [`free_seq`](BlockPool::free_seq) | `O(blocks of the sequence)` |
-//! | [`highest_live_block`](BlockPool::highest_live_block), [`live_blocks`](BlockPool::live_blocks) | `O(log₆₄ n)`, `O(1)` |
-//! | [`empty_ranges`](BlockPool::empty_ranges) | `O(n / 64)` |
-//! | [`invalidate_all`](BlockPool::invalidate_all) | `O(n)` (once per release of `kv_cache`) |
-//!
-//! # Generations
-//!
-//! Every block has a generation, bumped each time the block is allocated and by
-//! [`BlockPool::invalidate_all`]. A [`BlockId`] carries the generation it was handed out with;
-//! an id whose generation is not the block's current one is [`KvError::Stale`], and a current
-//! id of a free block is [`KvError::DoubleFree`]. Old ids are therefore never silently reused.
-//! (Generations are `u32` and wrap; a stale id is mistaken for a live one only if it is kept
-//! across exactly 2³² re-allocations of its block.)
+//! Block allocator of the paged KV cache: see [`BlockPool`].
 
 use std::collections::HashMap;
 use std::fmt;
@@ -197,11 +167,39 @@ struct Seq {
 }
 
 /// Fixed-capacity pool of KV blocks with reference counts, sequences, fork and copy-on-write.
-/// See the [module docs](self) for complexity and the generation rule.
 ///
 /// The block-level calls ([`allocate`](Self::allocate), [`retain`](Self::retain),
 /// [`free`](Self::free)) and the sequence calls share the same reference counts: a sequence
 /// holds one reference to each block in its table, so free only what you allocated or retained.
+///
+/// # Complexity
+///
+/// Free blocks are kept in a hierarchical bitset (a 64-ary tree of `u64` words, one bit
+/// per block at the leaves; an inner bit is set when its child word is non-zero), and live blocks
+/// in a second one. Allocation takes the **lowest** free id by descending the tree with
+/// trailing-zero counts; freeing sets one leaf bit and at most one bit per level above it. Both
+/// are `O(log₆₄ capacity)` word operations: 3 levels up to 262,144 blocks, 4 up to 16.7 M,
+/// 6 for `u32::MAX` — constant in practice, and no per-block `Arc`, lock or heap node.
+/// [`BlockPool::highest_live_block`] is the same descent on the live tree.
+///
+/// | operation | cost |
+/// |---|---|
+/// | [`allocate`](BlockPool::allocate), [`free`](BlockPool::free), [`retain`](BlockPool::retain) | `O(log₆₄ n)` |
+/// | [`append_tokens`](BlockPool::append_tokens) | `O(new blocks · log₆₄ n)` amortised |
+/// | [`write_slot`](BlockPool::write_slot) | `O(1)`, `O(log₆₄ n)` when it copies |
+/// | [`fork`](BlockPool::fork), [`free_seq`](BlockPool::free_seq) | `O(blocks of the sequence)` |
+/// | [`highest_live_block`](BlockPool::highest_live_block), [`live_blocks`](BlockPool::live_blocks) | `O(log₆₄ n)`, `O(1)` |
+/// | [`empty_ranges`](BlockPool::empty_ranges) | `O(n / 64)` |
+/// | [`invalidate_all`](BlockPool::invalidate_all) | `O(n)` (once per release of `kv_cache`) |
+///
+/// # Generations
+///
+/// Every block has a generation, bumped each time the block is allocated and by
+/// [`BlockPool::invalidate_all`]. A [`BlockId`] carries the generation it was handed out with;
+/// an id whose generation is not the block's current one is [`KvError::Stale`], and a current
+/// id of a free block is [`KvError::DoubleFree`]. Old ids are therefore never silently reused.
+/// (Generations are `u32` and wrap; a stale id is mistaken for a live one only if it is kept
+/// across exactly 2³² re-allocations of its block.)
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     block_size: u32,
@@ -593,7 +591,10 @@ mod tests {
     fn lowest_first_and_empty_ranges() {
         let mut p = BlockPool::new(10, 4).unwrap();
         let ids = p.allocate_n(6).unwrap();
-        assert_eq!(ids.iter().map(|b| b.index).collect::<Vec<_>>(), [0, 1, 2, 3, 4, 5]);
+        assert_eq!(
+            ids.iter().map(|b| b.index).collect::<Vec<_>>(),
+            [0, 1, 2, 3, 4, 5]
+        );
         p.free(ids[1]).unwrap();
         p.free(ids[4]).unwrap();
         assert_eq!(p.allocate().unwrap().index, 1);

@@ -1,43 +1,4 @@
-//! Byte layout of the `kv_cache` region.
-//!
-//! # The layout: block-major
-//!
-//! The whole KV cache of every layer lives in one region (one virtual range) of
-//! `blocks × bytes_per_block` bytes. It is **block-major**: block `b` occupies bytes
-//! `[b·bytes_per_block, (b+1)·bytes_per_block)`, and inside it, for each layer `l` in order, the
-//! K page of layer `l` then its V page. A page holds `block_size × kv_heads × head_dim` elements
-//! in the chosen [`KvOrder`]: NHD `[block_size, kv_heads, head_dim]` or HND
-//! `[kv_heads, block_size, head_dim]`.
-//!
-//! ```text
-//! block 0: [L0.K][L0.V][L1.K][L1.V] ... [Ln.K][Ln.V]
-//! block 1: [L0.K][L0.V][L1.K][L1.V] ... [Ln.K][Ln.V]
-//! ...
-//! ```
-//!
-//! Seen from one layer, its K cache is a strided 4-D tensor `[blocks, block_size, kv_heads,
-//! head_dim]` (NHD; HND swaps the middle two) with base [`KvLayout::k_base`] and element strides
-//! [`KvLayout::strides`]: the block stride is the whole block (all layers, K and V), the inner
-//! strides are dense. FlashInfer and FlashAttention paged kernels take per-layer base pointers
-//! with an explicit block (page) stride, so they read this layout directly; so do the crate's own
-//! kernels. vLLM's cross-layer ("layers contiguous per block") layout is the same idea.
-//!
-//! Why not layer-major `[layer][K|V][blocks][...]` (what vLLM allocates per layer by default)?
-//! There every layer's tensor is dense (block stride = one page), which any kernel accepts, but
-//! the blocks `0..n` of all layers are `2·layers` separate ranges spread across the whole
-//! region: backing "the low blocks" needs physical chunks in every layer's slice, and trimming
-//! one block id frees memory in `2·layers` places. Block-major makes blocks `0..n` one
-//! contiguous prefix `[0, n·bytes_per_block)`, so elastic backing maps a compact low range of
-//! block ids as few physical chunks, and a chunk-aligned range of block ids with no live block
-//! can be unmapped as one piece (kvcached likewise keeps all layers in one range). The price is
-//! that a kernel demanding a *dense* per-layer tensor (block stride = page size) cannot read it
-//! without a copy; kernels taking strides (all the ones we target) are fine. The layout also does
-//! not depend on the number of blocks, so the region can grow or be trimmed without moving any
-//! layer's base.
-//!
-//! Every row (`head_dim` elements) is a multiple of 2 bytes because every [`KvDtype`] is at
-//! least 2 bytes wide; rows are 16-byte aligned when `head_dim × dtype.size()` is a multiple of
-//! 16 (kernels fall back to narrower accesses otherwise).
+//! Byte layout of the `kv_cache` region: see [`KvLayout`].
 
 use super::KvError;
 
@@ -92,7 +53,46 @@ pub struct KvStrides {
     pub head: u64,
 }
 
-/// Shape, dtype and order of the paged KV cache; see the [module docs](self) for the layout.
+/// Shape, dtype and order of the paged KV cache, and the byte layout of the region.
+///
+/// # The layout: block-major
+///
+/// The whole KV cache of every layer lives in one region (one virtual range) of
+/// `blocks × bytes_per_block` bytes. It is **block-major**: block `b` occupies bytes
+/// `[b·bytes_per_block, (b+1)·bytes_per_block)`, and inside it, for each layer `l` in order, the
+/// K page of layer `l` then its V page. A page holds `block_size × kv_heads × head_dim` elements
+/// in the chosen [`KvOrder`]: NHD `[block_size, kv_heads, head_dim]` or HND
+/// `[kv_heads, block_size, head_dim]`.
+///
+/// ```text
+/// block 0: [L0.K][L0.V][L1.K][L1.V] ... [Ln.K][Ln.V]
+/// block 1: [L0.K][L0.V][L1.K][L1.V] ... [Ln.K][Ln.V]
+/// ...
+/// ```
+///
+/// Seen from one layer, its K cache is a strided 4-D tensor `[blocks, block_size, kv_heads,
+/// head_dim]` (NHD; HND swaps the middle two) with base [`KvLayout::k_base`] and element strides
+/// [`KvLayout::strides`]: the block stride is the whole block (all layers, K and V), the inner
+/// strides are dense. FlashInfer and FlashAttention paged kernels take per-layer base pointers
+/// with an explicit block (page) stride, so they read this layout directly; so do the crate's own
+/// kernels. vLLM's cross-layer ("layers contiguous per block") layout is the same idea.
+///
+/// Why not layer-major `[layer][K|V][blocks][...]` (what vLLM allocates per layer by default)?
+/// There every layer's tensor is dense (block stride = one page), which any kernel accepts, but
+/// the blocks `0..n` of all layers are `2·layers` separate ranges spread across the whole
+/// region: backing "the low blocks" needs physical chunks in every layer's slice, and trimming
+/// one block id frees memory in `2·layers` places. Block-major makes blocks `0..n` one
+/// contiguous prefix `[0, n·bytes_per_block)`, so elastic backing maps a compact low range of
+/// block ids as few physical chunks, and a chunk-aligned range of block ids with no live block
+/// can be unmapped as one piece (kvcached likewise keeps all layers in one range). The price is
+/// that a kernel demanding a *dense* per-layer tensor (block stride = page size) cannot read it
+/// without a copy; kernels taking strides (all the ones we target) are fine. The layout also does
+/// not depend on the number of blocks, so the region can grow or be trimmed without moving any
+/// layer's base.
+///
+/// Every row (`head_dim` elements) is a multiple of 2 bytes because every [`KvDtype`] is at
+/// least 2 bytes wide; rows are 16-byte aligned when `head_dim × dtype.size()` is a multiple of
+/// 16 (kernels fall back to narrower accesses otherwise).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KvLayout {
     layers: u32,
@@ -384,9 +384,30 @@ mod tests {
         bad(KvLayout::new(1, 0, 1, 1, KvDtype::F16, KvOrder::Nhd));
         bad(KvLayout::new(1, 1, 0, 1, KvDtype::F16, KvOrder::Nhd));
         bad(KvLayout::new(1, 1, 1, 0, KvDtype::F16, KvOrder::Nhd));
-        bad(KvLayout::new(u32::MAX, u32::MAX, u32::MAX, 2, KvDtype::F32, KvOrder::Nhd));
-        bad(KvLayout::new(u32::MAX, u32::MAX, 4, 1, KvDtype::F32, KvOrder::Nhd));
-        let l = KvLayout::new(1 << 20, 1 << 10, 1 << 10, 1 << 10, KvDtype::F32, KvOrder::Nhd);
+        bad(KvLayout::new(
+            u32::MAX,
+            u32::MAX,
+            u32::MAX,
+            2,
+            KvDtype::F32,
+            KvOrder::Nhd,
+        ));
+        bad(KvLayout::new(
+            u32::MAX,
+            u32::MAX,
+            4,
+            1,
+            KvDtype::F32,
+            KvOrder::Nhd,
+        ));
+        let l = KvLayout::new(
+            1 << 20,
+            1 << 10,
+            1 << 10,
+            1 << 10,
+            KvDtype::F32,
+            KvOrder::Nhd,
+        );
         let l = l.unwrap();
         bad(l.total_bytes(u32::MAX).map(|_| l));
         assert!(l.offset(0, Kv::K, u32::MAX, 0, 0).is_err());

@@ -27,6 +27,7 @@
 
 mod block_pool;
 mod layout;
+pub mod reference;
 
 pub use block_pool::{BlockId, BlockPool, PoolStats, SeqId, WriteTarget};
 pub use layout::{Kv, KvDtype, KvLayout, KvOrder, KvStrides};
@@ -38,6 +39,14 @@ pub enum KvError {
     /// The layout (or pool) parameters are unusable.
     #[error("invalid KV layout: {reason}; fix the KvLayout / BlockPool parameters")]
     InvalidLayout {
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// Arguments of a KV operation that cannot be acted on (a token stride too small or
+    /// misaligned, conflicting copy pairs, a block listed twice, ...).
+    #[error("invalid arguments: {reason}; fix the call")]
+    InvalidArgument {
         /// What is wrong.
         reason: String,
     },

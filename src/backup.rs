@@ -24,8 +24,6 @@ pub const DEFAULT_HASH_CHUNK_BYTES: usize = 32 << 20;
 /// What a save did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Saved {
-    /// Leading bytes of the region the backup now holds.
-    pub len: usize,
     /// Bytes actually copied (changed chunks only).
     pub copied: usize,
     /// Time hashing the device contents.
@@ -38,12 +36,18 @@ pub(crate) struct Saved {
 #[derive(Debug, Default)]
 pub(crate) struct Backup {
     buf: Option<Box<dyn HostBuffer>>,
-    /// Hashes of the backup's contents, one per hash chunk of `[0, hashed_len)`.
+    /// Leading bytes of the region the backup holds: what a resume restores.
+    held: usize,
+    /// Hashes of those bytes, one per hash chunk (None: unknown, the next save copies all).
     hashes: Option<Vec<u64>>,
-    hashed_len: usize,
 }
 
 impl Backup {
+    /// Leading bytes of the region the backup holds.
+    pub fn held(&self) -> usize {
+        self.held
+    }
+
     /// Bytes of pinned memory held.
     pub fn bytes(&self) -> usize {
         self.buf.as_ref().map_or(0, |b| b.len())
@@ -56,6 +60,7 @@ impl Backup {
         }
         let t = Instant::now();
         self.buf = Some(backend.alloc_pinned(size)?);
+        self.held = 0;
         self.hashes = None;
         Ok(t.elapsed())
     }
@@ -64,6 +69,7 @@ impl Backup {
     pub fn free(&mut self) -> usize {
         let n = self.bytes();
         self.buf = None;
+        self.held = 0;
         self.hashes = None;
         n
     }
@@ -76,8 +82,8 @@ impl Backup {
 
     /// Copies device `base .. base + len` into the backup. With `skip_unchanged`, hashes the
     /// device range first and copies only the hash chunks whose hash differs from the
-    /// backup's. The backup must have been ensured. On error the stored hashes are dropped,
-    /// so the next save copies everything again.
+    /// backup's. The backup must have been ensured. On error the backup holds nothing (a
+    /// copy may have overwritten part of it), so the next save copies everything again.
     ///
     /// # Safety
     /// `base .. base + len` must be mapped device memory of `backend`, not written while this
@@ -90,15 +96,13 @@ impl Backup {
         skip_unchanged: bool,
         hash_chunk: usize,
     ) -> Result<Saved, BackendError> {
-        let mut out = Saved {
-            len,
-            ..Saved::default()
-        };
+        let mut out = Saved::default();
+        let old = self.hashes.take().filter(|_| skip_unchanged);
+        self.held = 0;
         if len == 0 {
             return Ok(out);
         }
         let chunk = Self::hash_chunk(len, hash_chunk);
-        let old = self.hashes.take().filter(|_| skip_unchanged);
         let t = Instant::now();
         let new = if skip_unchanged {
             // SAFETY: the caller guarantees the range is mapped.
@@ -137,11 +141,11 @@ impl Backup {
         enqueued.and(waited)?;
         out.copy = t.elapsed();
         self.hashes = new;
-        self.hashed_len = len;
+        self.held = len;
         Ok(out)
     }
 
-    /// Enqueues the copy of backup bytes `range` (clipped to what the backup holds) to
+    /// Enqueues the copy of backup bytes `range` (clipped to [`Backup::held`]) to
     /// device `base + range.start`, on `stream` or the backend's own copy stream. Returns the
     /// bytes enqueued.
     ///
@@ -153,9 +157,9 @@ impl Backup {
         backend: &dyn Backend,
         base: u64,
         range: Range<usize>,
-        held: usize,
         stream: Option<RawStream>,
     ) -> Result<usize, BackendError> {
+        let held = self.held;
         let range = range.start.min(held)..range.end.min(held);
         if range.is_empty() {
             return Ok(0);
@@ -176,7 +180,7 @@ impl Backup {
         Ok(range.len())
     }
 
-    /// Checks restored device contents `base .. base + held` against the backup's hashes.
+    /// Checks restored device contents `base .. base + held()` against the backup's hashes.
     /// Returns the index of the first hash chunk that differs, if any. Without stored
     /// hashes (saves made with `skip_unchanged` off) it hashes the backup on the host.
     ///
@@ -186,15 +190,15 @@ impl Backup {
         &self,
         backend: &dyn Backend,
         base: u64,
-        held: usize,
         hash_chunk: usize,
     ) -> Result<Option<usize>, BackendError> {
+        let held = self.held;
         if held == 0 {
             return Ok(None);
         }
         let chunk = Self::hash_chunk(held, hash_chunk);
         let want = match (&self.hashes, &self.buf) {
-            (Some(h), _) if self.hashed_len == held => h.clone(),
+            (Some(h), _) => h.clone(),
             (_, Some(b)) => kernels::reference::chunk_hash(&b.as_slice()[..held], chunk),
             (_, None) => return Ok(None),
         };

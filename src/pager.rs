@@ -482,7 +482,7 @@ impl Pager {
             }
             let (bytes, unmap) = r.unmap_all();
             steps[i].unmap = unmap;
-            r.set_released(saved[i].len);
+            r.set_released();
             out.push(RegionReport {
                 tag: r.tag.clone(),
                 outcome: Outcome::Done,

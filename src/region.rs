@@ -90,8 +90,6 @@ pub(crate) struct Region {
     reservation: Box<dyn Reservation>,
     /// Pinned host copy; kept across cycles once allocated.
     backup: Backup,
-    /// How many leading bytes the backup holds (0 for Discard): what a resume restores.
-    saved: usize,
     pub state: State,
     /// After `resume_on`: the restore copies still in flight on the caller's stream.
     pending: Option<std::sync::Arc<dyn Fence>>,
@@ -152,7 +150,6 @@ impl Region {
             mappings: Vec::new(),
             reservation,
             backup: Backup::default(),
-            saved: 0,
             state: State::Released,
             pending: None,
             alloc: SubAllocator::new(size),
@@ -278,13 +275,8 @@ impl Region {
             // caller waits, or synchronizes before unmapping on failure); release
             // synchronizes before it writes the backup again.
             copied += unsafe {
-                self.backup.restore_async(
-                    backend,
-                    self.base(),
-                    offset..offset + bytes,
-                    self.saved,
-                    stream,
-                )
+                self.backup
+                    .restore_async(backend, self.base(), offset..offset + bytes, stream)
             }
             .map_err(|e| Error::backend(&self.tag, "restoring contents from the backup", e))?;
             offset += bytes;
@@ -297,16 +289,13 @@ impl Region {
     /// Checks the restored contents against the backup's hashes (`verify_restore`).
     pub fn verify(&self, backend: &dyn Backend, hash_chunk: usize) -> Result<()> {
         // SAFETY: called after the restore finished, with the region mapped.
-        let bad = unsafe {
-            self.backup
-                .verify(backend, self.base(), self.saved, hash_chunk)
-        }
-        .map_err(|e| Error::backend(&self.tag, "verifying restored contents", e))?;
+        let bad = unsafe { self.backup.verify(backend, self.base(), hash_chunk) }
+            .map_err(|e| Error::backend(&self.tag, "verifying restored contents", e))?;
         match bad {
             None => Ok(()),
             Some(chunk) => Err(Error::Corrupted {
                 tag: self.tag.clone(),
-                offset: chunk * Backup::hash_chunk(self.saved, hash_chunk),
+                offset: chunk * Backup::hash_chunk(self.backup.held(), hash_chunk),
             }),
         }
     }
@@ -340,12 +329,11 @@ impl Region {
 
     /// Frees the pinned backup. Refused while released (it holds the contents).
     pub fn free_backup(&mut self) -> Result<usize> {
-        if !self.is_resident() && self.saved > 0 {
+        if !self.is_resident() && self.backup.held() > 0 {
             return Err(Error::BackupInUse {
                 tag: self.tag.clone(),
             });
         }
-        self.saved = 0;
         Ok(self.backup.free())
     }
 
@@ -368,10 +356,9 @@ impl Region {
         .map_err(|e| Error::backend(&self.tag, "copying contents to the host backup", e))
     }
 
-    /// Marks the region released after its chunks were unmapped; the backup holds `saved`
-    /// leading bytes.
-    pub fn set_released(&mut self, saved: usize) {
-        self.saved = saved;
+    /// Marks the region released after its chunks were unmapped (a `Preserve` region's
+    /// backup holds its contents, see [`Backup::held`]).
+    pub fn set_released(&mut self) {
         self.state = State::Released;
     }
 

@@ -251,8 +251,10 @@ fn backend_err<'a>(tag: &'a str, op: &'static str) -> impl Fn(BackendError) -> E
     move |e| Error::backend(tag, op, e)
 }
 
-/// Pinned host↔device bandwidth through the backend's copy path, best of three.
-fn measure_link(pager: &Pager, bytes: usize) -> Result<Link> {
+/// Pinned host↔device bandwidth through the backend's copy path, best of three copies of
+/// `bytes` each way, plus one copy into freshly mapped memory. Uses a temporary `Discard`
+/// region tagged `bench_link` (removed again) and a pinned buffer of `bytes`.
+pub fn measure_link(pager: &Pager, bytes: usize) -> Result<Link> {
     let b = pager.backend();
     pager.region("bench_link", bytes, Policy::Discard)?;
     let buf = pager.alloc("bench_link", bytes)?;

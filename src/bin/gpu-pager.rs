@@ -249,7 +249,10 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), Error> {
         ),
     );
 
-    let (h2d, d2h) = link_probe(&pager, &kv_buf)?;
+    // 2 GiB reaches the link's plateau on a GPU; on the host backend it only measures memcpy.
+    let probe = if on_gpu { 2 * GIB } else { 256 << 20 };
+    let link = gpu_pager::bench::measure_link(&pager, probe)?;
+    let (h2d, d2h) = (link.h2d_gbps, link.d2h_gbps);
     t.line(
         "link probe (pinned)",
         format!("host→device {h2d:.1} GB/s, device→host {d2h:.1} GB/s"),
@@ -400,38 +403,6 @@ fn line(t: &Timeline, what: &str, r: &Report, link: f64) {
             ms(s.copy)
         );
     }
-}
-
-/// Pinned host↔device bandwidth with the backend's own copy path, best of 3.
-fn link_probe(pager: &Pager, target: &Buffer) -> Result<(f64, f64), Error> {
-    let b = pager.backend();
-    // 2 GiB reaches the link's plateau on a GPU; on the host backend it only measures memcpy.
-    let cap = if b.info().kind == BackendKind::Cuda {
-        2 * GIB
-    } else {
-        256 << 20
-    };
-    let n = target.len().min(cap);
-    let err = |e| Error::Backend {
-        tag: "kv_cache".into(),
-        op: "the link probe",
-        source: e,
-    };
-    let mut host = b.alloc_pinned(n).map_err(err)?;
-    let dst = pager.ptr(target)?;
-    let (mut h2d, mut d2h) = (0.0f64, 0.0f64);
-    for _ in 0..3 {
-        let t = Instant::now();
-        // SAFETY: `dst..dst+n` is inside a live buffer of the resident kv_cache region, which
-        // nothing else touches during the demo.
-        unsafe { b.copy_to_device(dst, &host.as_slice()[..n]) }.map_err(err)?;
-        h2d = h2d.max(gbps(n, t.elapsed()));
-        let t = Instant::now();
-        // SAFETY: as above.
-        unsafe { b.copy_to_host(&mut host.as_mut_slice()[..n], dst) }.map_err(err)?;
-        d2h = d2h.max(gbps(n, t.elapsed()));
-    }
-    Ok((h2d, d2h))
 }
 
 fn bench(backend: Arc<dyn Backend>, a: &BenchArgs) -> Result<(), Error> {

@@ -46,7 +46,10 @@ fn resume_latency(c: &mut Criterion) {
             "weights",
             cfg.weights_bytes,
             Policy::Preserve,
-            RegionOptions { prepin: true },
+            RegionOptions {
+                prepin: true,
+                ..Default::default()
+            },
         )?;
         pager.region("kv_cache", cfg.kv_bytes, Policy::Discard)?;
         let w = pager.alloc("weights", cfg.weights_bytes - 4096)?;

@@ -369,7 +369,10 @@ pub fn run(
         "weights",
         cfg.weights_bytes,
         Policy::Preserve,
-        RegionOptions { prepin: true },
+        RegionOptions {
+            prepin: true,
+            ..Default::default()
+        },
     )?;
     let bufs = weight_buffers(&pager, cfg)?;
     write_weights(&pager, &bufs, 0)?;

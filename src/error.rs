@@ -23,6 +23,22 @@ pub enum Error {
         op: &'static str,
     },
 
+    /// Pager access to a range of an elastic region that has no physical memory mapped
+    /// (never backed, or trimmed). Nothing was touched.
+    #[error(
+        "{len} bytes at offset {offset} of elastic region `{tag}` have no physical memory; back \
+         them first (pager.back(\"{tag}\", {offset}..{end})) or allocate KV blocks there",
+        end = .offset + .len
+    )]
+    NotBacked {
+        /// The region.
+        tag: String,
+        /// Start of the access, from the region's base.
+        offset: usize,
+        /// Length of the access.
+        len: usize,
+    },
+
     /// No region has this tag.
     #[error("no region is tagged `{tag}`; create it with pager.region(\"{tag}\", bytes, policy)")]
     UnknownTag {
@@ -39,13 +55,15 @@ pub enum Error {
         leases: usize,
     },
 
-    /// Resume could not get physical memory: something else (a trainer) still holds it.
-    /// Nothing was lost; the region stays released with its backup, and a later resume
-    /// succeeds once the memory is free.
+    /// Resume (or [`crate::Pager::back`]) could not get physical memory: something else (a
+    /// trainer) still holds it. Nothing was lost: a failed resume leaves the region released
+    /// with its backup, a failed back maps nothing new; a later call succeeds once the
+    /// memory is free.
     #[error(
-        "resuming `{tag}` needs {requested} bytes of device memory but only {free} are free; \
-         free the other holder's memory (e.g. the trainer's buffers) and resume again — the region \
-         is still released with its contents backed up"
+        "mapping `{tag}` needs {requested} bytes of device memory but only {free} are free; \
+         free the other holder's memory (e.g. the trainer's buffers) and try again — nothing was \
+         lost: a failed resume leaves the region released with its contents backed up, a failed \
+         back maps nothing new"
     )]
     OutOfMemory {
         /// The region.
@@ -175,6 +193,7 @@ impl Error {
     pub fn tag(&self) -> &str {
         match self {
             Error::NotResident { tag, .. }
+            | Error::NotBacked { tag, .. }
             | Error::UnknownTag { tag }
             | Error::Busy { tag, .. }
             | Error::OutOfMemory { tag, .. }
@@ -200,6 +219,7 @@ impl Error {
 }
 
 /// Describes a policy for error messages.
-pub(crate) fn describe(policy: Policy, bytes: usize) -> String {
-    format!("{policy:?} with {bytes} bytes")
+pub(crate) fn describe(policy: Policy, bytes: usize, elastic: bool) -> String {
+    let elastic = if elastic { "elastic " } else { "" };
+    format!("{elastic}{policy:?} with {bytes} bytes")
 }

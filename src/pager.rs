@@ -1,6 +1,7 @@
 //! The pager: regions by tag, release and resume of tag sets, buffers, leases and stats.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
@@ -24,6 +25,7 @@ pub const DEFAULT_ALIGN: usize = 256;
 pub struct PagerConfig {
     /// Physical chunk size in bytes; rounded up to the backend's granularity and to a power
     /// of two. A region smaller than a chunk is one chunk of its own (rounded) size.
+    /// [`RegionOptions::chunk_bytes`] overrides it per region.
     pub chunk_bytes: usize,
     /// On release, hash `Preserve` contents and copy only the hash chunks that changed since
     /// the last backup or restore (default on).
@@ -141,6 +143,16 @@ fn lock(slot: &Slot) -> MutexGuard<'_, Region> {
     slot.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Rounds a chunk size up to the granularity `g` and then to a power of two.
+fn round_chunk(bytes: usize, g: usize) -> usize {
+    bytes
+        .max(g)
+        .div_ceil(g)
+        .saturating_mul(g)
+        .checked_next_power_of_two()
+        .unwrap_or(usize::MAX / 2 + 1)
+}
+
 impl Pager {
     /// A pager over `backend` with default settings.
     pub fn new(backend: Arc<dyn Backend>) -> Self {
@@ -149,14 +161,7 @@ impl Pager {
 
     /// A pager over `backend` with the given settings.
     pub fn with_config(backend: Arc<dyn Backend>, config: PagerConfig) -> Self {
-        let g = backend.info().granularity.max(1);
-        let chunk = config
-            .chunk_bytes
-            .max(g)
-            .div_ceil(g)
-            .saturating_mul(g)
-            .checked_next_power_of_two()
-            .unwrap_or(usize::MAX / 2 + 1);
+        let chunk = round_chunk(config.chunk_bytes, backend.info().granularity.max(1));
         let hash_chunk = config.hash_chunk_bytes.max(16).next_multiple_of(16);
         Pager {
             backend,
@@ -213,7 +218,9 @@ impl Pager {
         self.region_with(tag, bytes, policy, RegionOptions::default())
     }
 
-    /// [`Pager::region`] with options (e.g. `prepin`).
+    /// [`Pager::region`] with options (`prepin`, `elastic`, a per-region `chunk_bytes`).
+    /// An elastic region is created with nothing mapped; see [`Pager::back`]. Asking again
+    /// for an existing tag also needs the same `elastic`.
     pub fn region_with(
         &self,
         tag: &str,
@@ -241,16 +248,19 @@ impl Pager {
         let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
         if let Some(slot) = map.get(tag) {
             let r = lock(slot);
-            if r.policy == policy && r.size() == size {
+            if r.policy == policy && r.size() == size && r.elastic == options.elastic {
                 return Ok(r.info());
             }
             return Err(Error::TagConflict {
                 tag: tag.to_owned(),
-                existing: describe(r.policy, r.size()),
-                requested: describe(policy, size),
+                existing: describe(r.policy, r.size(), r.elastic),
+                requested: describe(policy, size, options.elastic),
             });
         }
-        let chunk = self.config.chunk_bytes.min(size);
+        let chunk = options
+            .chunk_bytes
+            .map_or(self.config.chunk_bytes, |c| round_chunk(c, g.max(1)))
+            .min(size);
         let region = Region::create(self.backend.as_ref(), tag, size, chunk, policy, options)?;
         let info = region.info();
         map.insert(tag.to_owned(), Arc::new(Mutex::new(region)));
@@ -345,8 +355,8 @@ impl Pager {
     }
 
     /// Runs `f` on the locked region of `buf` after checking that the buffer is live, that
-    /// `offset + len` fits in it and that the region is resident. `f` gets the device
-    /// address of `buf + offset`.
+    /// `offset + len` fits in it, that the region is resident and, elastic, that the range
+    /// is backed. `f` gets the device address of `buf + offset`.
     fn with_resident<T>(
         &self,
         buf: &Buffer,
@@ -370,15 +380,24 @@ impl Pager {
             });
         }
         r.require_resident(op)?;
+        let start = buf.offset + offset;
+        if !r.is_backed(&(start..start + len)) {
+            return Err(Error::NotBacked {
+                tag: buf.tag.to_string(),
+                offset: start,
+                len,
+            });
+        }
         r.settle()?;
-        let addr = r.base() + (buf.offset + offset) as u64;
+        let addr = r.base() + start as u64;
         f(&r, addr)
     }
 
-    /// The device address of a buffer. `NotResident` while its region is released. The
-    /// address is stable across cycles, but see the type's docs on using it.
+    /// The device address of a buffer. `NotResident` while its region is released;
+    /// `NotBacked` when the region is elastic and the buffer not wholly backed. The address
+    /// is stable across cycles, but see the type's docs on using it.
     pub fn ptr(&self, buf: &Buffer) -> Result<u64> {
-        self.with_resident(buf, 0, 0, "a pointer lookup", |_, addr| Ok(addr))
+        self.with_resident(buf, 0, buf.len, "a pointer lookup", |_, addr| Ok(addr))
     }
 
     /// Copies `data` from the host into `buf` at `offset` and waits for it.
@@ -420,7 +439,8 @@ impl Pager {
     }
 
     /// Keeps `tags` resident until the lease drops: releasing any of them fails with
-    /// `Busy` meanwhile. Fails with `NotResident` if one is released now.
+    /// `Busy` meanwhile. Fails with `NotResident` if one is released now. A lease does not
+    /// keep an elastic region's chunks backed: [`Pager::trim`] still unmaps unused ones.
     pub fn lease(&self, tags: &[&str]) -> Result<Lease> {
         let slots = self.slots(tags)?;
         let mut guards: Vec<_> = slots.iter().map(lock).collect();
@@ -554,7 +574,7 @@ impl Pager {
             // Regions without contents first: cheap, and an out-of-memory shows up before
             // any copy starts.
             for (i, r) in regions.iter_mut().enumerate() {
-                if todo[i] && !preserve(r) {
+                if todo[i] && !preserve(r) && !r.elastic {
                     steps[i].map = r.map_all(backend)?;
                 }
             }
@@ -629,7 +649,7 @@ impl Pager {
             out.push(RegionReport {
                 tag: r.tag.clone(),
                 outcome: Outcome::Done,
-                bytes: r.size(),
+                bytes: r.mapped_bytes(),
                 copied: copied[i],
                 steps: steps[i],
             });
@@ -653,6 +673,75 @@ impl Pager {
         });
         drop(regions);
         Ok((report, lease))
+    }
+
+    /// Maps physical memory under the chunks of the elastic region `tag` that share a byte
+    /// with `range` (offsets from the region's base) and are not mapped yet. Returns the
+    /// bytes newly mapped (whole chunks; 0 for an empty range or a non-elastic region, which
+    /// is mapped whole while resident). `DiscardZeroed` regions get the new chunks
+    /// zero-filled; `Discard` leaves them uninitialised. All or nothing: on failure (e.g.
+    /// [`Error::OutOfMemory`]) nothing stays newly mapped, and a later call may succeed.
+    /// Needs the region resident ([`Error::NotResident`]) and `range` inside it
+    /// ([`Error::OutOfRange`]).
+    pub fn back(&self, tag: &str, range: Range<usize>) -> Result<usize> {
+        let slot = self.slot(tag)?;
+        let mut r = lock(&slot);
+        r.require_resident("back")?;
+        r.check_range(&range)?;
+        if range.is_empty() {
+            return Ok(0);
+        }
+        r.back(self.backend.as_ref(), &range)
+    }
+
+    /// Gives back to the device every mapped chunk of the elastic region `tag` that shares
+    /// no byte with any of the `keep` ranges (offsets from the region's base; ranges past
+    /// the end or empty keep nothing). Waits for all outstanding device work first, since
+    /// kernels may still use the memory. Returns the bytes unmapped; 0 for a released
+    /// region (it has nothing mapped). Contents of the unmapped chunks are lost.
+    ///
+    /// Leases do not block a trim: a lease keeps a region resident, not its unused chunks
+    /// backed. Pager access to a trimmed range fails with [`Error::NotBacked`]; raw pointers
+    /// into it fault, as into a released region. Refused with [`Error::InvalidArgument`]
+    /// for a region that is not elastic.
+    pub fn trim(&self, tag: &str, keep: &[Range<usize>]) -> Result<usize> {
+        let slot = self.slot(tag)?;
+        let mut r = lock(&slot);
+        if !r.elastic {
+            return Err(Error::InvalidArgument {
+                tag: tag.to_owned(),
+                reason: "only elastic regions can be trimmed; create the region with \
+                         RegionOptions { elastic: true, .. }, or release it instead"
+                    .to_owned(),
+            });
+        }
+        if !r.is_resident() {
+            return Ok(0);
+        }
+        self.backend
+            .synchronize()
+            .map_err(|e| Error::backend(tag, "waiting for device work", e))?;
+        Ok(r.trim(keep))
+    }
+
+    /// Whether `range` (offsets from the region's base) of region `tag` is backed by
+    /// physical memory: the region is resident and every chunk sharing a byte with the range
+    /// is mapped. An empty range is backed when the region is resident. A non-elastic
+    /// region is backed exactly while resident. [`Error::OutOfRange`] unless the range lies
+    /// inside the region.
+    pub fn is_backed(&self, tag: &str, range: Range<usize>) -> Result<bool> {
+        let slot = self.slot(tag)?;
+        let r = lock(&slot);
+        r.check_range(&range)?;
+        Ok(r.is_resident() && r.is_backed(&range))
+    }
+
+    /// How many releases have changed region `tag` since it was created (0 at creation,
+    /// one more for each release that unmapped it; releases of an already released region do
+    /// not count). A KV cache compares it with the value it saw to know that its blocks'
+    /// contents are gone.
+    pub fn releases(&self, tag: &str) -> Result<u64> {
+        Ok(lock(&self.slot(tag)?).releases)
     }
 
     /// Frees a region's pinned backup (the next release pins again). Refused while the

@@ -4,6 +4,7 @@
 //! The region performs the steps of a move; [`crate::Pager`] orders them across the regions
 //! of one call so that each call is all or nothing.
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, BackendError, Fence, Mapping, RawStream, Reservation};
@@ -38,6 +39,15 @@ pub struct RegionOptions {
     /// Allocate the pinned host backup now (Preserve only), so the first release pays no
     /// pinning on its critical path.
     pub prepin: bool,
+    /// Map physical chunks only where asked ([`crate::Pager::back`]) and give them back
+    /// with [`crate::Pager::trim`], instead of mapping the whole region while resident (a
+    /// paged KV cache). The region is created, and resumed, with nothing mapped. Only for
+    /// [`Policy::Discard`] and [`Policy::DiscardZeroed`].
+    pub elastic: bool,
+    /// Physical chunk size for this region instead of [`crate::PagerConfig::chunk_bytes`],
+    /// rounded the same way (up to the granularity and to a power of two). Elastic regions
+    /// map and unmap whole chunks, so smaller chunks follow their use more closely.
+    pub chunk_bytes: Option<usize>,
 }
 
 /// A public description of a region.
@@ -55,6 +65,8 @@ pub struct RegionInfo {
     pub policy: Policy,
     /// Current state.
     pub state: State,
+    /// Whether chunks are mapped only where backed ([`RegionOptions::elastic`]).
+    pub elastic: bool,
 }
 
 /// Per-region statistics.
@@ -62,7 +74,7 @@ pub struct RegionInfo {
 pub struct RegionStats {
     /// The region.
     pub info: RegionInfo,
-    /// Physical bytes mapped now.
+    /// Physical bytes mapped now (for an elastic region: its backed chunks).
     pub resident_bytes: usize,
     /// Reserved bytes with nothing mapped (the whole region while released).
     pub released_bytes: usize,
@@ -84,9 +96,13 @@ pub(crate) struct Region {
     pub tag: String,
     pub policy: Policy,
     pub chunk_bytes: usize,
+    /// Chunks are mapped on demand (`back`/`trim`), not all at once.
+    pub elastic: bool,
+    /// Releases that changed this region (a KV cache invalidates its block ids on a change).
+    pub releases: u64,
     // Field order is drop order: mappings are unmapped and released before the reservation
-    // frees the address range.
-    mappings: Vec<Box<dyn Mapping>>,
+    // frees the address range. Entry `i` is chunk `i` (see `chunk_range`), `None` unmapped.
+    mappings: Vec<Option<Box<dyn Mapping>>>,
     reservation: Box<dyn Reservation>,
     /// Pinned host copy; kept across cycles once allocated.
     backup: Backup,
@@ -130,8 +146,14 @@ pub(crate) fn chunk_sizes(size: usize, chunk: usize) -> Vec<usize> {
     out
 }
 
+/// Whether two ranges share a byte.
+fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
+    a.start < a.end && b.start < b.end && a.start < b.end && b.start < a.end
+}
+
 impl Region {
-    /// Reserves the range and maps it (the region starts resident).
+    /// Reserves the range and maps it, or, elastic, maps nothing (the region starts
+    /// resident either way).
     pub fn create(
         backend: &dyn Backend,
         tag: &str,
@@ -140,14 +162,25 @@ impl Region {
         policy: Policy,
         options: RegionOptions,
     ) -> Result<Region> {
+        if options.elastic && policy == Policy::Preserve {
+            return Err(Error::InvalidArgument {
+                tag: tag.to_owned(),
+                reason: "a Preserve region cannot be elastic (its backup covers the whole \
+                         region); use Policy::Discard or Policy::DiscardZeroed, or elastic: false"
+                    .to_owned(),
+            });
+        }
         let reservation = backend
             .reserve(size)
             .map_err(|e| Error::backend(tag, "reserving the address range", e))?;
+        let chunks = size.div_ceil(chunk_bytes);
         let mut region = Region {
             tag: tag.to_owned(),
             policy,
             chunk_bytes,
-            mappings: Vec::new(),
+            elastic: options.elastic,
+            releases: 0,
+            mappings: std::iter::repeat_with(|| None).take(chunks).collect(),
             reservation,
             backup: Backup::default(),
             state: State::Released,
@@ -157,9 +190,11 @@ impl Region {
             last_release: None,
             last_resume: None,
         };
-        region.map_all(backend)?;
-        if policy == Policy::DiscardZeroed {
-            region.zero(backend)?;
+        if !region.elastic {
+            region.map_all(backend)?;
+            if policy == Policy::DiscardZeroed {
+                region.zero(backend)?;
+            }
         }
         region.state = State::Resident;
         if options.prepin && policy == Policy::Preserve {
@@ -184,11 +219,12 @@ impl Region {
             chunk_bytes: self.chunk_bytes,
             policy: self.policy,
             state: self.state,
+            elastic: self.elastic,
         }
     }
 
     pub fn stats(&self) -> RegionStats {
-        let resident: usize = self.mappings.iter().map(|m| m.len()).sum();
+        let resident = self.mapped_bytes();
         RegionStats {
             info: self.info(),
             resident_bytes: resident,
@@ -230,17 +266,156 @@ impl Region {
         }
     }
 
-    /// Maps every chunk with one backend call (one access change over the whole range, the
-    /// cheapest pattern). On failure nothing stays mapped. Returns the time it took.
+    /// Bytes mapped now.
+    pub fn mapped_bytes(&self) -> usize {
+        self.mappings.iter().flatten().map(|m| m.len()).sum()
+    }
+
+    /// The byte range chunk `i` covers.
+    fn chunk_range(&self, i: usize) -> Range<usize> {
+        i * self.chunk_bytes..((i + 1) * self.chunk_bytes).min(self.size())
+    }
+
+    /// The chunks that share a byte with `range` (which lies inside the region).
+    fn chunks_touching(&self, range: &Range<usize>) -> Range<usize> {
+        if range.is_empty() {
+            return 0..0;
+        }
+        range.start / self.chunk_bytes..range.end.div_ceil(self.chunk_bytes)
+    }
+
+    /// Errors with `OutOfRange` unless `range` lies inside the region (`start <= end`).
+    pub fn check_range(&self, range: &Range<usize>) -> Result<()> {
+        if range.start > range.end || range.end > self.size() {
+            return Err(Error::OutOfRange {
+                tag: self.tag.clone(),
+                what: "region",
+                offset: range.start,
+                len: range.end.saturating_sub(range.start),
+                size: self.size(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether every chunk sharing a byte with `range` (inside the region) is mapped.
+    pub fn is_backed(&self, range: &Range<usize>) -> bool {
+        self.mappings[self.chunks_touching(range)]
+            .iter()
+            .all(Option::is_some)
+    }
+
+    /// Maps every unmapped chunk (all of them while released). See `map_chunks`.
     pub fn map_all(&mut self, backend: &dyn Backend) -> Result<Duration> {
-        debug_assert!(self.mappings.is_empty());
         let t = Instant::now();
-        let sizes = chunk_sizes(self.size(), self.chunk_bytes);
-        // SAFETY: the span is exactly this region's reservation, which nothing maps now
-        // (mappings is empty while released).
-        let mapped = unsafe { backend.map(self.base(), &sizes) };
-        self.mappings = mapped.map_err(|e| self.map_error(backend, e))?;
+        self.map_chunks(backend, 0..self.mappings.len())?;
         Ok(t.elapsed())
+    }
+
+    /// The contiguous runs of chunks among `chunks` that are mapped (`mapped`) or not.
+    fn runs(&self, chunks: Range<usize>, mapped: bool) -> Vec<Range<usize>> {
+        let mut runs: Vec<Range<usize>> = Vec::new();
+        for i in chunks.filter(|&i| self.mappings[i].is_some() == mapped) {
+            match runs.last_mut() {
+                Some(run) if run.end == i => run.end = i + 1,
+                _ => runs.push(i..i + 1),
+            }
+        }
+        runs
+    }
+
+    /// The byte range a non-empty run of chunks covers.
+    fn bytes_of(&self, run: &Range<usize>) -> Range<usize> {
+        self.chunk_range(run.start).start..self.chunk_range(run.end - 1).end
+    }
+
+    /// Maps the unmapped chunks among `chunks`, one backend call per contiguous run (a whole
+    /// released region is one run: one access change over the whole range, the cheapest
+    /// pattern). All or nothing: on failure what this call mapped is unmapped again.
+    /// Returns the runs of chunks newly mapped.
+    pub fn map_chunks(
+        &mut self,
+        backend: &dyn Backend,
+        chunks: Range<usize>,
+    ) -> Result<Vec<Range<usize>>> {
+        let runs = self.runs(chunks, false);
+        for (k, run) in runs.iter().enumerate() {
+            let sizes: Vec<usize> = run.clone().map(|i| self.chunk_range(i).len()).collect();
+            let at = self.base() + self.bytes_of(run).start as u64;
+            // SAFETY: the run's chunks lie inside this region's reservation and are unmapped
+            // (their entries are `None`, and every mapping in the region has an entry).
+            match unsafe { backend.map(at, &sizes) } {
+                Ok(mapped) => {
+                    for (slot, m) in self.mappings[run.clone()].iter_mut().zip(mapped) {
+                        *slot = Some(m);
+                    }
+                }
+                Err(e) => {
+                    // Undo the runs mapped before this one, then report (free memory is
+                    // measured after the undo).
+                    for done in &runs[..k] {
+                        self.unmap_chunks(done.clone());
+                    }
+                    return Err(self.map_error(backend, e));
+                }
+            }
+        }
+        Ok(runs)
+    }
+
+    /// Maps the unmapped chunks sharing a byte with `range` (inside the region) and, for
+    /// `DiscardZeroed`, zero-fills them. All or nothing. Returns the bytes newly mapped.
+    pub fn back(&mut self, backend: &dyn Backend, range: &Range<usize>) -> Result<usize> {
+        let runs = self.map_chunks(backend, self.chunks_touching(range))?;
+        if self.policy == Policy::DiscardZeroed {
+            let zeroed = runs
+                .iter()
+                .try_for_each(|run| self.zero_range(backend, self.bytes_of(run)));
+            if let Err(e) = zeroed {
+                // A fill may still be queued on the device: wait before unmapping.
+                if let Err(sync) = backend.synchronize() {
+                    eprintln!(
+                        "gpu-pager: synchronize after a failed back of `{}`: {sync}",
+                        self.tag
+                    );
+                }
+                for run in &runs {
+                    self.unmap_chunks(run.clone());
+                }
+                return Err(e);
+            }
+        }
+        Ok(runs.iter().map(|run| self.bytes_of(run).len()).sum())
+    }
+
+    /// Unmaps the chunks `chunks` (those mapped). Returns the bytes given back. The caller
+    /// has synchronized the device or knows nothing uses them.
+    pub fn unmap_chunks(&mut self, chunks: Range<usize>) -> usize {
+        self.mappings[chunks]
+            .iter_mut()
+            .filter_map(Option::take)
+            .map(|m| m.len())
+            .sum()
+    }
+
+    /// Unmaps every mapped chunk that shares no byte with any of `keep`. Returns the bytes
+    /// given back. The caller has synchronized the device.
+    pub fn trim(&mut self, keep: &[Range<usize>]) -> usize {
+        let mut bytes = 0;
+        for i in 0..self.mappings.len() {
+            let chunk = self.chunk_range(i);
+            if !keep.iter().any(|k| overlaps(k, &chunk)) {
+                bytes += self.unmap_chunks(i..i + 1);
+            }
+        }
+        bytes
+    }
+
+    /// Zero-fills `range` (mapped, inside the region).
+    pub fn zero_range(&self, backend: &dyn Backend, range: Range<usize>) -> Result<()> {
+        // SAFETY: the caller passes a mapped range of this region.
+        unsafe { backend.fill(self.base() + range.start as u64, range.len(), 0) }
+            .map_err(|e| Error::backend(&self.tag, "zero-filling", e))
     }
 
     /// Maps the region and enqueues the restore of its backup, overlapping the two: chunks
@@ -256,7 +431,7 @@ impl Region {
         stream: Option<RawStream>,
         overlap: bool,
     ) -> Result<(Duration, usize)> {
-        debug_assert!(self.mappings.is_empty());
+        debug_assert!(self.mappings.iter().all(Option::is_none));
         let sizes = chunk_sizes(self.size(), self.chunk_bytes);
         let first_group = if overlap { 1 } else { sizes.len() };
         let (mut first, mut group, mut offset) = (0, first_group, 0usize);
@@ -269,8 +444,10 @@ impl Region {
             // so far, so it is unmapped.
             let mapped = unsafe { backend.map(self.base() + offset as u64, &sizes[first..last]) };
             map_time += t.elapsed();
-            self.mappings
-                .extend(mapped.map_err(|e| self.map_error(backend, e))?);
+            let mapped = mapped.map_err(|e| self.map_error(backend, e))?;
+            for (slot, m) in self.mappings[first..last].iter_mut().zip(mapped) {
+                *slot = Some(m);
+            }
             // SAFETY: the span was just mapped and stays mapped until the copies finish (the
             // caller waits, or synchronizes before unmapping on failure); release
             // synchronizes before it writes the backup again.
@@ -300,22 +477,22 @@ impl Region {
         }
     }
 
-    /// Unmaps and releases every chunk. Returns (bytes, time). The caller has synchronized
-    /// the device, so a pending restore is over.
+    /// Unmaps and releases every mapped chunk. Returns (bytes, time). The caller has
+    /// synchronized the device, so a pending restore is over.
     pub fn unmap_all(&mut self) -> (usize, Duration) {
         self.pending = None;
         let t = Instant::now();
-        let bytes = self.mappings.iter().map(|m| m.len()).sum();
-        self.mappings.clear();
+        let bytes = self.unmap_chunks(0..self.mappings.len());
         (bytes, t.elapsed())
     }
 
-    /// Zero-fills the whole region (must be mapped).
+    /// Zero-fills every mapped chunk (the whole region right after `map_all`), one fill per
+    /// contiguous run.
     pub fn zero(&self, backend: &dyn Backend) -> Result<Duration> {
         let t = Instant::now();
-        // SAFETY: the whole reservation is mapped (called right after map_all).
-        unsafe { backend.fill(self.base(), self.size(), 0) }
-            .map_err(|e| Error::backend(&self.tag, "zero-filling", e))?;
+        for run in self.runs(0..self.mappings.len(), true) {
+            self.zero_range(backend, self.bytes_of(&run))?;
+        }
         Ok(t.elapsed())
     }
 
@@ -357,9 +534,10 @@ impl Region {
     }
 
     /// Marks the region released after its chunks were unmapped (a `Preserve` region's
-    /// backup holds its contents, see [`Backup::held`]).
+    /// backup holds its contents, see [`Backup::held`]) and counts the release.
     pub fn set_released(&mut self) {
         self.state = State::Released;
+        self.releases += 1;
     }
 
     /// Marks the region resident after its chunks were mapped and its contents restored

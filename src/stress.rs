@@ -400,6 +400,7 @@ pub fn run(
     for (t, ((tag, policy), bytes)) in TAGS.iter().zip(cfg.sizes()).enumerate() {
         let options = RegionOptions {
             prepin: *tag == "aux",
+            ..Default::default()
         };
         let info = pager.region_with(tag, bytes, *policy, options)?;
         (bases[t], sizes[t]) = (info.base, info.size);

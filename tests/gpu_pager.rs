@@ -1,5 +1,6 @@
 //! The pager on a real GPU: the multi-stage wake-up at scale, memory really returned, OOM
-//! rollback against a real allocation, and a CUDA graph replayed across a release.
+//! rollback against a real allocation, a CUDA graph replayed across a release, and an
+//! elastic region backed and trimmed.
 //!
 //! Every test is `#[ignore = "needs a CUDA GPU"]` and fails (never passes) without one.
 //! Run on the H200 with `bash .gpu/on-device gpu-tests` (see ../shared/gpu/README.md).
@@ -13,7 +14,7 @@ use common::{Rng, assert_bytes_eq, gpu_lock};
 use gpu_pager::backend::Backend;
 use gpu_pager::backend::cuda::CudaBackend;
 use gpu_pager::kernels::reference;
-use gpu_pager::{Buffer, Error, Pager, Policy, State};
+use gpu_pager::{Buffer, Error, Pager, Policy, RegionOptions, State};
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
@@ -310,4 +311,67 @@ fn gpu_resume_on_orders_the_restore_before_the_engines_kernels() {
         pager.read(&w, w.len() - data.len(), &mut tail).unwrap();
         assert_bytes_eq("tail after resume_on", &tail, &data);
     }
+}
+
+/// An elastic KV region backed 1 GiB at a time in 64 MiB chunks: device free memory drops
+/// by the backed bytes, the memory holds data, and a trim gives it back to the device.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_elastic_back_and_trim_move_real_memory() {
+    let _lock = gpu_lock();
+    let backend = gpu();
+    let pager = Pager::new(backend.clone());
+    let options = RegionOptions {
+        elastic: true,
+        chunk_bytes: Some(64 * MIB),
+        ..Default::default()
+    };
+    let info = pager
+        .region_with("kv_cache", 8 * GIB, Policy::Discard, options)
+        .unwrap();
+    assert_eq!(info.chunk_bytes, 64 * MIB);
+    let kv = pager.alloc("kv_cache", GIB).unwrap();
+    assert!(matches!(pager.ptr(&kv), Err(Error::NotBacked { .. })));
+
+    let before = free_bytes(&backend);
+    let range = kv.offset()..kv.offset() + kv.len();
+    let backed = pager.back("kv_cache", range.clone()).unwrap();
+    assert!(backed >= GIB, "backed {backed} bytes");
+    let after = free_bytes(&backend);
+    assert!(
+        before >= after + GIB,
+        "free memory fell by {} bytes after backing 1 GiB",
+        before.saturating_sub(after)
+    );
+    assert!(pager.is_backed("kv_cache", range).unwrap());
+
+    let mut rng = Rng::seeded("gpu_elastic_back_and_trim");
+    pager.fill(&kv, 0x5A5A_0F0F).unwrap();
+    let data = rng.bytes(64 * MIB + 5);
+    pager.write(&kv, kv.len() - data.len(), &data).unwrap();
+    let mut got = vec![0u8; data.len()];
+    pager.read(&kv, kv.len() - data.len(), &mut got).unwrap();
+    assert_bytes_eq("elastic tail", &got, &data);
+    let mut head = vec![0u8; 4096];
+    pager.read(&kv, 0, &mut head).unwrap();
+    assert_eq!(head, reference_fill(0x5A5A_0F0F, 4096));
+
+    let trimmed = pager.trim("kv_cache", &[]).unwrap();
+    assert_eq!(trimmed, backed);
+    let end = free_bytes(&backend);
+    assert!(
+        end + 64 * MIB >= before,
+        "the trim gave back only {} of {backed} bytes",
+        end.saturating_sub(after)
+    );
+    assert!(matches!(
+        pager.read(&kv, 0, &mut head),
+        Err(Error::NotBacked { .. })
+    ));
+}
+
+fn reference_fill(pattern: u32, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    reference::fill(&mut v, pattern);
+    v
 }

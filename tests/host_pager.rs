@@ -368,7 +368,10 @@ fn remove_and_backup_freeing() {
             "weights",
             4 * MIB,
             Policy::Preserve,
-            RegionOptions { prepin: true },
+            RegionOptions {
+                prepin: true,
+                ..Default::default()
+            },
         )
         .unwrap();
     assert_eq!(

@@ -63,4 +63,61 @@ typedef struct GpChunkHashParams {
     uint64_t out;         /* device address of ceil(bytes / chunk_bytes) uint64_t hashes */
 } GpChunkHashParams;
 
+/*
+ * Paged KV cache kernels (kernels/kv.cu). They move bytes: the element type only decides
+ * the row length (head_dim × element size). Every address, stride and length in a launch
+ * is a multiple of vec_bytes (16, 8, 4 or 2), the width of every load and store; the Rust
+ * launchers pick the widest width that divides all of them (gpu_pager::kernels::kv).
+ */
+
+/*
+ * gp_kv_write / gp_kv_gather: move head rows between the paged cache and token-major
+ * buffers ([tokens, kv_heads, row_bytes] dense rows, io_token_stride bytes between
+ * tokens).
+ *
+ * For token t and plane p (0 = K, 1 = V; planes is 1 or 2):
+ *   gp_kv_write:  slot = ((const int64_t*)index)[t]; slot < 0 is padding (skipped);
+ *                 block = slot / block_size, tok = slot % block_size;
+ *                 io[p] row (t, h) -> cache[p] row (block, tok, h).
+ *   gp_kv_gather: block = ((const uint32_t*)index)[t / block_size], tok = t % block_size;
+ *                 cache[p] row (block, tok, h) -> io[p] row (t, h).
+ * Cache row (block, tok, h) starts at
+ *   cache[p] + block * block_stride + tok * page_token_stride + h * page_head_stride.
+ * Launch: blockDim (tx, ty), tx threads per token, ty tokens per CTA, any grid.x.
+ */
+typedef struct GpKvRowsParams {
+    uint64_t cache[2];          /* row (0, 0, 0) of plane 0 and 1 (the layer's K, V page of block 0) */
+    uint64_t io[2];             /* token 0 of the token-major buffer of plane 0 and 1 */
+    uint64_t index;             /* write: tokens int64 slots; gather: ceil(tokens/block_size) uint32 blocks */
+    uint64_t block_stride;      /* bytes between blocks */
+    uint64_t io_token_stride;   /* bytes between tokens of io */
+    uint64_t page_token_stride; /* bytes between tokens inside a page */
+    uint64_t page_head_stride;  /* bytes between heads inside a page */
+    uint32_t tokens;            /* tokens to move */
+    uint32_t kv_heads;          /* heads per token */
+    uint32_t row_bytes;         /* bytes of one head row; multiple of vec_bytes */
+    uint32_t block_size;        /* tokens per block */
+    uint32_t planes;            /* 1 (io[1], cache[1] unused) or 2 */
+    uint32_t vec_bytes;         /* 16, 8, 4 or 2 */
+} GpKvRowsParams;
+
+/*
+ * gp_kv_move_blocks: for i < count, copy block_bytes bytes from
+ *   src + (src_ids ? src_ids[i] : i) * block_bytes   to   dst + (dst_ids ? dst_ids[i] : i) * block_bytes.
+ * copy_blocks (src = dst = the cache, both id lists), swap_out (dst = pinned host memory,
+ * identity), swap_in (src = pinned host memory, identity). No destination may be written
+ * twice or read by another pair (checked by the launchers).
+ * Launch: grid (x: CTAs per block, y: any; pairs are strided by gridDim.y), blockDim.x
+ * threads.
+ */
+typedef struct GpKvMoveParams {
+    uint64_t src;         /* base of the source blocks */
+    uint64_t dst;         /* base of the destination blocks */
+    uint64_t src_ids;     /* device address of count uint32 source block indices, or 0 for i */
+    uint64_t dst_ids;     /* device address of count uint32 destination indices, or 0 for i */
+    uint64_t block_bytes; /* bytes per block; multiple of vec_bytes */
+    uint32_t count;       /* blocks to move */
+    uint32_t vec_bytes;   /* 16, 8, 4 or 2 */
+} GpKvMoveParams;
+
 #endif /* GP_ABI_H */

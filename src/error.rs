@@ -175,6 +175,17 @@ pub enum Error {
         reason: String,
     },
 
+    /// A paged-KV-cache call was refused: a stale or foreign block id, an unknown sequence,
+    /// exhaustion, a slot outside live blocks, bad lengths. Nothing was changed.
+    #[error("KV cache `{tag}`: {source}")]
+    Kv {
+        /// The KV cache's region.
+        tag: String,
+        /// What is wrong, and what to do.
+        #[source]
+        source: crate::kv::KvError,
+    },
+
     /// The device or the operating system failed.
     #[error("{op} on `{tag}` failed: {source}")]
     Backend {
@@ -205,6 +216,7 @@ impl Error {
             | Error::InvalidArgument { tag, .. }
             | Error::Corrupted { tag, .. }
             | Error::BackupInUse { tag }
+            | Error::Kv { tag, .. }
             | Error::Backend { tag, .. } => tag,
         }
     }

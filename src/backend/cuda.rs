@@ -26,6 +26,9 @@ use super::{
 };
 use crate::kernels::{self, KernelModule, abi};
 
+mod kv;
+pub use kv::RowsKernel;
+
 /// Formats a driver error as `"<error name>: <error string>"`.
 fn describe(e: DriverError) -> String {
     let name = e
@@ -133,7 +136,8 @@ struct ChunkHashKernels {
     finalize: CudaFunction,
 }
 
-/// Device memory from `cuMemAlloc` for the per-chunk hashes of [`Backend::chunk_hash`].
+/// Device memory from `cuMemAlloc` for the per-chunk hashes of [`Backend::chunk_hash`] and
+/// the index lists of [`Backend::kv`].
 struct DeviceScratch {
     ptr: sys::CUdeviceptr,
     bytes: usize,
@@ -168,7 +172,10 @@ pub struct CudaBackend {
     recommended_granularity: usize,
     fill_kernels: OnceLock<FillKernels>,
     chunk_hash_kernels: OnceLock<ChunkHashKernels>,
+    kv_kernels: OnceLock<kv::KvKernels>,
     hash_scratch: Mutex<Option<DeviceScratch>>,
+    /// Device copies of the index lists of [`Backend::kv`] calls.
+    kv_scratch: Mutex<Option<DeviceScratch>>,
 }
 
 impl fmt::Debug for CudaBackend {
@@ -267,7 +274,9 @@ impl CudaBackend {
             recommended_granularity,
             fill_kernels: OnceLock::new(),
             chunk_hash_kernels: OnceLock::new(),
+            kv_kernels: OnceLock::new(),
             hash_scratch: Mutex::new(None),
+            kv_scratch: Mutex::new(None),
             ctx,
         })
     }
@@ -300,6 +309,7 @@ impl CudaBackend {
         bind(&self.ctx)?;
         self.fill_kernels()?;
         self.chunk_hash_kernels()?;
+        self.kv_kernels()?;
         Ok(())
     }
 
@@ -765,6 +775,11 @@ impl Backend for CudaBackend {
             .synchronize()
             .map_err(|e| driver_err("cuStreamSynchronize", e))?;
         Ok(hashes)
+    }
+
+    unsafe fn kv(&self, op: &crate::kv::KvOp<'_>) -> BackendResult<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.kv_sync(op) }
     }
 }
 

@@ -345,6 +345,13 @@ impl Backend for FaultyBackend {
         // SAFETY: the caller upholds `chunk_hash`'s contract, the wrapped backend's.
         unsafe { self.inner.chunk_hash(src, bytes, chunk_bytes) }
     }
+
+    /// # Safety
+    /// As [`Backend::kv`].
+    unsafe fn kv(&self, op: &crate::kv::KvOp<'_>) -> BackendResult<()> {
+        // SAFETY: the caller upholds `kv`'s contract, the wrapped backend's.
+        unsafe { self.inner.kv(op) }
+    }
 }
 
 #[cfg(test)]

@@ -15,9 +15,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{
     Backend, BackendError, BackendKind, BackendResult, DeviceInfo, HostBuffer, Mapping, MemInfo,
-    Reservation,
+    Reservation, kv_invalid,
 };
 use crate::kernels::{self, reference};
+use crate::kv::{KvOp, reference as kv_reference};
 
 /// Settings of a [`HostBackend`].
 #[derive(Debug, Clone, Copy)]
@@ -409,4 +410,84 @@ impl Backend for HostBackend {
         let data = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) };
         Ok(reference::chunk_hash(data, chunk_bytes))
     }
+
+    /// Runs the Rust reference of the kernel ([`crate::kv::reference`]) on the memory itself.
+    unsafe fn kv(&self, op: &KvOp<'_>) -> BackendResult<()> {
+        op.check().map_err(|e| kv_invalid(op, e))?;
+        let c = *op.cache();
+        // The checks above guarantee the length fits usize and no buffer overlaps the cache.
+        // The slice spans the whole cache; the caller guarantees that the blocks the call
+        // touches are mapped, and the reference touches nothing else.
+        // SAFETY: the caller's contract (see above); `check` rejected overlaps, so no other
+        // slice made below aliases it.
+        let cache = unsafe { span_mut(c.base, c.bytes() as usize) };
+        let l = &c.layout;
+        // SAFETY (each `span` / `span_mut` below): the caller guarantees the op's spans are
+        // mapped memory of this backend that nothing else touches during the call; only the
+        // written spans are made mutable, and they overlap neither the cache nor each other
+        // (an op has at most one written span).
+        let result = match *op {
+            KvOp::Write {
+                layer,
+                keys,
+                values,
+                tokens,
+                token_stride_bytes,
+                slot_mapping,
+                ..
+            } => kv_reference::write(
+                cache,
+                l,
+                layer,
+                unsafe { span(keys.addr, keys.len) },
+                unsafe { span(values.addr, values.len) },
+                tokens,
+                token_stride_bytes,
+                slot_mapping,
+            ),
+            KvOp::Gather {
+                layer,
+                kv,
+                block_table,
+                tokens,
+                out,
+                ..
+            } => kv_reference::gather(cache, l, layer, kv, block_table, tokens, unsafe {
+                span_mut(out.addr, out.len)
+            }),
+            KvOp::CopyBlocks { pairs, .. } => kv_reference::copy_blocks(cache, l, pairs),
+            KvOp::SwapOut { blocks, host, .. } => {
+                kv_reference::swap_out(cache, l, blocks, unsafe { span_mut(host.addr, host.len) })
+            }
+            KvOp::SwapIn { blocks, host, .. } => {
+                kv_reference::swap_in(cache, l, blocks, unsafe { span(host.addr, host.len) })
+            }
+        };
+        result.map_err(|e| kv_invalid(op, e))
+    }
+}
+
+/// `len` bytes at `addr` as a slice (empty when `len` is 0, whatever `addr` is).
+///
+/// # Safety
+/// `addr..addr+len` must be readable memory that nothing writes while the slice lives.
+unsafe fn span<'a>(addr: u64, len: usize) -> &'a [u8] {
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: the caller's contract; `len > 0`, so `addr` is a real address.
+    unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+}
+
+/// `len` bytes at `addr` as a mutable slice (empty when `len` is 0).
+///
+/// # Safety
+/// `addr..addr+len` must be writable memory that nothing else accesses while the slice
+/// lives.
+unsafe fn span_mut<'a>(addr: u64, len: usize) -> &'a mut [u8] {
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: the caller's contract; `len > 0`, so `addr` is a real address.
+    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
 }

@@ -19,6 +19,8 @@ pub mod host;
 
 use std::fmt;
 
+use crate::kv::KvOp;
+
 /// Which implementation a backend is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BackendKind {
@@ -152,6 +154,12 @@ pub trait HostBuffer: Send + Sync + fmt::Debug {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// The address kernels use to read and write the buffer in place (zero-copy). With
+    /// unified addressing (every 64-bit CUDA platform) page-locked memory from
+    /// `cuMemHostAlloc` has the same address on the device as on the host.
+    fn device_ptr(&self) -> u64 {
+        self.as_slice().as_ptr() as u64
+    }
 }
 
 /// Device memory held by someone other than the pager (a stand-in for the trainer's
@@ -275,6 +283,30 @@ pub trait Backend: Send + Sync + fmt::Debug {
         bytes: usize,
         chunk_bytes: usize,
     ) -> BackendResult<Vec<u64>>;
+
+    /// Runs one paged-KV-cache kernel ([`KvOp`]) and waits for it. The call is checked first
+    /// ([`KvOp::check`]: ids and slots in range, lengths consistent, no buffer overlapping the
+    /// cache); a failed check is [`BackendError::Invalid`] and nothing runs. The default
+    /// implementation, for backends without the kernels, always fails.
+    ///
+    /// # Safety
+    /// Every block of the cache the call touches, and every buffer span of `op`, must be
+    /// mapped memory of this backend (pinned host memory from [`Backend::alloc_pinned`] for
+    /// the swaps) that nothing else accesses until the call returns.
+    unsafe fn kv(&self, op: &KvOp<'_>) -> BackendResult<()> {
+        Err(BackendError::Invalid {
+            op: "kv",
+            reason: format!("this backend has no KV kernels ({} requested)", op.name()),
+        })
+    }
+}
+
+/// The backend's error for a KV call that fails its checks.
+pub(crate) fn kv_invalid(op: &KvOp<'_>, e: crate::kv::KvError) -> BackendError {
+    BackendError::Invalid {
+        op: op.name(),
+        reason: e.to_string(),
+    }
 }
 
 /// Picks the CUDA backend when a driver and a GPU are present, else the host backend.

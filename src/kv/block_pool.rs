@@ -109,7 +109,6 @@ impl BitTree {
         }
     }
 
-    #[cfg(test)]
     fn get(&self, i: u32) -> bool {
         let i = i as usize;
         self.levels[0][i / 64] & (1 << (i % 64)) != 0
@@ -296,6 +295,36 @@ impl BlockPool {
             start = end;
         }
         Ok(out)
+    }
+
+    /// Runs of consecutive live block indices, in increasing order (the complement of
+    /// [`BlockPool::empty_ranges`]`(1)`): what elastic backing must keep mapped.
+    pub fn live_runs(&self) -> Vec<Range<u32>> {
+        let mut out: Vec<Range<u32>> = Vec::new();
+        let Some(last) = self.highest_live_block() else {
+            return out;
+        };
+        let mut i = self.live_set.first().unwrap_or(0);
+        while i <= last {
+            if self.live_set.get(i) {
+                match out.last_mut() {
+                    Some(run) if run.end == i => run.end = i + 1,
+                    _ => out.push(i..i + 1),
+                }
+            }
+            i += 1;
+        }
+        out
+    }
+
+    /// The current id of block `index` if it is live (`None` when free or out of range).
+    /// For checking raw indices, such as the blocks of a slot mapping.
+    pub fn live_id(&self, index: u32) -> Option<BlockId> {
+        let i = index as usize;
+        (self.refcount.get(i).copied().unwrap_or(0) > 0).then(|| BlockId {
+            index,
+            generation: self.generation[i],
+        })
     }
 
     /// Counters for reporting and trimming.
@@ -542,6 +571,36 @@ impl BlockPool {
         })
     }
 
+    /// Shrinks the sequence to its first `tokens` tokens, dropping one reference to each
+    /// block no longer needed; returns the blocks that became free. Undoes an
+    /// [`append_tokens`](Self::append_tokens) (or rejected speculative tokens).
+    /// [`KvError::OutOfRange`] when `tokens` exceeds the length; validates first, so an error
+    /// changes nothing.
+    pub fn truncate(&mut self, seq: SeqId, tokens: u64) -> Result<Vec<BlockId>, KvError> {
+        let s = self.seq(seq)?;
+        if tokens > s.tokens {
+            return Err(KvError::OutOfRange {
+                what: "sequence length to truncate to",
+                index: tokens,
+                limit: s.tokens + 1,
+            });
+        }
+        let keep = tokens.div_ceil(u64::from(self.block_size)) as usize;
+        for &b in &s.blocks[keep..] {
+            self.check(b)?;
+        }
+        let s = self.seqs.get_mut(&seq).ok_or(KvError::UnknownSeq { seq })?;
+        let dropped: Vec<BlockId> = s.blocks.drain(keep..).collect();
+        s.tokens = tokens;
+        let mut freed = Vec::new();
+        for b in dropped {
+            if self.decref(b.index as usize) {
+                freed.push(b);
+            }
+        }
+        Ok(freed)
+    }
+
     /// Drops the sequence and one reference to each of its blocks; returns the blocks that
     /// became free. Validates every block first, so an error changes nothing.
     pub fn free_seq(&mut self, seq: SeqId) -> Result<Vec<BlockId>, KvError> {
@@ -607,5 +666,37 @@ mod tests {
         assert_eq!(p.empty_ranges(100).unwrap(), vec![]);
         let s = p.stats();
         assert_eq!((s.live, s.free, s.shared, s.sequences), (3, 7, 0, 0));
+        assert_eq!(p.live_runs(), vec![0..3]);
+        assert_eq!(p.live_id(2).map(|b| b.index), Some(2));
+        assert_eq!(p.live_id(3), None);
+        assert_eq!(p.live_id(99), None);
+    }
+
+    #[test]
+    fn truncate_undoes_append() {
+        let mut p = BlockPool::new(10, 4).unwrap();
+        let a = p.create_seq();
+        p.append_tokens(a, 5).unwrap();
+        let b = p.fork(a).unwrap();
+        let new = p.append_tokens(b, 7).unwrap();
+        assert_eq!(new.len(), 1);
+        assert_eq!(p.truncate(b, 5).unwrap(), new);
+        assert_eq!(p.seq_tokens(b).unwrap(), 5);
+        // Shared blocks lose a reference but stay live.
+        assert_eq!(p.truncate(b, 0).unwrap(), vec![]);
+        assert_eq!(p.live_blocks(), 2);
+        assert!(p.truncate(b, 1).is_err());
+        p.free_seq(a).unwrap();
+        assert_eq!(p.live_blocks(), 0);
+        let c = p.create_seq();
+        p.append_tokens(c, 9).unwrap();
+        let second = p.block_table(c).unwrap()[1];
+        p.free(second).unwrap();
+        assert_eq!(p.live_runs(), vec![0..1, 2..3]);
+        assert!(
+            p.truncate(c, 0).is_err(),
+            "a stale block in the table is refused"
+        );
+        assert_eq!(p.seq_tokens(c).unwrap(), 9);
     }
 }

@@ -26,11 +26,15 @@
 //! ```
 
 mod block_pool;
+mod cache;
 mod layout;
+mod op;
 pub mod reference;
 
 pub use block_pool::{BlockId, BlockPool, PoolStats, SeqId, WriteTarget};
+pub use cache::{DEFAULT_KV_CHUNK_BYTES, KvCache, KvCacheConfig, KvStats};
 pub use layout::{Kv, KvDtype, KvLayout, KvOrder, KvStrides};
+pub use op::{CacheView, DeviceSpan, KvOp};
 
 /// Errors of the KV layer. Every message says what to do about it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -113,8 +113,48 @@ pub fn write(
     token_stride_bytes: usize,
     slot_mapping: &[i64],
 ) -> Result<(), KvError> {
-    layout.base(layer, Kv::K)?;
+    check_write(
+        layout,
+        cache.len(),
+        layer,
+        keys.len(),
+        values.len(),
+        tokens,
+        token_stride_bytes,
+        slot_mapping,
+    )?;
     let row = to_usize(layout.row_bytes(), "row bytes")?;
+    let stride = token_stride_bytes as u64;
+    for (t, &slot) in slot_mapping[..tokens].iter().enumerate() {
+        if slot < 0 {
+            continue;
+        }
+        let src = t as u64 * stride;
+        for h in 0..layout.kv_heads() {
+            let from = src + u64::from(h) * layout.row_bytes();
+            let k = layout.slot_offset(layer, Kv::K, slot as u64, h)?;
+            copy_row(cache, k, keys, from, row);
+            let v = layout.slot_offset(layer, Kv::V, slot as u64, h)?;
+            copy_row(cache, v, values, from, row);
+        }
+    }
+    Ok(())
+}
+
+/// The checks of [`write()`] on buffer lengths instead of buffers: what every backend's
+/// launcher runs before it moves a byte.
+#[allow(clippy::too_many_arguments)]
+pub fn check_write(
+    layout: &KvLayout,
+    cache_len: usize,
+    layer: u32,
+    keys_len: usize,
+    values_len: usize,
+    tokens: usize,
+    token_stride_bytes: usize,
+    slot_mapping: &[i64],
+) -> Result<(), KvError> {
+    layout.base(layer, Kv::K)?;
     let token_bytes = token_bytes(layout);
     let stride = token_stride_bytes as u64;
     if stride < token_bytes {
@@ -145,10 +185,10 @@ pub fn write(
         let needed = (tokens as u64 - 1)
             .saturating_mul(stride)
             .saturating_add(token_bytes);
-        need("keys byte", needed, keys.len())?;
-        need("values byte", needed, values.len())?;
+        need("keys byte", needed, keys_len)?;
+        need("values byte", needed, values_len)?;
     }
-    let capacity = blocks_in(layout, cache.len());
+    let capacity = blocks_in(layout, cache_len);
     let limit = u64::from(capacity) * u64::from(layout.block_size());
     for &slot in slots {
         if slot >= 0 && slot as u64 >= limit {
@@ -157,20 +197,6 @@ pub fn write(
                 index: slot as u64,
                 limit,
             });
-        }
-    }
-
-    for (t, &slot) in slots.iter().enumerate() {
-        if slot < 0 {
-            continue;
-        }
-        let src = t as u64 * stride;
-        for h in 0..layout.kv_heads() {
-            let from = src + u64::from(h) * layout.row_bytes();
-            let k = layout.slot_offset(layer, Kv::K, slot as u64, h)?;
-            copy_row(cache, k, keys, from, row);
-            let v = layout.slot_offset(layer, Kv::V, slot as u64, h)?;
-            copy_row(cache, v, values, from, row);
         }
     }
     Ok(())
@@ -196,7 +222,22 @@ pub fn copy_blocks(
     layout: &KvLayout,
     pairs: &[(u32, u32)],
 ) -> Result<(), KvError> {
-    let capacity = blocks_in(layout, cache.len());
+    check_copy_blocks(layout, cache.len(), pairs)?;
+    let bpb = to_usize(layout.bytes_per_block(), "bytes per block")?;
+    for &(src, dst) in pairs {
+        let s = src as usize * bpb;
+        cache.copy_within(s..s + bpb, dst as usize * bpb);
+    }
+    Ok(())
+}
+
+/// The checks of [`copy_blocks`] on the cache length instead of the cache.
+pub fn check_copy_blocks(
+    layout: &KvLayout,
+    cache_len: usize,
+    pairs: &[(u32, u32)],
+) -> Result<(), KvError> {
+    let capacity = blocks_in(layout, cache_len);
     for &(src, dst) in pairs {
         check_block("source block", src, capacity)?;
         check_block("destination block", dst, capacity)?;
@@ -217,11 +258,6 @@ pub fn copy_blocks(
                  writes too; give each destination once"
             )));
         }
-    }
-    let bpb = to_usize(layout.bytes_per_block(), "bytes per block")?;
-    for &(src, dst) in pairs {
-        let s = src as usize * bpb;
-        cache.copy_within(s..s + bpb, dst as usize * bpb);
     }
     Ok(())
 }
@@ -245,31 +281,20 @@ pub fn gather(
     tokens: usize,
     out: &mut [u8],
 ) -> Result<(), KvError> {
-    layout.base(layer, kv)?;
-    let bs = u64::from(layout.block_size());
-    let used = (tokens as u64).div_ceil(bs);
-    if used > block_table.len() as u64 {
-        return Err(KvError::OutOfRange {
-            what: "token of the block table",
-            index: tokens as u64 - 1,
-            limit: (block_table.len() as u64).saturating_mul(bs),
-        });
-    }
-    let table = &block_table[..used as usize];
-    let capacity = blocks_in(layout, cache.len());
-    for &b in table {
-        check_block("block of the block table", b, capacity)?;
-    }
-    let token_bytes = token_bytes(layout);
-    need(
-        "output byte",
-        (tokens as u64).saturating_mul(token_bytes),
+    check_gather(
+        layout,
+        cache.len(),
+        layer,
+        kv,
+        block_table,
+        tokens,
         out.len(),
     )?;
-
+    let bs = u64::from(layout.block_size());
+    let token_bytes = token_bytes(layout);
     let row = to_usize(layout.row_bytes(), "row bytes")?;
     for i in 0..tokens as u64 {
-        let block = table[(i / bs) as usize];
+        let block = block_table[(i / bs) as usize];
         let token = (i % bs) as u32;
         for h in 0..layout.kv_heads() {
             let src = layout.offset(layer, kv, block, token, h)?;
@@ -280,11 +305,43 @@ pub fn gather(
     Ok(())
 }
 
-/// Validates a block list and a host buffer for [`swap_out`] / [`swap_in`]; returns
-/// `bytes_per_block` as `usize`.
-fn check_swap(
-    cache_len: usize,
+/// The checks of [`gather`] on buffer lengths instead of buffers.
+pub fn check_gather(
     layout: &KvLayout,
+    cache_len: usize,
+    layer: u32,
+    kv: Kv,
+    block_table: &[u32],
+    tokens: usize,
+    out_len: usize,
+) -> Result<(), KvError> {
+    layout.base(layer, kv)?;
+    let bs = u64::from(layout.block_size());
+    let used = (tokens as u64).div_ceil(bs);
+    if used > block_table.len() as u64 {
+        return Err(KvError::OutOfRange {
+            what: "token of the block table",
+            index: tokens as u64 - 1,
+            limit: (block_table.len() as u64).saturating_mul(bs),
+        });
+    }
+    let capacity = blocks_in(layout, cache_len);
+    for &b in &block_table[..used as usize] {
+        check_block("block of the block table", b, capacity)?;
+    }
+    need(
+        "output byte",
+        (tokens as u64).saturating_mul(token_bytes(layout)),
+        out_len,
+    )?;
+    Ok(())
+}
+
+/// The checks of [`swap_out`] (and the range checks of [`swap_in`]) on buffer lengths;
+/// returns `bytes_per_block` as `usize`.
+pub fn check_swap_out(
+    layout: &KvLayout,
+    cache_len: usize,
     blocks: &[u32],
     host_len: usize,
 ) -> Result<usize, KvError> {
@@ -313,7 +370,7 @@ pub fn swap_out(
     blocks: &[u32],
     host: &mut [u8],
 ) -> Result<(), KvError> {
-    let bpb = check_swap(cache.len(), layout, blocks, host.len())?;
+    let bpb = check_swap_out(layout, cache.len(), blocks, host.len())?;
     for (i, &b) in blocks.iter().enumerate() {
         host[i * bpb..(i + 1) * bpb].copy_from_slice(&cache[b as usize * bpb..][..bpb]);
     }
@@ -334,7 +391,21 @@ pub fn swap_in(
     blocks: &[u32],
     host: &[u8],
 ) -> Result<(), KvError> {
-    let bpb = check_swap(cache.len(), layout, blocks, host.len())?;
+    let bpb = check_swap_in(layout, cache.len(), blocks, host.len())?;
+    for (i, &b) in blocks.iter().enumerate() {
+        cache[b as usize * bpb..][..bpb].copy_from_slice(&host[i * bpb..(i + 1) * bpb]);
+    }
+    Ok(())
+}
+
+/// The checks of [`swap_in`] on buffer lengths; returns `bytes_per_block` as `usize`.
+pub fn check_swap_in(
+    layout: &KvLayout,
+    cache_len: usize,
+    blocks: &[u32],
+    host_len: usize,
+) -> Result<usize, KvError> {
+    let bpb = check_swap_out(layout, cache_len, blocks, host_len)?;
     let mut seen = HashSet::with_capacity(blocks.len());
     for (i, &b) in blocks.iter().enumerate() {
         if !seen.insert(b) {
@@ -344,10 +415,7 @@ pub fn swap_in(
             )));
         }
     }
-    for (i, &b) in blocks.iter().enumerate() {
-        cache[b as usize * bpb..][..bpb].copy_from_slice(&host[i * bpb..(i + 1) * bpb]);
-    }
-    Ok(())
+    Ok(bpb)
 }
 
 #[cfg(test)]

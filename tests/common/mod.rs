@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod broken;
+pub mod kv_matrix;
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -47,6 +48,11 @@ impl Rng {
             }
         };
         eprintln!("{test}: seed {seed:#x} (replay with GPU_PAGER_SEED={seed:#x})");
+        Rng(seed)
+    }
+
+    /// A generator from a fixed seed (e.g. one drawn from a seeded generator), silent.
+    pub fn seeded_from(seed: u64) -> Self {
         Rng(seed)
     }
 

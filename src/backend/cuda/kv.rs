@@ -1,0 +1,297 @@
+//! The paged KV cache kernels on CUDA: loading `kernels/kv.cu`, uploading a call's index
+//! lists, and launching.
+//!
+//! [`CudaBackend::kv_rows_on`] and [`CudaBackend::kv_move_on`] enqueue one launch from
+//! ready parameter structs (index lists already in device memory), for CUDA graphs and
+//! benchmarks. [`Backend::kv`](super::Backend::kv) is the checked, synchronous path: it
+//! validates the [`KvOp`], copies its index lists into device scratch memory on the kernel
+//! stream, launches and waits.
+
+use cudarc::driver::{CudaFunction, CudaStream, PushKernelArg, sys};
+
+use super::{CudaBackend, bind, check, driver_err};
+use crate::backend::{BackendError, BackendResult, kv_invalid};
+use crate::kernels::{KernelModule, abi, kv as geometry};
+use crate::kv::{Kv, KvOp};
+
+/// The kernels of [`KernelModule::Kv`].
+#[derive(Debug)]
+pub(super) struct KvKernels {
+    write: CudaFunction,
+    gather: CudaFunction,
+    move_blocks: CudaFunction,
+}
+
+/// Which row kernel [`CudaBackend::kv_rows_on`] launches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowsKernel {
+    /// `gp_kv_write`: token-major buffers into the cache through a slot mapping.
+    Write,
+    /// `gp_kv_gather`: the cache, through a block table, into a token-major buffer.
+    Gather,
+}
+
+fn invalid(op: &'static str, reason: String) -> BackendError {
+    BackendError::Invalid { op, reason }
+}
+
+impl CudaBackend {
+    /// The KV kernels, loading their module on first use.
+    pub(super) fn kv_kernels(&self) -> BackendResult<&KvKernels> {
+        if let Some(k) = self.kv_kernels.get() {
+            return Ok(k);
+        }
+        let module = self.load_module(KernelModule::Kv)?;
+        let function = |name| {
+            module
+                .load_function(name)
+                .map_err(|e| driver_err("cuModuleGetFunction", e))
+        };
+        let kernels = KvKernels {
+            write: function(crate::kernels::kv::WRITE)?,
+            gather: function(crate::kernels::kv::GATHER)?,
+            move_blocks: function(crate::kernels::kv::MOVE_BLOCKS)?,
+        };
+        Ok(self.kv_kernels.get_or_init(|| kernels))
+    }
+
+    /// Enqueues `gp_kv_write` or `gp_kv_gather` with `params` on `stream` without waiting.
+    /// Only enqueues work, so it may be captured into a CUDA graph (load the kernels first
+    /// with [`CudaBackend::preload_kernels`]). Nothing is checked but the access width and
+    /// the stream's context: build `params` with [`geometry::rows_params`] after checking the
+    /// call ([`KvOp::check`]).
+    ///
+    /// # Safety
+    /// Every address `params` leads to (the index list, every row of the cache it selects,
+    /// the token-major buffers) must be mapped memory of this context when the work runs,
+    /// and nothing else may write it concurrently.
+    pub unsafe fn kv_rows_on(
+        &self,
+        stream: &CudaStream,
+        kernel: RowsKernel,
+        params: &abi::GpKvRowsParams,
+    ) -> BackendResult<()> {
+        self.check_stream("kv", stream)?;
+        if !matches!(params.vec_bytes, 2 | 4 | 8 | 16) {
+            return Err(invalid(
+                "kv",
+                format!("vec_bytes {} is not 2, 4, 8 or 16", params.vec_bytes),
+            ));
+        }
+        if params.tokens == 0 {
+            return Ok(());
+        }
+        bind(&self.ctx)?;
+        let k = self.kv_kernels()?;
+        let vecs_per_token =
+            u64::from(params.kv_heads) * u64::from(params.row_bytes) / u64::from(params.vec_bytes);
+        let cfg = geometry::rows_geometry(u64::from(params.tokens), vecs_per_token).to_config();
+        let function = match kernel {
+            RowsKernel::Write => &k.write,
+            RowsKernel::Gather => &k.gather,
+        };
+        let mut launch = stream.launch_builder(function);
+        launch.arg(params);
+        // SAFETY: both kernels take one `GpKvRowsParams` by value, which `params` is; the
+        // caller guarantees every address it leads to is mapped.
+        unsafe { launch.launch(cfg) }.map_err(|e| driver_err("cuLaunchKernel", e))?;
+        Ok(())
+    }
+
+    /// Enqueues `gp_kv_move_blocks` with `params` on `stream` without waiting (see
+    /// [`CudaBackend::kv_rows_on`] for graphs and checks; build `params` with
+    /// [`geometry::move_params`]).
+    ///
+    /// # Safety
+    /// The id lists and every source and destination block they select must be mapped
+    /// memory of this context (or pinned host memory) when the work runs; no destination
+    /// may be a source or be written twice, and nothing else may write them concurrently.
+    pub unsafe fn kv_move_on(
+        &self,
+        stream: &CudaStream,
+        params: &abi::GpKvMoveParams,
+    ) -> BackendResult<()> {
+        self.check_stream("kv", stream)?;
+        if !matches!(params.vec_bytes, 2 | 4 | 8 | 16) {
+            return Err(invalid(
+                "kv",
+                format!("vec_bytes {} is not 2, 4, 8 or 16", params.vec_bytes),
+            ));
+        }
+        if params.count == 0 || params.block_bytes == 0 {
+            return Ok(());
+        }
+        bind(&self.ctx)?;
+        let k = self.kv_kernels()?;
+        let cfg = geometry::move_geometry(
+            u64::from(params.count),
+            params.block_bytes,
+            params.vec_bytes,
+        )
+        .to_config();
+        let mut launch = stream.launch_builder(&k.move_blocks);
+        launch.arg(params);
+        // SAFETY: the kernel takes one `GpKvMoveParams` by value, which `params` is; the
+        // caller guarantees every address it leads to is mapped.
+        unsafe { launch.launch(cfg) }.map_err(|e| driver_err("cuLaunchKernel", e))?;
+        Ok(())
+    }
+
+    /// [`Backend::kv`](super::Backend::kv): check, upload the index lists, launch on the
+    /// kernel stream, wait.
+    ///
+    /// # Safety
+    /// As [`Backend::kv`](super::Backend::kv).
+    pub(super) unsafe fn kv_sync(&self, op: &KvOp<'_>) -> BackendResult<()> {
+        op.check().map_err(|e| kv_invalid(op, e))?;
+        let name = op.name();
+        let c = *op.cache();
+        let bad = |reason: String| invalid(name, reason);
+        // The index list the kernel reads, as bytes, and the launch to make with its
+        // device address.
+        let (index, launch): (Vec<u8>, Launch) = match *op {
+            KvOp::Write {
+                layer,
+                keys,
+                values,
+                tokens,
+                token_stride_bytes,
+                slot_mapping,
+                ..
+            } => {
+                let io = geometry::TokenMajor {
+                    first: keys.addr,
+                    second: Some(values.addr),
+                    token_stride: token_stride_bytes as u64,
+                };
+                let slots = &slot_mapping[..tokens];
+                (
+                    bytemuck::cast_slice(slots).to_vec(),
+                    Launch::Rows(
+                        RowsKernel::Write,
+                        Box::new(move |index| {
+                            geometry::rows_params(
+                                &c.layout,
+                                c.base,
+                                &[Kv::K, Kv::V],
+                                layer,
+                                io,
+                                index,
+                                tokens,
+                            )
+                        }),
+                    ),
+                )
+            }
+            KvOp::Gather {
+                layer,
+                kv,
+                block_table,
+                tokens,
+                out,
+                ..
+            } => {
+                let used = tokens.div_ceil(c.layout.block_size() as usize);
+                let io = geometry::TokenMajor {
+                    first: out.addr,
+                    second: None,
+                    token_stride: crate::kv::reference::token_bytes(&c.layout),
+                };
+                (
+                    bytemuck::cast_slice(&block_table[..used]).to_vec(),
+                    Launch::Rows(
+                        RowsKernel::Gather,
+                        Box::new(move |index| {
+                            geometry::rows_params(
+                                &c.layout,
+                                c.base,
+                                &[kv],
+                                layer,
+                                io,
+                                index,
+                                tokens,
+                            )
+                        }),
+                    ),
+                )
+            }
+            KvOp::CopyBlocks { pairs, .. } => {
+                let n = pairs.len();
+                let ids: Vec<u32> = pairs
+                    .iter()
+                    .map(|p| p.0)
+                    .chain(pairs.iter().map(|p| p.1))
+                    .collect();
+                (
+                    bytemuck::cast_slice(&ids).to_vec(),
+                    Launch::Move(Box::new(move |index| {
+                        let bpb = c.layout.bytes_per_block();
+                        geometry::move_params(c.base, c.base, index, index + 4 * n as u64, bpb, n)
+                    })),
+                )
+            }
+            KvOp::SwapOut { blocks, host, .. } => (
+                bytemuck::cast_slice(blocks).to_vec(),
+                Launch::Move(Box::new(move |index| {
+                    let bpb = c.layout.bytes_per_block();
+                    geometry::move_params(c.base, host.addr, index, 0, bpb, blocks.len())
+                })),
+            ),
+            KvOp::SwapIn { blocks, host, .. } => (
+                bytemuck::cast_slice(blocks).to_vec(),
+                Launch::Move(Box::new(move |index| {
+                    let bpb = c.layout.bytes_per_block();
+                    geometry::move_params(host.addr, c.base, 0, index, bpb, blocks.len())
+                })),
+            ),
+        };
+        if index.is_empty() {
+            return Ok(()); // no tokens, no blocks: nothing to do
+        }
+        bind(&self.ctx)?;
+        // The scratch memory is shared: hold its lock until the kernel has finished.
+        let mut slot = self
+            .kv_scratch
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let dev_index = self.scratch(&mut slot, index.len())?;
+        let stream = &self.kernel_stream;
+        // SAFETY: `dev_index` is scratch memory of at least `index.len()` bytes that only
+        // this call uses while the lock is held; `index` lives until the stream is
+        // synchronised below.
+        check(unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dev_index,
+                index.as_ptr().cast(),
+                index.len(),
+                stream.cu_stream(),
+            )
+        })
+        .map_err(|e| driver_err("cuMemcpyHtoDAsync", e))?;
+        // SAFETY (both launches): the call was checked above; the caller guarantees that the
+        // cache blocks and buffers it touches are mapped; the index list was just copied
+        // to `dev_index` on the same stream.
+        match launch {
+            Launch::Rows(kernel, params) => {
+                let params = params(dev_index).map_err(bad)?;
+                unsafe { self.kv_rows_on(stream, kernel, &params) }?;
+            }
+            Launch::Move(params) => {
+                let params = params(dev_index).map_err(bad)?;
+                unsafe { self.kv_move_on(stream, &params) }?;
+            }
+        }
+        stream
+            .synchronize()
+            .map_err(|e| driver_err("cuStreamSynchronize", e))
+    }
+}
+
+/// The parameters of a launch, built once the device address of the index list is known.
+type Params<'a, P> = Box<dyn FnOnce(u64) -> Result<P, String> + 'a>;
+
+/// The launch a [`KvOp`] turns into.
+enum Launch<'a> {
+    Rows(RowsKernel, Params<'a, abi::GpKvRowsParams>),
+    Move(Params<'a, abi::GpKvMoveParams>),
+}

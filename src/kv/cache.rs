@@ -1,0 +1,590 @@
+//! The paged KV cache on a pager region: see [`KvCache`].
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::{
+    BlockId, BlockPool, CacheView, DeviceSpan, Kv, KvError, KvLayout, KvOp, PoolStats, SeqId,
+};
+use crate::backend::HostBuffer;
+use crate::error::{Error, Result};
+use crate::{Buffer, Lease, Pager, Policy, RegionOptions};
+
+/// Default physical chunk size of a KV cache region: 64 MiB. Elastic backing maps and trims
+/// whole chunks, so smaller chunks follow the live blocks more closely, and larger ones map
+/// faster (on an H200 `cuMemSetAccess` costs ~25 µs per 2 MiB chunk; 64 GiB of 64 MiB chunks
+/// map in ~25 ms).
+pub const DEFAULT_KV_CHUNK_BYTES: usize = 64 << 20;
+
+/// Settings of a [`KvCache`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvCacheConfig {
+    /// Physical chunk size of the region (rounded up to the granularity and a power of two by
+    /// the pager). Default [`DEFAULT_KV_CHUNK_BYTES`].
+    pub chunk_bytes: usize,
+}
+
+impl Default for KvCacheConfig {
+    fn default() -> Self {
+        Self {
+            chunk_bytes: DEFAULT_KV_CHUNK_BYTES,
+        }
+    }
+}
+
+/// Memory and block counters of a [`KvCache`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvStats {
+    /// Bytes of address space reserved for the cache (all blocks, rounded to the
+    /// granularity).
+    pub reserved_bytes: usize,
+    /// Bytes of physical memory mapped now (whole chunks around the live blocks).
+    pub mapped_bytes: usize,
+    /// Bytes the live blocks occupy.
+    pub live_bytes: u64,
+    /// The block pool's counters.
+    pub pool: PoolStats,
+}
+
+struct State {
+    pool: BlockPool,
+    /// The region's release count when the pool was last valid.
+    releases_seen: u64,
+}
+
+/// A paged KV cache in one elastic `Discard` region of a [`Pager`]: a [`BlockPool`] over the
+/// blocks of a [`KvLayout`], physical memory mapped only under live blocks, and the KV
+/// kernels with every id checked on the host before a launch.
+///
+/// * **Stable addresses.** The region's base, and so every layer's K and V base
+///   ([`KvCache::k_ptr`], [`KvCache::v_ptr`]), never changes; attention kernels and CUDA
+///   graphs may record them.
+/// * **Elastic backing.** Allocating blocks ([`KvCache::append_tokens`], copy-on-write in
+///   [`KvCache::prepare_write`]) maps the chunks under them first; [`KvCache::trim`] unmaps
+///   every chunk without a live block and gives the memory back to the device. Live blocks
+///   are always backed. Allocation prefers low ids, so the mapped part stays compact.
+/// * **Release.** Releasing the region (`pager.release(&[tag])`, with other tags or alone)
+///   drops all contents. Every block id and sequence handed out before becomes stale: the
+///   next call notices the release and answers [`KvError::Stale`] / [`KvError::UnknownSeq`]
+///   (as [`Error::Kv`]), never reuses an old id silently. `pager.resume(&[tag])` maps
+///   nothing: blocks are backed again as they are allocated.
+/// * **Checked kernels.** [`write`](KvCache::write), [`gather`](KvCache::gather),
+///   [`copy_blocks`](KvCache::copy_blocks), [`swap_out`](KvCache::swap_out) and
+///   [`swap_in`](KvCache::swap_in) check ids, slots and lengths against the pool and the
+///   layout, hold a lease on every region they touch while they run, and wait for the
+///   kernel. A released region is [`Error::NotResident`], never a fault.
+///
+/// All methods take `&self`; one mutex serialises them.
+pub struct KvCache {
+    pager: Arc<Pager>,
+    tag: String,
+    layout: KvLayout,
+    blocks: u32,
+    base: u64,
+    chunk_bytes: usize,
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("tag", &self.tag)
+            .field("layout", &self.layout)
+            .field("blocks", &self.blocks)
+            .field("base", &format_args!("{:#x}", self.base))
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvCache {
+    /// Creates region `tag` for `blocks` blocks of `layout` (elastic, `Discard`, nothing
+    /// mapped yet) and an empty pool over it.
+    pub fn new(
+        pager: Arc<Pager>,
+        tag: &str,
+        layout: KvLayout,
+        blocks: u32,
+        config: KvCacheConfig,
+    ) -> Result<Self> {
+        let kv_err = |source| Error::Kv {
+            tag: tag.to_owned(),
+            source,
+        };
+        let pool = BlockPool::new(blocks, layout.block_size()).map_err(kv_err)?;
+        let bytes = layout.total_bytes(blocks).map_err(kv_err)?;
+        let bytes = usize::try_from(bytes).map_err(|_| Error::InvalidSize {
+            tag: tag.to_owned(),
+            reason: format!("{bytes} bytes of KV cache do not fit usize"),
+        })?;
+        let info = pager.region_with(
+            tag,
+            bytes,
+            Policy::Discard,
+            RegionOptions {
+                elastic: true,
+                chunk_bytes: Some(config.chunk_bytes),
+                ..Default::default()
+            },
+        )?;
+        let releases_seen = pager.releases(tag)?;
+        Ok(Self {
+            tag: tag.to_owned(),
+            layout,
+            blocks,
+            base: info.base,
+            chunk_bytes: info.chunk_bytes,
+            pager,
+            state: Mutex::new(State {
+                pool,
+                releases_seen,
+            }),
+        })
+    }
+
+    /// The region's tag.
+    pub fn tag(&self) -> &str {
+        &self.tag
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Blocks in the cache.
+    pub fn blocks(&self) -> u32 {
+        self.blocks
+    }
+
+    /// The physical chunk size: the unit of mapping and trimming.
+    pub fn chunk_bytes(&self) -> usize {
+        self.chunk_bytes
+    }
+
+    /// Where the cache lives, for building [`KvOp`]s by hand.
+    pub fn view(&self) -> CacheView {
+        CacheView {
+            layout: self.layout,
+            base: self.base,
+            blocks: self.blocks,
+        }
+    }
+
+    /// Device address of block 0 of `layer`'s K cache; with [`KvLayout::strides`] it
+    /// describes the layer's K tensor to an attention kernel. Stable for the cache's life,
+    /// backed only under live blocks while the region is resident.
+    pub fn k_ptr(&self, layer: u32) -> Result<u64> {
+        self.ptr(layer, Kv::K)
+    }
+
+    /// Device address of block 0 of `layer`'s V cache (see [`KvCache::k_ptr`]).
+    pub fn v_ptr(&self, layer: u32) -> Result<u64> {
+        self.ptr(layer, Kv::V)
+    }
+
+    fn ptr(&self, layer: u32, kv: Kv) -> Result<u64> {
+        Ok(self.base + self.layout.base(layer, kv).map_err(|e| self.kv_err(e))?)
+    }
+
+    fn kv_err(&self, source: KvError) -> Error {
+        Error::Kv {
+            tag: self.tag.clone(),
+            source,
+        }
+    }
+
+    /// Locks the state; if the region was released since the pool was last valid, every id
+    /// and sequence is invalidated first.
+    fn state(&self) -> Result<MutexGuard<'_, State>> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let releases = self.pager.releases(&self.tag)?;
+        if releases != st.releases_seen {
+            st.pool.invalidate_all();
+            st.releases_seen = releases;
+        }
+        Ok(st)
+    }
+
+    /// Byte range of the region holding blocks `blocks`.
+    fn byte_range(&self, blocks: Range<u32>) -> Range<usize> {
+        let bpb = self.layout.bytes_per_block() as usize;
+        blocks.start as usize * bpb..blocks.end as usize * bpb
+    }
+
+    /// Maps the chunks under `ids` (grouped into runs of consecutive indices).
+    fn back(&self, ids: &[BlockId]) -> Result<()> {
+        let mut idx: Vec<u32> = ids.iter().map(|b| b.index).collect();
+        idx.sort_unstable();
+        let mut runs: Vec<Range<u32>> = Vec::new();
+        for i in idx {
+            match runs.last_mut() {
+                Some(r) if r.end == i || r.end == i + 1 => r.end = i + 1,
+                _ => runs.push(i..i + 1),
+            }
+        }
+        for r in runs {
+            self.pager.back(&self.tag, self.byte_range(r))?;
+        }
+        Ok(())
+    }
+
+    /// A new, empty sequence. `NotResident` while the region is released.
+    pub fn create_seq(&self) -> Result<SeqId> {
+        let mut st = self.state()?;
+        self.require_resident()?;
+        Ok(st.pool.create_seq())
+    }
+
+    fn require_resident(&self) -> Result<()> {
+        if self.pager.info(&self.tag)?.state == crate::State::Resident {
+            Ok(())
+        } else {
+            Err(Error::NotResident {
+                tag: self.tag.clone(),
+                op: "a KV cache allocation",
+            })
+        }
+    }
+
+    /// Grows `seq` by `n` tokens, allocating the blocks it needs (lowest ids first) and
+    /// mapping the chunks under them. All or nothing: on [`KvError::KvExhausted`] or when
+    /// the device has no memory for the chunks ([`Error::OutOfMemory`]) nothing changed.
+    /// Returns the new blocks.
+    pub fn append_tokens(&self, seq: SeqId, n: u64) -> Result<Vec<BlockId>> {
+        let mut st = self.state()?;
+        self.require_resident()?;
+        let before = st.pool.seq_tokens(seq).map_err(|e| self.kv_err(e))?;
+        let new = st.pool.append_tokens(seq, n).map_err(|e| self.kv_err(e))?;
+        if let Err(e) = self.back(&new) {
+            // Undo the allocation; the chunks `back` mapped stay until the next trim.
+            st.pool.truncate(seq, before).map_err(|e| self.kv_err(e))?;
+            return Err(e);
+        }
+        Ok(new)
+    }
+
+    /// Shrinks `seq` to `tokens` tokens (e.g. rejected speculative tokens); returns the
+    /// blocks that became free.
+    pub fn truncate(&self, seq: SeqId, tokens: u64) -> Result<Vec<BlockId>> {
+        let mut st = self.state()?;
+        st.pool.truncate(seq, tokens).map_err(|e| self.kv_err(e))
+    }
+
+    /// A new sequence sharing all of `seq`'s blocks (copy-on-write on the next write to a
+    /// shared block through [`KvCache::prepare_write`]).
+    pub fn fork(&self, seq: SeqId) -> Result<SeqId> {
+        let mut st = self.state()?;
+        st.pool.fork(seq).map_err(|e| self.kv_err(e))
+    }
+
+    /// Drops `seq`; returns the blocks that became free (their chunks stay mapped until
+    /// [`KvCache::trim`]).
+    pub fn free_seq(&self, seq: SeqId) -> Result<Vec<BlockId>> {
+        let mut st = self.state()?;
+        st.pool.free_seq(seq).map_err(|e| self.kv_err(e))
+    }
+
+    /// `seq`'s block table (current ids, in token order) and its length in tokens.
+    pub fn block_table(&self, seq: SeqId) -> Result<(Vec<BlockId>, u64)> {
+        let st = self.state()?;
+        let table = st
+            .pool
+            .block_table(seq)
+            .map_err(|e| self.kv_err(e))?
+            .to_vec();
+        let tokens = st.pool.seq_tokens(seq).map_err(|e| self.kv_err(e))?;
+        Ok((table, tokens))
+    }
+
+    /// The slot mapping for writing tokens `tokens` of `seq` (each below its length):
+    /// shared blocks among them are first replaced by private copies (copy-on-write: new
+    /// blocks are mapped, then one `copy_blocks` launch copies all of them). Pass the result
+    /// to [`KvCache::write`]. On an error no block changed hands.
+    pub fn prepare_write(&self, seq: SeqId, tokens: Range<u64>) -> Result<Vec<i64>> {
+        let mut st = self.state()?;
+        self.require_resident()?;
+        let bs = u64::from(self.layout.block_size());
+        let table = st.pool.block_table(seq).map_err(|e| self.kv_err(e))?;
+        let first = (tokens.start / bs) as usize;
+        let last = (tokens.end.div_ceil(bs) as usize).min(table.len());
+        let shared = table[first.min(last)..last]
+            .iter()
+            .any(|&b| st.pool.refcount(b).is_ok_and(|rc| rc > 1));
+        // Without shared blocks `write_slot` changes nothing; with them, work on a copy so
+        // that a failure (exhaustion, no memory for the copies) leaves the pool as it was.
+        let mut copy = shared.then(|| st.pool.clone());
+        let pool = copy.as_mut().unwrap_or(&mut st.pool);
+        let mut slots = Vec::with_capacity(tokens.end.saturating_sub(tokens.start) as usize);
+        let mut copies = Vec::new();
+        for t in tokens {
+            let target = pool.write_slot(seq, t).map_err(|e| self.kv_err(e))?;
+            if let Some(src) = target.needs_copy_from {
+                copies.push((src, target.block));
+            }
+            let slot = i64::try_from(target.slot).map_err(|_| {
+                self.kv_err(KvError::OutOfRange {
+                    what: "slot",
+                    index: target.slot,
+                    limit: i64::MAX as u64,
+                })
+            })?;
+            slots.push(slot);
+        }
+        if !copies.is_empty() {
+            let fresh: Vec<BlockId> = copies.iter().map(|c| c.1).collect();
+            self.back(&fresh)?;
+            let pairs: Vec<(u32, u32)> = copies.iter().map(|(s, d)| (s.index, d.index)).collect();
+            self.launch(&[], |_| {
+                Ok(KvOp::CopyBlocks {
+                    cache: self.view(),
+                    pairs: &pairs,
+                })
+            })?;
+        }
+        if let Some(pool) = copy {
+            st.pool = pool;
+        }
+        Ok(slots)
+    }
+
+    /// Writes `tokens` tokens of keys and values (`[tokens, kv_heads, head_dim]`, a token
+    /// every `token_stride_bytes`, from pager buffers) into `layer` at `slot_mapping`
+    /// (slot < 0: padding, skipped). Every non-negative slot must lie in a live block.
+    pub fn write(
+        &self,
+        layer: u32,
+        keys: &Buffer,
+        values: &Buffer,
+        tokens: usize,
+        token_stride_bytes: usize,
+        slot_mapping: &[i64],
+    ) -> Result<()> {
+        let st = self.state()?;
+        self.check_slots(&st.pool, &slot_mapping[..tokens.min(slot_mapping.len())])?;
+        self.launch(&[keys, values], |ptrs| {
+            Ok(KvOp::Write {
+                cache: self.view(),
+                layer,
+                keys: ptrs[0],
+                values: ptrs[1],
+                tokens,
+                token_stride_bytes,
+                slot_mapping,
+            })
+        })
+    }
+
+    /// [`KvCache::write`] from raw device memory (an engine's tensors).
+    ///
+    /// # Safety
+    /// `keys` and `values` must be device memory of the pager's device, valid and not
+    /// written by anyone else until the call returns.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn write_raw(
+        &self,
+        layer: u32,
+        keys: DeviceSpan,
+        values: DeviceSpan,
+        tokens: usize,
+        token_stride_bytes: usize,
+        slot_mapping: &[i64],
+    ) -> Result<()> {
+        let st = self.state()?;
+        self.check_slots(&st.pool, &slot_mapping[..tokens.min(slot_mapping.len())])?;
+        self.launch(&[], |_| {
+            Ok(KvOp::Write {
+                cache: self.view(),
+                layer,
+                keys,
+                values,
+                tokens,
+                token_stride_bytes,
+                slot_mapping,
+            })
+        })
+    }
+
+    /// Copies `seq`'s tokens of `layer`'s K or V into `out` as a contiguous
+    /// `[tokens, kv_heads, head_dim]` buffer; returns the token count.
+    pub fn gather(&self, layer: u32, kv: Kv, seq: SeqId, out: &Buffer) -> Result<u64> {
+        let st = self.state()?;
+        let table = st.pool.block_table(seq).map_err(|e| self.kv_err(e))?;
+        let tokens = st.pool.seq_tokens(seq).map_err(|e| self.kv_err(e))?;
+        let ids = self.check_ids(&st.pool, table)?;
+        let tokens_usize = usize::try_from(tokens).map_err(|_| {
+            self.kv_err(KvError::InvalidArgument {
+                reason: format!("{tokens} tokens do not fit usize"),
+            })
+        })?;
+        self.launch(&[out], |ptrs| {
+            Ok(KvOp::Gather {
+                cache: self.view(),
+                layer,
+                kv,
+                block_table: &ids,
+                tokens: tokens_usize,
+                out: ptrs[0],
+            })
+        })?;
+        Ok(tokens)
+    }
+
+    /// Copies whole blocks (all layers, K and V), `(src, dst)` pairs, in one launch. Both
+    /// ids of every pair must be live; see [`super::reference::copy_blocks`] for the rule on
+    /// overlapping pairs.
+    pub fn copy_blocks(&self, pairs: &[(BlockId, BlockId)]) -> Result<()> {
+        let st = self.state()?;
+        let flat: Vec<BlockId> = pairs.iter().flat_map(|&(s, d)| [s, d]).collect();
+        let idx = self.check_ids(&st.pool, &flat)?;
+        let pairs: Vec<(u32, u32)> = idx.chunks_exact(2).map(|p| (p[0], p[1])).collect();
+        self.launch(&[], |_| {
+            Ok(KvOp::CopyBlocks {
+                cache: self.view(),
+                pairs: &pairs,
+            })
+        })
+    }
+
+    /// Pinned host memory for swapping `blocks` blocks out (from the pager's backend).
+    pub fn alloc_host(&self, blocks: u32) -> Result<Box<dyn HostBuffer>> {
+        let bytes = self.layout.bytes_per_block() as usize * blocks as usize;
+        self.pager
+            .backend()
+            .alloc_pinned(bytes)
+            .map_err(|e| Error::backend(&self.tag, "pinning host memory for swapping", e))
+    }
+
+    /// Copies `blocks` (live) to `host`, packed in list order, in one zero-copy launch
+    /// (preemption, offload). `host` must come from [`KvCache::alloc_host`] (or the
+    /// backend's `alloc_pinned`).
+    pub fn swap_out(&self, blocks: &[BlockId], host: &mut dyn HostBuffer) -> Result<()> {
+        let st = self.state()?;
+        let idx = self.check_ids(&st.pool, blocks)?;
+        let span = DeviceSpan {
+            addr: host.device_ptr(),
+            len: host.len(),
+        };
+        self.launch(&[], |_| {
+            Ok(KvOp::SwapOut {
+                cache: self.view(),
+                blocks: &idx,
+                host: span,
+            })
+        })
+    }
+
+    /// Copies `host` (packed in list order, as [`KvCache::swap_out`] left it) into `blocks`
+    /// (live, each listed once) in one zero-copy launch.
+    pub fn swap_in(&self, blocks: &[BlockId], host: &dyn HostBuffer) -> Result<()> {
+        let st = self.state()?;
+        let idx = self.check_ids(&st.pool, blocks)?;
+        let span = DeviceSpan {
+            addr: host.device_ptr(),
+            len: host.len(),
+        };
+        self.launch(&[], |_| {
+            Ok(KvOp::SwapIn {
+                cache: self.view(),
+                blocks: &idx,
+                host: span,
+            })
+        })
+    }
+
+    /// Unmaps every chunk with no live block and gives its memory back to the device;
+    /// returns the bytes unmapped. Waits for the device first.
+    pub fn trim(&self) -> Result<usize> {
+        let st = self.state()?;
+        let keep: Vec<Range<usize>> = st
+            .pool
+            .live_runs()
+            .into_iter()
+            .map(|r| self.byte_range(r))
+            .collect();
+        self.pager.trim(&self.tag, &keep)
+    }
+
+    /// Mapped vs reserved bytes and the pool's counters.
+    pub fn stats(&self) -> Result<KvStats> {
+        let st = self.state()?;
+        let pool = st.pool.stats();
+        let region = self
+            .pager
+            .stats()
+            .region(&self.tag)
+            .cloned()
+            .ok_or_else(|| Error::UnknownTag {
+                tag: self.tag.clone(),
+            })?;
+        Ok(KvStats {
+            reserved_bytes: region.info.size,
+            mapped_bytes: region.resident_bytes,
+            live_bytes: u64::from(pool.live) * self.layout.bytes_per_block(),
+            pool,
+        })
+    }
+
+    /// Runs `f` on the pool (read-only), e.g. to inspect refcounts.
+    pub fn with_pool<T>(&self, f: impl FnOnce(&BlockPool) -> T) -> Result<T> {
+        let st = self.state()?;
+        Ok(f(&st.pool))
+    }
+
+    /// Each id current and live; returns the indices.
+    fn check_ids(&self, pool: &BlockPool, ids: &[BlockId]) -> Result<Vec<u32>> {
+        ids.iter()
+            .map(|&id| pool.refcount(id).map(|_| id.index))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| self.kv_err(e))
+    }
+
+    /// Every non-negative slot in a live block.
+    fn check_slots(&self, pool: &BlockPool, slots: &[i64]) -> Result<()> {
+        let bs = u64::from(self.layout.block_size());
+        for (t, &slot) in slots.iter().enumerate() {
+            if slot < 0 {
+                continue;
+            }
+            let block = slot as u64 / bs;
+            let live = u32::try_from(block).ok().and_then(|b| pool.live_id(b));
+            if live.is_none() {
+                return Err(self.kv_err(KvError::InvalidArgument {
+                    reason: format!(
+                        "slot {slot} of token {t} lies in block {block}, which is not allocated; \
+                         write only to slots of live blocks (from prepare_write)"
+                    ),
+                }));
+            }
+        }
+        Ok(())
+    }
+
+    /// Leases this region and the regions of `buffers`, resolves the buffers to device
+    /// spans, builds the op with `make` and runs it on the backend.
+    fn launch<'a>(
+        &self,
+        buffers: &[&Buffer],
+        make: impl FnOnce(&[DeviceSpan]) -> Result<KvOp<'a>>,
+    ) -> Result<()> {
+        let mut tags: Vec<&str> = vec![&self.tag];
+        tags.extend(buffers.iter().map(|b| b.tag()));
+        let _lease: Lease = self.pager.lease(&tags)?;
+        let spans = buffers
+            .iter()
+            .map(|b| {
+                Ok(DeviceSpan {
+                    addr: self.pager.ptr(b)?,
+                    len: b.len(),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let op = make(&spans)?;
+        op.check().map_err(|e| self.kv_err(e))?;
+        // SAFETY: the lease keeps this region and the buffers' regions resident until the
+        // call returns; the buffers are live (`ptr` checked them, and that their ranges are
+        // backed); every cache block the op touches was checked live by the caller, and
+        // live blocks are always backed; `check` rejected buffers overlapping the cache.
+        unsafe { self.pager.backend().kv(&op) }
+            .map_err(|e| Error::backend(&self.tag, "a KV kernel", e))
+    }
+}

@@ -1,0 +1,153 @@
+//! The KV kernels through `Backend::kv` on the host backend (CI): the same matrix the GPU
+//! test runs (tests/gpu_kv.rs), against the reference, plus the checks every launcher makes.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::Rng;
+use common::kv_matrix;
+
+use gpu_pager::Pager;
+use gpu_pager::backend::BackendError;
+use gpu_pager::backend::host::{HostBackend, HostConfig};
+use gpu_pager::kv::{CacheView, DeviceSpan, KvDtype, KvLayout, KvOp, KvOrder};
+
+fn host_pager() -> Pager {
+    Pager::new(Arc::new(HostBackend::new(HostConfig::default())))
+}
+
+#[test]
+fn kv_kernel_matrix_on_the_host_backend() {
+    let pager = host_pager();
+    kv_matrix::regions(&pager, "cache", "io", 16 << 20);
+    let mut rng = Rng::seeded("kv_kernel_matrix_on_the_host_backend");
+    for shape in kv_matrix::full_matrix() {
+        let seed = Rng::seeded_from(rng.next_u64());
+        kv_matrix::check_shape(&pager, "cache", "io", shape, seed);
+    }
+}
+
+#[test]
+fn kv_many_blocks_on_the_host_backend() {
+    let pager = host_pager();
+    kv_matrix::regions(&pager, "cache", "io", 8 << 20);
+    kv_matrix::check_many_blocks(
+        &pager,
+        "cache",
+        Rng::seeded("kv_many_blocks_on_the_host_backend"),
+    );
+}
+
+/// Bad calls are refused before anything moves, with the reason.
+#[test]
+fn kv_calls_are_checked_first() {
+    let pager = host_pager();
+    kv_matrix::regions(&pager, "cache", "io", 4 << 20);
+    let layout = KvLayout::new(2, 2, 8, 4, KvDtype::Bf16, KvOrder::Hnd).unwrap();
+    let bpb = layout.bytes_per_block() as usize;
+    let cache = pager.alloc("cache", 8 * bpb).unwrap();
+    let pattern = vec![0x5Au8; 8 * bpb];
+    pager.write(&cache, 0, &pattern).unwrap();
+    let view = CacheView {
+        layout,
+        base: pager.ptr(&cache).unwrap(),
+        blocks: 8,
+    };
+    let host = pager.backend().alloc_pinned(2 * bpb).unwrap();
+    let span = DeviceSpan {
+        addr: host.device_ptr(),
+        len: host.len(),
+    };
+    let bad: Vec<(KvOp<'_>, &str)> = vec![
+        (
+            KvOp::SwapIn {
+                cache: view,
+                blocks: &[8],
+                host: span,
+            },
+            "out of range",
+        ),
+        (
+            KvOp::SwapIn {
+                cache: view,
+                blocks: &[1, 1],
+                host: span,
+            },
+            "listed twice",
+        ),
+        (
+            KvOp::SwapIn {
+                cache: view,
+                blocks: &[0, 1, 2],
+                host: span,
+            },
+            "host buffer",
+        ),
+        (
+            KvOp::CopyBlocks {
+                cache: view,
+                pairs: &[(0, 1), (1, 2)],
+            },
+            "also a source",
+        ),
+        (
+            KvOp::Write {
+                cache: view,
+                layer: 0,
+                keys: DeviceSpan {
+                    addr: view.base + 64,
+                    len: 64,
+                },
+                values: span,
+                tokens: 1,
+                token_stride_bytes: 32,
+                slot_mapping: &[0],
+            },
+            "overlaps the cache",
+        ),
+        (
+            KvOp::Write {
+                cache: view,
+                layer: 0,
+                keys: span,
+                values: span,
+                tokens: 1,
+                token_stride_bytes: 32,
+                slot_mapping: &[32],
+            },
+            "slot 32 is out of range",
+        ),
+        (
+            KvOp::Gather {
+                cache: view,
+                layer: 2,
+                kv: gpu_pager::kv::Kv::K,
+                block_table: &[0],
+                tokens: 1,
+                out: span,
+            },
+            "layer 2",
+        ),
+    ];
+    for (op, what) in bad {
+        // SAFETY: every span is live memory; the calls are refused before they touch it.
+        let e = unsafe { pager.backend().kv(&op) }.unwrap_err();
+        assert!(matches!(e, BackendError::Invalid { .. }), "{op:?}: {e}");
+        assert!(e.to_string().contains(what), "{op:?}: {e} lacks {what:?}");
+    }
+    let mut after = vec![0u8; pattern.len()];
+    pager.read(&cache, 0, &mut after).unwrap();
+    assert_eq!(after, pattern, "a refused call wrote to the cache");
+}
+
+#[test]
+fn kv_cache_scenario_on_the_host_backend() {
+    let pager = Arc::new(host_pager());
+    let chunk = pager.backend().info().granularity.max(2 << 20);
+    kv_matrix::cache_scenario(
+        pager,
+        chunk,
+        Rng::seeded("kv_cache_scenario_on_the_host_backend"),
+    );
+}

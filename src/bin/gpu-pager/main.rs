@@ -12,6 +12,8 @@ use gpu_pager::backend::{self, Backend, BackendKind};
 use gpu_pager::report::{gbps, ms};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, Report};
 
+mod kv_demo;
+
 const GIB: usize = 1 << 30;
 
 #[derive(Parser)]
@@ -196,13 +198,13 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), Error> {
     }
     let weights_bytes = (weights_gib * GIB as f64) as usize;
     let kv_bytes = (kv_gib * GIB as f64) as usize;
-    let pager = Pager::with_config(
+    let pager = Arc::new(Pager::with_config(
         backend.clone(),
         PagerConfig {
             chunk_bytes: a.load.chunk_mib << 20,
             ..PagerConfig::default()
         },
-    );
+    ));
     let t = Timeline(Instant::now());
     let free = |p: &Pager| p.backend().mem_info().map(|m| m.free).unwrap_or(0);
 
@@ -333,7 +335,7 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), Error> {
     }
     let same_base =
         pager.info("weights")?.base == w.base && pager.info("kv_cache")?.base == kv.base;
-    let ok = bad_bufs == 0 && same_base;
+    let mut ok = bad_bufs == 0 && same_base;
     t.line(
         "verify",
         format!(
@@ -353,6 +355,9 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), Error> {
             if on_gpu { "" } else { " (host backend)" }
         ),
     );
+    // The paged KV cache, in the memory the plain kv_cache region leaves.
+    pager.remove("kv_cache")?;
+    ok &= kv_demo::run(&pager, &t, a.load.kv_gib.map_or(kv_gib / 4.0, |k| k / 4.0))?;
     if ok {
         Ok(())
     } else {

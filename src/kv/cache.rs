@@ -205,6 +205,14 @@ impl KvCache {
         Ok(st)
     }
 
+    /// [`KvCache::state`] for a kernel call: `NotResident` first while the region is
+    /// released (rather than the stale-id errors the ids would give).
+    fn kernel_state(&self, op: &'static str) -> Result<MutexGuard<'_, State>> {
+        let st = self.state()?;
+        self.require_resident(op)?;
+        Ok(st)
+    }
+
     /// Byte range of the region holding blocks `blocks`.
     fn byte_range(&self, blocks: Range<u32>) -> Range<usize> {
         let bpb = self.layout.bytes_per_block() as usize;
@@ -231,17 +239,17 @@ impl KvCache {
     /// A new, empty sequence. `NotResident` while the region is released.
     pub fn create_seq(&self) -> Result<SeqId> {
         let mut st = self.state()?;
-        self.require_resident()?;
+        self.require_resident("a KV cache allocation")?;
         Ok(st.pool.create_seq())
     }
 
-    fn require_resident(&self) -> Result<()> {
+    fn require_resident(&self, op: &'static str) -> Result<()> {
         if self.pager.info(&self.tag)?.state == crate::State::Resident {
             Ok(())
         } else {
             Err(Error::NotResident {
                 tag: self.tag.clone(),
-                op: "a KV cache allocation",
+                op,
             })
         }
     }
@@ -252,7 +260,7 @@ impl KvCache {
     /// Returns the new blocks.
     pub fn append_tokens(&self, seq: SeqId, n: u64) -> Result<Vec<BlockId>> {
         let mut st = self.state()?;
-        self.require_resident()?;
+        self.require_resident("a KV cache allocation")?;
         let before = st.pool.seq_tokens(seq).map_err(|e| self.kv_err(e))?;
         let new = st.pool.append_tokens(seq, n).map_err(|e| self.kv_err(e))?;
         if let Err(e) = self.back(&new) {
@@ -302,7 +310,7 @@ impl KvCache {
     /// to [`KvCache::write`]. On an error no block changed hands.
     pub fn prepare_write(&self, seq: SeqId, tokens: Range<u64>) -> Result<Vec<i64>> {
         let mut st = self.state()?;
-        self.require_resident()?;
+        self.require_resident("a KV cache allocation")?;
         let bs = u64::from(self.layout.block_size());
         let table = st.pool.block_table(seq).map_err(|e| self.kv_err(e))?;
         let first = (tokens.start / bs) as usize;
@@ -359,7 +367,7 @@ impl KvCache {
         token_stride_bytes: usize,
         slot_mapping: &[i64],
     ) -> Result<()> {
-        let st = self.state()?;
+        let st = self.kernel_state("the KV write kernel")?;
         self.check_slots(&st.pool, &slot_mapping[..tokens.min(slot_mapping.len())])?;
         self.launch(&[keys, values], |ptrs| {
             Ok(KvOp::Write {
@@ -389,7 +397,7 @@ impl KvCache {
         token_stride_bytes: usize,
         slot_mapping: &[i64],
     ) -> Result<()> {
-        let st = self.state()?;
+        let st = self.kernel_state("the KV write kernel")?;
         self.check_slots(&st.pool, &slot_mapping[..tokens.min(slot_mapping.len())])?;
         self.launch(&[], |_| {
             Ok(KvOp::Write {
@@ -407,7 +415,7 @@ impl KvCache {
     /// Copies `seq`'s tokens of `layer`'s K or V into `out` as a contiguous
     /// `[tokens, kv_heads, head_dim]` buffer; returns the token count.
     pub fn gather(&self, layer: u32, kv: Kv, seq: SeqId, out: &Buffer) -> Result<u64> {
-        let st = self.state()?;
+        let st = self.kernel_state("the KV gather kernel")?;
         let table = st.pool.block_table(seq).map_err(|e| self.kv_err(e))?;
         let tokens = st.pool.seq_tokens(seq).map_err(|e| self.kv_err(e))?;
         let ids = self.check_ids(&st.pool, table)?;
@@ -433,7 +441,7 @@ impl KvCache {
     /// ids of every pair must be live; see [`super::reference::copy_blocks`] for the rule on
     /// overlapping pairs.
     pub fn copy_blocks(&self, pairs: &[(BlockId, BlockId)]) -> Result<()> {
-        let st = self.state()?;
+        let st = self.kernel_state("the KV copy_blocks kernel")?;
         let flat: Vec<BlockId> = pairs.iter().flat_map(|&(s, d)| [s, d]).collect();
         let idx = self.check_ids(&st.pool, &flat)?;
         let pairs: Vec<(u32, u32)> = idx.chunks_exact(2).map(|p| (p[0], p[1])).collect();
@@ -458,7 +466,7 @@ impl KvCache {
     /// (preemption, offload). `host` must come from [`KvCache::alloc_host`] (or the
     /// backend's `alloc_pinned`).
     pub fn swap_out(&self, blocks: &[BlockId], host: &mut dyn HostBuffer) -> Result<()> {
-        let st = self.state()?;
+        let st = self.kernel_state("the KV swap_out kernel")?;
         let idx = self.check_ids(&st.pool, blocks)?;
         let span = DeviceSpan {
             addr: host.device_ptr(),
@@ -476,7 +484,7 @@ impl KvCache {
     /// Copies `host` (packed in list order, as [`KvCache::swap_out`] left it) into `blocks`
     /// (live, each listed once) in one zero-copy launch.
     pub fn swap_in(&self, blocks: &[BlockId], host: &dyn HostBuffer) -> Result<()> {
-        let st = self.state()?;
+        let st = self.kernel_state("the KV swap_in kernel")?;
         let idx = self.check_ids(&st.pool, blocks)?;
         let span = DeviceSpan {
             addr: host.device_ptr(),

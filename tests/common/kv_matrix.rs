@@ -483,6 +483,10 @@ pub fn cache_scenario(pager: Arc<Pager>, chunk: usize, mut rng: Rng) {
         "release returned the memory"
     );
     assert!(matches!(cache.create_seq(), Err(Error::NotResident { .. })));
+    assert!(matches!(
+        cache.gather(0, Kv::K, a, &out),
+        Err(Error::NotResident { .. })
+    ));
     pager.resume(&["kv_cache"]).unwrap();
     assert_eq!(cache.stats().unwrap().mapped_bytes, 0, "resume maps lazily");
     let e = cache.gather(0, Kv::K, a, &out).unwrap_err();

@@ -228,6 +228,30 @@ impl Pager {
         policy: Policy,
         options: RegionOptions,
     ) -> Result<RegionInfo> {
+        self.create_region(tag, bytes, policy, options, false)
+    }
+
+    /// [`Pager::region_with`] that refuses an existing tag (`InvalidArgument`) instead of
+    /// returning it: for owners that must be the only user of their region (a
+    /// [`crate::kv::KvCache`]).
+    pub fn region_exclusive(
+        &self,
+        tag: &str,
+        bytes: usize,
+        policy: Policy,
+        options: RegionOptions,
+    ) -> Result<RegionInfo> {
+        self.create_region(tag, bytes, policy, options, true)
+    }
+
+    fn create_region(
+        &self,
+        tag: &str,
+        bytes: usize,
+        policy: Policy,
+        options: RegionOptions,
+        exclusive: bool,
+    ) -> Result<RegionInfo> {
         if tag.is_empty() || tag == "*" {
             return Err(Error::InvalidArgument {
                 tag: tag.to_owned(),
@@ -248,6 +272,14 @@ impl Pager {
         let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
         if let Some(slot) = map.get(tag) {
             let r = lock(slot);
+            if exclusive {
+                return Err(Error::InvalidArgument {
+                    tag: tag.to_owned(),
+                    reason: "the region exists already, and this owner needs a region of its \
+                             own (one KvCache per region); use another tag or remove it first"
+                        .to_owned(),
+                });
+            }
             if r.policy == policy && r.size() == size && r.elastic == options.elastic {
                 return Ok(r.info());
             }
@@ -261,7 +293,8 @@ impl Pager {
             .chunk_bytes
             .map_or(self.config.chunk_bytes, |c| round_chunk(c, g.max(1)))
             .min(size);
-        let region = Region::create(self.backend.as_ref(), tag, size, chunk, policy, options)?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let region = Region::create(self.backend.as_ref(), id, tag, size, chunk, policy, options)?;
         let info = region.info();
         map.insert(tag.to_owned(), Arc::new(Mutex::new(region)));
         Ok(info)

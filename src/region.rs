@@ -67,6 +67,11 @@ pub struct RegionInfo {
     pub state: State,
     /// Whether chunks are mapped only where backed ([`RegionOptions::elastic`]).
     pub elastic: bool,
+    /// Identity of the region: unique among the regions a pager ever created, so a region
+    /// removed and created again under the same tag has a new id.
+    pub id: u64,
+    /// Releases that changed the region so far (see [`crate::Pager::releases`]).
+    pub releases: u64,
 }
 
 /// Per-region statistics.
@@ -93,6 +98,8 @@ pub struct RegionStats {
 }
 
 pub(crate) struct Region {
+    /// Unique among the pager's regions, never reused (see [`RegionInfo::id`]).
+    pub id: u64,
     pub tag: String,
     pub policy: Policy,
     pub chunk_bytes: usize,
@@ -146,16 +153,12 @@ pub(crate) fn chunk_sizes(size: usize, chunk: usize) -> Vec<usize> {
     out
 }
 
-/// Whether two ranges share a byte.
-fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
-    a.start < a.end && b.start < b.end && a.start < b.end && b.start < a.end
-}
-
 impl Region {
     /// Reserves the range and maps it, or, elastic, maps nothing (the region starts
     /// resident either way).
     pub fn create(
         backend: &dyn Backend,
+        id: u64,
         tag: &str,
         size: usize,
         chunk_bytes: usize,
@@ -175,6 +178,7 @@ impl Region {
             .map_err(|e| Error::backend(tag, "reserving the address range", e))?;
         let chunks = size.div_ceil(chunk_bytes);
         let mut region = Region {
+            id,
             tag: tag.to_owned(),
             policy,
             chunk_bytes,
@@ -220,6 +224,8 @@ impl Region {
             policy: self.policy,
             state: self.state,
             elastic: self.elastic,
+            id: self.id,
+            releases: self.releases,
         }
     }
 
@@ -401,10 +407,17 @@ impl Region {
     /// Unmaps every mapped chunk that shares no byte with any of `keep`. Returns the bytes
     /// given back. The caller has synchronized the device.
     pub fn trim(&mut self, keep: &[Range<usize>]) -> usize {
+        // One pass over the keep ranges and one over the chunks: O(ranges + chunks).
+        let mut kept = vec![false; self.mappings.len()];
+        for k in keep {
+            let k = k.start.min(self.size())..k.end.min(self.size());
+            for i in self.chunks_touching(&k) {
+                kept[i] = true;
+            }
+        }
         let mut bytes = 0;
-        for i in 0..self.mappings.len() {
-            let chunk = self.chunk_range(i);
-            if !keep.iter().any(|k| overlaps(k, &chunk)) {
+        for (i, kept) in kept.into_iter().enumerate() {
+            if !kept {
                 bytes += self.unmap_chunks(i..i + 1);
             }
         }

@@ -108,7 +108,8 @@ pub fn rows_params(
     };
     let (cache0, cache1, planes_n) = match planes {
         [a] => (page(*a)?, 0, 1),
-        [a, b] => (page(*a)?, page(*b)?, 2),
+        [a, b] if a != b => (page(*a)?, page(*b)?, 2),
+        [_, _] => return Err("the same plane twice; the two planes must be K and V".to_owned()),
         _ => {
             return Err(format!(
                 "{} planes; a row kernel moves 1 or 2",
@@ -275,6 +276,11 @@ mod tests {
         assert!(rows_params(&l, 0x4000_0000, &[Kv::K], 0, odd, 0, 1).is_err());
         assert!(rows_params(&l, 0x4000_0000, &[Kv::K], 1, io, 0, 1).is_err());
         assert!(rows_params(&l, 0x4000_0000, &[Kv::K, Kv::V], 0, io, 0, 1).is_err());
+        let two = TokenMajor {
+            second: Some(0x20_0000),
+            ..io
+        };
+        assert!(rows_params(&l, 0x4000_0000, &[Kv::K, Kv::K], 0, two, 0, 1).is_err());
     }
 
     #[test]

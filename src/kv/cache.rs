@@ -82,6 +82,9 @@ pub struct KvCache {
     blocks: u32,
     base: u64,
     chunk_bytes: usize,
+    /// The region's identity ([`crate::RegionInfo::id`]): a region removed and created again
+    /// under the tag is not this cache's.
+    region_id: u64,
     state: Mutex<State>,
 }
 
@@ -98,7 +101,10 @@ impl std::fmt::Debug for KvCache {
 
 impl KvCache {
     /// Creates region `tag` for `blocks` blocks of `layout` (elastic, `Discard`, nothing
-    /// mapped yet) and an empty pool over it.
+    /// mapped yet) and an empty pool over it. The tag must be new: the cache is the only
+    /// owner of its region (`InvalidArgument` otherwise). Manage the region's backing through
+    /// the cache only: a direct `pager.trim` or `pager.back` on it breaks the rule that live
+    /// blocks are backed.
     pub fn new(
         pager: Arc<Pager>,
         tag: &str,
@@ -116,7 +122,7 @@ impl KvCache {
             tag: tag.to_owned(),
             reason: format!("{bytes} bytes of KV cache do not fit usize"),
         })?;
-        let info = pager.region_with(
+        let info = pager.region_exclusive(
             tag,
             bytes,
             Policy::Discard,
@@ -126,17 +132,17 @@ impl KvCache {
                 ..Default::default()
             },
         )?;
-        let releases_seen = pager.releases(tag)?;
         Ok(Self {
             tag: tag.to_owned(),
             layout,
             blocks,
             base: info.base,
             chunk_bytes: info.chunk_bytes,
+            region_id: info.id,
             pager,
             state: Mutex::new(State {
                 pool,
-                releases_seen,
+                releases_seen: info.releases,
             }),
         })
     }
@@ -193,24 +199,44 @@ impl KvCache {
         }
     }
 
-    /// Locks the state; if the region was released since the pool was last valid, every id
-    /// and sequence is invalidated first.
+    /// Locks the state, re-validated against the region: if it was released since the pool
+    /// was last valid, every id and sequence is invalidated first; if it is not this cache's
+    /// region any more (removed, maybe created again), the call fails.
     fn state(&self) -> Result<MutexGuard<'_, State>> {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let releases = self.pager.releases(&self.tag)?;
-        if releases != st.releases_seen {
+        let info = self.pager.info(&self.tag)?;
+        if info.id != self.region_id {
+            return Err(Error::InvalidArgument {
+                tag: self.tag.clone(),
+                reason: "the region this KvCache was created on was removed (the tag now names \
+                         another region); create a new KvCache"
+                    .to_owned(),
+            });
+        }
+        if info.releases != st.releases_seen {
             st.pool.invalidate_all();
-            st.releases_seen = releases;
+            st.releases_seen = info.releases;
         }
         Ok(st)
     }
 
-    /// [`KvCache::state`] for a kernel call: `NotResident` first while the region is
-    /// released (rather than the stale-id errors the ids would give).
-    fn kernel_state(&self, op: &'static str) -> Result<MutexGuard<'_, State>> {
+    /// The start of every call that touches memory: a lease on the cache's region and on
+    /// the regions of `buffers` (so no release can slip in while the call runs; a
+    /// concurrent release fails with `Busy`), then the state, validated after the lease.
+    /// `NotResident` (naming `op`) while the region is released.
+    fn begin(
+        &self,
+        op: &'static str,
+        buffers: &[&Buffer],
+    ) -> Result<(Lease, MutexGuard<'_, State>)> {
+        let mut tags: Vec<&str> = vec![&self.tag];
+        tags.extend(buffers.iter().map(|b| b.tag()));
+        let lease = self.pager.lease(&tags).map_err(|e| match e {
+            Error::NotResident { tag, .. } => Error::NotResident { tag, op },
+            e => e,
+        })?;
         let st = self.state()?;
-        self.require_resident(op)?;
-        Ok(st)
+        Ok((lease, st))
     }
 
     /// Byte range of the region holding blocks `blocks`.
@@ -238,20 +264,8 @@ impl KvCache {
 
     /// A new, empty sequence. `NotResident` while the region is released.
     pub fn create_seq(&self) -> Result<SeqId> {
-        let mut st = self.state()?;
-        self.require_resident("a KV cache allocation")?;
+        let (_lease, mut st) = self.begin("a KV cache allocation", &[])?;
         Ok(st.pool.create_seq())
-    }
-
-    fn require_resident(&self, op: &'static str) -> Result<()> {
-        if self.pager.info(&self.tag)?.state == crate::State::Resident {
-            Ok(())
-        } else {
-            Err(Error::NotResident {
-                tag: self.tag.clone(),
-                op,
-            })
-        }
     }
 
     /// Grows `seq` by `n` tokens, allocating the blocks it needs (lowest ids first) and
@@ -259,8 +273,7 @@ impl KvCache {
     /// the device has no memory for the chunks ([`Error::OutOfMemory`]) nothing changed.
     /// Returns the new blocks.
     pub fn append_tokens(&self, seq: SeqId, n: u64) -> Result<Vec<BlockId>> {
-        let mut st = self.state()?;
-        self.require_resident("a KV cache allocation")?;
+        let (_lease, mut st) = self.begin("a KV cache allocation", &[])?;
         let before = st.pool.seq_tokens(seq).map_err(|e| self.kv_err(e))?;
         let new = st.pool.append_tokens(seq, n).map_err(|e| self.kv_err(e))?;
         if let Err(e) = self.back(&new) {
@@ -309,8 +322,15 @@ impl KvCache {
     /// blocks are mapped, then one `copy_blocks` launch copies all of them). Pass the result
     /// to [`KvCache::write`]. On an error no block changed hands.
     pub fn prepare_write(&self, seq: SeqId, tokens: Range<u64>) -> Result<Vec<i64>> {
-        let mut st = self.state()?;
-        self.require_resident("a KV cache allocation")?;
+        let (_lease, mut st) = self.begin("a KV cache allocation", &[])?;
+        let len = st.pool.seq_tokens(seq).map_err(|e| self.kv_err(e))?;
+        if tokens.start > tokens.end || tokens.end > len {
+            return Err(self.kv_err(KvError::OutOfRange {
+                what: "end of the token range to write",
+                index: tokens.end.max(tokens.start),
+                limit: len + 1,
+            }));
+        }
         let bs = u64::from(self.layout.block_size());
         let table = st.pool.block_table(seq).map_err(|e| self.kv_err(e))?;
         let first = (tokens.start / bs) as usize;
@@ -342,11 +362,9 @@ impl KvCache {
             let fresh: Vec<BlockId> = copies.iter().map(|c| c.1).collect();
             self.back(&fresh)?;
             let pairs: Vec<(u32, u32)> = copies.iter().map(|(s, d)| (s.index, d.index)).collect();
-            self.launch(&[], |_| {
-                Ok(KvOp::CopyBlocks {
-                    cache: self.view(),
-                    pairs: &pairs,
-                })
+            self.run(&KvOp::CopyBlocks {
+                cache: self.view(),
+                pairs: &pairs,
             })?;
         }
         if let Some(pool) = copy {
@@ -357,7 +375,10 @@ impl KvCache {
 
     /// Writes `tokens` tokens of keys and values (`[tokens, kv_heads, head_dim]`, a token
     /// every `token_stride_bytes`, from pager buffers) into `layer` at `slot_mapping`
-    /// (slot < 0: padding, skipped). Every non-negative slot must lie in a live block.
+    /// (slot < 0: padding, skipped). Every non-negative slot must lie in a live block that
+    /// no other sequence shares (take the slots from [`KvCache::prepare_write`], which copies
+    /// shared blocks first; a slot mapping is only valid until the pool changes). Two tokens
+    /// mapped to one slot leave that slot undefined (the kernel writes in parallel).
     pub fn write(
         &self,
         layer: u32,
@@ -367,26 +388,28 @@ impl KvCache {
         token_stride_bytes: usize,
         slot_mapping: &[i64],
     ) -> Result<()> {
-        let st = self.kernel_state("the KV write kernel")?;
+        let (_lease, st) = self.begin("the KV write kernel", &[keys, values])?;
         self.check_slots(&st.pool, &slot_mapping[..tokens.min(slot_mapping.len())])?;
-        self.launch(&[keys, values], |ptrs| {
-            Ok(KvOp::Write {
-                cache: self.view(),
-                layer,
-                keys: ptrs[0],
-                values: ptrs[1],
-                tokens,
-                token_stride_bytes,
-                slot_mapping,
-            })
+        let spans = self.spans(&[keys, values])?;
+        self.run(&KvOp::Write {
+            cache: self.view(),
+            layer,
+            keys: spans[0],
+            values: spans[1],
+            tokens,
+            token_stride_bytes,
+            slot_mapping,
         })
     }
 
-    /// [`KvCache::write`] from raw device memory (an engine's tensors).
+    /// [`KvCache::write`] from raw device memory (an engine's tensors). Like every call
+    /// here it runs on the backend's own stream and waits for the kernel; it is not ordered
+    /// after the engine's streams.
     ///
     /// # Safety
-    /// `keys` and `values` must be device memory of the pager's device, valid and not
-    /// written by anyone else until the call returns.
+    /// `keys` and `values` must be device memory of the pager's device, valid until the call
+    /// returns, and every kernel that writes them must have finished (synchronise the
+    /// producing stream first); nothing may write them during the call.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn write_raw(
         &self,
@@ -397,25 +420,23 @@ impl KvCache {
         token_stride_bytes: usize,
         slot_mapping: &[i64],
     ) -> Result<()> {
-        let st = self.kernel_state("the KV write kernel")?;
+        let (_lease, st) = self.begin("the KV write kernel", &[])?;
         self.check_slots(&st.pool, &slot_mapping[..tokens.min(slot_mapping.len())])?;
-        self.launch(&[], |_| {
-            Ok(KvOp::Write {
-                cache: self.view(),
-                layer,
-                keys,
-                values,
-                tokens,
-                token_stride_bytes,
-                slot_mapping,
-            })
+        self.run(&KvOp::Write {
+            cache: self.view(),
+            layer,
+            keys,
+            values,
+            tokens,
+            token_stride_bytes,
+            slot_mapping,
         })
     }
 
     /// Copies `seq`'s tokens of `layer`'s K or V into `out` as a contiguous
     /// `[tokens, kv_heads, head_dim]` buffer; returns the token count.
     pub fn gather(&self, layer: u32, kv: Kv, seq: SeqId, out: &Buffer) -> Result<u64> {
-        let st = self.kernel_state("the KV gather kernel")?;
+        let (_lease, st) = self.begin("the KV gather kernel", &[out])?;
         let table = st.pool.block_table(seq).map_err(|e| self.kv_err(e))?;
         let tokens = st.pool.seq_tokens(seq).map_err(|e| self.kv_err(e))?;
         let ids = self.check_ids(&st.pool, table)?;
@@ -424,15 +445,14 @@ impl KvCache {
                 reason: format!("{tokens} tokens do not fit usize"),
             })
         })?;
-        self.launch(&[out], |ptrs| {
-            Ok(KvOp::Gather {
-                cache: self.view(),
-                layer,
-                kv,
-                block_table: &ids,
-                tokens: tokens_usize,
-                out: ptrs[0],
-            })
+        let out = self.spans(&[out])?[0];
+        self.run(&KvOp::Gather {
+            cache: self.view(),
+            layer,
+            kv,
+            block_table: &ids,
+            tokens: tokens_usize,
+            out,
         })?;
         Ok(tokens)
     }
@@ -441,61 +461,55 @@ impl KvCache {
     /// ids of every pair must be live; see [`super::reference::copy_blocks`] for the rule on
     /// overlapping pairs.
     pub fn copy_blocks(&self, pairs: &[(BlockId, BlockId)]) -> Result<()> {
-        let st = self.kernel_state("the KV copy_blocks kernel")?;
+        let (_lease, st) = self.begin("the KV copy_blocks kernel", &[])?;
         let flat: Vec<BlockId> = pairs.iter().flat_map(|&(s, d)| [s, d]).collect();
         let idx = self.check_ids(&st.pool, &flat)?;
         let pairs: Vec<(u32, u32)> = idx.chunks_exact(2).map(|p| (p[0], p[1])).collect();
-        self.launch(&[], |_| {
-            Ok(KvOp::CopyBlocks {
-                cache: self.view(),
-                pairs: &pairs,
-            })
+        self.run(&KvOp::CopyBlocks {
+            cache: self.view(),
+            pairs: &pairs,
         })
     }
 
-    /// Pinned host memory for swapping `blocks` blocks out (from the pager's backend).
-    pub fn alloc_host(&self, blocks: u32) -> Result<Box<dyn HostBuffer>> {
-        let bytes = self.layout.bytes_per_block() as usize * blocks as usize;
-        self.pager
+    /// Pinned host memory for swapping up to `blocks` blocks out, from the pager's backend
+    /// (so the device can address it).
+    pub fn alloc_host(&self, blocks: u32) -> Result<SwapSpace> {
+        let bytes = usize::try_from(self.layout.bytes_per_block())
+            .ok()
+            .and_then(|b| b.checked_mul(blocks as usize))
+            .ok_or_else(|| Error::InvalidSize {
+                tag: self.tag.clone(),
+                reason: format!("{blocks} blocks of swap space overflow usize bytes"),
+            })?;
+        let buf = self
+            .pager
             .backend()
-            .alloc_pinned(bytes)
-            .map_err(|e| Error::backend(&self.tag, "pinning host memory for swapping", e))
+            .alloc_pinned(bytes.max(1))
+            .map_err(|e| Error::backend(&self.tag, "pinning host memory for swapping", e))?;
+        Ok(SwapSpace { buf, blocks })
     }
 
     /// Copies `blocks` (live) to `host`, packed in list order, in one zero-copy launch
-    /// (preemption, offload). `host` must come from [`KvCache::alloc_host`] (or the
-    /// backend's `alloc_pinned`).
-    pub fn swap_out(&self, blocks: &[BlockId], host: &mut dyn HostBuffer) -> Result<()> {
-        let st = self.kernel_state("the KV swap_out kernel")?;
+    /// (preemption, offload).
+    pub fn swap_out(&self, blocks: &[BlockId], host: &mut SwapSpace) -> Result<()> {
+        let (_lease, st) = self.begin("the KV swap_out kernel", &[])?;
         let idx = self.check_ids(&st.pool, blocks)?;
-        let span = DeviceSpan {
-            addr: host.device_ptr(),
-            len: host.len(),
-        };
-        self.launch(&[], |_| {
-            Ok(KvOp::SwapOut {
-                cache: self.view(),
-                blocks: &idx,
-                host: span,
-            })
+        self.run(&KvOp::SwapOut {
+            cache: self.view(),
+            blocks: &idx,
+            host: host.span(),
         })
     }
 
     /// Copies `host` (packed in list order, as [`KvCache::swap_out`] left it) into `blocks`
     /// (live, each listed once) in one zero-copy launch.
-    pub fn swap_in(&self, blocks: &[BlockId], host: &dyn HostBuffer) -> Result<()> {
-        let st = self.kernel_state("the KV swap_in kernel")?;
+    pub fn swap_in(&self, blocks: &[BlockId], host: &SwapSpace) -> Result<()> {
+        let (_lease, st) = self.begin("the KV swap_in kernel", &[])?;
         let idx = self.check_ids(&st.pool, blocks)?;
-        let span = DeviceSpan {
-            addr: host.device_ptr(),
-            len: host.len(),
-        };
-        self.launch(&[], |_| {
-            Ok(KvOp::SwapIn {
-                cache: self.view(),
-                blocks: &idx,
-                host: span,
-            })
+        self.run(&KvOp::SwapIn {
+            cache: self.view(),
+            blocks: &idx,
+            host: host.span(),
         })
     }
 
@@ -555,11 +569,19 @@ impl KvCache {
             }
             let block = slot as u64 / bs;
             let live = u32::try_from(block).ok().and_then(|b| pool.live_id(b));
-            if live.is_none() {
+            let Some(id) = live else {
                 return Err(self.kv_err(KvError::InvalidArgument {
                     reason: format!(
                         "slot {slot} of token {t} lies in block {block}, which is not allocated; \
                          write only to slots of live blocks (from prepare_write)"
+                    ),
+                }));
+            };
+            if pool.refcount(id).is_ok_and(|rc| rc > 1) {
+                return Err(self.kv_err(KvError::InvalidArgument {
+                    reason: format!(
+                        "slot {slot} of token {t} lies in block {block}, which sequences share; \
+                         take the slots from prepare_write, which copies shared blocks first"
                     ),
                 }));
             }
@@ -567,17 +589,9 @@ impl KvCache {
         Ok(())
     }
 
-    /// Leases this region and the regions of `buffers`, resolves the buffers to device
-    /// spans, builds the op with `make` and runs it on the backend.
-    fn launch<'a>(
-        &self,
-        buffers: &[&Buffer],
-        make: impl FnOnce(&[DeviceSpan]) -> Result<KvOp<'a>>,
-    ) -> Result<()> {
-        let mut tags: Vec<&str> = vec![&self.tag];
-        tags.extend(buffers.iter().map(|b| b.tag()));
-        let _lease: Lease = self.pager.lease(&tags)?;
-        let spans = buffers
+    /// The device spans of live buffers (their regions leased by the caller).
+    fn spans(&self, buffers: &[&Buffer]) -> Result<Vec<DeviceSpan>> {
+        buffers
             .iter()
             .map(|b| {
                 Ok(DeviceSpan {
@@ -585,14 +599,51 @@ impl KvCache {
                     len: b.len(),
                 })
             })
-            .collect::<Result<Vec<_>>>()?;
-        let op = make(&spans)?;
+            .collect()
+    }
+
+    /// Checks `op` and runs it on the backend. The caller holds a lease from
+    /// [`KvCache::begin`] and checked every block id the op names against the pool.
+    fn run(&self, op: &KvOp<'_>) -> Result<()> {
         op.check().map_err(|e| self.kv_err(e))?;
-        // SAFETY: the lease keeps this region and the buffers' regions resident until the
-        // call returns; the buffers are live (`ptr` checked them, and that their ranges are
-        // backed); every cache block the op touches was checked live by the caller, and
-        // live blocks are always backed; `check` rejected buffers overlapping the cache.
-        unsafe { self.pager.backend().kv(&op) }
+        // SAFETY: the caller's lease keeps this region and the buffers' regions resident
+        // until the call returns; the buffers are live and backed (`ptr` checked both);
+        // every cache block the op touches was checked live after the lease was taken, and
+        // live blocks are always backed; `check` rejected buffers overlapping the cache; a
+        // swap's host memory is a `SwapSpace` pinned by this pager's backend.
+        unsafe { self.pager.backend().kv(op) }
             .map_err(|e| Error::backend(&self.tag, "a KV kernel", e))
+    }
+}
+
+/// Pinned host memory for [`KvCache::swap_out`] and [`KvCache::swap_in`], from
+/// [`KvCache::alloc_host`]: blocks packed back to back, in the order of the block list.
+#[derive(Debug)]
+pub struct SwapSpace {
+    buf: Box<dyn HostBuffer>,
+    blocks: u32,
+}
+
+impl SwapSpace {
+    /// Blocks it was sized for.
+    pub fn blocks(&self) -> u32 {
+        self.blocks
+    }
+
+    /// The bytes (block `i` of the last swap at `i × bytes_per_block`).
+    pub fn as_slice(&self) -> &[u8] {
+        self.buf.as_slice()
+    }
+
+    /// The bytes, mutable (e.g. to restore saved blocks before a swap-in).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.buf.as_mut_slice()
+    }
+
+    fn span(&self) -> DeviceSpan {
+        DeviceSpan {
+            addr: self.buf.device_ptr(),
+            len: self.buf.len(),
+        }
     }
 }

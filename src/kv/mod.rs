@@ -32,7 +32,7 @@ mod op;
 pub mod reference;
 
 pub use block_pool::{BlockId, BlockPool, PoolStats, SeqId, WriteTarget};
-pub use cache::{DEFAULT_KV_CHUNK_BYTES, KvCache, KvCacheConfig, KvStats};
+pub use cache::{DEFAULT_KV_CHUNK_BYTES, KvCache, KvCacheConfig, KvStats, SwapSpace};
 pub use layout::{Kv, KvDtype, KvLayout, KvOrder, KvStrides};
 pub use op::{CacheView, DeviceSpan, KvOp};
 

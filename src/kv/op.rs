@@ -179,6 +179,37 @@ impl KvOp<'_> {
             addr: c.base,
             len: cache_len,
         };
+        // What the kernels need on every backend (so host tests fail where a GPU would):
+        // 2-byte alignment (the narrowest access) and counts that fit 32 bits.
+        let (spans, count): (Vec<(&str, DeviceSpan)>, usize) = match *self {
+            KvOp::Write {
+                keys,
+                values,
+                tokens,
+                ..
+            } => (vec![("keys", keys), ("values", values)], tokens),
+            KvOp::Gather { out, tokens, .. } => (vec![("output", out)], tokens),
+            KvOp::CopyBlocks { pairs, .. } => (vec![], pairs.len()),
+            KvOp::SwapOut { host, blocks, .. } | KvOp::SwapIn { host, blocks, .. } => {
+                (vec![("host", host)], blocks.len())
+            }
+        };
+        for (what, s) in std::iter::once(("cache", cache_span)).chain(spans) {
+            if s.addr % 2 != 0 {
+                return Err(invalid(format!(
+                    "{}: the {what} address {:#x} is odd; the kernels need 2-byte alignment",
+                    self.name(),
+                    s.addr
+                )));
+            }
+        }
+        if u32::try_from(count).is_err() {
+            return Err(invalid(format!(
+                "{}: {count} tokens or blocks in one call; at most {} — split the call",
+                self.name(),
+                u32::MAX
+            )));
+        }
         let apart = |what: &str, s: &DeviceSpan| -> Result<(), KvError> {
             if s.len > 0 && s.addr < cache_span.end() && cache_span.addr < s.end() {
                 return Err(invalid(format!(

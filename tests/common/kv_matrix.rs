@@ -44,7 +44,18 @@ pub fn full_matrix() -> Vec<Shape> {
                     });
                 }
             }
-            for (head_dim, block_size) in [(5, 16), (3, 3), (1, 1)] {
+            // Odd rows (2-byte accesses), 8-byte rows, and 16 heads × 128 (more vectors per
+            // token than threads: the inner loop runs).
+            v.push(Shape {
+                dtype,
+                order,
+                head_dim: 128,
+                block_size: 16,
+                kv_heads: 16,
+                layers: 1,
+                blocks: 8,
+            });
+            for (head_dim, block_size) in [(5, 16), (3, 3), (1, 1), (4, 8)] {
                 v.push(Shape {
                     dtype,
                     order,
@@ -211,6 +222,8 @@ pub fn check_shape(pager: &Pager, cache_tag: &str, io_tag: &str, shape: Shape, r
         let table: Vec<u32> = (0..tokens.div_ceil(shape.block_size as usize) + 1)
             .map(|_| t.below(u64::from(shape.blocks)) as u32)
             .collect();
+        // The output at an 8-byte offset for V: narrower accesses on the output side.
+        let offset = if kv == Kv::V { 8 } else { 0 };
         let mut out = t.rng.bytes(tokens * token + 24);
         let ob = t.buffer(io_tag, out.len(), &out);
         let layer = t.below(u64::from(shape.layers)) as u32;
@@ -220,9 +233,18 @@ pub fn check_shape(pager: &Pager, cache_tag: &str, io_tag: &str, shape: Shape, r
             kv,
             block_table: &table,
             tokens,
-            out: t.span(&ob, 0),
+            out: t.span(&ob, offset),
         });
-        reference::gather(&mirror, &layout, layer, kv, &table, tokens, &mut out).unwrap();
+        reference::gather(
+            &mirror,
+            &layout,
+            layer,
+            kv,
+            &table,
+            tokens,
+            &mut out[offset..],
+        )
+        .unwrap();
         assert_bytes_eq(&format!("gather {kv:?} {ctx}"), &t.read(&ob), &out);
         pager.free(&ob).unwrap();
     }
@@ -422,6 +444,43 @@ pub fn cache_scenario(pager: Arc<Pager>, chunk: usize, mut rng: Rng) {
     let (ta, _) = cache.block_table(a).unwrap();
     assert_eq!(tb[..18], ta[..18], "untouched blocks stay shared");
     assert_ne!(tb[18], ta[18], "the written shared block was copied");
+    // Slots in a shared block are refused (they would write the parent's KV too).
+    let shared_slot = i64::from(tb[0].index) * 16;
+    let e = cache
+        .write(0, &kb, &vb, 1, token, &[shared_slot])
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Kv {
+                source: KvError::InvalidArgument { .. },
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // A token range past the sequence is refused before anything is allocated.
+    let e = cache.prepare_write(b, 0..(1 << 62)).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Kv {
+                source: KvError::OutOfRange { .. },
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // One cache per region.
+    let e = KvCache::new(
+        pager.clone(),
+        "kv_cache",
+        layout,
+        blocks,
+        KvCacheConfig { chunk_bytes: chunk },
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
 
     // A long sequence maps many chunks; freeing it and trimming gives them back.
     let c = cache.create_seq().unwrap();
@@ -447,17 +506,17 @@ pub fn cache_scenario(pager: Arc<Pager>, chunk: usize, mut rng: Rng) {
     // Preempt b: swap its blocks out, free it, bring it back into new blocks.
     let (tb, b_tokens) = cache.block_table(b).unwrap();
     let mut host = cache.alloc_host(tb.len() as u32).unwrap();
-    cache.swap_out(&tb, host.as_mut()).unwrap();
+    cache.swap_out(&tb, &mut host).unwrap();
     cache.free_seq(b).unwrap();
     let d = cache.create_seq().unwrap();
     let td = cache.append_tokens(d, b_tokens).unwrap();
-    cache.swap_in(&td, host.as_ref()).unwrap();
+    cache.swap_in(&td, &host).unwrap();
     assert!(
         gather_all(&cache, &pager, d, &out, token) == b_data,
         "swap out, swap in"
     );
     assert!(
-        matches!(cache.swap_in(&tb, host.as_ref()), Err(Error::Kv { .. })),
+        matches!(cache.swap_in(&tb, &host), Err(Error::Kv { .. })),
         "swap into freed blocks is refused"
     );
 
@@ -511,7 +570,7 @@ pub fn cache_scenario(pager: Arc<Pager>, chunk: usize, mut rng: Rng) {
         ),
         "{e}"
     );
-    let e = cache.swap_out(&td, host.as_mut()).unwrap_err();
+    let e = cache.swap_out(&td, &mut host).unwrap_err();
     assert!(
         matches!(
             e,
@@ -550,4 +609,24 @@ pub fn cache_scenario(pager: Arc<Pager>, chunk: usize, mut rng: Rng) {
     );
     let s = cache.stats().unwrap();
     assert_eq!((s.pool.live, s.live_bytes), (3, 3 * bpb as u64));
+
+    // The region removed and created again under the tag is not this cache's any more.
+    drop(host);
+    pager.remove("kv_cache").unwrap();
+    pager
+        .region_with(
+            "kv_cache",
+            bpb * blocks as usize,
+            Policy::Discard,
+            gpu_pager::RegionOptions {
+                elastic: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let e = cache.create_seq().unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+    let e = cache.gather(0, Kv::K, e2, &out).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+    pager.remove("kv_cache").unwrap();
 }

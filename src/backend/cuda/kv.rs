@@ -78,6 +78,28 @@ impl CudaBackend {
                 format!("vec_bytes {} is not 2, 4, 8 or 16", params.vec_bytes),
             ));
         }
+        let index_align = match kernel {
+            RowsKernel::Write => 8,
+            RowsKernel::Gather => 4,
+        };
+        if params.block_size == 0
+            || params.row_bytes % params.vec_bytes != 0
+            || params.index % index_align != 0
+            || !matches!(params.planes, 1 | 2)
+        {
+            return Err(invalid(
+                "kv",
+                format!(
+                    "row parameters the kernel cannot use: block_size {}, row_bytes {} with \
+                     vec_bytes {}, index {:#x} (needs {index_align}-byte alignment), planes {}",
+                    params.block_size,
+                    params.row_bytes,
+                    params.vec_bytes,
+                    params.index,
+                    params.planes
+                ),
+            ));
+        }
         if params.tokens == 0 {
             return Ok(());
         }
@@ -116,6 +138,19 @@ impl CudaBackend {
             return Err(invalid(
                 "kv",
                 format!("vec_bytes {} is not 2, 4, 8 or 16", params.vec_bytes),
+            ));
+        }
+        if params.block_bytes % u64::from(params.vec_bytes) != 0
+            || params.src_ids % 4 != 0
+            || params.dst_ids % 4 != 0
+        {
+            return Err(invalid(
+                "kv",
+                format!(
+                    "move parameters the kernel cannot use: block_bytes {} with vec_bytes {}, \
+                     id lists at {:#x} / {:#x} (need 4-byte alignment)",
+                    params.block_bytes, params.vec_bytes, params.src_ids, params.dst_ids
+                ),
             ));
         }
         if params.count == 0 || params.block_bytes == 0 {
@@ -248,6 +283,13 @@ impl CudaBackend {
         if index.is_empty() {
             return Ok(()); // no tokens, no blocks: nothing to do
         }
+        // Validate the parameters before anything is enqueued (the index address does not
+        // change what they check).
+        match &launch {
+            Launch::Rows(_, params) => params(0).map(|_| ()),
+            Launch::Move(params) => params(0).map(|_| ()),
+        }
+        .map_err(bad)?;
         bind(&self.ctx)?;
         // The scratch memory is shared: hold its lock until the kernel has finished.
         let mut slot = self
@@ -288,7 +330,7 @@ impl CudaBackend {
 }
 
 /// The parameters of a launch, built once the device address of the index list is known.
-type Params<'a, P> = Box<dyn FnOnce(u64) -> Result<P, String> + 'a>;
+type Params<'a, P> = Box<dyn Fn(u64) -> Result<P, String> + 'a>;
 
 /// The launch a [`KvOp`] turns into.
 enum Launch<'a> {

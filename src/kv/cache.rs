@@ -572,8 +572,9 @@ impl KvCache {
             let Some(id) = live else {
                 return Err(self.kv_err(KvError::InvalidArgument {
                     reason: format!(
-                        "slot {slot} of token {t} lies in block {block}, which is not allocated; \
-                         write only to slots of live blocks (from prepare_write)"
+                        "slot {slot} of token {t} lies in block {block}, which is not allocated \
+                         (freed, or the cache was released since the slots were made); write \
+                         only to slots of live blocks (from prepare_write)"
                     ),
                 }));
             };

@@ -415,12 +415,11 @@ impl Backend for HostBackend {
     unsafe fn kv(&self, op: &KvOp<'_>) -> BackendResult<()> {
         op.check().map_err(|e| kv_invalid(op, e))?;
         let c = *op.cache();
-        // The checks above guarantee the length fits usize and no buffer overlaps the cache.
-        // The slice spans the whole cache; the caller guarantees that the blocks the call
-        // touches are mapped, and the reference touches nothing else.
-        // SAFETY: the caller's contract (see above); `check` rejected overlaps, so no other
-        // slice made below aliases it.
-        let cache = unsafe { span_mut(c.base, c.bytes() as usize) };
+        // SAFETY: the caller guarantees that the blocks the call touches are mapped and
+        // untouched by others; the reference reads and writes only those (the checks above
+        // keep every offset below `c.bytes()`, which fits usize), and `check` rejected
+        // buffers overlapping the cache, so no slice made below aliases it.
+        let cache = &mut unsafe { RawCache::new(c.base, c.bytes() as usize) };
         let l = &c.layout;
         // SAFETY (each `span` / `span_mut` below): the caller guarantees the op's spans are
         // mapped memory of this backend that nothing else touches during the call; only the
@@ -464,6 +463,49 @@ impl Backend for HostBackend {
             }
         };
         result.map_err(|e| kv_invalid(op, e))
+    }
+}
+
+/// The cache as raw memory for the references: every access forms a slice over exactly the
+/// bytes it moves, so blocks that are not mapped (an elastic region's unbacked chunks) are
+/// never referenced.
+struct RawCache {
+    base: u64,
+    len: usize,
+}
+
+impl RawCache {
+    /// # Safety
+    /// Every range of `base..base + len` the references access through it must be mapped,
+    /// writable memory that nothing else accesses while it lives.
+    unsafe fn new(base: u64, len: usize) -> Self {
+        RawCache { base, len }
+    }
+
+    fn at(&self, off: usize) -> *mut u8 {
+        (self.base as usize + off) as *mut u8
+    }
+}
+
+impl kv_reference::CacheBytes for RawCache {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn read(&self, off: usize, dst: &mut [u8]) {
+        debug_assert!(off + dst.len() <= self.len);
+        // SAFETY: `new`'s contract: the accessed range is mapped; `dst` is a distinct slice
+        // (buffers never overlap the cache).
+        unsafe { ptr::copy_nonoverlapping(self.at(off), dst.as_mut_ptr(), dst.len()) };
+    }
+    fn write(&mut self, off: usize, src: &[u8]) {
+        debug_assert!(off + src.len() <= self.len);
+        // SAFETY: as in `read`.
+        unsafe { ptr::copy_nonoverlapping(src.as_ptr(), self.at(off), src.len()) };
+    }
+    fn copy_within(&mut self, src: usize, dst: usize, len: usize) {
+        debug_assert!(src.max(dst) + len <= self.len);
+        // SAFETY: as in `read`; `ptr::copy` allows overlapping ranges.
+        unsafe { ptr::copy(self.at(src), self.at(dst), len) };
     }
 }
 

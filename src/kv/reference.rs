@@ -77,10 +77,53 @@ pub fn token_bytes(layout: &KvLayout) -> u64 {
     u64::from(layout.kv_heads()) * layout.row_bytes()
 }
 
-/// Copies `len` bytes from `src[src_off..]` to `dst[dst_off..]` (validated by the caller).
-fn copy_row(dst: &mut [u8], dst_off: u64, src: &[u8], src_off: u64, len: usize) {
-    let (d, s) = (dst_off as usize, src_off as usize);
-    dst[d..d + len].copy_from_slice(&src[s..s + len]);
+/// The cache memory the references move bytes in and out of: a byte slice (a host mirror in
+/// tests), or, on the host backend, the region itself, where only the blocks a call touches
+/// need to be mapped (so no reference to unmapped memory is ever formed). Offsets and
+/// lengths are in range: the functions of this module check before they call.
+pub trait CacheBytes {
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the cache has no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copies `dst.len()` bytes at `off` into `dst`.
+    fn read(&self, off: usize, dst: &mut [u8]);
+    /// Copies `src` to `off`.
+    fn write(&mut self, off: usize, src: &[u8]);
+    /// Copies `len` bytes from offset `src` to offset `dst` (the ranges may overlap).
+    fn copy_within(&mut self, src: usize, dst: usize, len: usize);
+}
+
+impl CacheBytes for [u8] {
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+    fn read(&self, off: usize, dst: &mut [u8]) {
+        dst.copy_from_slice(&self[off..off + dst.len()]);
+    }
+    fn write(&mut self, off: usize, src: &[u8]) {
+        self[off..off + src.len()].copy_from_slice(src);
+    }
+    fn copy_within(&mut self, src: usize, dst: usize, len: usize) {
+        <[u8]>::copy_within(self, src..src + len, dst);
+    }
+}
+
+impl CacheBytes for Vec<u8> {
+    fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+    fn read(&self, off: usize, dst: &mut [u8]) {
+        self.as_slice().read(off, dst)
+    }
+    fn write(&mut self, off: usize, src: &[u8]) {
+        CacheBytes::write(self.as_mut_slice(), off, src)
+    }
+    fn copy_within(&mut self, src: usize, dst: usize, len: usize) {
+        CacheBytes::copy_within(self.as_mut_slice(), src, dst, len)
+    }
 }
 
 /// Reference of the KV write kernel (vLLM's `reshape_and_cache_flash` role).
@@ -104,7 +147,7 @@ fn copy_row(dst: &mut [u8], dst_off: u64, src: &[u8], src_off: u64, len: usize) 
 /// in parallel, so callers must not rely on either (engines never map two tokens to one slot).
 #[allow(clippy::too_many_arguments)]
 pub fn write(
-    cache: &mut [u8],
+    cache: &mut (impl CacheBytes + ?Sized),
     layout: &KvLayout,
     layer: u32,
     keys: &[u8],
@@ -132,10 +175,11 @@ pub fn write(
         let src = t as u64 * stride;
         for h in 0..layout.kv_heads() {
             let from = src + u64::from(h) * layout.row_bytes();
+            let from = from as usize;
             let k = layout.slot_offset(layer, Kv::K, slot as u64, h)?;
-            copy_row(cache, k, keys, from, row);
+            cache.write(k as usize, &keys[from..from + row]);
             let v = layout.slot_offset(layer, Kv::V, slot as u64, h)?;
-            copy_row(cache, v, values, from, row);
+            cache.write(v as usize, &values[from..from + row]);
         }
     }
     Ok(())
@@ -218,15 +262,14 @@ pub fn check_write(
 /// Validated first (nothing is written on error): every id below the capacity
 /// [`blocks_in`]`(layout, cache.len())` ([`KvError::OutOfRange`]), then the rule above.
 pub fn copy_blocks(
-    cache: &mut [u8],
+    cache: &mut (impl CacheBytes + ?Sized),
     layout: &KvLayout,
     pairs: &[(u32, u32)],
 ) -> Result<(), KvError> {
     check_copy_blocks(layout, cache.len(), pairs)?;
     let bpb = to_usize(layout.bytes_per_block(), "bytes per block")?;
     for &(src, dst) in pairs {
-        let s = src as usize * bpb;
-        cache.copy_within(s..s + bpb, dst as usize * bpb);
+        cache.copy_within(src as usize * bpb, dst as usize * bpb, bpb);
     }
     Ok(())
 }
@@ -273,7 +316,7 @@ pub fn check_copy_blocks(
 /// padded table is fine) below the capacity [`blocks_in`]`(layout, cache.len())`; `out` long
 /// enough.
 pub fn gather(
-    cache: &[u8],
+    cache: &(impl CacheBytes + ?Sized),
     layout: &KvLayout,
     layer: u32,
     kv: Kv,
@@ -298,8 +341,8 @@ pub fn gather(
         let token = (i % bs) as u32;
         for h in 0..layout.kv_heads() {
             let src = layout.offset(layer, kv, block, token, h)?;
-            let dst = i * token_bytes + u64::from(h) * layout.row_bytes();
-            copy_row(out, dst, cache, src, row);
+            let dst = (i * token_bytes + u64::from(h) * layout.row_bytes()) as usize;
+            cache.read(src as usize, &mut out[dst..dst + row]);
         }
     }
     Ok(())
@@ -365,14 +408,14 @@ pub fn check_swap_out(
 /// the capacity [`blocks_in`]`(layout, cache.len())`; `host` at least
 /// `blocks.len() × bytes_per_block` bytes. A block may be listed more than once.
 pub fn swap_out(
-    cache: &[u8],
+    cache: &(impl CacheBytes + ?Sized),
     layout: &KvLayout,
     blocks: &[u32],
     host: &mut [u8],
 ) -> Result<(), KvError> {
     let bpb = check_swap_out(layout, cache.len(), blocks, host.len())?;
     for (i, &b) in blocks.iter().enumerate() {
-        host[i * bpb..(i + 1) * bpb].copy_from_slice(&cache[b as usize * bpb..][..bpb]);
+        cache.read(b as usize * bpb, &mut host[i * bpb..(i + 1) * bpb]);
     }
     Ok(())
 }
@@ -386,14 +429,14 @@ pub fn swap_out(
 /// parallel, so a repeat would make the result depend on scheduling
 /// ([`KvError::InvalidArgument`]).
 pub fn swap_in(
-    cache: &mut [u8],
+    cache: &mut (impl CacheBytes + ?Sized),
     layout: &KvLayout,
     blocks: &[u32],
     host: &[u8],
 ) -> Result<(), KvError> {
     let bpb = check_swap_in(layout, cache.len(), blocks, host.len())?;
     for (i, &b) in blocks.iter().enumerate() {
-        cache[b as usize * bpb..][..bpb].copy_from_slice(&host[i * bpb..(i + 1) * bpb]);
+        cache.write(b as usize * bpb, &host[i * bpb..(i + 1) * bpb]);
     }
     Ok(())
 }

@@ -1,11 +1,49 @@
-//! Paged KV cache, host-side groundwork: the byte layout of the `kv_cache` region
-//! ([`KvLayout`]) and the block allocator with reference counts, fork, copy-on-write and
-//! per-sequence block tables ([`BlockPool`]).
+//! Paged KV cache: the byte layout of the `kv_cache` region ([`KvLayout`]), the block
+//! allocator with reference counts, fork, copy-on-write and per-sequence block tables
+//! ([`BlockPool`]), one checked kernel call ([`KvOp`]), and the cache itself on an elastic
+//! pager region ([`KvCache`]): physical memory only under live blocks, the kernels of
+//! `kernels/kv.cu` behind host-side checks, and every id stale after a release.
 //!
-//! Nothing here touches a device. The layout says where every `(layer, K/V, block, token,
-//! head)` vector lives inside the one `kv_cache` region; the pool says which blocks are live,
-//! which copies the caller must perform before writing, and which ranges of block ids hold
-//! no live block (so elastic backing can unmap them).
+//! ```
+//! use std::sync::Arc;
+//! use gpu_pager::backend::host::{HostBackend, HostConfig};
+//! use gpu_pager::kv::{Kv, KvCache, KvCacheConfig, KvDtype, KvError, KvLayout, KvOrder};
+//! use gpu_pager::{Error, Pager, Policy};
+//!
+//! # fn main() -> Result<(), Error> {
+//! // On a GPU use `gpu_pager::backend::auto()`; the host backend runs anywhere.
+//! let pager = Arc::new(Pager::new(Arc::new(HostBackend::new(HostConfig::default()))));
+//! let layout = KvLayout::new(2, 4, 64, 16, KvDtype::Bf16, KvOrder::Nhd)
+//!     .map_err(|source| Error::Kv { tag: "kv_cache".into(), source })?;
+//! let kv = KvCache::new(pager.clone(), "kv_cache", layout, 1024, KvCacheConfig::default())?;
+//! assert_eq!(kv.stats()?.mapped_bytes, 0);          // nothing backed yet
+//!
+//! // Keys and values of 20 tokens, [tokens, kv_heads, head_dim], in a pager buffer.
+//! let token = 4 * 64 * 2;
+//! pager.region("io", 1 << 20, Policy::Discard)?;
+//! let (keys, values, out) = (pager.alloc("io", 20 * token)?, pager.alloc("io", 20 * token)?,
+//!                            pager.alloc("io", 20 * token)?);
+//! pager.write(&keys, 0, &vec![7u8; 20 * token])?;
+//! pager.write(&values, 0, &vec![9u8; 20 * token])?;
+//!
+//! let seq = kv.create_seq()?;
+//! kv.append_tokens(seq, 20)?;                       // two blocks, their chunk mapped
+//! let slots = kv.prepare_write(seq, 0..20)?;
+//! kv.write(1, &keys, &values, 20, token, &slots)?;  // layer 1
+//! let child = kv.fork(seq)?;                        // shares both blocks
+//! assert_eq!(kv.gather(1, Kv::V, child, &out)?, 20);
+//! let mut back = vec![0u8; 20 * token];
+//! pager.read(&out, 0, &mut back)?;
+//! assert!(back.iter().all(|&b| b == 9));
+//!
+//! pager.release(&["kv_cache"])?;                    // contents gone ...
+//! pager.resume(&["kv_cache"])?;
+//! assert!(matches!(kv.gather(1, Kv::V, child, &out),   // ... and so are the ids
+//!                  Err(Error::Kv { source: KvError::UnknownSeq { .. }, .. })));
+//! # Ok(()) }
+//! ```
+//!
+//! The pool alone, without memory:
 //!
 //! ```
 //! use gpu_pager::kv::{BlockPool, Kv, KvDtype, KvLayout, KvOrder};

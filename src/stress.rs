@@ -14,6 +14,12 @@
 //! so that a resume fails with `OutOfMemory`, then drops it and resumes again. Each fault
 //! must be recovered: the retry after its cause is gone succeeds and loses nothing.
 //!
+//! The threads also share one paged KV cache ([`crate::kv::KvCache`] on the elastic region
+//! `kv_paged`): each writes its own sequences, forks them with copy-on-write, swaps them out
+//! and in, frees them, trims, and now and then releases and resumes the cache under the
+//! others. A sequence must read back exactly what was written until a release, and its ids
+//! must go stale exactly when a release happened after it was created.
+//!
 //! Everything goes through the [`Backend`] trait, so the same run works on a GPU and on the
 //! host backend.
 //!
@@ -40,6 +46,7 @@ use std::time::{Duration, Instant};
 use crate::backend::faulty::{FaultCounts, FaultPlan, FaultyBackend};
 use crate::backend::{Backend, BackendKind};
 use crate::kernels::MAX_HASH_CHUNKS;
+use crate::kv::{KvCache, KvCacheConfig};
 use crate::{Error, Pager, PagerConfig, Policy, RegionOptions, Result, State};
 use shared::{Shared, TAGS};
 use worker::{Owned, Worker};
@@ -89,6 +96,9 @@ pub struct StressConfig {
     pub map_fault_per_mille: u32,
     /// Probability that pinning a backup fails, per mille.
     pub pin_fault_per_mille: u32,
+    /// Blocks of the paged KV cache `kv_paged` (16 KiB each, an elastic region in 2 MiB
+    /// chunks) whose sequences the threads share.
+    pub paged_kv_blocks: u32,
 }
 
 impl Default for StressConfig {
@@ -115,6 +125,7 @@ impl Default for StressConfig {
             copy_fault_per_mille: 20,
             map_fault_per_mille: 20,
             pin_fault_per_mille: 100,
+            paged_kv_blocks: 2048,
         }
     }
 }
@@ -134,6 +145,7 @@ impl StressConfig {
             chunk_bytes: 512 * MIB,
             hash_chunk_bytes: 32 * MIB,
             verify_chunk_bytes: 16 * MIB,
+            paged_kv_blocks: 65_536,
             ..StressConfig::default()
         }
     }
@@ -166,6 +178,7 @@ impl StressConfig {
             return bad(format!("{} stress threads: use 1 to 64", self.threads));
         }
         if self.sizes().contains(&0)
+            || self.paged_kv_blocks == 0
             || self.max_buffer_bytes == 0
             || self.max_host_write_bytes == 0
             || self.readback_bytes == 0
@@ -237,6 +250,9 @@ pub struct OpCounts {
     /// Leases refused with `NotResident` because another thread released a tag between
     /// this thread's resume and its lease (then it resumes again).
     pub lease_races: u64,
+    /// Steps on the paged KV cache (`kv_paged`): sequences written, forked, swapped,
+    /// checked, freed; trims; release/resume cycles of the cache.
+    pub paged_kv_steps: u64,
 }
 
 impl fmt::Display for OpCounts {
@@ -244,8 +260,8 @@ impl fmt::Display for OpCounts {
         write!(
             f,
             "releases {} (busy {}), resumes {} (waited out a hog {}), allocs {} (full {}), \
-             frees {}, fills {} + {} raw, host writes {}, KV steps {}, leases {} (lost races \
-             {}), verifies {}, read-backs {}, hogs {}, backups freed {}",
+             frees {}, fills {} + {} raw, host writes {}, KV steps {}, paged KV steps {}, leases \
+             {} (lost races {}), verifies {}, read-backs {}, hogs {}, backups freed {}",
             self.releases,
             self.busy,
             self.resumes,
@@ -257,6 +273,7 @@ impl fmt::Display for OpCounts {
             self.raw_fills,
             self.host_writes,
             self.kv_ops,
+            self.paged_kv_steps,
             self.leases,
             self.lease_races,
             self.verifies,
@@ -385,7 +402,7 @@ pub fn run(
         Some(f) => f.clone(),
         None => backend.clone(),
     };
-    let pager = Pager::with_config(
+    let pager = Arc::new(Pager::with_config(
         device,
         PagerConfig {
             chunk_bytes: cfg.chunk_bytes,
@@ -394,7 +411,7 @@ pub fn run(
             verify_restore: cfg.verify_restore,
             ..PagerConfig::default()
         },
-    );
+    ));
     let mut bases = [0; 4];
     let mut sizes = [0; 4];
     for (t, ((tag, policy), bytes)) in TAGS.iter().zip(cfg.sizes()).enumerate() {
@@ -406,12 +423,47 @@ pub fn run(
         (bases[t], sizes[t]) = (info.base, info.size);
     }
 
+    // The paged KV cache the threads share, and each thread's io buffers.
+    let paged = KvCache::new(
+        pager.clone(),
+        worker::PAGED_TAG,
+        worker::paged_layout(),
+        cfg.paged_kv_blocks,
+        KvCacheConfig {
+            chunk_bytes: 2 * MIB,
+        },
+    )?;
+    let io_buffer = worker::MAX_SEQ_TOKENS * worker::TOKEN;
+    pager.region(worker::IO_TAG, cfg.threads * 3 * io_buffer, Policy::Discard)?;
+    let mut io = Vec::with_capacity(cfg.threads);
+    for _ in 0..cfg.threads {
+        let b = || pager.alloc(worker::IO_TAG, io_buffer);
+        io.push((b()?, b()?, b()?));
+    }
+
     let sh = Shared::new(Instant::now() + cfg.duration, bases, sizes);
     let started = Instant::now();
     set_faults(true);
-    let owned = run_threads(&pager, cfg, &sh, started, progress);
+    let owned = run_threads(&pager, cfg, &sh, started, progress, &paged, io);
     let elapsed = started.elapsed();
     set_faults(false);
+
+    // Every thread freed its sequences: nothing live, and a trim leaves nothing mapped.
+    match paged.trim().and_then(|_| paged.stats()) {
+        Ok(s) if s.pool.live == 0 && s.mapped_bytes == 0 => {}
+        Ok(s) => sh.error(format!(
+            "paged KV cache at the end: {} live blocks, {} bytes mapped after a trim (both \
+             should be 0)",
+            s.pool.live, s.mapped_bytes
+        )),
+        Err(e) => sh.error(format!("paged KV cache at the end: {e}")),
+    }
+    drop(paged);
+    for tag in [worker::PAGED_TAG, worker::IO_TAG] {
+        if let Err(e) = pager.remove(tag) {
+            sh.error(format!("removing `{tag}` at the end: {e}"));
+        }
+    }
 
     // The end: everything resumed and checked, memory accounted for, buffers freed.
     let mut last = Worker::new("final check".to_owned(), &pager, cfg, &sh, cfg.seed);
@@ -464,6 +516,8 @@ fn run_threads(
     sh: &Shared,
     started: Instant,
     progress: &dyn Fn(&Progress),
+    paged: &KvCache,
+    io: Vec<(crate::Buffer, crate::Buffer, crate::Buffer)>,
 ) -> Vec<Owned> {
     let snapshot = || Progress {
         elapsed: started.elapsed(),
@@ -474,9 +528,16 @@ fn run_threads(
     };
     std::thread::scope(|s| {
         let mut handles = Vec::new();
-        for i in 0..cfg.threads {
+        for (i, (keys, values, out)) in io.into_iter().enumerate().take(cfg.threads) {
             let seed = content::mix(cfg.seed ^ (i as u64 + 1).wrapping_mul(0x2545_F491_4F6C_DD1D));
-            let w = Worker::new(format!("thread {i}"), pager, cfg, sh, seed);
+            let w = Worker::new(format!("thread {i}"), pager, cfg, sh, seed).with_paged(
+                worker::PagedIo {
+                    kv: paged,
+                    keys,
+                    values,
+                    out,
+                },
+            );
             match std::thread::Builder::new()
                 .name(format!("stress-{i}"))
                 .spawn_scoped(s, move || w.run())
@@ -566,9 +627,23 @@ fn warm_up(backend: &Arc<dyn Backend>) -> Result<()> {
     let g = backend.info().granularity;
     let pager = Pager::new(backend.clone());
     let tag = "stress-warm-up";
-    pager.region(tag, g, Policy::Discard)?;
+    pager.region(tag, 2 * g, Policy::Discard)?;
     let b = pager.alloc(tag, g)?;
     pager.fill(&b, 0)?;
     pager.hash(&b, g.div_ceil(MAX_HASH_CHUNKS).next_multiple_of(16))?;
+    // The KV kernels' module and index scratch memory, sized for the largest write.
+    let pager = Arc::new(pager);
+    let kv = KvCache::new(
+        pager.clone(),
+        "stress-warm-up-kv",
+        worker::paged_layout(),
+        64,
+        KvCacheConfig::default(),
+    )?;
+    let s = kv.create_seq()?;
+    kv.append_tokens(s, worker::MAX_TOKENS as u64)?;
+    let slots = kv.prepare_write(s, 0..worker::MAX_TOKENS as u64)?;
+    let io = pager.alloc(tag, worker::MAX_TOKENS * worker::TOKEN)?;
+    kv.write(0, &io, &io, worker::MAX_TOKENS, worker::TOKEN, &slots)?;
     Ok(())
 }

@@ -96,7 +96,7 @@ fn bad_configurations_are_errors() {
 #[test]
 fn the_stress_catches_corrupted_restores_and_leaks() {
     use common::broken::{Broken, Flaw};
-    for flaw in [Flaw::FlipRestores, Flaw::LeakOnMap] {
+    for flaw in [Flaw::FlipRestores, Flaw::LeakOnMap, Flaw::FlipKvWrites] {
         let host = HostBackend::new(HostConfig {
             capacity: 1 << 30,
             granularity: 2 << 20,
@@ -112,7 +112,7 @@ fn the_stress_catches_corrupted_restores_and_leaks() {
         eprintln!("{flaw:?}: {s}");
         assert!(!s.ok(), "{flaw:?} went unnoticed: {s}");
         match flaw {
-            Flaw::FlipRestores => assert!(s.corruptions > 0, "{s}"),
+            Flaw::FlipRestores | Flaw::FlipKvWrites => assert!(s.corruptions > 0, "{s}"),
             Flaw::LeakOnMap => assert!(s.leaked_bytes > 0, "{s}"),
         }
     }

@@ -286,19 +286,13 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Runs one paged-KV-cache kernel ([`KvOp`]) and waits for it. The call is checked first
     /// ([`KvOp::check`]: ids and slots in range, lengths consistent, no buffer overlapping the
-    /// cache); a failed check is [`BackendError::Invalid`] and nothing runs. The default
-    /// implementation, for backends without the kernels, always fails.
+    /// cache); a failed check is [`BackendError::Invalid`] and nothing runs.
     ///
     /// # Safety
     /// Every block of the cache the call touches, and every buffer span of `op`, must be
     /// mapped memory of this backend (pinned host memory from [`Backend::alloc_pinned`] for
     /// the swaps) that nothing else accesses until the call returns.
-    unsafe fn kv(&self, op: &KvOp<'_>) -> BackendResult<()> {
-        Err(BackendError::Invalid {
-            op: "kv",
-            reason: format!("this backend has no KV kernels ({} requested)", op.name()),
-        })
-    }
+    unsafe fn kv(&self, op: &KvOp<'_>) -> BackendResult<()>;
 }
 
 /// The backend's error for a KV call that fails its checks.

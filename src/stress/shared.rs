@@ -43,9 +43,10 @@ pub(crate) enum Op {
     Hog,
     FreeBackup,
     LeaseRace,
+    Paged,
 }
 
-const OPS: usize = 17;
+const OPS: usize = 18;
 
 /// Counters, the error list, and the run's clock.
 #[derive(Debug)]
@@ -170,6 +171,7 @@ impl Shared {
             hogs: n(Op::Hog),
             free_backups: n(Op::FreeBackup),
             lease_races: n(Op::LeaseRace),
+            paged_kv_steps: n(Op::Paged),
         }
     }
 }

@@ -7,6 +7,11 @@
 
 use std::time::{Duration, Instant};
 
+mod paged;
+pub(crate) use paged::{
+    IO_TAG, MAX_SEQ_TOKENS, MAX_TOKENS, PAGED_TAG, PagedIo, TOKEN, layout as paged_layout,
+};
+
 use super::StressConfig;
 use super::content::{Content, FillHashes, Rng, random_window};
 use super::shared::{KV, Op, Shared, TAGS};
@@ -40,7 +45,7 @@ fn policy(t: usize) -> Policy {
     TAGS[t].1
 }
 
-fn injected(e: &Error) -> bool {
+pub(crate) fn injected(e: &Error) -> bool {
     matches!(
         e,
         Error::Backend {
@@ -77,6 +82,10 @@ pub(crate) struct Worker<'a> {
     /// Set when a resume by this thread brought the tag back: buffers allocated before
     /// (sequence number below this) hold their backup (Preserve) or zeroes (DiscardZeroed).
     fresh: [Option<u64>; 4],
+    /// The paged KV cache and this thread's io buffers (none for the final check).
+    paged_io: Option<PagedIo<'a>>,
+    /// This thread's sequences in the paged cache.
+    paged: Vec<paged::PagedSeq>,
 }
 
 impl<'a> Worker<'a> {
@@ -98,7 +107,15 @@ impl<'a> Worker<'a> {
             seq: 0,
             seen_resumes: [0; 4],
             fresh: [None; 4],
+            paged_io: None,
+            paged: Vec::new(),
         }
+    }
+
+    /// Gives the thread sequences of the shared paged KV cache to work on.
+    pub fn with_paged(mut self, io: PagedIo<'a>) -> Self {
+        self.paged_io = Some(io);
+        self
     }
 
     /// Takes over buffers of other threads (the final check); they count as allocated before
@@ -117,6 +134,7 @@ impl<'a> Worker<'a> {
             self.verify_observed();
             self.step();
         }
+        self.paged_finish();
         self.owned
     }
 
@@ -132,7 +150,8 @@ impl<'a> Worker<'a> {
             420..500 => self.fill_own(false),
             500..550 => self.fill_own(true),
             550..610 => self.host_write_own(),
-            610..710 => self.kv_op(),
+            610..660 => self.kv_op(),
+            660..710 => self.paged_op(),
             710..760 => self.lease_hold(),
             760..860 => self.verify_random(),
             860..940 => self.readback_random(),

@@ -13,6 +13,8 @@ pub enum Flaw {
     FlipRestores,
     /// Every 5th map also takes memory that is never given back.
     LeakOnMap,
+    /// Every 3rd KV write lands with one byte of its first written row flipped.
+    FlipKvWrites,
 }
 
 #[derive(Debug)]
@@ -111,5 +113,35 @@ impl Backend for Broken {
     unsafe fn chunk_hash(&self, src: u64, bytes: usize, chunk: usize) -> BackendResult<Vec<u64>> {
         // SAFETY: forwarded from the caller.
         unsafe { self.inner.chunk_hash(src, bytes, chunk) }
+    }
+    unsafe fn kv(&self, op: &gpu_pager::kv::KvOp<'_>) -> BackendResult<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.inner.kv(op) }?;
+        if let gpu_pager::kv::KvOp::Write {
+            cache,
+            layer,
+            tokens,
+            slot_mapping,
+            ..
+        } = *op
+        {
+            let first = slot_mapping[..tokens].iter().find(|&&s| s >= 0);
+            if let Some(&slot) = first.filter(|_| {
+                self.has(Flaw::FlipKvWrites) && self.maps.fetch_add(1, Ordering::SeqCst) % 3 == 2
+            }) {
+                let off = cache
+                    .layout
+                    .slot_offset(layer, gpu_pager::kv::Kv::K, slot as u64, 0)
+                    .expect("a checked slot");
+                let at = cache.base + off;
+                let mut b = [0u8; 1];
+                // SAFETY: the row was just written, so it is mapped memory of the cache.
+                unsafe { self.inner.copy_to_host(&mut b, at) }?;
+                b[0] ^= 0x10;
+                // SAFETY: as above.
+                unsafe { self.inner.copy_to_device(at, &b) }?;
+            }
+        }
+        Ok(())
     }
 }

@@ -35,6 +35,18 @@ fn invalid(op: &'static str, reason: String) -> BackendError {
     BackendError::Invalid { op, reason }
 }
 
+/// The access widths the kernels have code for.
+fn check_vec_bytes(vec_bytes: u32) -> BackendResult<()> {
+    if matches!(vec_bytes, 2 | 4 | 8 | 16) {
+        Ok(())
+    } else {
+        Err(invalid(
+            "kv",
+            format!("vec_bytes {vec_bytes} is not 2, 4, 8 or 16"),
+        ))
+    }
+}
+
 impl CudaBackend {
     /// The KV kernels, loading their module on first use.
     pub(super) fn kv_kernels(&self) -> BackendResult<&KvKernels> {
@@ -72,12 +84,7 @@ impl CudaBackend {
         params: &abi::GpKvRowsParams,
     ) -> BackendResult<()> {
         self.check_stream("kv", stream)?;
-        if !matches!(params.vec_bytes, 2 | 4 | 8 | 16) {
-            return Err(invalid(
-                "kv",
-                format!("vec_bytes {} is not 2, 4, 8 or 16", params.vec_bytes),
-            ));
-        }
+        check_vec_bytes(params.vec_bytes)?;
         let index_align = match kernel {
             RowsKernel::Write => 8,
             RowsKernel::Gather => 4,
@@ -134,12 +141,7 @@ impl CudaBackend {
         params: &abi::GpKvMoveParams,
     ) -> BackendResult<()> {
         self.check_stream("kv", stream)?;
-        if !matches!(params.vec_bytes, 2 | 4 | 8 | 16) {
-            return Err(invalid(
-                "kv",
-                format!("vec_bytes {} is not 2, 4, 8 or 16", params.vec_bytes),
-            ));
-        }
+        check_vec_bytes(params.vec_bytes)?;
         if params.block_bytes % u64::from(params.vec_bytes) != 0
             || params.src_ids % 4 != 0
             || params.dst_ids % 4 != 0

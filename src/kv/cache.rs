@@ -321,6 +321,12 @@ impl KvCache {
     /// shared blocks among them are first replaced by private copies (copy-on-write: new
     /// blocks are mapped, then one `copy_blocks` launch copies all of them). Pass the result
     /// to [`KvCache::write`]. On an error no block changed hands.
+    ///
+    /// Slots are raw indices without a generation: they stay valid until the sequence's
+    /// blocks change (a free, a truncate, a release). If another thread may release the
+    /// cache meanwhile, hold `pager.lease(&[tag])` from here until the writes are done (a
+    /// release then fails with `Busy`); otherwise a release, followed by another sequence
+    /// allocating the same blocks, would send these slots into that sequence's blocks.
     pub fn prepare_write(&self, seq: SeqId, tokens: Range<u64>) -> Result<Vec<i64>> {
         let (_lease, mut st) = self.begin("a KV cache allocation", &[])?;
         let len = st.pool.seq_tokens(seq).map_err(|e| self.kv_err(e))?;

@@ -153,6 +153,16 @@ impl Worker<'_> {
         };
         let (kv, keys, values) = (io.kv, io.keys.clone(), io.values.clone());
         let id = self.paged[i].id;
+        // Slots carry no generation: hold the cache resident from prepare_write to the last
+        // write, or a release and another thread's allocation in between would put this
+        // thread's keys into that thread's blocks (the documented contract of `write`).
+        let _lease = match self.pager.lease(&[PAGED_TAG]) {
+            Ok(l) => l,
+            Err(e) => {
+                self.paged_failed("paged lease", &e, Some(i));
+                return false;
+            }
+        };
         let slots = match self.retry(|| kv.prepare_write(id, from..to)) {
             Ok(s) => s,
             Err(e) => {

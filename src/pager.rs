@@ -303,12 +303,25 @@ impl Pager {
     /// Removes a region: unmaps it, frees its backup and its address range. Refused while
     /// leased. Buffers of the region become stale.
     pub fn remove(&self, tag: &str) -> Result<()> {
+        self.remove_impl(tag, None).map(|_| ())
+    }
+
+    /// Removes region `tag` only if it is still the region with identity `id` (its owner
+    /// dropping it); returns whether it was removed.
+    pub(crate) fn remove_if_id(&self, tag: &str, id: u64) -> Result<bool> {
+        self.remove_impl(tag, Some(id))
+    }
+
+    fn remove_impl(&self, tag: &str, id: Option<u64>) -> Result<bool> {
         let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
         let slot = map.get(tag).ok_or_else(|| Error::UnknownTag {
             tag: tag.to_owned(),
         })?;
         {
             let r = lock(slot);
+            if id.is_some_and(|id| id != r.id) {
+                return Ok(false);
+            }
             if r.leases > 0 {
                 return Err(Error::Busy {
                     tag: tag.to_owned(),
@@ -320,7 +333,7 @@ impl Pager {
                 .map_err(|e| Error::backend(tag, "waiting for device work", e))?;
         }
         map.remove(tag);
-        Ok(())
+        Ok(true)
     }
 
     /// Tags of all regions, in order.

@@ -458,11 +458,12 @@ pub fn run(
         )),
         Err(e) => sh.error(format!("paged KV cache at the end: {e}")),
     }
-    drop(paged);
-    for tag in [worker::PAGED_TAG, worker::IO_TAG] {
-        if let Err(e) = pager.remove(tag) {
-            sh.error(format!("removing `{tag}` at the end: {e}"));
-        }
+    drop(paged); // removes its region
+    if pager.info(worker::PAGED_TAG).is_ok() {
+        sh.error("the paged KV cache's region outlived the cache".to_owned());
+    }
+    if let Err(e) = pager.remove(worker::IO_TAG) {
+        sh.error(format!("removing `{}` at the end: {e}", worker::IO_TAG));
     }
 
     // The end: everything resumed and checked, memory accounted for, buffers freed.

@@ -151,3 +151,29 @@ fn kv_cache_scenario_on_the_host_backend() {
         Rng::seeded("kv_cache_scenario_on_the_host_backend"),
     );
 }
+
+/// A KvCache owns its region: a second cache on the tag is refused, dropping the cache
+/// removes the region (memory back), and the tag can then host a new cache.
+#[test]
+fn kv_cache_owns_its_region() {
+    use gpu_pager::kv::{KvCache, KvCacheConfig};
+    let pager = Arc::new(host_pager());
+    let layout = KvLayout::new(2, 2, 64, 16, KvDtype::F16, KvOrder::Nhd).unwrap();
+    let cfg = KvCacheConfig::default();
+    let a = KvCache::new(pager.clone(), "kv", layout, 512, cfg).unwrap();
+    let s = a.create_seq().unwrap();
+    a.append_tokens(s, 100).unwrap();
+    let free = pager.backend().mem_info().unwrap().free;
+    assert!(matches!(
+        KvCache::new(pager.clone(), "kv", layout, 512, cfg),
+        Err(gpu_pager::Error::InvalidArgument { .. })
+    ));
+    drop(a);
+    assert!(pager.info("kv").is_err(), "the region went with the cache");
+    assert!(
+        pager.backend().mem_info().unwrap().free > free,
+        "its memory came back"
+    );
+    let b = KvCache::new(pager.clone(), "kv", layout, 512, cfg).unwrap();
+    assert_eq!(b.stats().unwrap().pool.live, 0);
+}

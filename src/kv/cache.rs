@@ -102,7 +102,7 @@ impl std::fmt::Debug for KvCache {
 impl KvCache {
     /// Creates region `tag` for `blocks` blocks of `layout` (elastic, `Discard`, nothing
     /// mapped yet) and an empty pool over it. The tag must be new: the cache is the only
-    /// owner of its region (`InvalidArgument` otherwise). Manage the region's backing through
+    /// owner of its region (`InvalidArgument` otherwise), and dropping the cache removes it. Manage the region's backing through
     /// the cache only: a direct `pager.trim` or `pager.back` on it breaks the rule that live
     /// blocks are backed.
     pub fn new(
@@ -620,6 +620,18 @@ impl KvCache {
         // swap's host memory is a `SwapSpace` pinned by this pager's backend.
         unsafe { self.pager.backend().kv(op) }
             .map_err(|e| Error::backend(&self.tag, "a KV kernel", e))
+    }
+}
+
+impl Drop for KvCache {
+    /// Removes the cache's region (after waiting for device work), unless it was removed
+    /// already. A failure (a lease still held on the tag) is printed, never a panic; the
+    /// region then stays until `pager.remove`.
+    fn drop(&mut self) {
+        match self.pager.remove_if_id(&self.tag, self.region_id) {
+            Ok(_) | Err(Error::UnknownTag { .. }) => {}
+            Err(e) => eprintln!("gpu-pager: dropping the KV cache `{}`: {e}", self.tag),
+        }
     }
 }
 

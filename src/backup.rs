@@ -210,14 +210,7 @@ impl Backup {
 
 /// Maximal runs of consecutive indices in `0..n` for which `changed` holds.
 fn changed_runs(n: usize, changed: impl Fn(usize) -> bool) -> Vec<Range<usize>> {
-    let mut runs: Vec<Range<usize>> = Vec::new();
-    for k in (0..n).filter(|&k| changed(k)) {
-        match runs.last_mut() {
-            Some(r) if r.end == k => r.end = k + 1,
-            _ => runs.push(k..k + 1),
-        }
-    }
-    runs
+    crate::runs::runs((0..n).filter(|&k| changed(k)))
 }
 
 #[cfg(test)]

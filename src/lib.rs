@@ -44,6 +44,7 @@ pub mod kv;
 mod pager;
 mod region;
 pub mod report;
+mod runs;
 pub mod stress;
 mod suballoc;
 

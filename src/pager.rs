@@ -427,7 +427,7 @@ impl Pager {
         }
         r.require_resident(op)?;
         let start = buf.offset + offset;
-        if !r.is_backed(&(start..start + len)) {
+        if r.elastic && !r.is_backed(&(start..start + len)) {
             return Err(Error::NotBacked {
                 tag: buf.tag.to_string(),
                 offset: start,
@@ -800,6 +800,19 @@ impl Pager {
             .synchronize()
             .map_err(|e| Error::backend(tag, "waiting for device work", e))?;
         r.free_backup()
+    }
+
+    /// A region's identity and release count (what a KV cache re-validates on every call),
+    /// without building a whole `RegionInfo`.
+    pub(crate) fn identity(&self, tag: &str) -> Result<(u64, u64)> {
+        let slot = self.slot(tag)?;
+        let r = lock(&slot);
+        Ok((r.id, r.releases))
+    }
+
+    /// Statistics of one region.
+    pub fn region_stats(&self, tag: &str) -> Result<RegionStats> {
+        Ok(lock(&self.slot(tag)?).stats())
     }
 
     /// Statistics of every region.

@@ -320,14 +320,7 @@ impl Region {
 
     /// The contiguous runs of chunks among `chunks` that are mapped (`mapped`) or not.
     fn runs(&self, chunks: Range<usize>, mapped: bool) -> Vec<Range<usize>> {
-        let mut runs: Vec<Range<usize>> = Vec::new();
-        for i in chunks.filter(|&i| self.mappings[i].is_some() == mapped) {
-            match runs.last_mut() {
-                Some(run) if run.end == i => run.end = i + 1,
-                _ => runs.push(i..i + 1),
-            }
-        }
-        runs
+        crate::runs::runs(chunks.filter(|&i| self.mappings[i].is_some() == mapped))
     }
 
     /// The byte range a non-empty run of chunks covers.

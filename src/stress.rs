@@ -529,7 +529,7 @@ fn run_threads(
     };
     std::thread::scope(|s| {
         let mut handles = Vec::new();
-        for (i, (keys, values, out)) in io.into_iter().enumerate().take(cfg.threads) {
+        for (i, (keys, values, out)) in io.into_iter().enumerate() {
             let seed = content::mix(cfg.seed ^ (i as u64 + 1).wrapping_mul(0x2545_F491_4F6C_DD1D));
             let w = Worker::new(format!("thread {i}"), pager, cfg, sh, seed).with_paged(
                 worker::PagedIo {

@@ -177,3 +177,46 @@ fn kv_cache_owns_its_region() {
     let b = KvCache::new(pager.clone(), "kv", layout, 512, cfg).unwrap();
     assert_eq!(b.stats().unwrap().pool.live, 0);
 }
+
+/// `write_raw` from raw device spans (an engine's tensors) lands like `write`, and a span
+/// inside the cache is refused.
+#[test]
+fn kv_write_raw_from_device_spans() {
+    use gpu_pager::kv::{Kv, KvCache, KvCacheConfig};
+    let pager = Arc::new(host_pager());
+    let layout = KvLayout::new(1, 2, 8, 4, KvDtype::F32, KvOrder::Hnd).unwrap();
+    let token = layout.token_bytes() as usize;
+    let cache = KvCache::new(pager.clone(), "kv", layout, 64, KvCacheConfig::default()).unwrap();
+    pager
+        .region("io", 1 << 20, gpu_pager::Policy::Discard)
+        .unwrap();
+    let mut rng = Rng::seeded("kv_write_raw_from_device_spans");
+    let (keys, values) = (rng.bytes(10 * token), rng.bytes(10 * token));
+    let kb = pager.alloc("io", keys.len()).unwrap();
+    let vb = pager.alloc("io", values.len()).unwrap();
+    let out = pager.alloc("io", 10 * token).unwrap();
+    pager.write(&kb, 0, &keys).unwrap();
+    pager.write(&vb, 0, &values).unwrap();
+    let s = cache.create_seq().unwrap();
+    cache.append_tokens(s, 10).unwrap();
+    let slots = cache.prepare_write(s, 0..10).unwrap();
+    let span = |b: &gpu_pager::Buffer| DeviceSpan {
+        addr: pager.ptr(b).unwrap(),
+        len: b.len(),
+    };
+    // SAFETY: both spans are live pager buffers, written synchronously above.
+    unsafe { cache.write_raw(0, span(&kb), span(&vb), 10, token, &slots) }.unwrap();
+    for (kv, want) in [(Kv::K, &keys), (Kv::V, &values)] {
+        cache.gather(0, kv, s, &out).unwrap();
+        let mut got = vec![0u8; want.len()];
+        pager.read(&out, 0, &mut got).unwrap();
+        assert_eq!(&got, want, "{kv:?}");
+    }
+    let inside = DeviceSpan {
+        addr: cache.k_ptr(0).unwrap(),
+        len: 10 * token,
+    };
+    // SAFETY: refused by the checks before anything is read.
+    let e = unsafe { cache.write_raw(0, inside, span(&vb), 10, token, &slots) }.unwrap_err();
+    assert!(e.to_string().contains("overlaps the cache"), "{e}");
+}

@@ -2,9 +2,10 @@
 //!
 //! Everything here is pure host code: it turns a [`KvLayout`] and device addresses into the
 //! parameter structs of [`super::abi`] and picks grids. The launchers validate the calls
-//! themselves first ([`crate::kv::KvOp::check`]); what is checked here is only what the
-//! kernels additionally need: an access width that divides every address and stride, and
-//! counts that fit the 32-bit fields.
+//! first ([`crate::kv::KvOp::check`]); these builders are also public for enqueue-only
+//! launches (`CudaBackend::kv_rows_on` / `kv_move_on`), so they refuse what the kernels
+//! cannot do on their own (no access width dividing every address and stride, counts over
+//! 32 bits, a token over 2^31 bytes), whoever calls them.
 
 use super::abi::{GpKvMoveParams, GpKvRowsParams};
 use super::{BLOCK_THREADS, LaunchGeometry};

@@ -300,21 +300,10 @@ impl BlockPool {
     /// Runs of consecutive live block indices, in increasing order (the complement of
     /// [`BlockPool::empty_ranges`]`(1)`): what elastic backing must keep mapped.
     pub fn live_runs(&self) -> Vec<Range<u32>> {
-        let mut out: Vec<Range<u32>> = Vec::new();
-        let Some(last) = self.highest_live_block() else {
-            return out;
+        let (Some(first), Some(last)) = (self.live_set.first(), self.highest_live_block()) else {
+            return Vec::new();
         };
-        let mut i = self.live_set.first().unwrap_or(0);
-        while i <= last {
-            if self.live_set.get(i) {
-                match out.last_mut() {
-                    Some(run) if run.end == i => run.end = i + 1,
-                    _ => out.push(i..i + 1),
-                }
-            }
-            i += 1;
-        }
-        out
+        crate::runs::runs((first..=last).filter(|&i| self.live_set.get(i)))
     }
 
     /// The current id of block `index` if it is live (`None` when free or out of range).

@@ -204,8 +204,8 @@ impl KvCache {
     /// region any more (removed, maybe created again), the call fails.
     fn state(&self) -> Result<MutexGuard<'_, State>> {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let info = self.pager.info(&self.tag)?;
-        if info.id != self.region_id {
+        let (id, releases) = self.pager.identity(&self.tag)?;
+        if id != self.region_id {
             return Err(Error::InvalidArgument {
                 tag: self.tag.clone(),
                 reason: "the region this KvCache was created on was removed (the tag now names \
@@ -213,9 +213,9 @@ impl KvCache {
                     .to_owned(),
             });
         }
-        if info.releases != st.releases_seen {
+        if releases != st.releases_seen {
             st.pool.invalidate_all();
-            st.releases_seen = info.releases;
+            st.releases_seen = releases;
         }
         Ok(st)
     }
@@ -249,14 +249,7 @@ impl KvCache {
     fn back(&self, ids: &[BlockId]) -> Result<()> {
         let mut idx: Vec<u32> = ids.iter().map(|b| b.index).collect();
         idx.sort_unstable();
-        let mut runs: Vec<Range<u32>> = Vec::new();
-        for i in idx {
-            match runs.last_mut() {
-                Some(r) if r.end == i || r.end == i + 1 => r.end = i + 1,
-                _ => runs.push(i..i + 1),
-            }
-        }
-        for r in runs {
+        for r in crate::runs::runs(idx) {
             self.pager.back(&self.tag, self.byte_range(r))?;
         }
         Ok(())
@@ -536,14 +529,7 @@ impl KvCache {
     pub fn stats(&self) -> Result<KvStats> {
         let st = self.state()?;
         let pool = st.pool.stats();
-        let region = self
-            .pager
-            .stats()
-            .region(&self.tag)
-            .cloned()
-            .ok_or_else(|| Error::UnknownTag {
-                tag: self.tag.clone(),
-            })?;
+        let region = self.pager.region_stats(&self.tag)?;
         Ok(KvStats {
             reserved_bytes: region.info.size,
             mapped_bytes: region.resident_bytes,

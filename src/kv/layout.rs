@@ -192,6 +192,13 @@ impl KvLayout {
         u64::from(self.head_dim) * self.dtype.size()
     }
 
+    /// Bytes of one token of all heads (`kv_heads × row_bytes`): the token stride of a dense
+    /// `[tokens, kv_heads, head_dim]` buffer.
+    pub fn token_bytes(&self) -> u64 {
+        // ≤ page_bytes, which fits in i64.
+        u64::from(self.kv_heads) * self.row_bytes()
+    }
+
     /// Bytes of one page: one layer's K (or V) of one block.
     pub fn page_bytes(&self) -> u64 {
         self.page_elems * self.dtype.size()

@@ -2,7 +2,7 @@
 //! ([`crate::backend::Backend::kv`]). [`crate::kv::KvCache`] builds these after checking
 //! block ids against its pool; they can also be built by hand for engine-owned tensors.
 
-use super::reference;
+use super::reference::{self, invalid};
 use super::{Kv, KvError, KvLayout};
 
 /// Where a paged KV cache lives: its layout, the device address of block 0 (the region
@@ -20,7 +20,10 @@ pub struct CacheView {
 impl CacheView {
     /// Bytes of the whole cache (`blocks × bytes_per_block`).
     pub fn bytes(&self) -> u64 {
-        self.layout.bytes_per_block() * u64::from(self.blocks)
+        // Saturates instead of wrapping; `KvOp::check` rejects a cache this large.
+        self.layout
+            .bytes_per_block()
+            .saturating_mul(u64::from(self.blocks))
     }
 }
 
@@ -109,10 +112,6 @@ pub enum KvOp<'a> {
     },
 }
 
-fn invalid(reason: String) -> KvError {
-    KvError::InvalidArgument { reason }
-}
-
 impl KvOp<'_> {
     /// The kernel's name, for errors and reports (`"write"`, `"gather"`, ...).
     pub fn name(&self) -> &'static str {
@@ -140,7 +139,7 @@ impl KvOp<'_> {
     /// another). Bandwidth figures divide this by the time.
     pub fn bytes_moved(&self) -> u64 {
         let l = &self.cache().layout;
-        let token = reference::token_bytes(l);
+        let token = l.token_bytes();
         match *self {
             KvOp::Write {
                 tokens,
@@ -166,8 +165,16 @@ impl KvOp<'_> {
     /// the cache range not wrapping, and no caller buffer overlapping the cache.
     pub fn check(&self) -> Result<(), KvError> {
         let c = self.cache();
-        let cache_len = usize::try_from(c.bytes())
-            .map_err(|_| invalid(format!("a cache of {} bytes does not fit usize", c.bytes())))?;
+        let bytes = c.layout.total_bytes(c.blocks)?;
+        let cache_len = usize::try_from(bytes)
+            .map_err(|_| invalid(format!("a cache of {bytes} bytes does not fit usize")))?;
+        if c.layout.token_bytes() >= 1 << 31 {
+            return Err(invalid(format!(
+                "{}: one token of all heads is {} bytes; the kernels index it with 31 bits",
+                self.name(),
+                c.layout.token_bytes()
+            )));
+        }
         if c.base.checked_add(c.bytes()).is_none() {
             return Err(invalid(format!(
                 "the cache at {:#x} with {} bytes wraps the address space",

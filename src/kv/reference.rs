@@ -1,16 +1,18 @@
-//! Plain-Rust reference implementations of the KV kernels (issue 3): `write`, `copy_blocks`,
+//! Plain-Rust reference implementations of the KV kernels: `write`, `copy_blocks`,
 //! `gather`, `swap_out` and `swap_in`.
 //!
-//! These are the references the CUDA kernels in `kernels/` will be tested against (fresh
-//! random data, outputs poisoned first, every shape compared byte for byte), and the path the
-//! KV operations take on the host backend. They are written for clarity, not speed.
+//! The CUDA kernels in `kernels/kv.cu` are tested against these (fresh random data, outputs
+//! poisoned first, every shape compared byte for byte), and the host backend runs them on
+//! its own memory. They are written for clarity, not speed. Each has a `check_*` twin that
+//! validates a call from buffer lengths alone: what every backend runs before it launches.
 //!
 //! # Conventions
 //!
-//! * The cache is a byte slice laid out by [`KvLayout`] (block-major: block `b` occupies
-//!   `[b·bytes_per_block, (b+1)·bytes_per_block)`). Its capacity is the number of **whole**
-//!   blocks in the slice ([`blocks_in`]); trailing bytes past the last whole block are never
-//!   read or written. A block id (or the block of a slot) at or past the capacity is an error.
+//! * The cache is any [`CacheBytes`] (a byte slice, or a region's raw memory) laid out by
+//!   [`KvLayout`] (block-major: block `b` occupies `[b·bytes_per_block,
+//!   (b+1)·bytes_per_block)`). Its capacity is the number of **whole** blocks in it
+//!   ([`blocks_in`]); trailing bytes past the last whole block are never read or written. A
+//!   block id (or the block of a slot) at or past the capacity is an error.
 //! * The kernels are pure data movement, so they are dtype-agnostic: a head vector is a row
 //!   of [`KvLayout::row_bytes`] bytes moved as bytes. Only where the CUDA kernels need element
 //!   alignment (the token stride of `write`) does the dtype size matter.
@@ -30,7 +32,7 @@ use std::collections::HashSet;
 
 use super::{Kv, KvError, KvLayout};
 
-fn invalid(reason: impl Into<String>) -> KvError {
+pub(super) fn invalid(reason: impl Into<String>) -> KvError {
     KvError::InvalidArgument {
         reason: reason.into(),
     }
@@ -73,8 +75,7 @@ pub fn blocks_in(layout: &KvLayout, cache_bytes: usize) -> u32 {
 /// Bytes of one token of all heads, `kv_heads × row_bytes`: the minimum token stride of
 /// [`write()`] and the token stride of the output of [`gather`].
 pub fn token_bytes(layout: &KvLayout) -> u64 {
-    // ≤ page_bytes, which fits in i64.
-    u64::from(layout.kv_heads()) * layout.row_bytes()
+    layout.token_bytes()
 }
 
 /// The cache memory the references move bytes in and out of: a byte slice (a host mirror in

@@ -24,6 +24,7 @@ pub struct Broken {
     /// The flaw acts only while this is set (it is, from the start).
     pub active: AtomicBool,
     maps: AtomicU64,
+    kv_writes: AtomicU64,
 }
 
 impl Broken {
@@ -34,6 +35,7 @@ impl Broken {
             flaw,
             active: AtomicBool::new(true),
             maps: AtomicU64::new(0),
+            kv_writes: AtomicU64::new(0),
         }
     }
 
@@ -127,7 +129,8 @@ impl Backend for Broken {
         {
             let first = slot_mapping[..tokens].iter().find(|&&s| s >= 0);
             if let Some(&slot) = first.filter(|_| {
-                self.has(Flaw::FlipKvWrites) && self.maps.fetch_add(1, Ordering::SeqCst) % 3 == 2
+                self.has(Flaw::FlipKvWrites)
+                    && self.kv_writes.fetch_add(1, Ordering::SeqCst) % 3 == 2
             }) {
                 let off = cache
                     .layout

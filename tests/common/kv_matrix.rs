@@ -72,13 +72,13 @@ pub fn full_matrix() -> Vec<Shape> {
 }
 
 /// Device buffers of one run and their host mirrors.
-struct Bench<'p> {
+struct Run<'p> {
     pager: &'p Pager,
     backend: Arc<dyn Backend>,
     rng: Rng,
 }
 
-impl Bench<'_> {
+impl Run<'_> {
     fn buffer(&mut self, tag: &str, len: usize, data: &[u8]) -> Buffer {
         let b = self.pager.alloc(tag, len).expect("alloc");
         self.pager.write(&b, 0, data).expect("write");
@@ -132,7 +132,7 @@ pub fn check_shape(pager: &Pager, cache_tag: &str, io_tag: &str, shape: Shape, r
         shape.order,
     )
     .unwrap();
-    let mut t = Bench {
+    let mut t = Run {
         pager,
         backend: pager.backend().clone(),
         rng,

@@ -7,6 +7,8 @@
 //! validates the [`KvOp`], copies its index lists into device scratch memory on the kernel
 //! stream, launches and waits.
 
+use std::borrow::Cow;
+
 use cudarc::driver::{CudaFunction, CudaStream, PushKernelArg, sys};
 
 use super::{CudaBackend, bind, check, driver_err};
@@ -181,12 +183,13 @@ impl CudaBackend {
     /// As [`Backend::kv`](super::Backend::kv).
     pub(super) unsafe fn kv_sync(&self, op: &KvOp<'_>) -> BackendResult<()> {
         op.check().map_err(|e| kv_invalid(op, e))?;
-        let name = op.name();
+        let bad = |reason: String| invalid(op.name(), reason);
         let c = *op.cache();
-        let bad = |reason: String| invalid(name, reason);
-        // The index list the kernel reads, as bytes, and the launch to make with its
-        // device address.
-        let (index, launch): (Vec<u8>, Launch) = match *op {
+        let bpb = c.layout.bytes_per_block();
+        // The parameters (built, and so checked, with the index list at address 0) and the
+        // index list the kernel reads, as bytes; the list's device address is filled in
+        // after the upload.
+        let (launch, index): (Launch, Cow<'_, [u8]>) = match *op {
             KvOp::Write {
                 layer,
                 keys,
@@ -201,23 +204,11 @@ impl CudaBackend {
                     second: Some(values.addr),
                     token_stride: token_stride_bytes as u64,
                 };
-                let slots = &slot_mapping[..tokens];
+                let p =
+                    geometry::rows_params(&c.layout, c.base, &[Kv::K, Kv::V], layer, io, 0, tokens);
                 (
-                    bytemuck::cast_slice(slots).to_vec(),
-                    Launch::Rows(
-                        RowsKernel::Write,
-                        Box::new(move |index| {
-                            geometry::rows_params(
-                                &c.layout,
-                                c.base,
-                                &[Kv::K, Kv::V],
-                                layer,
-                                io,
-                                index,
-                                tokens,
-                            )
-                        }),
-                    ),
+                    Launch::Rows(RowsKernel::Write, p.map_err(bad)?),
+                    Cow::Borrowed(bytemuck::cast_slice(&slot_mapping[..tokens])),
                 )
             }
             KvOp::Gather {
@@ -228,70 +219,48 @@ impl CudaBackend {
                 out,
                 ..
             } => {
-                let used = tokens.div_ceil(c.layout.block_size() as usize);
                 let io = geometry::TokenMajor {
                     first: out.addr,
                     second: None,
-                    token_stride: crate::kv::reference::token_bytes(&c.layout),
+                    token_stride: c.layout.token_bytes(),
                 };
+                let p = geometry::rows_params(&c.layout, c.base, &[kv], layer, io, 0, tokens);
+                let used = tokens.div_ceil(c.layout.block_size() as usize);
                 (
-                    bytemuck::cast_slice(&block_table[..used]).to_vec(),
-                    Launch::Rows(
-                        RowsKernel::Gather,
-                        Box::new(move |index| {
-                            geometry::rows_params(
-                                &c.layout,
-                                c.base,
-                                &[kv],
-                                layer,
-                                io,
-                                index,
-                                tokens,
-                            )
-                        }),
-                    ),
+                    Launch::Rows(RowsKernel::Gather, p.map_err(bad)?),
+                    Cow::Borrowed(bytemuck::cast_slice(&block_table[..used])),
                 )
             }
             KvOp::CopyBlocks { pairs, .. } => {
-                let n = pairs.len();
                 let ids: Vec<u32> = pairs
                     .iter()
                     .map(|p| p.0)
                     .chain(pairs.iter().map(|p| p.1))
                     .collect();
+                let p = geometry::move_params(c.base, c.base, 0, 0, bpb, pairs.len());
                 (
-                    bytemuck::cast_slice(&ids).to_vec(),
-                    Launch::Move(Box::new(move |index| {
-                        let bpb = c.layout.bytes_per_block();
-                        geometry::move_params(c.base, c.base, index, index + 4 * n as u64, bpb, n)
-                    })),
+                    Launch::Move(p.map_err(bad)?, MoveIds::Both(pairs.len())),
+                    Cow::Owned(bytemuck::cast_slice(&ids).to_vec()),
                 )
             }
-            KvOp::SwapOut { blocks, host, .. } => (
-                bytemuck::cast_slice(blocks).to_vec(),
-                Launch::Move(Box::new(move |index| {
-                    let bpb = c.layout.bytes_per_block();
-                    geometry::move_params(c.base, host.addr, index, 0, bpb, blocks.len())
-                })),
-            ),
-            KvOp::SwapIn { blocks, host, .. } => (
-                bytemuck::cast_slice(blocks).to_vec(),
-                Launch::Move(Box::new(move |index| {
-                    let bpb = c.layout.bytes_per_block();
-                    geometry::move_params(host.addr, c.base, 0, index, bpb, blocks.len())
-                })),
-            ),
+            KvOp::SwapOut { blocks, host, .. } => {
+                let p = geometry::move_params(c.base, host.addr, 0, 0, bpb, blocks.len());
+                (
+                    Launch::Move(p.map_err(bad)?, MoveIds::Source),
+                    Cow::Borrowed(bytemuck::cast_slice(blocks)),
+                )
+            }
+            KvOp::SwapIn { blocks, host, .. } => {
+                let p = geometry::move_params(host.addr, c.base, 0, 0, bpb, blocks.len());
+                (
+                    Launch::Move(p.map_err(bad)?, MoveIds::Destination),
+                    Cow::Borrowed(bytemuck::cast_slice(blocks)),
+                )
+            }
         };
         if index.is_empty() {
             return Ok(()); // no tokens, no blocks: nothing to do
         }
-        // Validate the parameters before anything is enqueued (the index address does not
-        // change what they check).
-        match &launch {
-            Launch::Rows(_, params) => params(0).map(|_| ()),
-            Launch::Move(params) => params(0).map(|_| ()),
-        }
-        .map_err(bad)?;
         bind(&self.ctx)?;
         // The scratch memory is shared: hold its lock until the kernel has finished.
         let mut slot = self
@@ -315,27 +284,48 @@ impl CudaBackend {
         // SAFETY (both launches): the call was checked above; the caller guarantees that the
         // cache blocks and buffers it touches are mapped; the index list was just copied
         // to `dev_index` on the same stream.
-        match launch {
+        let launched = match launch {
             Launch::Rows(kernel, params) => {
-                let params = params(dev_index).map_err(bad)?;
-                unsafe { self.kv_rows_on(stream, kernel, &params) }?;
+                let params = abi::GpKvRowsParams {
+                    index: dev_index,
+                    ..params
+                };
+                unsafe { self.kv_rows_on(stream, kernel, &params) }
             }
-            Launch::Move(params) => {
-                let params = params(dev_index).map_err(bad)?;
-                unsafe { self.kv_move_on(stream, &params) }?;
+            Launch::Move(params, ids) => {
+                let (src_ids, dst_ids) = match ids {
+                    MoveIds::Both(n) => (dev_index, dev_index + 4 * n as u64),
+                    MoveIds::Source => (dev_index, 0),
+                    MoveIds::Destination => (0, dev_index),
+                };
+                let params = abi::GpKvMoveParams {
+                    src_ids,
+                    dst_ids,
+                    ..params
+                };
+                unsafe { self.kv_move_on(stream, &params) }
             }
-        }
-        stream
+        };
+        // Wait even after a failed launch: the upload may still be reading `index`.
+        let synced = stream
             .synchronize()
-            .map_err(|e| driver_err("cuStreamSynchronize", e))
+            .map_err(|e| driver_err("cuStreamSynchronize", e));
+        launched.and(synced)
     }
 }
 
-/// The parameters of a launch, built once the device address of the index list is known.
-type Params<'a, P> = Box<dyn Fn(u64) -> Result<P, String> + 'a>;
+/// The launch a [`KvOp`] turns into, with its index list's address still 0.
+enum Launch {
+    Rows(RowsKernel, abi::GpKvRowsParams),
+    Move(abi::GpKvMoveParams, MoveIds),
+}
 
-/// The launch a [`KvOp`] turns into.
-enum Launch<'a> {
-    Rows(RowsKernel, Params<'a, abi::GpKvRowsParams>),
-    Move(Params<'a, abi::GpKvMoveParams>),
+/// Which id lists of a block move the uploaded index list holds.
+enum MoveIds {
+    /// `n` source ids, then `n` destination ids (copy_blocks).
+    Both(usize),
+    /// Source ids; destinations by position (swap_out).
+    Source,
+    /// Destination ids; sources by position (swap_in).
+    Destination,
 }

@@ -103,7 +103,7 @@ pub fn run(pager: &Arc<Pager>, t: &Timeline, gib_budget: f64) -> Result<bool, Er
         })?;
     let blocks = ((gib_budget * GIB as f64) as u64 / layout.bytes_per_block()).max(64) as u32;
     let cache = KvCache::new(pager.clone(), TAG, layout, blocks, KvCacheConfig::default())?;
-    let token = 8 * 128 * 2;
+    let token = layout.token_bytes() as usize;
     // Eight sequences of 2/3 to 4/3 of `base` tokens fill about 60% of the blocks.
     let base = (u64::from(blocks) * 16 * 6 / 10 / 8).max(16);
     let max_tokens = (base * 4 / 3) as usize;

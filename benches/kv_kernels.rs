@@ -316,6 +316,91 @@ fn cases(s: &mut Setup) -> Vec<Case> {
     out
 }
 
+/// What a checked `KvCache` call costs around its kernel, for a decode step: one token for
+/// each of 64 sequences written into one layer, 200 calls back to back. `write` checks,
+/// uploads the slots and waits; `write_on` checks and enqueues on the engine's stream (slot
+/// mapping already on the device); the bare launch (`kv_rows_on`) is the floor. Wall time
+/// per call, the stream synchronised once at the end.
+fn call_overhead(backend: &Arc<CudaBackend>, stream: &Arc<CudaStream>) -> String {
+    use gpu_pager::kv::{DeviceSpan, KvCache, KvCacheConfig};
+    use std::time::Instant;
+    let pager = Arc::new(Pager::new(backend.clone()));
+    let layout = KvLayout::new(32, 8, 128, 16, KvDtype::Bf16, KvOrder::Nhd).expect("layout");
+    let token = layout.token_bytes() as usize;
+    let kv = KvCache::new(
+        pager.clone(),
+        "overhead_kv",
+        layout,
+        256,
+        KvCacheConfig::default(),
+    )
+    .expect("cache");
+    pager
+        .region("overhead_io", 4 * MIB, Policy::Discard)
+        .expect("io");
+    let seqs: Vec<_> = (0..64).map(|_| kv.create_seq().expect("seq")).collect();
+    for &s in &seqs {
+        kv.append_tokens(s, 1).expect("append");
+    }
+    let slots: Vec<i64> = seqs
+        .iter()
+        .flat_map(|&s| kv.prepare_write(s, 0..1).expect("slots"))
+        .collect();
+    let buf = |n| pager.alloc("overhead_io", n).expect("alloc");
+    let (kb, vb, sb) = (buf(64 * token), buf(64 * token), buf(64 * 8));
+    let bytes: Vec<u8> = slots.iter().flat_map(|x| x.to_le_bytes()).collect();
+    pager.write(&sb, 0, &bytes).expect("slots to the device");
+    let span = |b: &Buffer| DeviceSpan {
+        addr: pager.ptr(b).expect("ptr"),
+        len: b.len(),
+    };
+    let (ks, vs, dev_slots) = (span(&kb), span(&vb), pager.ptr(&sb).expect("ptr"));
+    let raw = gpu_pager::backend::RawStream(stream.cu_stream() as usize);
+    let params = rows_params(
+        &layout,
+        kv.view().base,
+        &[Kv::K, Kv::V],
+        5,
+        TokenMajor {
+            first: ks.addr,
+            second: Some(vs.addr),
+            token_stride: token as u64,
+        },
+        dev_slots,
+        64,
+    )
+    .expect("params");
+    let calls = 200;
+    let time = |f: &mut dyn FnMut()| {
+        for _ in 0..10 {
+            f();
+        }
+        stream.synchronize().expect("sync");
+        let t = Instant::now();
+        for _ in 0..calls {
+            f();
+        }
+        stream.synchronize().expect("sync");
+        t.elapsed().as_secs_f64() * 1e6 / calls as f64
+    };
+    let checked = time(&mut || kv.write(5, &kb, &vb, 64, token, &slots).expect("write"));
+    // SAFETY: the spans are live buffers; the device slot mapping holds `slots`; the
+    // stream is synchronised before anything is read.
+    let enqueued = time(&mut || {
+        unsafe { kv.write_on(raw, 5, ks, vs, 64, token, &slots, dev_slots) }.expect("write_on")
+    });
+    // SAFETY: as above; `params` was built from the same checked call.
+    let bare = time(&mut || {
+        unsafe { backend.kv_rows_on(stream, RowsKernel::Write, &params) }.expect("launch")
+    });
+    format!(
+        "| decode write, 64 tokens × 1 layer | µs per call |\n|---|---|\n\
+         | KvCache::write (checked, uploads slots, waits) | {checked:.1} |\n\
+         | KvCache::write_on (checked, enqueued on the engine's stream) | {enqueued:.1} |\n\
+         | CudaBackend::kv_rows_on (bare launch, no checks) | {bare:.1} |\n"
+    )
+}
+
 fn kv_kernels(c: &mut Criterion) {
     let backend = match CudaBackend::new(0) {
         Ok(b) => Arc::new(b),
@@ -363,6 +448,7 @@ fn kv_kernels(c: &mut Criterion) {
         );
     }
     println!("\n{table}");
+    println!("{}", call_overhead(&setup.backend, &stream));
 
     let mut g = c.benchmark_group("kv_kernels");
     g.sample_size(10)

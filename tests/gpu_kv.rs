@@ -60,3 +60,22 @@ fn gpu_kv_cache_scenario() {
     let chunk = pager.backend().info().granularity.max(2 << 20);
     kv_matrix::cache_scenario(pager, chunk, Rng::seeded("gpu_kv_cache_scenario"));
 }
+
+/// `write_on` on a stream of the engine's: enqueued, then the stream synchronised, contents
+/// exact.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_kv_write_on_an_engine_stream() {
+    let _lock = gpu_lock();
+    let backend =
+        Arc::new(CudaBackend::new(0).expect("this test needs a CUDA GPU; none is usable"));
+    let stream = backend.context().new_stream().expect("a stream");
+    let pager = Arc::new(Pager::new(backend.clone()));
+    let raw = gpu_pager::backend::RawStream(stream.cu_stream() as usize);
+    kv_matrix::write_on_scenario(
+        pager,
+        raw,
+        &|| stream.synchronize().expect("stream sync"),
+        Rng::seeded("gpu_kv_write_on_an_engine_stream"),
+    );
+}

@@ -220,3 +220,14 @@ fn kv_write_raw_from_device_spans() {
     let e = unsafe { cache.write_raw(0, inside, span(&vb), 10, token, &slots) }.unwrap_err();
     assert!(e.to_string().contains("overlaps the cache"), "{e}");
 }
+
+#[test]
+fn kv_write_on_on_the_host_backend() {
+    let pager = Arc::new(host_pager());
+    kv_matrix::write_on_scenario(
+        pager,
+        gpu_pager::backend::RawStream(0),
+        &|| {},
+        Rng::seeded("kv_write_on_on_the_host_backend"),
+    );
+}

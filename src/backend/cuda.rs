@@ -781,6 +781,16 @@ impl Backend for CudaBackend {
         // SAFETY: forwarded from the caller.
         unsafe { self.kv_sync(op) }
     }
+
+    unsafe fn kv_on(
+        &self,
+        op: &crate::kv::KvOp<'_>,
+        stream: RawStream,
+        index: u64,
+    ) -> BackendResult<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.kv_enqueue(op, stream, index) }
+    }
 }
 
 /// A reserved virtual address range (`cuMemAddressReserve`); dropping it frees the range.

@@ -352,6 +352,18 @@ impl Backend for FaultyBackend {
         // SAFETY: the caller upholds `kv`'s contract, the wrapped backend's.
         unsafe { self.inner.kv(op) }
     }
+
+    /// # Safety
+    /// As [`Backend::kv_on`].
+    unsafe fn kv_on(
+        &self,
+        op: &crate::kv::KvOp<'_>,
+        stream: RawStream,
+        index: u64,
+    ) -> BackendResult<()> {
+        // SAFETY: the caller upholds `kv_on`'s contract, the wrapped backend's.
+        unsafe { self.inner.kv_on(op, stream, index) }
+    }
 }
 
 #[cfg(test)]

@@ -411,6 +411,17 @@ impl Backend for HostBackend {
         Ok(reference::chunk_hash(data, chunk_bytes))
     }
 
+    /// Runs the op synchronously from its host lists, as [`Backend::kv`] does.
+    unsafe fn kv_on(
+        &self,
+        op: &KvOp<'_>,
+        _stream: super::RawStream,
+        _index: u64,
+    ) -> BackendResult<()> {
+        // SAFETY: `kv_on`'s contract includes `kv`'s.
+        unsafe { self.kv(op) }
+    }
+
     /// Runs the Rust reference of the kernel ([`crate::kv::reference`]) on the memory itself.
     unsafe fn kv(&self, op: &KvOp<'_>) -> BackendResult<()> {
         op.check().map_err(|e| kv_invalid(op, e))?;

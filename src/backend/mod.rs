@@ -293,6 +293,20 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// mapped memory of this backend (pinned host memory from [`Backend::alloc_pinned`] for
     /// the swaps) that nothing else accesses until the call returns.
     unsafe fn kv(&self, op: &KvOp<'_>) -> BackendResult<()>;
+
+    /// Enqueues one paged-KV-cache kernel on the caller's `stream` and returns without
+    /// waiting (no host synchronisation; nothing is allocated or copied). The op is checked
+    /// as by [`Backend::kv`], from its host index lists; the kernel reads the same lists
+    /// from device memory at `index`, laid out as: a write's `tokens` int64 slots; a
+    /// gather's `⌈tokens / block_size⌉` uint32 block ids; copy_blocks' uint32 sources then
+    /// destinations; a swap's uint32 block ids. The host backend runs the op synchronously
+    /// from the host lists and ignores `stream` and `index`.
+    ///
+    /// # Safety
+    /// As [`Backend::kv`], but until the kernel has run on `stream` (not until the call
+    /// returns); `stream` is a live stream of this backend's context; `index` holds exactly
+    /// the checked lists when the kernel runs.
+    unsafe fn kv_on(&self, op: &KvOp<'_>, stream: RawStream, index: u64) -> BackendResult<()>;
 }
 
 /// The backend's error for a KV call that fails its checks.

@@ -432,6 +432,51 @@ impl KvCache {
         })
     }
 
+    /// [`KvCache::write_raw`] enqueued on the engine's `stream`: the slots are checked on
+    /// the host as always, then the kernel is launched on `stream` reading the slot mapping
+    /// from device memory at `slot_mapping_dev`, and the call returns without waiting (no
+    /// host synchronisation, nothing allocated or copied). A release or trim waits for all
+    /// device work before it unmaps, so the kernel never runs on unmapped memory.
+    ///
+    /// # Safety
+    /// `stream` is a live CUDA stream of the pager's context (any value on the host
+    /// backend, which runs the write synchronously); `slot_mapping_dev` holds exactly the
+    /// first `tokens` values of `slot_mapping` (8-byte aligned) when the kernel runs; `keys`
+    /// and `values` are valid and written by nothing else when it runs (producers ordered
+    /// before it on `stream`); and the blocks the slots name stay this sequence's until
+    /// then (free or reuse them only in work ordered after it).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn write_on(
+        &self,
+        stream: crate::backend::RawStream,
+        layer: u32,
+        keys: DeviceSpan,
+        values: DeviceSpan,
+        tokens: usize,
+        token_stride_bytes: usize,
+        slot_mapping: &[i64],
+        slot_mapping_dev: u64,
+    ) -> Result<()> {
+        let (_lease, st) = self.begin("the KV write kernel", &[])?;
+        self.check_slots(&st.pool, &slot_mapping[..tokens.min(slot_mapping.len())])?;
+        let op = KvOp::Write {
+            cache: self.view(),
+            layer,
+            keys,
+            values,
+            tokens,
+            token_stride_bytes,
+            slot_mapping,
+        };
+        op.check().map_err(|e| self.kv_err(e))?;
+        // SAFETY: the lease keeps the region resident until this returns, and a release
+        // afterwards waits for the enqueued kernel before unmapping; the slots' blocks are
+        // live (checked) and so backed; the caller's contract covers the stream, the device
+        // slot mapping and the buffers.
+        unsafe { self.pager.backend().kv_on(&op, stream, slot_mapping_dev) }
+            .map_err(|e| Error::backend(&self.tag, "a KV kernel", e))
+    }
+
     /// Copies `seq`'s tokens of `layer`'s K or V into `out` as a contiguous
     /// `[tokens, kv_heads, head_dim]` buffer; returns the token count.
     pub fn gather(&self, layer: u32, kv: Kv, seq: SeqId, out: &Buffer) -> Result<u64> {

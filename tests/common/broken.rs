@@ -116,6 +116,15 @@ impl Backend for Broken {
         // SAFETY: forwarded from the caller.
         unsafe { self.inner.chunk_hash(src, bytes, chunk) }
     }
+    unsafe fn kv_on(
+        &self,
+        op: &gpu_pager::kv::KvOp<'_>,
+        _stream: RawStream,
+        _index: u64,
+    ) -> BackendResult<()> {
+        // SAFETY: forwarded from the caller (the host backend runs it synchronously).
+        unsafe { self.kv(op) }
+    }
     unsafe fn kv(&self, op: &gpu_pager::kv::KvOp<'_>) -> BackendResult<()> {
         // SAFETY: forwarded from the caller.
         unsafe { self.inner.kv(op) }?;

@@ -630,3 +630,74 @@ pub fn cache_scenario(pager: Arc<Pager>, chunk: usize, mut rng: Rng) {
     assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
     pager.remove("kv_cache").unwrap();
 }
+
+/// `write_on` (enqueued on `stream`, slot mapping read from device memory) lands exactly
+/// like `write`; a bad slot is refused on the host before anything is enqueued. `sync`
+/// waits for `stream`.
+pub fn write_on_scenario(
+    pager: Arc<Pager>,
+    stream: gpu_pager::backend::RawStream,
+    sync: &dyn Fn(),
+    mut rng: Rng,
+) {
+    let layout = KvLayout::new(3, 4, 128, 16, KvDtype::Bf16, KvOrder::Nhd).unwrap();
+    let token = layout.token_bytes() as usize;
+    let cache = KvCache::new(
+        pager.clone(),
+        "kv_on",
+        layout,
+        256,
+        KvCacheConfig::default(),
+    )
+    .unwrap();
+    pager.region("kv_on_io", 8 << 20, Policy::Discard).unwrap();
+    let n = 200usize;
+    let (keys, values) = (rng.bytes(n * token), rng.bytes(n * token));
+    let kb = pager.alloc("kv_on_io", keys.len()).unwrap();
+    let vb = pager.alloc("kv_on_io", values.len()).unwrap();
+    let out = pager.alloc("kv_on_io", n * token).unwrap();
+    let sb = pager.alloc("kv_on_io", n * 8).unwrap();
+    pager.write(&kb, 0, &keys).unwrap();
+    pager.write(&vb, 0, &values).unwrap();
+    let s = cache.create_seq().unwrap();
+    cache.append_tokens(s, n as u64).unwrap();
+    let slots = cache.prepare_write(s, 0..n as u64).unwrap();
+    let slot_bytes: Vec<u8> = slots.iter().flat_map(|x| x.to_le_bytes()).collect();
+    pager.write(&sb, 0, &slot_bytes).unwrap();
+    let span = |b: &Buffer| DeviceSpan {
+        addr: pager.ptr(b).unwrap(),
+        len: b.len(),
+    };
+    let dev_slots = pager.ptr(&sb).unwrap();
+    for layer in [0u32, 2] {
+        // SAFETY: the buffers are live pager buffers written synchronously above; the
+        // device slot mapping holds `slots`; `sync` waits before anything is read.
+        unsafe {
+            cache.write_on(
+                stream,
+                layer,
+                span(&kb),
+                span(&vb),
+                n,
+                token,
+                &slots,
+                dev_slots,
+            )
+        }
+        .unwrap();
+    }
+    sync();
+    for layer in [0u32, 2] {
+        for (kv, want) in [(Kv::K, &keys), (Kv::V, &values)] {
+            cache.gather(layer, kv, s, &out).unwrap();
+            let mut got = vec![0u8; want.len()];
+            pager.read(&out, 0, &mut got).unwrap();
+            assert_bytes_eq(&format!("write_on layer {layer} {kv:?}"), &got, want);
+        }
+    }
+    let bad = [i64::from(layout.block_size()) * 200];
+    // SAFETY: refused on the host before anything is enqueued.
+    let e = unsafe { cache.write_on(stream, 0, span(&kb), span(&vb), 1, token, &bad, dev_slots) }
+        .unwrap_err();
+    assert!(matches!(e, Error::Kv { .. }), "{e}");
+}

@@ -9,10 +9,10 @@
 
 use std::borrow::Cow;
 
-use cudarc::driver::{CudaFunction, CudaStream, PushKernelArg, sys};
+use cudarc::driver::{CudaFunction, CudaStream, sys};
 
 use super::{CudaBackend, bind, check, driver_err};
-use crate::backend::{BackendError, BackendResult, kv_invalid};
+use crate::backend::{BackendError, BackendResult, RawStream, kv_invalid};
 use crate::kernels::{KernelModule, abi, kv as geometry};
 use crate::kv::{Kv, KvOp};
 
@@ -71,9 +71,10 @@ impl CudaBackend {
 
     /// Enqueues `gp_kv_write` or `gp_kv_gather` with `params` on `stream` without waiting.
     /// Only enqueues work, so it may be captured into a CUDA graph (load the kernels first
-    /// with [`CudaBackend::preload_kernels`]). Nothing is checked but the access width and
-    /// the stream's context: build `params` with [`geometry::rows_params`] after checking the
-    /// call ([`KvOp::check`]).
+    /// with [`CudaBackend::preload_kernels`]). Only what the kernel itself cannot survive is
+    /// checked (access width, alignment of the index list, a zero block size, the stream's
+    /// context): build `params` with [`geometry::rows_params`] after checking the call
+    /// ([`KvOp::check`]).
     ///
     /// # Safety
     /// Every address `params` leads to (the index list, every row of the cache it selects,
@@ -86,6 +87,38 @@ impl CudaBackend {
         params: &abi::GpKvRowsParams,
     ) -> BackendResult<()> {
         self.check_stream("kv", stream)?;
+        // SAFETY: forwarded from the caller; the stream is a live stream of this context.
+        unsafe { self.enqueue_rows(stream.cu_stream(), kernel, params) }
+    }
+
+    /// Enqueues `gp_kv_move_blocks` with `params` on `stream` without waiting (see
+    /// [`CudaBackend::kv_rows_on`] for graphs and checks; build `params` with
+    /// [`geometry::move_params`]).
+    ///
+    /// # Safety
+    /// The id lists and every source and destination block they select must be mapped
+    /// memory of this context (or pinned host memory) when the work runs; no destination
+    /// may be a source or be written twice, and nothing else may write them concurrently.
+    pub unsafe fn kv_move_on(
+        &self,
+        stream: &CudaStream,
+        params: &abi::GpKvMoveParams,
+    ) -> BackendResult<()> {
+        self.check_stream("kv", stream)?;
+        // SAFETY: forwarded from the caller; the stream is a live stream of this context.
+        unsafe { self.enqueue_move(stream.cu_stream(), params) }
+    }
+
+    /// [`CudaBackend::kv_rows_on`] on a raw stream.
+    ///
+    /// # Safety
+    /// As `kv_rows_on`, and `stream` must be a live stream of this context.
+    unsafe fn enqueue_rows(
+        &self,
+        stream: sys::CUstream,
+        kernel: RowsKernel,
+        params: &abi::GpKvRowsParams,
+    ) -> BackendResult<()> {
         check_vec_bytes(params.vec_bytes)?;
         let index_align = match kernel {
             RowsKernel::Write => 8,
@@ -116,33 +149,25 @@ impl CudaBackend {
         let k = self.kv_kernels()?;
         let vecs_per_token =
             u64::from(params.kv_heads) * u64::from(params.row_bytes) / u64::from(params.vec_bytes);
-        let cfg = geometry::rows_geometry(u64::from(params.tokens), vecs_per_token).to_config();
+        let geometry = geometry::rows_geometry(u64::from(params.tokens), vecs_per_token);
         let function = match kernel {
             RowsKernel::Write => &k.write,
             RowsKernel::Gather => &k.gather,
         };
-        let mut launch = stream.launch_builder(function);
-        launch.arg(params);
         // SAFETY: both kernels take one `GpKvRowsParams` by value, which `params` is; the
-        // caller guarantees every address it leads to is mapped.
-        unsafe { launch.launch(cfg) }.map_err(|e| driver_err("cuLaunchKernel", e))?;
-        Ok(())
+        // caller guarantees every address it leads to is mapped and the stream is live.
+        unsafe { launch(function, geometry, params, stream) }
     }
 
-    /// Enqueues `gp_kv_move_blocks` with `params` on `stream` without waiting (see
-    /// [`CudaBackend::kv_rows_on`] for graphs and checks; build `params` with
-    /// [`geometry::move_params`]).
+    /// [`CudaBackend::kv_move_on`] on a raw stream.
     ///
     /// # Safety
-    /// The id lists and every source and destination block they select must be mapped
-    /// memory of this context (or pinned host memory) when the work runs; no destination
-    /// may be a source or be written twice, and nothing else may write them concurrently.
-    pub unsafe fn kv_move_on(
+    /// As `kv_move_on`, and `stream` must be a live stream of this context.
+    unsafe fn enqueue_move(
         &self,
-        stream: &CudaStream,
+        stream: sys::CUstream,
         params: &abi::GpKvMoveParams,
     ) -> BackendResult<()> {
-        self.check_stream("kv", stream)?;
         check_vec_bytes(params.vec_bytes)?;
         if params.block_bytes % u64::from(params.vec_bytes) != 0
             || params.src_ids % 4 != 0
@@ -162,18 +187,49 @@ impl CudaBackend {
         }
         bind(&self.ctx)?;
         let k = self.kv_kernels()?;
-        let cfg = geometry::move_geometry(
+        let geometry = geometry::move_geometry(
             u64::from(params.count),
             params.block_bytes,
             params.vec_bytes,
-        )
-        .to_config();
-        let mut launch = stream.launch_builder(&k.move_blocks);
-        launch.arg(params);
+        );
         // SAFETY: the kernel takes one `GpKvMoveParams` by value, which `params` is; the
-        // caller guarantees every address it leads to is mapped.
-        unsafe { launch.launch(cfg) }.map_err(|e| driver_err("cuLaunchKernel", e))?;
-        Ok(())
+        // caller guarantees every address it leads to is mapped and the stream is live.
+        unsafe { launch(&k.move_blocks, geometry, params, stream) }
+    }
+
+    /// Enqueues `launch` on `stream` with its index list at device address `index`.
+    ///
+    /// # Safety
+    /// `index` holds the op's index list (as [`plan`] laid it out) when the kernel runs;
+    /// the rest as [`Backend::kv`](super::Backend::kv); `stream` is a live stream of this
+    /// context.
+    unsafe fn enqueue(
+        &self,
+        stream: sys::CUstream,
+        launch: Launch,
+        index: u64,
+    ) -> BackendResult<()> {
+        match launch {
+            Launch::Rows(kernel, params) => {
+                let params = abi::GpKvRowsParams { index, ..params };
+                // SAFETY: forwarded from the caller.
+                unsafe { self.enqueue_rows(stream, kernel, &params) }
+            }
+            Launch::Move(params, ids) => {
+                let (src_ids, dst_ids) = match ids {
+                    MoveIds::Both(n) => (index, index + 4 * n as u64),
+                    MoveIds::Source => (index, 0),
+                    MoveIds::Destination => (0, index),
+                };
+                let params = abi::GpKvMoveParams {
+                    src_ids,
+                    dst_ids,
+                    ..params
+                };
+                // SAFETY: forwarded from the caller.
+                unsafe { self.enqueue_move(stream, &params) }
+            }
+        }
     }
 
     /// [`Backend::kv`](super::Backend::kv): check, upload the index lists, launch on the
@@ -182,82 +238,7 @@ impl CudaBackend {
     /// # Safety
     /// As [`Backend::kv`](super::Backend::kv).
     pub(super) unsafe fn kv_sync(&self, op: &KvOp<'_>) -> BackendResult<()> {
-        op.check().map_err(|e| kv_invalid(op, e))?;
-        let bad = |reason: String| invalid(op.name(), reason);
-        let c = *op.cache();
-        let bpb = c.layout.bytes_per_block();
-        // The parameters (built, and so checked, with the index list at address 0) and the
-        // index list the kernel reads, as bytes; the list's device address is filled in
-        // after the upload.
-        let (launch, index): (Launch, Cow<'_, [u8]>) = match *op {
-            KvOp::Write {
-                layer,
-                keys,
-                values,
-                tokens,
-                token_stride_bytes,
-                slot_mapping,
-                ..
-            } => {
-                let io = geometry::TokenMajor {
-                    first: keys.addr,
-                    second: Some(values.addr),
-                    token_stride: token_stride_bytes as u64,
-                };
-                let p =
-                    geometry::rows_params(&c.layout, c.base, &[Kv::K, Kv::V], layer, io, 0, tokens);
-                (
-                    Launch::Rows(RowsKernel::Write, p.map_err(bad)?),
-                    Cow::Borrowed(bytemuck::cast_slice(&slot_mapping[..tokens])),
-                )
-            }
-            KvOp::Gather {
-                layer,
-                kv,
-                block_table,
-                tokens,
-                out,
-                ..
-            } => {
-                let io = geometry::TokenMajor {
-                    first: out.addr,
-                    second: None,
-                    token_stride: c.layout.token_bytes(),
-                };
-                let p = geometry::rows_params(&c.layout, c.base, &[kv], layer, io, 0, tokens);
-                let used = tokens.div_ceil(c.layout.block_size() as usize);
-                (
-                    Launch::Rows(RowsKernel::Gather, p.map_err(bad)?),
-                    Cow::Borrowed(bytemuck::cast_slice(&block_table[..used])),
-                )
-            }
-            KvOp::CopyBlocks { pairs, .. } => {
-                let ids: Vec<u32> = pairs
-                    .iter()
-                    .map(|p| p.0)
-                    .chain(pairs.iter().map(|p| p.1))
-                    .collect();
-                let p = geometry::move_params(c.base, c.base, 0, 0, bpb, pairs.len());
-                (
-                    Launch::Move(p.map_err(bad)?, MoveIds::Both(pairs.len())),
-                    Cow::Owned(bytemuck::cast_slice(&ids).to_vec()),
-                )
-            }
-            KvOp::SwapOut { blocks, host, .. } => {
-                let p = geometry::move_params(c.base, host.addr, 0, 0, bpb, blocks.len());
-                (
-                    Launch::Move(p.map_err(bad)?, MoveIds::Source),
-                    Cow::Borrowed(bytemuck::cast_slice(blocks)),
-                )
-            }
-            KvOp::SwapIn { blocks, host, .. } => {
-                let p = geometry::move_params(host.addr, c.base, 0, 0, bpb, blocks.len());
-                (
-                    Launch::Move(p.map_err(bad)?, MoveIds::Destination),
-                    Cow::Borrowed(bytemuck::cast_slice(blocks)),
-                )
-            }
-        };
+        let (launch, index) = plan(op)?;
         if index.is_empty() {
             return Ok(()); // no tokens, no blocks: nothing to do
         }
@@ -268,50 +249,159 @@ impl CudaBackend {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let dev_index = self.scratch(&mut slot, index.len())?;
-        let stream = &self.kernel_stream;
+        let stream = self.kernel_stream.cu_stream();
         // SAFETY: `dev_index` is scratch memory of at least `index.len()` bytes that only
         // this call uses while the lock is held; `index` lives until the stream is
         // synchronised below.
         check(unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                dev_index,
-                index.as_ptr().cast(),
-                index.len(),
-                stream.cu_stream(),
-            )
+            sys::cuMemcpyHtoDAsync_v2(dev_index, index.as_ptr().cast(), index.len(), stream)
         })
         .map_err(|e| driver_err("cuMemcpyHtoDAsync", e))?;
-        // SAFETY (both launches): the call was checked above; the caller guarantees that the
-        // cache blocks and buffers it touches are mapped; the index list was just copied
-        // to `dev_index` on the same stream.
-        let launched = match launch {
-            Launch::Rows(kernel, params) => {
-                let params = abi::GpKvRowsParams {
-                    index: dev_index,
-                    ..params
-                };
-                unsafe { self.kv_rows_on(stream, kernel, &params) }
-            }
-            Launch::Move(params, ids) => {
-                let (src_ids, dst_ids) = match ids {
-                    MoveIds::Both(n) => (dev_index, dev_index + 4 * n as u64),
-                    MoveIds::Source => (dev_index, 0),
-                    MoveIds::Destination => (0, dev_index),
-                };
-                let params = abi::GpKvMoveParams {
-                    src_ids,
-                    dst_ids,
-                    ..params
-                };
-                unsafe { self.kv_move_on(stream, &params) }
-            }
-        };
+        // SAFETY: the call was checked by `plan`; the caller guarantees that the cache blocks
+        // and buffers it touches are mapped; the index list was just copied to `dev_index`
+        // on the same stream, the backend's own.
+        let launched = unsafe { self.enqueue(stream, launch, dev_index) };
         // Wait even after a failed launch: the upload may still be reading `index`.
-        let synced = stream
+        let synced = self
+            .kernel_stream
             .synchronize()
             .map_err(|e| driver_err("cuStreamSynchronize", e));
         launched.and(synced)
     }
+
+    /// [`Backend::kv_on`](super::Backend::kv_on): check, launch on the caller's stream
+    /// with the index list already in device memory, return.
+    ///
+    /// # Safety
+    /// As [`Backend::kv_on`](super::Backend::kv_on).
+    pub(super) unsafe fn kv_enqueue(
+        &self,
+        op: &KvOp<'_>,
+        stream: RawStream,
+        index: u64,
+    ) -> BackendResult<()> {
+        let (launch, list) = plan(op)?;
+        if list.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: forwarded from the caller (a live stream of this context; `index` holds
+        // the list laid out as `plan` would upload it).
+        unsafe { self.enqueue(stream.0 as sys::CUstream, launch, index) }
+    }
+}
+
+/// Checks `op` and turns it into a launch (its index list's device address still 0) and
+/// the index list the kernel reads, as bytes: a write's `tokens` int64 slots; a gather's
+/// `⌈tokens / block_size⌉` uint32 block ids; copy_blocks' uint32 sources then
+/// destinations; a swap's uint32 block ids.
+fn plan<'o>(op: &KvOp<'o>) -> BackendResult<(Launch, Cow<'o, [u8]>)> {
+    op.check().map_err(|e| kv_invalid(op, e))?;
+    let bad = |reason: String| invalid(op.name(), reason);
+    let c = *op.cache();
+    let bpb = c.layout.bytes_per_block();
+    Ok(match *op {
+        KvOp::Write {
+            layer,
+            keys,
+            values,
+            tokens,
+            token_stride_bytes,
+            slot_mapping,
+            ..
+        } => {
+            let io = geometry::TokenMajor {
+                first: keys.addr,
+                second: Some(values.addr),
+                token_stride: token_stride_bytes as u64,
+            };
+            let p = geometry::rows_params(&c.layout, c.base, &[Kv::K, Kv::V], layer, io, 0, tokens);
+            (
+                Launch::Rows(RowsKernel::Write, p.map_err(bad)?),
+                Cow::Borrowed(bytemuck::cast_slice(&slot_mapping[..tokens])),
+            )
+        }
+        KvOp::Gather {
+            layer,
+            kv,
+            block_table,
+            tokens,
+            out,
+            ..
+        } => {
+            let io = geometry::TokenMajor {
+                first: out.addr,
+                second: None,
+                token_stride: c.layout.token_bytes(),
+            };
+            let p = geometry::rows_params(&c.layout, c.base, &[kv], layer, io, 0, tokens);
+            let used = tokens.div_ceil(c.layout.block_size() as usize);
+            (
+                Launch::Rows(RowsKernel::Gather, p.map_err(bad)?),
+                Cow::Borrowed(bytemuck::cast_slice(&block_table[..used])),
+            )
+        }
+        KvOp::CopyBlocks { pairs, .. } => {
+            let ids: Vec<u32> = pairs
+                .iter()
+                .map(|p| p.0)
+                .chain(pairs.iter().map(|p| p.1))
+                .collect();
+            let p = geometry::move_params(c.base, c.base, 0, 0, bpb, pairs.len());
+            (
+                Launch::Move(p.map_err(bad)?, MoveIds::Both(pairs.len())),
+                Cow::Owned(bytemuck::cast_slice(&ids).to_vec()),
+            )
+        }
+        KvOp::SwapOut { blocks, host, .. } => {
+            let p = geometry::move_params(c.base, host.addr, 0, 0, bpb, blocks.len());
+            (
+                Launch::Move(p.map_err(bad)?, MoveIds::Source),
+                Cow::Borrowed(bytemuck::cast_slice(blocks)),
+            )
+        }
+        KvOp::SwapIn { blocks, host, .. } => {
+            let p = geometry::move_params(host.addr, c.base, 0, 0, bpb, blocks.len());
+            (
+                Launch::Move(p.map_err(bad)?, MoveIds::Destination),
+                Cow::Borrowed(bytemuck::cast_slice(blocks)),
+            )
+        }
+    })
+}
+
+/// Launches `function` with one by-value parameter struct on a raw stream.
+///
+/// # Safety
+/// `function` takes exactly one `P` by value; every address `params` leads to is mapped
+/// when the kernel runs; `stream` is a live stream of `function`'s context, bound.
+unsafe fn launch<P>(
+    function: &CudaFunction,
+    geometry: crate::kernels::LaunchGeometry,
+    params: &P,
+    stream: sys::CUstream,
+) -> BackendResult<()> {
+    let mut args = [std::ptr::from_ref(params)
+        .cast_mut()
+        .cast::<std::ffi::c_void>()];
+    let (g, b) = (geometry.grid, geometry.block);
+    // SAFETY: the caller's contract; `args` holds one pointer to the parameter struct,
+    // which the driver copies before `cuLaunchKernel` returns.
+    check(unsafe {
+        sys::cuLaunchKernel(
+            function.cu_function(),
+            g.0,
+            g.1,
+            g.2,
+            b.0,
+            b.1,
+            b.2,
+            0,
+            stream,
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    })
+    .map_err(|e| driver_err("cuLaunchKernel", e))
 }
 
 /// The launch a [`KvOp`] turns into, with its index list's address still 0.

@@ -387,18 +387,18 @@ impl KvCache {
         token_stride_bytes: usize,
         slot_mapping: &[i64],
     ) -> Result<()> {
-        let (_lease, st) = self.begin("the KV write kernel", &[keys, values])?;
-        self.check_slots(&st.pool, &slot_mapping[..tokens.min(slot_mapping.len())])?;
-        let spans = self.spans(&[keys, values])?;
-        self.run(&KvOp::Write {
-            cache: self.view(),
-            layer,
-            keys: spans[0],
-            values: spans[1],
-            tokens,
-            token_stride_bytes,
-            slot_mapping,
-        })
+        // SAFETY: no raw spans: the keys and values are the leased pager buffers.
+        unsafe {
+            self.write_impl(
+                &[keys, values],
+                None,
+                layer,
+                tokens,
+                token_stride_bytes,
+                slot_mapping,
+                None,
+            )
+        }
     }
 
     /// [`KvCache::write`] from raw device memory (an engine's tensors). Like every call
@@ -419,17 +419,18 @@ impl KvCache {
         token_stride_bytes: usize,
         slot_mapping: &[i64],
     ) -> Result<()> {
-        let (_lease, st) = self.begin("the KV write kernel", &[])?;
-        self.check_slots(&st.pool, &slot_mapping[..tokens.min(slot_mapping.len())])?;
-        self.run(&KvOp::Write {
-            cache: self.view(),
-            layer,
-            keys,
-            values,
-            tokens,
-            token_stride_bytes,
-            slot_mapping,
-        })
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            self.write_impl(
+                &[],
+                Some((keys, values)),
+                layer,
+                tokens,
+                token_stride_bytes,
+                slot_mapping,
+                None,
+            )
+        }
     }
 
     /// [`KvCache::write_raw`] enqueued on the engine's `stream`: the slots are checked on
@@ -457,8 +458,47 @@ impl KvCache {
         slot_mapping: &[i64],
         slot_mapping_dev: u64,
     ) -> Result<()> {
-        let (_lease, st) = self.begin("the KV write kernel", &[])?;
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            self.write_impl(
+                &[],
+                Some((keys, values)),
+                layer,
+                tokens,
+                token_stride_bytes,
+                slot_mapping,
+                Some((stream, slot_mapping_dev)),
+            )
+        }
+    }
+
+    /// The three writes: lease the cache (and `buffers`' regions), check the slots against
+    /// the pool, then run the write synchronously, or enqueue it on `on` = (stream, device
+    /// slot mapping). The keys and values are `spans`, or else `buffers[0]` and `[1]`.
+    ///
+    /// # Safety
+    /// Raw `spans` and `on` carry the contracts of [`KvCache::write_raw`] and
+    /// [`KvCache::write_on`]; with neither there is nothing to uphold.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn write_impl(
+        &self,
+        buffers: &[&Buffer],
+        spans: Option<(DeviceSpan, DeviceSpan)>,
+        layer: u32,
+        tokens: usize,
+        token_stride_bytes: usize,
+        slot_mapping: &[i64],
+        on: Option<(crate::backend::RawStream, u64)>,
+    ) -> Result<()> {
+        let (_lease, st) = self.begin("the KV write kernel", buffers)?;
         self.check_slots(&st.pool, &slot_mapping[..tokens.min(slot_mapping.len())])?;
+        let (keys, values) = match spans {
+            Some(s) => s,
+            None => {
+                let s = self.spans(buffers)?;
+                (s[0], s[1])
+            }
+        };
         let op = KvOp::Write {
             cache: self.view(),
             layer,
@@ -469,12 +509,18 @@ impl KvCache {
             slot_mapping,
         };
         op.check().map_err(|e| self.kv_err(e))?;
-        // SAFETY: the lease keeps the region resident until this returns, and a release
-        // afterwards waits for the enqueued kernel before unmapping; the slots' blocks are
-        // live (checked) and so backed; the caller's contract covers the stream, the device
-        // slot mapping and the buffers.
-        unsafe { self.pager.backend().kv_on(&op, stream, slot_mapping_dev) }
-            .map_err(|e| Error::backend(&self.tag, "a KV kernel", e))
+        // SAFETY: the lease keeps this region and the buffers' regions resident until this
+        // returns (and a release afterwards waits for an enqueued kernel before unmapping);
+        // pager buffers are live and backed (`ptr` checked them); the slots' blocks are live
+        // (checked after the lease) and so backed; `check` rejected buffers overlapping the
+        // cache; raw spans, the stream and the device slot mapping are the caller's contract.
+        let r = unsafe {
+            match on {
+                None => self.pager.backend().kv(&op),
+                Some((stream, index)) => self.pager.backend().kv_on(&op, stream, index),
+            }
+        };
+        r.map_err(|e| Error::backend(&self.tag, "a KV kernel", e))
     }
 
     /// Copies `seq`'s tokens of `layer`'s K or V into `out` as a contiguous

@@ -141,14 +141,15 @@ fn per_block(
         for (i, &b) in blocks.iter().enumerate() {
             let dev = cache + u64::from(b) * bpb;
             let h = (host + i as u64 * bpb) as *mut std::ffi::c_void;
-            // SAFETY: `dev` is a block of the resident cache, `h` a block of a live pinned
-            // buffer; both stay alive for the whole bench.
-            let r = unsafe {
-                if to_host {
-                    sys::cuMemcpyDtoHAsync_v2(h, dev, bpb as usize, stream.cu_stream())
-                } else {
-                    sys::cuMemcpyHtoDAsync_v2(dev, h, bpb as usize, stream.cu_stream())
-                }
+            // `dev` is a block of the resident cache, `h` a block of a live pinned buffer;
+            // both stay alive for the whole bench.
+            let cu = stream.cu_stream();
+            let r = if to_host {
+                // SAFETY: as just said.
+                unsafe { sys::cuMemcpyDtoHAsync_v2(h, dev, bpb as usize, cu) }
+            } else {
+                // SAFETY: as just said.
+                unsafe { sys::cuMemcpyHtoDAsync_v2(dev, h, bpb as usize, cu) }
             };
             assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuMemcpyAsync");
         }
@@ -202,8 +203,8 @@ fn cases(s: &mut Setup) -> Vec<Case> {
     out.push(Case {
         name: "write 16k tokens (K+V, 64 MiB)",
         bytes: 2 * tokens * token,
-        // SAFETY: every address in `p` is live, resident memory for the whole bench.
         kernel: Box::new(move || {
+            // SAFETY: every address in `p` is live, resident memory for the whole bench.
             unsafe { b.kv_rows_on(&st, RowsKernel::Write, &p) }.expect("launch")
         }),
         limit_name: "D2D copy",
@@ -227,8 +228,8 @@ fn cases(s: &mut Setup) -> Vec<Case> {
     out.push(Case {
         name: "gather 32k tokens (K, 64 MiB)",
         bytes: tokens * token,
-        // SAFETY: as above.
         kernel: Box::new(move || {
+            // SAFETY: every address in `p` is live, resident memory for the whole bench.
             unsafe { b.kv_rows_on(&st, RowsKernel::Gather, &p) }.expect("launch")
         }),
         limit_name: "D2D copy",
@@ -384,13 +385,13 @@ fn call_overhead(backend: &Arc<CudaBackend>, stream: &Arc<CudaStream>) -> String
         t.elapsed().as_secs_f64() * 1e6 / calls as f64
     };
     let checked = time(&mut || kv.write(5, &kb, &vb, 64, token, &slots).expect("write"));
-    // SAFETY: the spans are live buffers; the device slot mapping holds `slots`; the
-    // stream is synchronised before anything is read.
     let enqueued = time(&mut || {
+        // SAFETY: the spans are live buffers; the device slot mapping holds `slots`; the
+        // stream is synchronised before anything is read.
         unsafe { kv.write_on(raw, 5, ks, vs, 64, token, &slots, dev_slots) }.expect("write_on")
     });
-    // SAFETY: as above; `params` was built from the same checked call.
     let bare = time(&mut || {
+        // SAFETY: as above; `params` was built from the same checked call.
         unsafe { backend.kv_rows_on(stream, RowsKernel::Write, &params) }.expect("launch")
     });
     format!(

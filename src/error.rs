@@ -9,8 +9,12 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong, as values. Nothing in the pager panics or exits on bad
 /// input or driver failure.
+///
+/// The enum is deliberately exhaustive: [`Error::code`] maps every variant to a stable
+/// [`ErrorCode`] inside this crate, and the C and Python layers take their codes and
+/// exception classes from that one table, so a new variant cannot fall silently into a
+/// catch-all arm elsewhere.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum Error {
     /// The region is released; the operation needs it resident.
     #[error(
@@ -199,7 +203,132 @@ pub enum Error {
     },
 }
 
+/// A stable number per [`Error`] variant: the one source of the C library's error codes and
+/// of the Python exception classes. Numbers are never reused or renumbered; `0` is success
+/// in the C ABI and is not an `ErrorCode`.
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ErrorCode {
+    /// [`Error::NotResident`].
+    NotResident = 1,
+    /// [`Error::NotBacked`].
+    NotBacked = 2,
+    /// [`Error::UnknownTag`].
+    UnknownTag = 3,
+    /// [`Error::Busy`].
+    Busy = 4,
+    /// [`Error::OutOfMemory`].
+    OutOfMemory = 5,
+    /// [`Error::InvalidSize`].
+    InvalidSize = 6,
+    /// [`Error::OutOfRange`].
+    OutOfRange = 7,
+    /// [`Error::StaleBuffer`].
+    StaleBuffer = 8,
+    /// [`Error::RegionFull`].
+    RegionFull = 9,
+    /// [`Error::TagConflict`].
+    TagConflict = 10,
+    /// [`Error::Corrupted`].
+    Corrupted = 11,
+    /// [`Error::BackupInUse`].
+    BackupInUse = 12,
+    /// [`Error::InvalidArgument`].
+    InvalidArgument = 13,
+    /// [`Error::Kv`].
+    Kv = 14,
+    /// [`Error::Backend`].
+    Backend = 15,
+    /// Not an [`Error`] variant: a foreign layer (C, Python) caught a panic inside
+    /// gpu-pager at its boundary. Nothing was changed by the failed call as far as the
+    /// pager can tell; it is a bug, please report it with the message.
+    Panic = 99,
+}
+
+impl ErrorCode {
+    /// Every code, in numeric order.
+    pub const ALL: [ErrorCode; 16] = [
+        ErrorCode::NotResident,
+        ErrorCode::NotBacked,
+        ErrorCode::UnknownTag,
+        ErrorCode::Busy,
+        ErrorCode::OutOfMemory,
+        ErrorCode::InvalidSize,
+        ErrorCode::OutOfRange,
+        ErrorCode::StaleBuffer,
+        ErrorCode::RegionFull,
+        ErrorCode::TagConflict,
+        ErrorCode::Corrupted,
+        ErrorCode::BackupInUse,
+        ErrorCode::InvalidArgument,
+        ErrorCode::Kv,
+        ErrorCode::Backend,
+        ErrorCode::Panic,
+    ];
+
+    /// The number (as the C ABI returns it).
+    pub fn number(self) -> u32 {
+        self as u32
+    }
+
+    /// The code with this number, if any.
+    pub fn from_number(n: u32) -> Option<ErrorCode> {
+        ErrorCode::ALL.into_iter().find(|c| c.number() == n)
+    }
+
+    /// The variant's name, e.g. `"NotResident"`: the C enumerator is
+    /// `GPU_PAGER_ERROR_NOT_RESIDENT` and the Python class `NotResidentError`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorCode::NotResident => "NotResident",
+            ErrorCode::NotBacked => "NotBacked",
+            ErrorCode::UnknownTag => "UnknownTag",
+            ErrorCode::Busy => "Busy",
+            ErrorCode::OutOfMemory => "OutOfMemory",
+            ErrorCode::InvalidSize => "InvalidSize",
+            ErrorCode::OutOfRange => "OutOfRange",
+            ErrorCode::StaleBuffer => "StaleBuffer",
+            ErrorCode::RegionFull => "RegionFull",
+            ErrorCode::TagConflict => "TagConflict",
+            ErrorCode::Corrupted => "Corrupted",
+            ErrorCode::BackupInUse => "BackupInUse",
+            ErrorCode::InvalidArgument => "InvalidArgument",
+            ErrorCode::Kv => "Kv",
+            ErrorCode::Backend => "Backend",
+            ErrorCode::Panic => "Panic",
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl Error {
+    /// The stable code of this error's variant (an exhaustive match: adding a variant
+    /// without a code does not compile).
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Error::NotResident { .. } => ErrorCode::NotResident,
+            Error::NotBacked { .. } => ErrorCode::NotBacked,
+            Error::UnknownTag { .. } => ErrorCode::UnknownTag,
+            Error::Busy { .. } => ErrorCode::Busy,
+            Error::OutOfMemory { .. } => ErrorCode::OutOfMemory,
+            Error::InvalidSize { .. } => ErrorCode::InvalidSize,
+            Error::OutOfRange { .. } => ErrorCode::OutOfRange,
+            Error::StaleBuffer { .. } => ErrorCode::StaleBuffer,
+            Error::RegionFull { .. } => ErrorCode::RegionFull,
+            Error::TagConflict { .. } => ErrorCode::TagConflict,
+            Error::Corrupted { .. } => ErrorCode::Corrupted,
+            Error::BackupInUse { .. } => ErrorCode::BackupInUse,
+            Error::InvalidArgument { .. } => ErrorCode::InvalidArgument,
+            Error::Kv { .. } => ErrorCode::Kv,
+            Error::Backend { .. } => ErrorCode::Backend,
+        }
+    }
+
     /// The tag the error concerns.
     pub fn tag(&self) -> &str {
         match self {
@@ -221,7 +350,8 @@ impl Error {
         }
     }
 
-    pub(crate) fn backend(tag: &str, op: &'static str, source: BackendError) -> Self {
+    /// A [`Error::Backend`] for the backend failure `source` while doing `op` on `tag`.
+    pub fn backend(tag: &str, op: &'static str, source: BackendError) -> Self {
         Error::Backend {
             tag: tag.to_owned(),
             op,

@@ -37,7 +37,6 @@
 
 pub mod backend;
 mod backup;
-pub mod bench;
 mod error;
 pub mod kernels;
 pub mod kv;
@@ -45,10 +44,9 @@ mod pager;
 mod region;
 pub mod report;
 mod runs;
-pub mod stress;
 mod suballoc;
 
-pub use error::{Error, Result};
+pub use error::{Error, ErrorCode, Result};
 pub use pager::{Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, Lease, Pager, PagerConfig, Stats};
-pub use region::{Policy, RegionInfo, RegionOptions, RegionStats, State};
+pub use region::{Policy, RegionInfo, RegionOptions, RegionStats, State, chunk_sizes};
 pub use report::{Move, Outcome, RegionReport, Report, Steps};

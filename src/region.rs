@@ -144,8 +144,9 @@ impl Drop for Region {
     }
 }
 
-/// Splits `size` into chunks of `chunk` bytes, the last one shorter.
-pub(crate) fn chunk_sizes(size: usize, chunk: usize) -> Vec<usize> {
+/// Splits `size` into chunks of `chunk` bytes, the last one shorter: how a region of
+/// `size` bytes is mapped (benchmarks use it to time the same pattern with bare VMM calls).
+pub fn chunk_sizes(size: usize, chunk: usize) -> Vec<usize> {
     let mut out = vec![chunk; size / chunk];
     if size % chunk != 0 {
         out.push(size % chunk);

@@ -201,51 +201,37 @@ fn invalid_arguments_are_errors() {
         Err(BackendError::Invalid { .. })
     ));
     let r = b.reserve(4 * g).expect("reserve");
-    // SAFETY: each call is rejected before touching the range (checked by the asserts).
-    unsafe {
-        assert!(matches!(
-            b.map(r.base(), &[]),
-            Err(BackendError::Invalid { .. })
-        ));
-        assert!(matches!(
-            b.map(r.base(), &[0]),
-            Err(BackendError::Invalid { .. })
-        ));
-        assert!(matches!(
-            b.map(r.base(), &[g + 1]),
-            Err(BackendError::Invalid { .. })
-        ));
-        assert!(matches!(
-            b.map(r.base() + 1, &[g]),
-            Err(BackendError::Invalid { .. })
-        ));
+    // Each call below is rejected before touching the range (checked by the asserts).
+    for (at, sizes) in [
+        (r.base(), &[][..]),
+        (r.base(), &[0][..]),
+        (r.base(), &[g + 1][..]),
+        (r.base() + 1, &[g][..]),
+    ] {
+        // SAFETY: rejected before any access (asserted).
+        let got = unsafe { b.map(at, sizes) };
+        assert!(
+            matches!(got, Err(BackendError::Invalid { .. })),
+            "{at:#x} {sizes:?}"
+        );
     }
     // SAFETY: fresh reserved memory.
     let m = unsafe { b.map(r.base(), &[g]) }.expect("map");
-    // chunk_hash argument checks.
-    // SAFETY: rejected before any device access.
-    unsafe {
-        assert!(matches!(
-            b.chunk_hash(r.base() + 8, 64, 16),
-            Err(BackendError::Invalid { .. })
-        ));
-        assert!(matches!(
-            b.chunk_hash(r.base(), 64, 24),
-            Err(BackendError::Invalid { .. })
-        ));
-        assert!(matches!(
-            b.chunk_hash(r.base(), 64, 0),
-            Err(BackendError::Invalid { .. })
-        ));
-        assert!(matches!(
-            b.chunk_hash(r.base(), 0, 16),
-            Err(BackendError::Invalid { .. })
-        ));
-        // More chunks than one launch covers (the host backend rejects the same).
-        assert!(matches!(
-            b.chunk_hash(r.base(), (gpu_pager::kernels::MAX_HASH_CHUNKS + 1) * 16, 16),
-            Err(BackendError::Invalid { .. })
-        ));
+    // chunk_hash argument checks; the last asks for more chunks than one launch covers (the
+    // host backend rejects the same).
+    for (at, bytes, chunk) in [
+        (r.base() + 8, 64, 16),
+        (r.base(), 64, 24),
+        (r.base(), 64, 0),
+        (r.base(), 0, 16),
+        (r.base(), (gpu_pager::kernels::MAX_HASH_CHUNKS + 1) * 16, 16),
+    ] {
+        // SAFETY: rejected before any device access (asserted).
+        let got = unsafe { b.chunk_hash(at, bytes, chunk) };
+        assert!(
+            matches!(got, Err(BackendError::Invalid { .. })),
+            "{bytes} {chunk}"
+        );
     }
     drop(m);
     drop(r);
@@ -473,10 +459,9 @@ fn captured_graph_replays_across_remap() {
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .expect("begin_capture");
     // SAFETY: source and output are mapped now and at every replay below.
-    let captured = unsafe {
-        b.chunk_hash_on(&stream, src, bytes, chunk, out.ptr())
-            .and_then(|()| b.fill_on(&stream, fill_at, fill_len, fill_pattern))
-    };
+    let captured = unsafe { b.chunk_hash_on(&stream, src, bytes, chunk, out.ptr()) }
+        // SAFETY: the filled range is mapped now and at every replay below.
+        .and_then(|()| unsafe { b.fill_on(&stream, fill_at, fill_len, fill_pattern) });
     let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
     captured.expect("enqueue into the capture");
     let graph = ended.expect("end_capture").expect("a graph was captured");

@@ -20,9 +20,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKernelArg, sys};
 
+#[cfg(feature = "testing")]
+use super::Held;
 use super::{
-    Backend, BackendError, BackendKind, BackendResult, DeviceInfo, Fence, Held, HostBuffer,
-    Mapping, MemInfo, RawStream, Reservation,
+    Backend, BackendError, BackendKind, BackendResult, DeviceInfo, Fence, HostBuffer, Mapping,
+    MemInfo, RawStream, Reservation,
 };
 use crate::kernels::{self, KernelModule, abi};
 
@@ -713,6 +715,7 @@ impl Backend for CudaBackend {
         Ok(Box::new(fence))
     }
 
+    #[cfg(feature = "testing")]
     fn hog(&self, bytes: usize) -> BackendResult<Box<dyn Held>> {
         bind(&self.ctx)?;
         // SAFETY: a plain device allocation, owned by the returned handle and freed once.
@@ -987,6 +990,7 @@ impl Drop for CudaHostBuffer {
 }
 
 /// A plain `cuMemAlloc` allocation from [`Backend::hog`]; freed on drop.
+#[cfg(feature = "testing")]
 #[derive(Debug)]
 pub struct CudaHog {
     ptr: sys::CUdeviceptr,
@@ -994,12 +998,14 @@ pub struct CudaHog {
     ctx: Arc<CudaContext>,
 }
 
+#[cfg(feature = "testing")]
 impl Held for CudaHog {
     fn len(&self) -> usize {
         self.len
     }
 }
 
+#[cfg(feature = "testing")]
 impl Drop for CudaHog {
     fn drop(&mut self) {
         bind_in_drop(&self.ctx, "a memory hog");

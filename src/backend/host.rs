@@ -67,6 +67,7 @@ impl HostBackend {
     /// Takes `bytes` of capacity away, as another program's allocation on the device would
     /// (a trainer's tensors). Returned when the [`Hold`] drops. Fails with `OutOfMemory`
     /// when that much is not free.
+    #[cfg(feature = "testing")]
     pub fn hold(&self, bytes: usize) -> BackendResult<Hold> {
         charge(&self.used, self.info.total_bytes, bytes)?;
         Ok(Hold {
@@ -82,18 +83,21 @@ impl HostBackend {
 }
 
 /// Capacity taken by [`HostBackend::hold`]; given back on drop.
+#[cfg(feature = "testing")]
 #[derive(Debug)]
 pub struct Hold {
     used: Arc<AtomicUsize>,
     bytes: usize,
 }
 
+#[cfg(feature = "testing")]
 impl super::Held for Hold {
     fn len(&self) -> usize {
         self.bytes
     }
 }
 
+#[cfg(feature = "testing")]
 impl Drop for Hold {
     fn drop(&mut self) {
         self.used.fetch_sub(self.bytes, Ordering::SeqCst);
@@ -383,6 +387,7 @@ impl Backend for HostBackend {
         Ok(Box::new(Passed))
     }
 
+    #[cfg(feature = "testing")]
     fn hog(&self, bytes: usize) -> BackendResult<Box<dyn super::Held>> {
         Ok(Box::new(self.hold(bytes)?))
     }
@@ -432,10 +437,10 @@ impl Backend for HostBackend {
         // buffers overlapping the cache, so no slice made below aliases it.
         let cache = &mut unsafe { RawCache::new(c.base, c.bytes() as usize) };
         let l = &c.layout;
-        // SAFETY (each `span` / `span_mut` below): the caller guarantees the op's spans are
-        // mapped memory of this backend that nothing else touches during the call; only the
-        // written spans are made mutable, and they overlap neither the cache nor each other
-        // (an op has at most one written span).
+        // Every `span` / `span_mut` below relies on the caller's guarantee that the op's
+        // spans are mapped memory of this backend that nothing else touches during the call;
+        // only the written spans are made mutable, and they overlap neither the cache nor
+        // each other (an op has at most one written span).
         let result = match *op {
             KvOp::Write {
                 layer,
@@ -445,16 +450,22 @@ impl Backend for HostBackend {
                 token_stride_bytes,
                 slot_mapping,
                 ..
-            } => kv_reference::write(
-                cache,
-                l,
-                layer,
-                unsafe { span(keys.addr, keys.len) },
-                unsafe { span(values.addr, values.len) },
-                tokens,
-                token_stride_bytes,
-                slot_mapping,
-            ),
+            } => {
+                // SAFETY: `keys` is a mapped span of the caller's, read only (see above).
+                let keys = unsafe { span(keys.addr, keys.len) };
+                // SAFETY: `values` likewise.
+                let values = unsafe { span(values.addr, values.len) };
+                kv_reference::write(
+                    cache,
+                    l,
+                    layer,
+                    keys,
+                    values,
+                    tokens,
+                    token_stride_bytes,
+                    slot_mapping,
+                )
+            }
             KvOp::Gather {
                 layer,
                 kv,
@@ -462,15 +473,21 @@ impl Backend for HostBackend {
                 tokens,
                 out,
                 ..
-            } => kv_reference::gather(cache, l, layer, kv, block_table, tokens, unsafe {
-                span_mut(out.addr, out.len)
-            }),
+            } => {
+                // SAFETY: `out` is the op's one written span, overlapping nothing (see above).
+                let out = unsafe { span_mut(out.addr, out.len) };
+                kv_reference::gather(cache, l, layer, kv, block_table, tokens, out)
+            }
             KvOp::CopyBlocks { pairs, .. } => kv_reference::copy_blocks(cache, l, pairs),
             KvOp::SwapOut { blocks, host, .. } => {
-                kv_reference::swap_out(cache, l, blocks, unsafe { span_mut(host.addr, host.len) })
+                // SAFETY: `host` is the op's one written span, overlapping nothing (see above).
+                let host = unsafe { span_mut(host.addr, host.len) };
+                kv_reference::swap_out(cache, l, blocks, host)
             }
             KvOp::SwapIn { blocks, host, .. } => {
-                kv_reference::swap_in(cache, l, blocks, unsafe { span(host.addr, host.len) })
+                // SAFETY: `host` is a mapped span of the caller's, read only (see above).
+                let host = unsafe { span(host.addr, host.len) };
+                kv_reference::swap_in(cache, l, blocks, host)
             }
         };
         result.map_err(|e| kv_invalid(op, e))

@@ -2,8 +2,9 @@
 //!
 //! [`cuda::CudaBackend`] drives CUDA virtual memory management (VMM) through the driver API;
 //! [`host::HostBackend`] provides the same primitives on host memory (memfd + mmap) so that
-//! every pager path, out-of-memory included, runs without a GPU. [`faulty::FaultyBackend`]
-//! wraps either and injects failures, to test the pager's error paths.
+//! every pager path, out-of-memory included, runs without a GPU. With the `testing` feature,
+//! `faulty::FaultyBackend` wraps either and injects failures, to test the pager's error
+//! paths.
 //!
 //! The handles are RAII: a [`Mapping`] unmaps and then releases its physical memory when
 //! dropped; a [`Reservation`] frees its address range when dropped. Owners must drop every
@@ -14,6 +15,7 @@
 //! the caller promises the range lies inside mapped memory of this backend.
 
 pub mod cuda;
+#[cfg(feature = "testing")]
 pub mod faulty;
 pub mod host;
 
@@ -162,6 +164,7 @@ pub trait HostBuffer: Send + Sync + fmt::Debug {
     }
 }
 
+#[cfg(feature = "testing")]
 /// Device memory held by someone other than the pager (a stand-in for the trainer's
 /// tensors), from [`Backend::hog`]. Freed on drop.
 pub trait Held: Send + Sync + fmt::Debug {
@@ -259,7 +262,9 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn fence(&self, stream: RawStream) -> BackendResult<Box<dyn Fence>>;
 
     /// Takes `bytes` of device memory the way another program would (a plain allocation),
-    /// to stand in for a trainer in tests, benchmarks and fault injection.
+    /// to stand in for a trainer in tests, benchmarks and fault injection. Only with the
+    /// `testing` feature.
+    #[cfg(feature = "testing")]
     fn hog(&self, bytes: usize) -> BackendResult<Box<dyn Held>>;
 
     /// Fills `bytes` at `dst` with the 32-bit `pattern` repeated (byte `j` of the range is

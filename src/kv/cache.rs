@@ -509,16 +509,17 @@ impl KvCache {
             slot_mapping,
         };
         op.check().map_err(|e| self.kv_err(e))?;
-        // SAFETY: the lease keeps this region and the buffers' regions resident until this
+        // The lease keeps this region and the buffers' regions resident until this
         // returns (and a release afterwards waits for an enqueued kernel before unmapping);
         // pager buffers are live and backed (`ptr` checked them); the slots' blocks are live
         // (checked after the lease) and so backed; `check` rejected buffers overlapping the
         // cache; raw spans, the stream and the device slot mapping are the caller's contract.
-        let r = unsafe {
-            match on {
-                None => self.pager.backend().kv(&op),
-                Some((stream, index)) => self.pager.backend().kv_on(&op, stream, index),
-            }
+        let backend = self.pager.backend();
+        let r = match on {
+            // SAFETY: as just said.
+            None => unsafe { backend.kv(&op) },
+            // SAFETY: as just said.
+            Some((stream, index)) => unsafe { backend.kv_on(&op, stream, index) },
         };
         r.map_err(|e| Error::backend(&self.tag, "a KV kernel", e))
     }

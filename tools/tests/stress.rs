@@ -1,13 +1,14 @@
 //! Short stress runs on the host backend (no GPU needed): random concurrent releases,
 //! resumes, writes and leases with injected faults, every buffer checked, no leak.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use gpu_pager::backend::host::{HostBackend, HostConfig};
-use gpu_pager::stress::{self, StressConfig, StressSummary};
+use gpu_pager_tools::stress::{self, StressConfig, StressSummary};
 
 fn run(cfg: &StressConfig) -> StressSummary {
     let backend = Arc::new(HostBackend::new(HostConfig {

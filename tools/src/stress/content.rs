@@ -3,11 +3,11 @@
 //! Contents are never kept as bytes (buffers are GiB-scale on a GPU): a buffer written by
 //! the fill kernel is described by its pattern, one written from the host by the seed of
 //! its random bytes; both carry the reference chunk hashes computed on the host with
-//! [`crate::kernels::reference`], which the device's `chunk_hash` must reproduce.
+//! [`gpu_pager::kernels::reference`], which the device's `chunk_hash` must reproduce.
 
 use std::collections::HashMap;
 
-use crate::kernels::reference;
+use gpu_pager::kernels::reference;
 
 /// splitmix64: a small seeded generator, good enough for test data and choices.
 #[derive(Debug, Clone)]

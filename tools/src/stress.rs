@@ -5,7 +5,7 @@
 //! The tags are `weights` (Preserve), `kv_cache` (Discard), `graph` (DiscardZeroed) and
 //! `aux` (Preserve, pinned ahead). Each buffer belongs to the thread that allocated it,
 //! which records what it wrote (a fill pattern or the seed of random host bytes, with the
-//! reference chunk hashes from [`crate::kernels::reference`]) and checks it under a lease
+//! reference chunk hashes from [`gpu_pager::kernels::reference`]) and checks it under a lease
 //! after every resume it observes, plus read-backs now and then.
 //!
 //! With [`StressConfig::faults`], the backend is wrapped in a
@@ -14,7 +14,7 @@
 //! so that a resume fails with `OutOfMemory`, then drops it and resumes again. Each fault
 //! must be recovered: the retry after its cause is gone succeeds and loses nothing.
 //!
-//! The threads also share one paged KV cache ([`crate::kv::KvCache`] on the elastic region
+//! The threads also share one paged KV cache ([`gpu_pager::kv::KvCache`] on the elastic region
 //! `kv_paged`): each writes its own sequences, forks them with copy-on-write, swaps them out
 //! and in, frees them, trims, and now and then releases and resumes the cache under the
 //! others. A sequence must read back exactly what was written until a release, and its ids
@@ -27,7 +27,7 @@
 //! use std::sync::Arc;
 //! use std::time::Duration;
 //! use gpu_pager::backend::host::{HostBackend, HostConfig};
-//! use gpu_pager::stress::{self, StressConfig};
+//! use gpu_pager_tools::stress::{self, StressConfig};
 //!
 //! let cfg = StressConfig { duration: Duration::from_secs(3), ..StressConfig::default() };
 //! let summary = stress::run(Arc::new(HostBackend::new(HostConfig::default())), &cfg, &|_| {})?;
@@ -43,11 +43,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::backend::faulty::{FaultCounts, FaultPlan, FaultyBackend};
-use crate::backend::{Backend, BackendKind};
-use crate::kernels::MAX_HASH_CHUNKS;
-use crate::kv::{KvCache, KvCacheConfig};
-use crate::{Error, Pager, PagerConfig, Policy, RegionOptions, Result, State};
+use gpu_pager::backend::faulty::{FaultCounts, FaultPlan, FaultyBackend};
+use gpu_pager::backend::{Backend, BackendKind};
+use gpu_pager::kernels::MAX_HASH_CHUNKS;
+use gpu_pager::kv::{KvCache, KvCacheConfig};
+use gpu_pager::{Error, Pager, PagerConfig, Policy, RegionOptions, Result, State};
 use shared::{Shared, TAGS};
 use worker::{Owned, Worker};
 
@@ -518,7 +518,7 @@ fn run_threads(
     started: Instant,
     progress: &dyn Fn(&Progress),
     paged: &KvCache,
-    io: Vec<(crate::Buffer, crate::Buffer, crate::Buffer)>,
+    io: Vec<(gpu_pager::Buffer, gpu_pager::Buffer, gpu_pager::Buffer)>,
 ) -> Vec<Owned> {
     let snapshot = || Progress {
         elapsed: started.elapsed(),

@@ -16,10 +16,10 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BackendError, Mapping, Reservation};
-use crate::region::chunk_sizes;
-use crate::report::{gbps, ms};
-use crate::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, Result};
+use gpu_pager::backend::{Backend, BackendError, Mapping, Reservation};
+use gpu_pager::chunk_sizes;
+use gpu_pager::report::{gbps, ms};
+use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, Result};
 
 const GIB: usize = 1 << 30;
 const MIB: usize = 1 << 20;
@@ -50,7 +50,7 @@ impl BenchConfig {
             weights_bytes: 16 * GIB,
             weight_buffers: 291,
             kv_bytes: 64 * GIB,
-            chunk_bytes: crate::DEFAULT_CHUNK_BYTES,
+            chunk_bytes: gpu_pager::DEFAULT_CHUNK_BYTES,
             repeats: 5,
             cold_release: true,
             sweep: Vec::new(),

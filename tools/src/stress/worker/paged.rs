@@ -10,10 +10,10 @@
 //! count moved since the sequence was created).
 
 use super::{Worker, injected};
-use crate::kv::{Kv, KvCache, KvDtype, KvError, KvLayout, KvOrder, SeqId};
 use crate::stress::content::random_window;
 use crate::stress::shared::Op;
-use crate::{Buffer, Error, Result};
+use gpu_pager::kv::{Kv, KvCache, KvDtype, KvError, KvLayout, KvOrder, SeqId};
+use gpu_pager::{Buffer, Error, Result};
 
 /// Tag of the stress's paged KV cache.
 pub(crate) const PAGED_TAG: &str = "kv_paged";

@@ -253,7 +253,7 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), Error> {
 
     // 2 GiB reaches the link's plateau on a GPU; on the host backend it only measures memcpy.
     let probe = if on_gpu { 2 * GIB } else { 256 << 20 };
-    let link = gpu_pager::bench::measure_link(&pager, probe)?;
+    let link = gpu_pager_tools::bench::measure_link(&pager, probe)?;
     let (h2d, d2h) = (link.h2d_gbps, link.d2h_gbps);
     t.line(
         "link probe (pinned)",
@@ -411,7 +411,7 @@ fn line(t: &Timeline, what: &str, r: &Report, link: f64) {
 }
 
 fn bench(backend: Arc<dyn Backend>, a: &BenchArgs) -> Result<(), Error> {
-    use gpu_pager::bench::{self, BenchConfig};
+    use gpu_pager_tools::bench::{self, BenchConfig};
     let on_gpu = backend.info().kind == BackendKind::Cuda;
     let mut cfg = if on_gpu {
         BenchConfig::design()
@@ -462,7 +462,7 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 fn stress(backend: Arc<dyn Backend>, a: &StressArgs) -> Result<(), Error> {
-    use gpu_pager::stress::{self, StressConfig};
+    use gpu_pager_tools::stress::{self, StressConfig};
     use indicatif::{ProgressBar, ProgressStyle};
 
     let seed = a.seed.unwrap_or_else(|| {

@@ -15,9 +15,9 @@ pub(crate) use paged::{
 use super::StressConfig;
 use super::content::{Content, FillHashes, Rng, random_window};
 use super::shared::{KV, Op, Shared, TAGS};
-use crate::backend::BackendError;
-use crate::kernels::reference;
-use crate::{Buffer, DEFAULT_ALIGN, Error, Move, Outcome, Pager, Policy, Report, Result};
+use gpu_pager::backend::BackendError;
+use gpu_pager::kernels::reference;
+use gpu_pager::{Buffer, DEFAULT_ALIGN, Error, Move, Outcome, Pager, Policy, Report, Result};
 
 /// Attempts of one operation that keeps meeting injected faults.
 const MAX_RETRIES: usize = 64;

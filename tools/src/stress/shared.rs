@@ -5,7 +5,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::OpCounts;
-use crate::Policy;
+use gpu_pager::Policy;
 
 /// The tags every thread moves, with their policies.
 pub(crate) const TAGS: [(&str, Policy); 4] = [

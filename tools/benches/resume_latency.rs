@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
 use gpu_pager::backend::BackendKind;
-use gpu_pager::bench::{self, BenchConfig};
 use gpu_pager::{Pager, PagerConfig, Policy, RegionOptions};
+use gpu_pager_tools::bench::{self, BenchConfig};
 
 fn resume_latency(c: &mut Criterion) {
     let (backend, no_gpu) = gpu_pager::backend::auto();

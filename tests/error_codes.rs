@@ -1,0 +1,41 @@
+//! `Error::code()` is the one table of stable error numbers for the C and Python layers.
+
+use gpu_pager::ErrorCode;
+
+#[test]
+fn codes_are_unique_stable_and_round_trip() {
+    let mut seen = std::collections::BTreeSet::new();
+    for c in ErrorCode::ALL {
+        assert!(seen.insert(c.number()), "{c} reuses {}", c.number());
+        assert_ne!(c.number(), 0, "0 is success in the C ABI");
+        assert_eq!(ErrorCode::from_number(c.number()), Some(c));
+        assert_eq!(c.to_string(), c.name());
+    }
+    assert_eq!(ErrorCode::from_number(0), None);
+    assert_eq!(ErrorCode::from_number(12345), None);
+    // The published numbers never change.
+    assert_eq!(ErrorCode::NotResident.number(), 1);
+    assert_eq!(ErrorCode::OutOfMemory.number(), 5);
+    assert_eq!(ErrorCode::Backend.number(), 15);
+    assert_eq!(ErrorCode::Panic.number(), 99);
+}
+
+#[test]
+fn each_error_has_its_code() {
+    use gpu_pager::backend::host::{HostBackend, HostConfig};
+    use gpu_pager::{Error, Pager, Policy};
+    let pager = Pager::new(std::sync::Arc::new(HostBackend::new(HostConfig {
+        capacity: 64 << 20,
+        granularity: 2 << 20,
+    })));
+    let e = pager.info("nope").unwrap_err();
+    assert_eq!(e.code(), ErrorCode::UnknownTag);
+    pager.region("w", 4 << 20, Policy::Preserve).unwrap();
+    let b = pager.alloc("w", 64).unwrap();
+    pager.release(&["w"]).unwrap();
+    let e = pager.ptr(&b).unwrap_err();
+    assert!(matches!(e, Error::NotResident { .. }));
+    assert_eq!(e.code(), ErrorCode::NotResident);
+    let e = pager.region("w", 8 << 20, Policy::Discard).unwrap_err();
+    assert_eq!(e.code(), ErrorCode::TagConflict);
+}

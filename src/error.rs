@@ -1,8 +1,11 @@
 //! The one error type of the crate. Every variant names the region (tag) it concerns and,
 //! in its message, what to do about it.
+//!
+//! Each message is complete: it includes the underlying backend or KV error, and
+//! `source()` returns nothing, so that error-chain printers (anyhow, `log`, the C and
+//! Python layers) show every cause exactly once.
 
 use crate::backend::BackendError;
-use crate::region::Policy;
 
 /// Result type of the pager.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -44,10 +47,15 @@ pub enum Error {
     },
 
     /// No region has this tag.
-    #[error("no region is tagged `{tag}`; create it with pager.region(\"{tag}\", bytes, policy)")]
+    #[error(
+        "no region is tagged `{tag}`{}; create it with pager.region(\"{tag}\", bytes, policy)",
+        did_you_mean(.nearest)
+    )]
     UnknownTag {
         /// The tag asked for.
         tag: String,
+        /// The existing tag closest to it (a likely typo), if any is close.
+        nearest: Option<String>,
     },
 
     /// The region is held resident by leases and cannot be released now.
@@ -59,20 +67,17 @@ pub enum Error {
         leases: usize,
     },
 
-    /// Resume (or [`crate::Pager::back`]) could not get physical memory: something else (a
-    /// trainer) still holds it. Nothing was lost: a failed resume leaves the region released
-    /// with its backup, a failed back maps nothing new; a later call succeeds once the
-    /// memory is free.
-    #[error(
-        "mapping `{tag}` needs {requested} bytes of device memory but only {free} are free; \
-         free the other holder's memory (e.g. the trainer's buffers) and try again — nothing was \
-         lost: a failed resume leaves the region released with its contents backed up, a failed \
-         back maps nothing new"
-    )]
+    /// Mapping physical memory failed for lack of device memory: something else (a trainer,
+    /// another region) holds it. Nothing was lost: a failed resume leaves the region
+    /// released with its backup, a failed creation creates nothing, a failed back or
+    /// allocation maps nothing new; a later call succeeds once the memory is free.
+    #[error("{}", oom_message(.tag, .during, *.requested, *.free))]
     OutOfMemory {
         /// The region.
         tag: String,
-        /// Bytes the resume asked the device for.
+        /// The step that needed the memory: `"resume"`, `"region creation"`, `"back"`, ...
+        during: &'static str,
+        /// Bytes the failing call asked the device for.
         requested: usize,
         /// Bytes the device had free at the failure.
         free: usize,
@@ -134,10 +139,11 @@ pub enum Error {
         free: usize,
     },
 
-    /// The tag exists with another policy or size.
+    /// The tag exists with another policy, size or `elastic` option.
     #[error(
-        "region `{tag}` exists as {existing}; it was asked for again as {requested}; use another tag \
-         or the same policy and size"
+        "region `{tag}` exists as {existing} but was asked for again as {requested}: the {differs} \
+         differ; ask with the same policy, size and options, remove the region first, or use \
+         another tag"
     )]
     TagConflict {
         /// The region.
@@ -146,6 +152,8 @@ pub enum Error {
         existing: String,
         /// What was asked for.
         requested: String,
+        /// What differs, e.g. `"policy and elastic option"`.
+        differs: String,
     },
 
     /// Restored contents differ from what was backed up (`verify_restore` found it). The
@@ -181,26 +189,35 @@ pub enum Error {
 
     /// A paged-KV-cache call was refused: a stale or foreign block id, an unknown sequence,
     /// exhaustion, a slot outside live blocks, bad lengths. Nothing was changed.
-    #[error("KV cache `{tag}`: {source}")]
+    #[error("KV cache `{tag}`: {error}")]
     Kv {
-        /// The KV cache's region.
+        /// The KV cache's region (`*` for a layout not yet tied to a region).
         tag: String,
         /// What is wrong, and what to do.
-        #[source]
-        source: crate::kv::KvError,
+        error: crate::kv::KvError,
     },
 
     /// The device or the operating system failed.
-    #[error("{op} on `{tag}` failed: {source}")]
+    #[error("{op} on `{tag}` failed: {error}")]
     Backend {
         /// The region (or `*` when none applies).
         tag: String,
         /// What the pager was doing.
         op: &'static str,
         /// The backend's error.
-        #[source]
-        source: BackendError,
+        error: BackendError,
     },
+}
+
+/// A KV error outside any cache (e.g. from [`crate::kv::KvLayout::new`]) as [`Error::Kv`]
+/// with tag `*`, so that `?` works in functions returning [`Result`].
+impl From<crate::kv::KvError> for Error {
+    fn from(error: crate::kv::KvError) -> Self {
+        Error::Kv {
+            tag: "*".to_owned(),
+            error,
+        }
+    }
 }
 
 /// A stable number per [`Error`] variant: the one source of the C library's error codes and
@@ -334,7 +351,7 @@ impl Error {
         match self {
             Error::NotResident { tag, .. }
             | Error::NotBacked { tag, .. }
-            | Error::UnknownTag { tag }
+            | Error::UnknownTag { tag, .. }
             | Error::Busy { tag, .. }
             | Error::OutOfMemory { tag, .. }
             | Error::InvalidSize { tag, .. }
@@ -351,17 +368,83 @@ impl Error {
     }
 
     /// A [`Error::Backend`] for the backend failure `source` while doing `op` on `tag`.
-    pub fn backend(tag: &str, op: &'static str, source: BackendError) -> Self {
+    pub fn backend(tag: &str, op: &'static str, error: BackendError) -> Self {
         Error::Backend {
             tag: tag.to_owned(),
             op,
-            source,
+            error,
         }
     }
 }
 
-/// Describes a policy for error messages.
-pub(crate) fn describe(policy: Policy, bytes: usize, elastic: bool) -> String {
-    let elastic = if elastic { "elastic " } else { "" };
-    format!("{elastic}{policy:?} with {bytes} bytes")
+/// `"; did you mean `x`?"` for [`Error::UnknownTag`], or nothing.
+fn did_you_mean(nearest: &Option<String>) -> String {
+    nearest
+        .as_ref()
+        .map_or_else(String::new, |n| format!(" (did you mean `{n}`?)"))
+}
+
+/// The message of [`Error::OutOfMemory`]: the advice depends on the step that failed.
+fn oom_message(tag: &str, during: &str, requested: usize, free: usize) -> String {
+    let lost = match during {
+        "resume" => {
+            "nothing was lost: the region stays released with its contents backed up, and a \
+             later resume succeeds once the memory is free"
+        }
+        "region creation" => "the region was not created",
+        _ => "nothing new was mapped",
+    };
+    format!(
+        "{during} of `{tag}` needs {requested} bytes of device memory but only {free} are free; \
+         free memory held elsewhere (another process such as the trainer, or other regions: \
+         release or trim them) and try again — {lost}"
+    )
+}
+
+/// The existing tag nearest to `tag` by edit distance, if it is close enough to be a typo
+/// (at most a third of the longer name's characters differ, ignoring case).
+pub(crate) fn nearest_tag<'a>(
+    tag: &str,
+    known: impl IntoIterator<Item = &'a str>,
+) -> Option<String> {
+    let want: Vec<char> = tag.to_lowercase().chars().collect();
+    known
+        .into_iter()
+        .map(|k| {
+            let have: Vec<char> = k.to_lowercase().chars().collect();
+            (edit_distance(&want, &have), want.len().max(have.len()), k)
+        })
+        .filter(|&(d, len, _)| d * 3 <= len)
+        .min_by_key(|&(d, _, _)| d)
+        .map(|(_, _, k)| k.to_owned())
+}
+
+/// Levenshtein distance.
+fn edit_distance(a: &[char], b: &[char]) -> usize {
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.iter().enumerate() {
+        let mut diag = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let sub = diag + usize::from(ca != cb);
+            diag = row[j + 1];
+            row[j + 1] = sub.min(row[j] + 1).min(row[j + 1] + 1);
+        }
+    }
+    row[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn typos_find_their_tag() {
+        let known = ["weights", "kv_cache", "cuda_graph"];
+        assert_eq!(nearest_tag("weight", known).as_deref(), Some("weights"));
+        assert_eq!(nearest_tag("kvcache", known).as_deref(), Some("kv_cache"));
+        assert_eq!(nearest_tag("KV_CACHE", known).as_deref(), Some("kv_cache"));
+        assert_eq!(nearest_tag("optimizer", known), None);
+        assert_eq!(nearest_tag("w", known), None);
+    }
 }

@@ -50,3 +50,9 @@ pub use error::{Error, ErrorCode, Result};
 pub use pager::{Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, Lease, Pager, PagerConfig, Stats};
 pub use region::{Policy, RegionInfo, RegionOptions, RegionStats, State, chunk_sizes};
 pub use report::{Move, Outcome, RegionReport, Report, Steps};
+
+/// Every Rust code block of README.md, compiled and run as a doctest, so the README's
+/// examples cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeExamples;

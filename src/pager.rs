@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, BackendKind, Fence, RawStream};
 use crate::backup::Saved;
-use crate::error::{Error, Result, describe};
+use crate::error::{Error, Result, nearest_tag};
 use crate::region::{Policy, Region, RegionInfo, RegionOptions, RegionStats, remember};
 use crate::report::{Move, Outcome, RegionReport, Report, Steps};
 use crate::suballoc::AllocError;
@@ -110,6 +110,52 @@ impl Stats {
     }
 }
 
+/// One line for the pager, then one per region:
+///
+/// ```text
+/// 2 regions: 1.00 GiB resident, 4.00 GiB released, 1.00 GiB backup
+///   kv_cache     Discard          released        0 B mapped of 4.00 GiB, 0 buffers, 0 leases
+///   weights      Preserve         resident   1.00 GiB mapped of 1.00 GiB, 291 buffers, 0 leases, backup 1.00 GiB
+/// ```
+impl std::fmt::Display for Stats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use crate::report::bytes_h;
+        write!(
+            f,
+            "{} region{}: {} resident, {} released, {} backup",
+            self.regions.len(),
+            if self.regions.len() == 1 { "" } else { "s" },
+            bytes_h(self.resident_bytes()),
+            bytes_h(self.released_bytes()),
+            bytes_h(self.backup_bytes())
+        )?;
+        for r in &self.regions {
+            let kind = format!(
+                "{}{:?}",
+                if r.info.elastic { "elastic " } else { "" },
+                r.info.policy
+            );
+            let state = match r.info.state {
+                crate::State::Resident => "resident",
+                crate::State::Released => "released",
+            };
+            write!(
+                f,
+                "\n  {:<12} {kind:<16} {state:<8} {:>10} mapped of {}, {} buffers, {} leases",
+                r.info.tag,
+                bytes_h(r.resident_bytes),
+                bytes_h(r.info.size),
+                r.buffers,
+                r.leases
+            )?;
+            if r.backup_bytes > 0 {
+                write!(f, ", backup {}", bytes_h(r.backup_bytes))?;
+            }
+        }
+        Ok(())
+    }
+}
+
 type Slot = Arc<Mutex<Region>>;
 
 /// Owns tagged regions of device memory at stable addresses and moves them out of and back
@@ -144,6 +190,23 @@ fn lock(slot: &Slot) -> MutexGuard<'_, Region> {
 }
 
 /// Rounds a chunk size up to the granularity `g` and then to a power of two.
+/// An elastic region may reserve up to this many times the device's memory.
+pub(crate) const MAX_RESERVE_FACTOR: usize = 4;
+
+/// Describes a region's kind for error messages.
+fn describe(policy: Policy, bytes: usize, elastic: bool) -> String {
+    let elastic = if elastic { "elastic " } else { "" };
+    format!("an {elastic}{policy:?} region of {bytes} bytes")
+}
+
+/// [`Error::UnknownTag`] for `tag`, suggesting the nearest existing tag.
+fn unknown_tag(map: &BTreeMap<String, Slot>, tag: &str) -> Error {
+    Error::UnknownTag {
+        tag: tag.to_owned(),
+        nearest: nearest_tag(tag, map.keys().map(String::as_str)),
+    }
+}
+
 fn round_chunk(bytes: usize, g: usize) -> usize {
     bytes
         .max(g)
@@ -198,9 +261,7 @@ impl Pager {
 
     fn slot(&self, tag: &str) -> Result<Slot> {
         let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
-        map.get(tag).cloned().ok_or_else(|| Error::UnknownTag {
-            tag: tag.to_owned(),
-        })
+        map.get(tag).cloned().ok_or_else(|| unknown_tag(&map, tag))
     }
 
     /// The slots for `tags`, deduplicated, in tag order (the lock order).
@@ -258,17 +319,47 @@ impl Pager {
                 reason: "a tag must be a non-empty name other than `*`".to_owned(),
             });
         }
-        let g = self.backend.info().granularity;
+        let info = self.backend.info();
+        let g = info.granularity;
+        // A region that maps all of its memory while resident must fit in the device; an
+        // elastic one only reserves addresses, of which there are plenty.
+        let (limit, why) = if options.elastic {
+            (
+                info.total_bytes.saturating_mul(MAX_RESERVE_FACTOR),
+                "an elastic region reserves at most 4 times",
+            )
+        } else {
+            (
+                info.total_bytes,
+                "a region mapped whole while resident must fit in",
+            )
+        };
         let size = bytes
             .checked_next_multiple_of(g)
-            .filter(|&s| s > 0)
+            .filter(|&s| s > 0 && s <= limit)
             .ok_or_else(|| Error::InvalidSize {
                 tag: tag.to_owned(),
                 reason: format!(
-                    "{bytes} bytes: a region needs at least one byte and at most {} bytes",
-                    usize::MAX - g
+                    "{bytes} bytes: a region needs at least one byte and at most {limit} bytes \
+                     ({why} the device's {} bytes, {}); ask for fewer bytes{}",
+                    info.total_bytes,
+                    info.name,
+                    if options.elastic {
+                        ""
+                    } else {
+                        ", or make it elastic to map only what is used"
+                    }
                 ),
             })?;
+        if options.prepin && policy != Policy::Preserve {
+            return Err(Error::InvalidArgument {
+                tag: tag.to_owned(),
+                reason: format!(
+                    "prepin pins a host backup, and a {policy:?} region has none (its contents \
+                     are dropped on release); use prepin only with Policy::Preserve"
+                ),
+            });
+        }
         let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
         if let Some(slot) = map.get(tag) {
             let r = lock(slot);
@@ -283,10 +374,19 @@ impl Pager {
             if r.policy == policy && r.size() == size && r.elastic == options.elastic {
                 return Ok(r.info());
             }
+            let differs: Vec<&str> = [
+                (r.policy != policy, "policy"),
+                (r.size() != size, "size"),
+                (r.elastic != options.elastic, "elastic option"),
+            ]
+            .into_iter()
+            .filter_map(|(d, what)| d.then_some(what))
+            .collect();
             return Err(Error::TagConflict {
                 tag: tag.to_owned(),
                 existing: describe(r.policy, r.size(), r.elastic),
                 requested: describe(policy, size, options.elastic),
+                differs: differs.join(" and "),
             });
         }
         let chunk = options
@@ -294,7 +394,9 @@ impl Pager {
             .map_or(self.config.chunk_bytes, |c| round_chunk(c, g.max(1)))
             .min(size);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let region = Region::create(self.backend.as_ref(), id, tag, size, chunk, policy, options)?;
+        let mut region =
+            Region::create(self.backend.as_ref(), id, tag, size, chunk, policy, options)?;
+        region.exclusive = exclusive;
         let info = region.info();
         map.insert(tag.to_owned(), Arc::new(Mutex::new(region)));
         Ok(info)
@@ -314,13 +416,20 @@ impl Pager {
 
     fn remove_impl(&self, tag: &str, id: Option<u64>) -> Result<bool> {
         let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
-        let slot = map.get(tag).ok_or_else(|| Error::UnknownTag {
-            tag: tag.to_owned(),
-        })?;
+        let slot = map.get(tag).ok_or_else(|| unknown_tag(&map, tag))?;
         {
             let r = lock(slot);
             if id.is_some_and(|id| id != r.id) {
                 return Ok(false);
+            }
+            if id.is_none() && r.exclusive {
+                return Err(Error::InvalidArgument {
+                    tag: tag.to_owned(),
+                    reason: "the region belongs to its owner (a KvCache) and is removed when \
+                             that owner is dropped; drop the KvCache instead of removing its \
+                             region"
+                        .to_owned(),
+                });
             }
             if r.leases > 0 {
                 return Err(Error::Busy {
@@ -477,6 +586,14 @@ impl Pager {
     /// Hashes the buffer in chunks of `chunk_bytes` (a multiple of 16) with the `chunk_hash`
     /// kernel; see [`crate::kernels::reference::chunk_hash`] for the function.
     pub fn hash(&self, buf: &Buffer, chunk_bytes: usize) -> Result<Vec<u64>> {
+        // The kernel's argument rules, checked here so that a bad chunk size is the caller's
+        // InvalidArgument, not a backend failure. Regions and buffers are 256-aligned.
+        crate::kernels::check_chunk_hash_args(0, buf.len, chunk_bytes).map_err(|reason| {
+            Error::InvalidArgument {
+                tag: buf.tag().to_owned(),
+                reason,
+            }
+        })?;
         self.with_resident(buf, 0, buf.len, "the chunk_hash kernel", |r, addr| {
             // SAFETY: as in `write`: mapped, live, locked.
             unsafe { self.backend.chunk_hash(addr, buf.len, chunk_bytes) }
@@ -621,7 +738,7 @@ impl Pager {
             // any copy starts.
             for (i, r) in regions.iter_mut().enumerate() {
                 if todo[i] && !preserve(r) && !r.elastic {
-                    steps[i].map = r.map_all(backend)?;
+                    steps[i].map = r.map_all(backend, "resume")?;
                 }
             }
             for (i, r) in regions.iter_mut().enumerate() {

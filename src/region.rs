@@ -107,6 +107,9 @@ pub(crate) struct Region {
     pub elastic: bool,
     /// Releases that changed this region (a KV cache invalidates its block ids on a change).
     pub releases: u64,
+    /// Owned by one owner ([`crate::Pager::region_exclusive`], a KV cache), which removes
+    /// it; a plain [`crate::Pager::remove`] is refused.
+    pub exclusive: bool,
     // Field order is drop order: mappings are unmapped and released before the reservation
     // frees the address range. Entry `i` is chunk `i` (see `chunk_range`), `None` unmapped.
     mappings: Vec<Option<Box<dyn Mapping>>>,
@@ -185,6 +188,7 @@ impl Region {
             chunk_bytes,
             elastic: options.elastic,
             releases: 0,
+            exclusive: false,
             mappings: std::iter::repeat_with(|| None).take(chunks).collect(),
             reservation,
             backup: Backup::default(),
@@ -196,7 +200,7 @@ impl Region {
             last_resume: None,
         };
         if !region.elastic {
-            region.map_all(backend)?;
+            region.map_all(backend, "region creation")?;
             if policy == Policy::DiscardZeroed {
                 region.zero(backend)?;
             }
@@ -262,10 +266,11 @@ impl Region {
     }
 
     /// The pager's error for a failed map of this region.
-    fn map_error(&self, backend: &dyn Backend, e: BackendError) -> Error {
+    fn map_error(&self, backend: &dyn Backend, e: BackendError, during: &'static str) -> Error {
         match e {
             BackendError::OutOfMemory { requested } => Error::OutOfMemory {
                 tag: self.tag.clone(),
+                during,
                 requested,
                 free: backend.mem_info().map_or(0, |m| m.free),
             },
@@ -313,9 +318,9 @@ impl Region {
     }
 
     /// Maps every unmapped chunk (all of them while released). See `map_chunks`.
-    pub fn map_all(&mut self, backend: &dyn Backend) -> Result<Duration> {
+    pub fn map_all(&mut self, backend: &dyn Backend, during: &'static str) -> Result<Duration> {
         let t = Instant::now();
-        self.map_chunks(backend, 0..self.mappings.len())?;
+        self.map_chunks(backend, 0..self.mappings.len(), during)?;
         Ok(t.elapsed())
     }
 
@@ -332,11 +337,13 @@ impl Region {
     /// Maps the unmapped chunks among `chunks`, one backend call per contiguous run (a whole
     /// released region is one run: one access change over the whole range, the cheapest
     /// pattern). All or nothing: on failure what this call mapped is unmapped again.
-    /// Returns the runs of chunks newly mapped.
+    /// Returns the runs of chunks newly mapped. `during` names the step for an
+    /// out-of-memory error.
     pub fn map_chunks(
         &mut self,
         backend: &dyn Backend,
         chunks: Range<usize>,
+        during: &'static str,
     ) -> Result<Vec<Range<usize>>> {
         let runs = self.runs(chunks, false);
         for (k, run) in runs.iter().enumerate() {
@@ -356,7 +363,7 @@ impl Region {
                     for done in &runs[..k] {
                         self.unmap_chunks(done.clone());
                     }
-                    return Err(self.map_error(backend, e));
+                    return Err(self.map_error(backend, e, during));
                 }
             }
         }
@@ -366,7 +373,7 @@ impl Region {
     /// Maps the unmapped chunks sharing a byte with `range` (inside the region) and, for
     /// `DiscardZeroed`, zero-fills them. All or nothing. Returns the bytes newly mapped.
     pub fn back(&mut self, backend: &dyn Backend, range: &Range<usize>) -> Result<usize> {
-        let runs = self.map_chunks(backend, self.chunks_touching(range))?;
+        let runs = self.map_chunks(backend, self.chunks_touching(range), "back")?;
         if self.policy == Policy::DiscardZeroed {
             let zeroed = runs
                 .iter()
@@ -451,7 +458,7 @@ impl Region {
             // so far, so it is unmapped.
             let mapped = unsafe { backend.map(self.base() + offset as u64, &sizes[first..last]) };
             map_time += t.elapsed();
-            let mapped = mapped.map_err(|e| self.map_error(backend, e))?;
+            let mapped = mapped.map_err(|e| self.map_error(backend, e, "resume"))?;
             for (slot, m) in self.mappings[first..last].iter_mut().zip(mapped) {
                 *slot = Some(m);
             }

@@ -96,6 +96,21 @@ pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// A byte count for people: `"512 B"`, `"12.0 MiB"`, `"16.00 GiB"`.
+pub fn bytes_h(bytes: usize) -> String {
+    const KIB: f64 = 1024.0;
+    let b = bytes as f64;
+    if b < KIB {
+        format!("{bytes} B")
+    } else if b < KIB * KIB {
+        format!("{:.1} KiB", b / KIB)
+    } else if b < KIB * KIB * KIB {
+        format!("{:.1} MiB", b / (KIB * KIB))
+    } else {
+        format!("{:.2} GiB", b / (KIB * KIB * KIB))
+    }
+}
+
 /// Gigabytes per second (10^9 bytes) for `bytes` moved in `d`; 0 when `d` is zero.
 pub fn gbps(bytes: usize, d: Duration) -> f64 {
     let s = d.as_secs_f64();

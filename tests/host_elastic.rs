@@ -208,16 +208,18 @@ fn out_of_memory_on_back_maps_nothing_new_and_a_later_back_succeeds() {
     match &err {
         Error::OutOfMemory {
             tag,
+            during,
             requested,
             free,
         } => {
             assert_eq!(tag, "kv");
+            assert_eq!(*during, "back");
             assert_eq!(*requested, 5 * CHUNK);
             assert_eq!(*free, 3 * CHUNK);
         }
         e => panic!("expected OutOfMemory, got {e:?}"),
     }
-    assert!(err.to_string().contains("failed back maps nothing new"));
+    assert!(err.to_string().contains("nothing new was mapped"), "{err}");
     assert_eq!(resident(&pager, "kv"), 2 * CHUNK);
     assert_eq!(backend.used_bytes(), 5 * CHUNK);
     assert!(!pager.is_backed("kv", CHUNK..2 * CHUNK).unwrap());

@@ -176,10 +176,13 @@ fn oom_during_resume_rolls_back_and_a_retry_succeeds() {
     match &err {
         Error::OutOfMemory {
             tag,
+            during,
             requested,
             free,
         } => {
             assert_eq!(tag, "kv_cache");
+            assert_eq!(*during, "resume");
+            assert!(err.to_string().contains("backed up"), "{err}");
             assert_eq!(*requested, 32 * MIB);
             // Free memory when the failure happened (regions map in tag order, so
             // kv_cache first): 64 - 40 held.
@@ -295,7 +298,7 @@ fn bad_input_is_a_typed_error() {
     ));
     assert!(matches!(
         pager.region("big", 1 << 40, Policy::Discard),
-        Err(Error::OutOfMemory { .. })
+        Err(Error::InvalidSize { .. })
     ));
     pager.region("weights", 4 * MIB, Policy::Preserve).unwrap();
     // Same tag, same policy and size: the same region.
@@ -313,7 +316,7 @@ fn bad_input_is_a_typed_error() {
     ));
     assert!(matches!(
         pager.release(&["weights", "nope"]),
-        Err(Error::UnknownTag { ref tag }) if tag == "nope"
+        Err(Error::UnknownTag { ref tag, nearest: None }) if tag == "nope"
     ));
     assert_eq!(pager.info("weights").unwrap().state, State::Resident);
     assert!(matches!(
@@ -350,7 +353,10 @@ fn bad_input_is_a_typed_error() {
         pager.read(&b, 0, &mut out),
         Err(Error::OutOfRange { .. })
     ));
-    assert!(matches!(pager.hash(&b, 15), Err(Error::Backend { .. })));
+    assert!(matches!(
+        pager.hash(&b, 15),
+        Err(Error::InvalidArgument { .. })
+    ));
     pager.free(&b).unwrap();
     assert!(matches!(pager.free(&b), Err(Error::StaleBuffer { .. })));
     assert!(matches!(pager.ptr(&b), Err(Error::StaleBuffer { .. })));

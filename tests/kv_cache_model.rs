@@ -162,7 +162,7 @@ proptest! {
                             h.write(&mut s, len, len + n).unwrap();
                             seqs[i] = s;
                         }
-                        Err(Error::Kv { source: KvError::KvExhausted { .. }, .. }) => {
+                        Err(Error::Kv { error: KvError::KvExhausted { .. }, .. }) => {
                             prop_assert_eq!(h.cache.block_table(seqs[i].0).unwrap().1, len);
                         }
                         Err(e) => panic!("append: {e}"),
@@ -177,7 +177,7 @@ proptest! {
                         match h.write(&mut s, from, to) {
                             Ok(()) => seqs[i] = s,
                             // Copy-on-write needs a free block.
-                            Err(Error::Kv { source: KvError::KvExhausted { .. }, .. }) => {}
+                            Err(Error::Kv { error: KvError::KvExhausted { .. }, .. }) => {}
                             Err(e) => panic!("rewrite: {e}"),
                         }
                     }
@@ -216,7 +216,7 @@ proptest! {
                             seqs[i] = s;
                         }
                         Err(Error::OutOfMemory { .. })
-                        | Err(Error::Kv { source: KvError::KvExhausted { .. }, .. }) => {
+                        | Err(Error::Kv { error: KvError::KvExhausted { .. }, .. }) => {
                             prop_assert_eq!(h.cache.block_table(seqs[i].0).unwrap().1, len, "a failed append changed the sequence");
                         }
                         Err(e) => panic!("append without memory: {e}"),
@@ -233,7 +233,7 @@ proptest! {
             for &s in gone.iter().rev().take(3) {
                 let unknown = matches!(
                     h.cache.block_table(s),
-                    Err(Error::Kv { source: KvError::UnknownSeq { .. }, .. })
+                    Err(Error::Kv { error: KvError::UnknownSeq { .. }, .. })
                 );
                 prop_assert!(unknown, "{} is gone but still known", s);
             }
@@ -297,14 +297,14 @@ fn kv_calls_race_release_and_resume_safely() {
             Err(
                 Error::NotResident { .. }
                 | Error::Kv {
-                    source: KvError::Stale { .. } | KvError::UnknownSeq { .. },
+                    error: KvError::Stale { .. } | KvError::UnknownSeq { .. },
                     ..
                 },
             ) => {}
             // Slots made before a release name blocks that are no longer allocated.
             Err(
                 e @ Error::Kv {
-                    source: KvError::InvalidArgument { .. },
+                    error: KvError::InvalidArgument { .. },
                     ..
                 },
             ) if e.to_string().contains("not allocated") => {}

@@ -409,7 +409,7 @@ mod tests {
         matches!(
             e,
             Error::Backend {
-                source: BackendError::Injected { .. },
+                error: BackendError::Injected { .. },
                 ..
             }
         )

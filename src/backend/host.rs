@@ -24,19 +24,80 @@ use crate::kv::{KvOp, reference as kv_reference};
 #[derive(Debug, Clone, Copy)]
 pub struct HostConfig {
     /// Bytes of "device memory" the backend hands out before it reports out-of-memory.
+    /// This is real host memory once touched, and a `Preserve` region's pinned backup takes
+    /// as much again, so keep it within what the machine holds.
     pub capacity: usize,
     /// Allocation granularity in bytes (a multiple of the OS page size).
     pub granularity: usize,
 }
 
+/// Environment variable that sets the host backend's capacity for [`HostConfig::from_env`]
+/// (and so for [`super::auto`]): bytes, or a number with a `K`, `M`, `G` or `T` suffix
+/// (binary units), e.g. `GPU_PAGER_HOST_CAPACITY=8G`.
+pub const CAPACITY_ENV: &str = "GPU_PAGER_HOST_CAPACITY";
+
+/// The largest default capacity: 32 GiB.
+pub const MAX_DEFAULT_CAPACITY: usize = 32 << 30;
+
 impl Default for HostConfig {
-    /// 32 GiB capacity (memory is only used where touched) and 2 MiB granularity, like the GPU.
+    /// Half of this machine's physical memory, at most [`MAX_DEFAULT_CAPACITY`] (half,
+    /// because a `Preserve` region's backup doubles what its contents take), with a 2 MiB
+    /// granularity like the GPU's. On a 24 GiB machine that is 12 GiB.
     fn default() -> Self {
+        let granularity = 2 << 20;
+        let half = physical_memory() / 2;
         HostConfig {
-            capacity: 32 << 30,
-            granularity: 2 << 20,
+            capacity: (half.min(MAX_DEFAULT_CAPACITY) / granularity * granularity).max(granularity),
+            granularity,
         }
     }
+}
+
+impl HostConfig {
+    /// [`HostConfig::default`], with the capacity taken from [`CAPACITY_ENV`] when it is
+    /// set. A value that does not parse is an error that says how to write it.
+    pub fn from_env() -> BackendResult<HostConfig> {
+        let mut config = HostConfig::default();
+        if let Ok(v) = std::env::var(CAPACITY_ENV) {
+            config.capacity = parse_bytes(&v).ok_or_else(|| BackendError::Invalid {
+                op: "reading the host capacity",
+                reason: format!(
+                    "{CAPACITY_ENV}={v:?} is not a byte count; write e.g. 8G, 512M or 1073741824"
+                ),
+            })?;
+        }
+        Ok(config)
+    }
+}
+
+/// Parses `"1073741824"`, `"512M"`, `"8G"`, `"1T"` (binary units; a trailing `B` or `iB`
+/// is accepted). `None` for anything else, zero included.
+fn parse_bytes(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let s = s
+        .strip_suffix("iB")
+        .or_else(|| s.strip_suffix('B'))
+        .unwrap_or(s);
+    let (num, shift) = match s.chars().last()?.to_ascii_uppercase() {
+        'K' => (&s[..s.len() - 1], 10),
+        'M' => (&s[..s.len() - 1], 20),
+        'G' => (&s[..s.len() - 1], 30),
+        'T' => (&s[..s.len() - 1], 40),
+        _ => (s, 0),
+    };
+    let n: usize = num.trim().parse().ok()?;
+    n.checked_mul(1usize << shift).filter(|&b| b > 0)
+}
+
+/// Physical memory of this machine in bytes (32 GiB if the system does not say).
+fn physical_memory() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
+    usize::try_from(pages)
+        .ok()
+        .and_then(|p| p.checked_mul(page_size()))
+        .filter(|&b| b > 0)
+        .unwrap_or(MAX_DEFAULT_CAPACITY)
 }
 
 /// Host-memory implementation of [`Backend`].
@@ -121,7 +182,7 @@ fn charge(used: &AtomicUsize, capacity: usize, bytes: usize) -> BackendResult<()
 fn os_error(op: &'static str) -> BackendError {
     BackendError::Os {
         op,
-        source: std::io::Error::last_os_error(),
+        error: std::io::Error::last_os_error(),
     }
 }
 
@@ -560,4 +621,30 @@ unsafe fn span_mut<'a>(addr: u64, len: usize) -> &'a mut [u8] {
     }
     // SAFETY: the caller's contract; `len > 0`, so `addr` is a real address.
     unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+}
+
+#[cfg(test)]
+mod capacity_tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts_parse() {
+        assert_eq!(parse_bytes("1073741824"), Some(1 << 30));
+        assert_eq!(parse_bytes("8G"), Some(8 << 30));
+        assert_eq!(parse_bytes("512m"), Some(512 << 20));
+        assert_eq!(parse_bytes("64KiB"), Some(64 << 10));
+        assert_eq!(parse_bytes(" 2 GB "), Some(2 << 30));
+        assert_eq!(parse_bytes("1T"), Some(1 << 40));
+        for bad in ["", "G", "0", "-1G", "lots", "1.5G"] {
+            assert_eq!(parse_bytes(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_default_fits_the_machine() {
+        let c = HostConfig::default();
+        assert!(c.capacity <= MAX_DEFAULT_CAPACITY);
+        assert!(c.capacity <= physical_memory() / 2 || c.capacity == c.granularity);
+        assert_eq!(c.capacity % c.granularity, 0);
+    }
 }

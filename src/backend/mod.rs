@@ -85,13 +85,13 @@ pub enum BackendError {
         message: String,
     },
     /// An operating-system call failed (host backend).
-    #[error("{op} failed: {source}")]
+    #[error("{op} failed: {error}")]
     Os {
         /// The system call, e.g. `mmap`.
         op: &'static str,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
+        /// The OS error (part of the message; not a `source()`, so that error-chain printers
+        /// show it once).
+        error: std::io::Error,
     },
     /// Arguments the backend cannot act on (misaligned, zero-sized, ...).
     #[error("invalid argument to {op}: {reason}")]
@@ -322,14 +322,21 @@ pub(crate) fn kv_invalid(op: &KvOp<'_>, e: crate::kv::KvError) -> BackendError {
     }
 }
 
-/// Picks the CUDA backend when a driver and a GPU are present, else the host backend.
-/// Returns the backend and, when it fell back, why.
+/// Picks the CUDA backend when a driver and a GPU are present, else the host backend
+/// (capacity from [`host::CAPACITY_ENV`], else [`host::HostConfig::default`]: half the
+/// machine's memory, at most 32 GiB). Returns the backend and, when it fell back, why.
 pub fn auto() -> (std::sync::Arc<dyn Backend>, Option<String>) {
     match cuda::CudaBackend::new(0) {
         Ok(b) => (std::sync::Arc::new(b), None),
-        Err(e) => (
-            std::sync::Arc::new(host::HostBackend::new(host::HostConfig::default())),
-            Some(e.to_string()),
-        ),
+        Err(e) => {
+            let (config, note) = match host::HostConfig::from_env() {
+                Ok(c) => (c, String::new()),
+                Err(bad) => (host::HostConfig::default(), format!("; {bad}")),
+            };
+            (
+                std::sync::Arc::new(host::HostBackend::new(config)),
+                Some(format!("{e}{note}")),
+            )
+        }
     }
 }

@@ -112,9 +112,9 @@ impl KvCache {
         blocks: u32,
         config: KvCacheConfig,
     ) -> Result<Self> {
-        let kv_err = |source| Error::Kv {
+        let kv_err = |error| Error::Kv {
             tag: tag.to_owned(),
-            source,
+            error,
         };
         let pool = BlockPool::new(blocks, layout.block_size()).map_err(kv_err)?;
         let bytes = layout.total_bytes(blocks).map_err(kv_err)?;
@@ -192,10 +192,10 @@ impl KvCache {
         Ok(self.base + self.layout.base(layer, kv).map_err(|e| self.kv_err(e))?)
     }
 
-    fn kv_err(&self, source: KvError) -> Error {
+    fn kv_err(&self, error: KvError) -> Error {
         Error::Kv {
             tag: self.tag.clone(),
-            source,
+            error,
         }
     }
 

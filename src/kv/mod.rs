@@ -14,7 +14,7 @@
 //! // On a GPU use `gpu_pager::backend::auto()`; the host backend runs anywhere.
 //! let pager = Arc::new(Pager::new(Arc::new(HostBackend::new(HostConfig::default()))));
 //! let layout = KvLayout::new(2, 4, 64, 16, KvDtype::Bf16, KvOrder::Nhd)
-//!     .map_err(|source| Error::Kv { tag: "kv_cache".into(), source })?;
+//!     .map_err(|error| Error::Kv { tag: "kv_cache".into(), error })?;
 //! let kv = KvCache::new(pager.clone(), "kv_cache", layout, 1024, KvCacheConfig::default())?;
 //! assert_eq!(kv.stats()?.mapped_bytes, 0);          // nothing backed yet
 //!
@@ -39,7 +39,7 @@
 //! pager.release(&["kv_cache"])?;                    // contents gone ...
 //! pager.resume(&["kv_cache"])?;
 //! assert!(matches!(kv.gather(1, Kv::V, child, &out),   // ... and so are the ids
-//!                  Err(Error::Kv { source: KvError::UnknownSeq { .. }, .. })));
+//!                  Err(Error::Kv { error: KvError::UnknownSeq { .. }, .. })));
 //! # Ok(()) }
 //! ```
 //!

@@ -453,7 +453,7 @@ pub fn cache_scenario(pager: Arc<Pager>, chunk: usize, mut rng: Rng) {
         matches!(
             e,
             Error::Kv {
-                source: KvError::InvalidArgument { .. },
+                error: KvError::InvalidArgument { .. },
                 ..
             }
         ),
@@ -465,7 +465,7 @@ pub fn cache_scenario(pager: Arc<Pager>, chunk: usize, mut rng: Rng) {
         matches!(
             e,
             Error::Kv {
-                source: KvError::OutOfRange { .. },
+                error: KvError::OutOfRange { .. },
                 ..
             }
         ),
@@ -526,7 +526,7 @@ pub fn cache_scenario(pager: Arc<Pager>, chunk: usize, mut rng: Rng) {
         matches!(
             e,
             Error::Kv {
-                source: KvError::KvExhausted { .. },
+                error: KvError::KvExhausted { .. },
                 ..
             }
         ),
@@ -553,7 +553,7 @@ pub fn cache_scenario(pager: Arc<Pager>, chunk: usize, mut rng: Rng) {
         matches!(
             e,
             Error::Kv {
-                source: KvError::UnknownSeq { .. },
+                error: KvError::UnknownSeq { .. },
                 ..
             }
         ),
@@ -564,7 +564,7 @@ pub fn cache_scenario(pager: Arc<Pager>, chunk: usize, mut rng: Rng) {
         matches!(
             e,
             Error::Kv {
-                source: KvError::Stale { .. },
+                error: KvError::Stale { .. },
                 ..
             }
         ),
@@ -575,7 +575,7 @@ pub fn cache_scenario(pager: Arc<Pager>, chunk: usize, mut rng: Rng) {
         matches!(
             e,
             Error::Kv {
-                source: KvError::Stale { .. },
+                error: KvError::Stale { .. },
                 ..
             }
         ),
@@ -589,7 +589,7 @@ pub fn cache_scenario(pager: Arc<Pager>, chunk: usize, mut rng: Rng) {
         matches!(
             e,
             Error::Kv {
-                source: KvError::InvalidArgument { .. },
+                error: KvError::InvalidArgument { .. },
                 ..
             }
         ),
@@ -610,25 +610,20 @@ pub fn cache_scenario(pager: Arc<Pager>, chunk: usize, mut rng: Rng) {
     let s = cache.stats().unwrap();
     assert_eq!((s.pool.live, s.live_bytes), (3, 3 * bpb as u64));
 
-    // The region removed and created again under the tag is not this cache's any more.
+    // The cache owns its region: removing it under the cache is refused, and the cache
+    // keeps working; dropping the cache removes it.
     drop(host);
-    pager.remove("kv_cache").unwrap();
-    pager
-        .region_with(
-            "kv_cache",
-            bpb * blocks as usize,
-            Policy::Discard,
-            gpu_pager::RegionOptions {
-                elastic: true,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-    let e = cache.create_seq().unwrap_err();
+    let e = pager.remove("kv_cache").unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
-    let e = cache.gather(0, Kv::K, e2, &out).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
-    pager.remove("kv_cache").unwrap();
+    assert!(
+        gather_all(&cache, &pager, e2, &out, token) == e_data,
+        "after the refused remove"
+    );
+    drop(cache);
+    assert!(matches!(
+        pager.info("kv_cache"),
+        Err(Error::UnknownTag { .. })
+    ));
 }
 
 /// `write_on` (enqueued on `stream`, slot mapping read from device memory) lands exactly

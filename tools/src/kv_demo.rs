@@ -97,9 +97,9 @@ pub fn run(pager: &Arc<Pager>, t: &Timeline, gib_budget: f64) -> Result<bool, Er
     let free = |p: &Pager| p.backend().mem_info().map(|m| m.free).unwrap_or(0);
     // A Llama-8B-like cache: 2 MiB a block.
     let layout =
-        KvLayout::new(32, 8, 128, 16, KvDtype::Bf16, KvOrder::Nhd).map_err(|source| Error::Kv {
+        KvLayout::new(32, 8, 128, 16, KvDtype::Bf16, KvOrder::Nhd).map_err(|error| Error::Kv {
             tag: TAG.into(),
-            source,
+            error,
         })?;
     let blocks = ((gib_budget * GIB as f64) as u64 / layout.bytes_per_block()).max(64) as u32;
     let cache = KvCache::new(pager.clone(), TAG, layout, blocks, KvCacheConfig::default())?;
@@ -208,14 +208,14 @@ pub fn run(pager: &Arc<Pager>, t: &Timeline, gib_budget: f64) -> Result<bool, Er
     let stale = matches!(
         p.cache.copy_blocks(&[(old[0], old[1])]),
         Err(Error::Kv {
-            source: KvError::Stale { .. },
+            error: KvError::Stale { .. },
             ..
         })
     );
     let unknown = matches!(
         p.cache.gather(0, Kv::K, parent, &p.out),
         Err(Error::Kv {
-            source: KvError::UnknownSeq { .. },
+            error: KvError::UnknownSeq { .. },
             ..
         })
     );

@@ -125,7 +125,11 @@ fn main() -> ExitCode {
 fn pick_backend(force_host: bool) -> Arc<dyn Backend> {
     if force_host {
         println!("backend: host memory (--host)");
-        return Arc::new(HostBackend::new(HostConfig::default()));
+        let config = HostConfig::from_env().unwrap_or_else(|e| {
+            println!("backend: {e}; using the default capacity");
+            HostConfig::default()
+        });
+        return Arc::new(HostBackend::new(config));
     }
     let (b, why) = backend::auto();
     match why {
@@ -140,7 +144,7 @@ fn info(b: &dyn Backend) -> Result<(), Error> {
     let m = b.mem_info().map_err(|e| Error::Backend {
         tag: "*".into(),
         op: "querying memory",
-        source: e,
+        error: e,
     })?;
     println!("device:       {}", i.name);
     println!("backend:      {}", i.kind);
@@ -198,6 +202,17 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), Error> {
     }
     let weights_bytes = (weights_gib * GIB as f64) as usize;
     let kv_bytes = (kv_gib * GIB as f64) as usize;
+    let capacity = backend.info().total_bytes;
+    if !on_gpu && weights_bytes.saturating_add(kv_bytes) > capacity {
+        return Err(bad(&format!(
+            "--weights-gib {weights_gib} plus --kv-gib {kv_gib} do not fit in the host backend, \
+             which holds {:.1} GiB (half of this machine's memory, at most 32 GiB: the weights' \
+             backup takes host memory too); pass smaller sizes (the defaults are 1 and 2 GiB), \
+             set {}=<bytes> to change the capacity, or run on a GPU",
+            gib(capacity),
+            gpu_pager::backend::host::CAPACITY_ENV
+        )));
+    }
     let pager = Arc::new(Pager::with_config(
         backend.clone(),
         PagerConfig {

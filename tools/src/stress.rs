@@ -618,7 +618,7 @@ fn free_bytes(backend: &dyn Backend) -> Result<usize> {
         .map_err(|e| Error::Backend {
             tag: "*".to_owned(),
             op: "querying device memory",
-            source: e,
+            error: e,
         })
 }
 

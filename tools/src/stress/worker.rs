@@ -49,7 +49,7 @@ pub(crate) fn injected(e: &Error) -> bool {
     matches!(
         e,
         Error::Backend {
-            source: BackendError::Injected { .. },
+            error: BackendError::Injected { .. },
             ..
         }
     )
@@ -572,7 +572,7 @@ impl<'a> Worker<'a> {
         unsafe { self.pager.backend().fill(addr, buf.len(), pattern) }.map_err(|e| Error::Backend {
             tag: buf.tag().to_owned(),
             op: "a raw fill",
-            source: e,
+            error: e,
         })
     }
 

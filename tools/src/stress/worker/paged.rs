@@ -79,12 +79,12 @@ impl Worker<'_> {
         let released_since = epoch.is_none_or(|e0| self.paged_epoch() != e0);
         match e {
             Error::Kv {
-                source: KvError::Stale { .. } | KvError::UnknownSeq { .. },
+                error: KvError::Stale { .. } | KvError::UnknownSeq { .. },
                 ..
             } if released_since => Verdict::Gone,
             Error::NotResident { .. } => Verdict::Gone,
             Error::Kv {
-                source: KvError::KvExhausted { .. },
+                error: KvError::KvExhausted { .. },
                 ..
             }
             | Error::OutOfMemory { .. }

@@ -1,0 +1,202 @@
+//! What a new user trips over: every mistake is a typed error whose message says what is
+//! wrong, with the numbers, and what to do.
+
+use std::error::Error as _;
+use std::sync::Arc;
+
+use gpu_pager::backend::host::{HostBackend, HostConfig};
+use gpu_pager::kv::{KvCache, KvCacheConfig, KvDtype, KvLayout, KvOrder};
+use gpu_pager::{Error, Pager, Policy, RegionOptions};
+
+const MIB: usize = 1 << 20;
+
+fn pager(capacity: usize) -> Pager {
+    Pager::new(Arc::new(HostBackend::new(HostConfig {
+        capacity,
+        granularity: 2 * MIB,
+    })))
+}
+
+#[test]
+fn an_unknown_tag_suggests_the_nearest_one() {
+    let p = pager(64 * MIB);
+    p.region("kv_cache", 4 * MIB, Policy::Discard).unwrap();
+    p.region("weights", 4 * MIB, Policy::Preserve).unwrap();
+    let e = p.resume(&["kvcache"]).unwrap_err();
+    assert!(
+        matches!(&e, Error::UnknownTag { tag, nearest: Some(n) } if tag == "kvcache" && n == "kv_cache"),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("did you mean `kv_cache`?"), "{e}");
+    let e = p.info("optimizer").unwrap_err();
+    assert!(
+        matches!(e, Error::UnknownTag { nearest: None, .. }),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn a_tag_conflict_names_what_differs() {
+    let p = pager(256 * MIB);
+    let elastic = RegionOptions {
+        elastic: true,
+        ..Default::default()
+    };
+    p.region_with("kv_cache", 64 * MIB, Policy::Discard, elastic)
+        .unwrap();
+    let e = p.region("kv_cache", 64 * MIB, Policy::Discard).unwrap_err();
+    match &e {
+        Error::TagConflict { differs, .. } => assert_eq!(differs, "elastic option"),
+        e => panic!("{e:?}"),
+    }
+    assert!(e.to_string().contains("elastic"), "{e}");
+    let e = p
+        .region("kv_cache", 32 * MIB, Policy::Preserve)
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::TagConflict { differs, .. } if differs == "policy and size and elastic option"),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn sizes_beyond_the_device_are_invalid_sizes_with_the_bound() {
+    let p = pager(64 * MIB);
+    for bytes in [1usize << 50, usize::MAX, 65 * MIB] {
+        let e = p.region("huge", bytes, Policy::Discard).unwrap_err();
+        assert!(matches!(e, Error::InvalidSize { .. }), "{bytes}: {e:?}");
+        let msg = e.to_string();
+        assert!(msg.contains(&(64 * MIB).to_string()), "{msg}");
+        assert!(!msg.contains("18446744073707454463"), "a real bound: {msg}");
+    }
+    // Elastic regions only reserve: up to four times the device.
+    let elastic = RegionOptions {
+        elastic: true,
+        ..Default::default()
+    };
+    p.region_with("kv", 256 * MIB, Policy::Discard, elastic)
+        .unwrap();
+    let e = p
+        .region_with("kv2", 257 * MIB, Policy::Discard, elastic)
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidSize { .. }), "{e:?}");
+    assert!(p.info("huge").is_err(), "nothing was created");
+}
+
+#[test]
+fn out_of_memory_at_creation_speaks_of_creation() {
+    let p = pager(64 * MIB);
+    p.region("a", 40 * MIB, Policy::Discard).unwrap();
+    let e = p.region("b", 40 * MIB, Policy::Discard).unwrap_err();
+    match &e {
+        Error::OutOfMemory {
+            during, requested, ..
+        } => {
+            assert_eq!(*during, "region creation");
+            assert_eq!(*requested, 40 * MIB);
+        }
+        e => panic!("{e:?}"),
+    }
+    let msg = e.to_string();
+    assert!(msg.contains("was not created"), "{msg}");
+    assert!(!msg.contains("resume"), "{msg}");
+    assert!(p.info("b").is_err());
+}
+
+#[test]
+fn prepin_is_only_for_preserve() {
+    let p = pager(64 * MIB);
+    let prepin = RegionOptions {
+        prepin: true,
+        ..Default::default()
+    };
+    for policy in [Policy::Discard, Policy::DiscardZeroed] {
+        let e = p.region_with("kv", 4 * MIB, policy, prepin).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+        assert!(e.to_string().contains("Preserve"), "{e}");
+    }
+    p.region_with("w", 4 * MIB, Policy::Preserve, prepin)
+        .unwrap();
+    assert_eq!(p.stats().backup_bytes(), 4 * MIB);
+}
+
+#[test]
+fn a_bad_hash_chunk_is_the_callers_mistake() {
+    let p = pager(64 * MIB);
+    p.region("w", 4 * MIB, Policy::Preserve).unwrap();
+    let b = p.alloc("w", 4096).unwrap();
+    for chunk in [0, 17, 24] {
+        let e = p.hash(&b, chunk).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{chunk}: {e:?}");
+    }
+    assert_eq!(p.hash(&b, 1024).unwrap().len(), 4);
+}
+
+#[test]
+fn a_kv_caches_region_cannot_be_removed_under_it() {
+    let p = Arc::new(pager(256 * MIB));
+    let layout = KvLayout::new(2, 4, 64, 16, KvDtype::Bf16, KvOrder::Nhd).unwrap();
+    let kv = KvCache::new(p.clone(), "kv_cache", layout, 256, KvCacheConfig::default()).unwrap();
+    let e = p.remove("kv_cache").unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+    assert!(e.to_string().contains("drop the KvCache"), "{e}");
+    assert!(kv.k_ptr(0).is_ok(), "the cache still works");
+    drop(kv);
+    assert!(
+        p.info("kv_cache").is_err(),
+        "dropping the cache removed its region"
+    );
+}
+
+#[test]
+fn kv_layout_errors_convert_with_question_mark() {
+    fn layout() -> Result<KvLayout, Error> {
+        Ok(KvLayout::new(0, 4, 64, 16, KvDtype::Bf16, KvOrder::Nhd)?)
+    }
+    let e = layout().unwrap_err();
+    assert!(
+        matches!(e, Error::Kv { ref tag, .. } if tag == "*"),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn messages_are_complete_and_chains_print_each_cause_once() {
+    let p = pager(64 * MIB);
+    p.region("w", 4 * MIB, Policy::Preserve).unwrap();
+    let b = p.alloc("w", 64).unwrap();
+    p.release(&["w"]).unwrap();
+    let e = p.read(&b, 0, &mut [0u8; 8]).unwrap_err();
+    assert!(e.source().is_none());
+    let layout_err = KvLayout::new(0, 4, 64, 16, KvDtype::Bf16, KvOrder::Nhd).unwrap_err();
+    let e = Error::from(layout_err.clone());
+    assert!(
+        e.source().is_none(),
+        "the KV error is in the message, not again as a source"
+    );
+    assert!(e.to_string().contains(&layout_err.to_string()));
+}
+
+#[test]
+fn stats_display_is_a_short_table() {
+    let p = pager(64 * MIB);
+    p.region("weights", 4 * MIB, Policy::Preserve).unwrap();
+    p.region("kv_cache", 8 * MIB, Policy::Discard).unwrap();
+    p.alloc("weights", 1000).unwrap();
+    p.release(&["kv_cache"]).unwrap();
+    let s = p.stats().to_string();
+    let lines: Vec<&str> = s.lines().collect();
+    assert_eq!(lines.len(), 3, "{s}");
+    assert!(
+        lines[0].starts_with("2 regions: 4.0 MiB resident, 8.0 MiB released"),
+        "{s}"
+    );
+    assert!(
+        lines[1].contains("kv_cache") && lines[1].contains("released"),
+        "{s}"
+    );
+    assert!(
+        lines[2].contains("weights") && lines[2].contains("1 buffers"),
+        "{s}"
+    );
+}

@@ -2,7 +2,6 @@
 //! in its message, what to do about it.
 
 use crate::backend::BackendError;
-use crate::region::Policy;
 
 /// Result type of the pager.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -358,10 +357,4 @@ impl Error {
             source,
         }
     }
-}
-
-/// Describes a policy for error messages.
-pub(crate) fn describe(policy: Policy, bytes: usize, elastic: bool) -> String {
-    let elastic = if elastic { "elastic " } else { "" };
-    format!("{elastic}{policy:?} with {bytes} bytes")
 }

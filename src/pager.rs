@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, BackendKind, Fence, RawStream};
 use crate::backup::Saved;
-use crate::error::{Error, Result, describe};
-use crate::region::{Policy, Region, RegionInfo, RegionOptions, RegionStats, remember};
+use crate::error::{Error, Result};
+use crate::region::{Policy, Region, RegionInfo, RegionOptions, RegionStats, describe, remember};
 use crate::report::{Move, Outcome, RegionReport, Report, Steps};
 use crate::suballoc::AllocError;
 

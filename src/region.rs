@@ -24,6 +24,12 @@ pub enum Policy {
     DiscardZeroed,
 }
 
+/// Describes a region's policy and size for error messages ([`Error::TagConflict`]).
+pub(crate) fn describe(policy: Policy, bytes: usize, elastic: bool) -> String {
+    let elastic = if elastic { "elastic " } else { "" };
+    format!("{elastic}{policy:?} with {bytes} bytes")
+}
+
 /// Whether a region's physical memory is mapped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum State {

@@ -186,7 +186,7 @@ pub enum Error {
         tag: String,
         /// What is wrong, and what to do.
         #[source]
-        source: crate::kv::KvError,
+        source: crate::kernels::kv::KvError,
     },
 
     /// The device or the operating system failed.

@@ -194,7 +194,7 @@ pub enum Error {
         /// The KV cache's region (`*` for a layout not yet tied to a region).
         tag: String,
         /// What is wrong, and what to do.
-        error: crate::kv::KvError,
+        error: crate::kernels::kv::KvError,
     },
 
     /// The device or the operating system failed.
@@ -211,8 +211,8 @@ pub enum Error {
 
 /// A KV error outside any cache (e.g. from [`crate::kv::KvLayout::new`]) as [`Error::Kv`]
 /// with tag `*`, so that `?` works in functions returning [`Result`].
-impl From<crate::kv::KvError> for Error {
-    fn from(error: crate::kv::KvError) -> Self {
+impl From<crate::kernels::kv::KvError> for Error {
+    fn from(error: crate::kernels::kv::KvError) -> Self {
         Error::Kv {
             tag: "*".to_owned(),
             error,

@@ -5,6 +5,7 @@
 //! of one call so that each call is all or nothing.
 
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, BackendError, Fence, Mapping, RawStream, Reservation};
@@ -110,10 +111,10 @@ pub(crate) struct Region {
     /// Owned by one owner ([`crate::Pager::region_exclusive`], a KV cache), which removes
     /// it; a plain [`crate::Pager::remove`] is refused.
     pub exclusive: bool,
-    // Field order is drop order: mappings are unmapped and released before the reservation
-    // frees the address range. Entry `i` is chunk `i` (see `chunk_range`), `None` unmapped.
+    /// Entry `i` is chunk `i` (see `chunk_range`), `None` unmapped. Each mapping holds the
+    /// reservation, so the range is freed only after the last one is unmapped.
     mappings: Vec<Option<Box<dyn Mapping>>>,
-    reservation: Box<dyn Reservation>,
+    reservation: Arc<dyn Reservation>,
     /// Pinned host copy; kept across cycles once allocated.
     backup: Backup,
     pub state: State,
@@ -348,10 +349,11 @@ impl Region {
         let runs = self.runs(chunks, false);
         for (k, run) in runs.iter().enumerate() {
             let sizes: Vec<usize> = run.clone().map(|i| self.chunk_range(i).len()).collect();
-            let at = self.base() + self.bytes_of(run).start as u64;
-            // SAFETY: the run's chunks lie inside this region's reservation and are unmapped
-            // (their entries are `None`, and every mapping in the region has an entry).
-            match unsafe { backend.map(at, &sizes) } {
+            let offset = self.bytes_of(run).start;
+            // SAFETY: the reservation is `backend`'s (the region's backend, which reserved
+            // it); the run's chunks are unmapped (their entries are `None`, and every mapping
+            // in the region has an entry).
+            match unsafe { backend.map(&self.reservation, offset, &sizes) } {
                 Ok(mapped) => {
                     for (slot, m) in self.mappings[run.clone()].iter_mut().zip(mapped) {
                         *slot = Some(m);
@@ -454,9 +456,9 @@ impl Region {
             let last = (first + group).min(sizes.len());
             let bytes: usize = sizes[first..last].iter().sum();
             let t = Instant::now();
-            // SAFETY: the span lies inside this region's reservation, past everything mapped
-            // so far, so it is unmapped.
-            let mapped = unsafe { backend.map(self.base() + offset as u64, &sizes[first..last]) };
+            // SAFETY: the reservation is `backend`'s; the span lies past everything mapped so
+            // far (the region was wholly unmapped), so it is unmapped.
+            let mapped = unsafe { backend.map(&self.reservation, offset, &sizes[first..last]) };
             map_time += t.elapsed();
             let mapped = mapped.map_err(|e| self.map_error(backend, e, "resume"))?;
             for (slot, m) in self.mappings[first..last].iter_mut().zip(mapped) {

@@ -13,6 +13,7 @@ use cudarc::driver::sys;
 use gpu_pager::backend::cuda::CudaBackend;
 use gpu_pager::backend::{Backend, BackendError, Mapping, Reservation};
 use gpu_pager::kernels::reference;
+use std::sync::Arc;
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -30,11 +31,11 @@ fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
 }
 
-/// Device memory for a test: a reservation and the chunks mapped into it. The mappings are
-/// declared first, so they drop (unmap, release) before the reservation is freed.
+/// Device memory for a test: a reservation and the chunks mapped into it (each of which
+/// holds the reservation, so the range is freed after the last is unmapped).
 struct DeviceBuf {
     _mappings: Vec<Box<dyn Mapping>>,
-    reservation: Box<dyn Reservation>,
+    reservation: Arc<dyn Reservation>,
 }
 
 impl DeviceBuf {
@@ -47,7 +48,7 @@ impl DeviceBuf {
         let reservation = b.reserve(total).expect("reserve");
         let sizes = split(total, chunk);
         // SAFETY: the range is the whole fresh reservation, mapped nowhere yet.
-        let mappings = unsafe { b.map(reservation.base(), &sizes) }.expect("map");
+        let mappings = unsafe { b.map(&reservation, 0, &sizes) }.expect("map");
         DeviceBuf {
             _mappings: mappings,
             reservation,
@@ -119,7 +120,7 @@ fn map_copy_round_trip_and_unmap_frees_memory() {
 
     let free_before = b.mem_info().expect("mem_info").free;
     // SAFETY: `at .. at + total` lies inside the fresh reservation.
-    let mappings = unsafe { b.map(at, &sizes) }.expect("map");
+    let mappings = unsafe { b.map(&reservation, g, &sizes) }.expect("map");
     let free_mapped = b.mem_info().expect("mem_info").free;
     eprintln!("free: {free_before} before, {free_mapped} mapped ({total} bytes)");
     assert!(
@@ -177,7 +178,8 @@ fn map_copy_round_trip_and_unmap_frees_memory() {
 
     // The addresses are reusable: map fresh memory at the same place.
     // SAFETY: the range was unmapped just above and lies in the reservation.
-    let again = unsafe { b.map(at, &[g, 2 * g]) }.expect("map again at the same address");
+    let again =
+        unsafe { b.map(&reservation, g, &[g, 2 * g]) }.expect("map again at the same address");
     let small = rng.bytes(3 * g);
     upload(&b, at, &small);
     assert_bytes_eq("remapped", &download(&b, at, 3 * g), &small);
@@ -201,22 +203,27 @@ fn invalid_arguments_are_errors() {
         Err(BackendError::Invalid { .. })
     ));
     let r = b.reserve(4 * g).expect("reserve");
-    // Each call below is rejected before touching the range (checked by the asserts).
-    for (at, sizes) in [
-        (r.base(), &[][..]),
-        (r.base(), &[0][..]),
-        (r.base(), &[g + 1][..]),
-        (r.base() + 1, &[g][..]),
+    // Each call below is rejected before touching the range (checked by the asserts): no
+    // sizes, a zero or unaligned size, an unaligned offset, spans past the reservation.
+    for (offset, sizes) in [
+        (0, &[][..]),
+        (0, &[0][..]),
+        (0, &[g + 1][..]),
+        (1, &[g][..]),
+        (4 * g, &[g][..]),
+        (0, &[5 * g][..]),
+        (3 * g, &[g, g][..]),
+        (0, &[usize::MAX - g + 1, g][..]),
     ] {
         // SAFETY: rejected before any access (asserted).
-        let got = unsafe { b.map(at, sizes) };
+        let got = unsafe { b.map(&r, offset, sizes) };
         assert!(
             matches!(got, Err(BackendError::Invalid { .. })),
-            "{at:#x} {sizes:?}"
+            "{offset} {sizes:?}"
         );
     }
     // SAFETY: fresh reserved memory.
-    let m = unsafe { b.map(r.base(), &[g]) }.expect("map");
+    let m = unsafe { b.map(&r, 0, &[g]) }.expect("map");
     // chunk_hash argument checks; the last asks for more chunks than one launch covers (the
     // host backend rejects the same).
     for (at, bytes, chunk) in [
@@ -250,7 +257,7 @@ fn map_beyond_free_memory_is_out_of_memory_and_leaks_nothing() {
         .reserve(request)
         .expect("reserve more than the free memory");
     // SAFETY: the range is the whole fresh reservation.
-    let result = unsafe { b.map(reservation.base(), &sizes) };
+    let result = unsafe { b.map(&reservation, 0, &sizes) };
     match result {
         Err(BackendError::OutOfMemory { requested }) => assert_eq!(requested, request),
         Err(e) => panic!("expected OutOfMemory, got {e}"),
@@ -268,7 +275,7 @@ fn map_beyond_free_memory_is_out_of_memory_and_leaks_nothing() {
     );
     // Everything was unmapped: the start of the range maps again.
     // SAFETY: the failed call left the reservation unmapped.
-    let m = unsafe { b.map(reservation.base(), &[g]) }.expect("map after the failure");
+    let m = unsafe { b.map(&reservation, 0, &[g]) }.expect("map after the failure");
     let data = vec![0x77u8; g];
     upload(&b, reservation.base(), &data);
     assert_bytes_eq("after OOM", &download(&b, reservation.base(), g), &data);
@@ -446,7 +453,7 @@ fn captured_graph_replays_across_remap() {
     let src_res = b.reserve(span).expect("reserve");
     let src = src_res.base();
     // SAFETY: the fresh reservation.
-    let mut src_map = unsafe { b.map(src, &split(span, g)) }.expect("map");
+    let mut src_map = unsafe { b.map(&src_res, 0, &split(span, g)) }.expect("map");
     let out = DeviceBuf::new(&b, g, g);
     let fill_at = out.ptr() + 4096 + 3;
     let fill_len = 1000;
@@ -508,7 +515,7 @@ fn captured_graph_replays_across_remap() {
     b.synchronize().expect("synchronize");
     src_map.clear();
     // SAFETY: unmapped just above; inside the reservation.
-    src_map = unsafe { b.map(src, &[span]) }.expect("remap as one chunk");
+    src_map = unsafe { b.map(&src_res, 0, &[span]) }.expect("remap as one chunk");
     let data3 = rng.bytes(bytes);
     upload(&b, src, &data3);
     check("replay after unmap and remap", &data3);

@@ -1,4 +1,4 @@
-//! The KV kernels through `Backend::kv` on the host backend (CI): the same matrix the GPU
+//! The KV kernels through `KvKernels::kv` on the host backend (CI): the same matrix the GPU
 //! test runs (tests/gpu_kv.rs), against the reference, plus the checks every launcher makes.
 
 mod common;
@@ -132,7 +132,7 @@ fn kv_calls_are_checked_first() {
     ];
     for (op, what) in bad {
         // SAFETY: every span is live memory; the calls are refused before they touch it.
-        let e = unsafe { pager.backend().kv(&op) }.unwrap_err();
+        let e = unsafe { pager.backend().kv_kernels().kv(&op) }.unwrap_err();
         assert!(matches!(e, BackendError::Invalid { .. }), "{op:?}: {e}");
         assert!(e.to_string().contains(what), "{op:?}: {e} lacks {what:?}");
     }

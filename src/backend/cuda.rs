@@ -23,8 +23,8 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKer
 #[cfg(feature = "testing")]
 use super::Held;
 use super::{
-    Backend, BackendError, BackendKind, BackendResult, DeviceInfo, Fence, HostBuffer, Mapping,
-    MemInfo, RawStream, Reservation,
+    Backend, BackendError, BackendKind, BackendResult, DeviceInfo, Fence, HostBuffer, KvKernels,
+    Mapping, MemInfo, RawStream, Reservation, check_map,
 };
 use crate::kernels::{self, KernelModule, abi};
 
@@ -139,7 +139,7 @@ struct ChunkHashKernels {
 }
 
 /// Device memory from `cuMemAlloc` for the per-chunk hashes of [`Backend::chunk_hash`] and
-/// the index lists of [`Backend::kv`].
+/// the index lists of [`KvKernels::kv`].
 struct DeviceScratch {
     ptr: sys::CUdeviceptr,
     bytes: usize,
@@ -174,9 +174,9 @@ pub struct CudaBackend {
     recommended_granularity: usize,
     fill_kernels: OnceLock<FillKernels>,
     chunk_hash_kernels: OnceLock<ChunkHashKernels>,
-    kv_kernels: OnceLock<kv::KvKernels>,
+    kv_functions: OnceLock<kv::KvFunctions>,
     hash_scratch: Mutex<Option<DeviceScratch>>,
-    /// Device copies of the index lists of [`Backend::kv`] calls.
+    /// Device copies of the index lists of [`KvKernels::kv`] calls.
     kv_scratch: Mutex<Option<DeviceScratch>>,
 }
 
@@ -276,7 +276,7 @@ impl CudaBackend {
             recommended_granularity,
             fill_kernels: OnceLock::new(),
             chunk_hash_kernels: OnceLock::new(),
-            kv_kernels: OnceLock::new(),
+            kv_functions: OnceLock::new(),
             hash_scratch: Mutex::new(None),
             kv_scratch: Mutex::new(None),
             ctx,
@@ -311,7 +311,7 @@ impl CudaBackend {
         bind(&self.ctx)?;
         self.fill_kernels()?;
         self.chunk_hash_kernels()?;
-        self.kv_kernels()?;
+        self.kv_functions()?;
         Ok(())
     }
 
@@ -503,7 +503,7 @@ impl Backend for CudaBackend {
         Ok(MemInfo { free, total })
     }
 
-    fn reserve(&self, bytes: usize) -> BackendResult<Box<dyn Reservation>> {
+    fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>> {
         let g = self.info.granularity;
         if bytes == 0 || bytes % g != 0 {
             return Err(BackendError::Invalid {
@@ -517,40 +517,25 @@ impl Backend for CudaBackend {
         // driver choose (aligned to the granularity).
         check(unsafe { sys::cuMemAddressReserve(&mut base, bytes, 0, 0, 0) })
             .map_err(|e| driver_err("cuMemAddressReserve", e))?;
-        Ok(Box::new(CudaReservation {
+        Ok(Arc::new(CudaReservation {
             base,
             len: bytes,
             ctx: self.ctx.clone(),
         }))
     }
 
-    unsafe fn map(&self, at: u64, chunk_sizes: &[usize]) -> BackendResult<Vec<Box<dyn Mapping>>> {
-        let g = self.info.granularity;
-        let invalid = |reason: String| BackendError::Invalid { op: "map", reason };
-        if chunk_sizes.is_empty() {
-            return Err(invalid("no chunk sizes given".to_owned()));
-        }
-        if at % g as u64 != 0 {
-            return Err(invalid(format!(
-                "address {at:#x} is not aligned to the granularity {g}"
-            )));
-        }
-        let mut total = 0usize;
-        for &size in chunk_sizes {
-            if size == 0 || size % g != 0 {
-                return Err(invalid(format!(
-                    "chunk size {size} is not a non-zero multiple of the granularity {g}"
-                )));
-            }
-            total = total
-                .checked_add(size)
-                .ok_or_else(|| invalid("chunk sizes overflow usize".to_owned()))?;
-        }
-        if at.checked_add(total as u64).is_none() {
-            return Err(invalid(format!(
-                "{total} bytes at {at:#x} overflow the address space"
-            )));
-        }
+    unsafe fn map(
+        &self,
+        reservation: &Arc<dyn Reservation>,
+        offset: usize,
+        chunk_sizes: &[usize],
+    ) -> BackendResult<Vec<Box<dyn Mapping>>> {
+        let (at, total) = check_map(
+            reservation.as_ref(),
+            offset,
+            chunk_sizes,
+            self.info.granularity,
+        )?;
         bind(&self.ctx)?;
         let oom_or = |op: &'static str, e: DriverError| match e.0 {
             sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
@@ -573,14 +558,16 @@ impl Backend for CudaBackend {
                 len: size,
                 ctx: self.ctx.clone(),
             };
-            // SAFETY: the caller guarantees `ptr .. ptr + size` lies in a live reservation
-            // and is unmapped; `size` is the whole chunk, so offset 0 is in range.
+            // SAFETY: `ptr .. ptr + size` lies inside `reservation` (checked), which is this
+            // backend's and unmapped there (the caller's contract); `size` is the whole chunk,
+            // so offset 0 is in range.
             check(unsafe { sys::cuMemMap(ptr, size, 0, chunk.handle, 0) })
                 .map_err(|e| oom_or("cuMemMap", e))?;
             mappings.push(CudaMapping {
                 ptr,
                 len: size,
                 chunk,
+                _reservation: reservation.clone(),
             });
             ptr += size as u64;
         }
@@ -780,19 +767,8 @@ impl Backend for CudaBackend {
         Ok(hashes)
     }
 
-    unsafe fn kv(&self, op: &crate::kv::KvOp<'_>) -> BackendResult<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.kv_sync(op) }
-    }
-
-    unsafe fn kv_on(
-        &self,
-        op: &crate::kv::KvOp<'_>,
-        stream: RawStream,
-        index: u64,
-    ) -> BackendResult<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.kv_enqueue(op, stream, index) }
+    fn kv_kernels(&self) -> &dyn KvKernels {
+        self
     }
 }
 
@@ -826,7 +802,8 @@ impl Drop for CudaReservation {
     fn drop(&mut self) {
         bind_in_drop(&self.ctx, "an address reservation");
         // SAFETY: the range came from cuMemAddressReserve with exactly this base and size and
-        // is freed once, here; the owner dropped every mapping inside it first.
+        // is freed once, here; every mapping inside it holds this reservation, so all of
+        // them have been unmapped.
         if let Err(e) = check(unsafe { sys::cuMemAddressFree(self.base, self.len) }) {
             eprintln!(
                 "gpu-pager: cuMemAddressFree of {} bytes at {:#x} failed: {}",
@@ -881,13 +858,15 @@ impl Drop for CudaChunk {
     }
 }
 
-/// A [`CudaChunk`] mapped at a fixed address. Dropping it unmaps the range, then releases
-/// the chunk.
+/// A [`CudaChunk`] mapped at a fixed address inside a reservation it holds. Dropping it
+/// unmaps the range, then releases the chunk and its hold on the reservation (the range is
+/// freed with the last hold).
 pub struct CudaMapping {
     ptr: sys::CUdeviceptr,
     len: usize,
-    // Dropped after `Drop::drop` has unmapped the range.
+    // Both dropped after `Drop::drop` has unmapped the range.
     chunk: CudaChunk,
+    _reservation: Arc<dyn Reservation>,
 }
 
 impl CudaMapping {

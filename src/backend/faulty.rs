@@ -20,8 +20,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::{
-    Backend, BackendError, BackendResult, DeviceInfo, Held, HostBuffer, Mapping, MemInfo,
-    RawStream, Reservation,
+    Backend, BackendError, BackendResult, DeviceInfo, Held, HostBuffer, KvKernels, Mapping,
+    MemInfo, RawStream, Reservation,
 };
 
 /// A call that can be made to fail.
@@ -254,16 +254,22 @@ impl Backend for FaultyBackend {
         self.inner.mem_info()
     }
 
-    fn reserve(&self, bytes: usize) -> BackendResult<Box<dyn Reservation>> {
+    fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>> {
         self.inner.reserve(bytes)
     }
 
     /// # Safety
     /// As [`Backend::map`]. An injected fault returns before anything is mapped.
-    unsafe fn map(&self, at: u64, chunk_sizes: &[usize]) -> BackendResult<Vec<Box<dyn Mapping>>> {
+    unsafe fn map(
+        &self,
+        reservation: &Arc<dyn Reservation>,
+        offset: usize,
+        chunk_sizes: &[usize],
+    ) -> BackendResult<Vec<Box<dyn Mapping>>> {
         self.check(FaultPoint::Map, "map")?;
-        // SAFETY: the caller upholds `map`'s contract, which is the wrapped backend's.
-        unsafe { self.inner.map(at, chunk_sizes) }
+        // SAFETY: the caller upholds `map`'s contract, which is the wrapped backend's (its
+        // reservations are the wrapped backend's).
+        unsafe { self.inner.map(reservation, offset, chunk_sizes) }
     }
 
     fn synchronize(&self) -> BackendResult<()> {
@@ -346,23 +352,9 @@ impl Backend for FaultyBackend {
         unsafe { self.inner.chunk_hash(src, bytes, chunk_bytes) }
     }
 
-    /// # Safety
-    /// As [`Backend::kv`].
-    unsafe fn kv(&self, op: &crate::kv::KvOp<'_>) -> BackendResult<()> {
-        // SAFETY: the caller upholds `kv`'s contract, the wrapped backend's.
-        unsafe { self.inner.kv(op) }
-    }
-
-    /// # Safety
-    /// As [`Backend::kv_on`].
-    unsafe fn kv_on(
-        &self,
-        op: &crate::kv::KvOp<'_>,
-        stream: RawStream,
-        index: u64,
-    ) -> BackendResult<()> {
-        // SAFETY: the caller upholds `kv_on`'s contract, the wrapped backend's.
-        unsafe { self.inner.kv_on(op, stream, index) }
+    /// The wrapped backend's: no fault is injected into the KV kernels.
+    fn kv_kernels(&self) -> &dyn KvKernels {
+        self.inner.kv_kernels()
     }
 }
 
@@ -454,14 +446,13 @@ mod tests {
         let r = faulty.reserve(2 * MIB).unwrap();
         faulty.fail_after(FaultPoint::Map, 1);
         // SAFETY: each span lies in the fresh reservation and is mapped at most once.
-        let first = unsafe { faulty.map(r.base(), &[MIB]) }.unwrap();
-        let second = r.base() + MIB as u64;
+        let first = unsafe { faulty.map(&r, 0, &[MIB]) }.unwrap();
         // SAFETY: as above.
-        let err = unsafe { faulty.map(second, &[MIB]) }.unwrap_err();
+        let err = unsafe { faulty.map(&r, MIB, &[MIB]) }.unwrap_err();
         assert!(matches!(err, BackendError::Injected { op: "map" }));
         assert_eq!(host.used_bytes(), MIB, "a failed map maps nothing");
         // SAFETY: as above; the failed call mapped nothing.
-        let again = unsafe { faulty.map(second, &[MIB]) }.unwrap();
+        let again = unsafe { faulty.map(&r, MIB, &[MIB]) }.unwrap();
         assert_eq!(host.used_bytes(), 2 * MIB);
         drop((first, again));
         assert_eq!(faulty.injected().map, 1);

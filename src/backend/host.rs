@@ -14,11 +14,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{
-    Backend, BackendError, BackendKind, BackendResult, DeviceInfo, HostBuffer, Mapping, MemInfo,
-    Reservation, kv_invalid,
+    Backend, BackendError, BackendKind, BackendResult, DeviceInfo, HostBuffer, KvKernels, Mapping,
+    MemInfo, Reservation, check_map, kv_invalid,
 };
+use crate::kernels::kv::{KvOp, reference as kv_reference};
 use crate::kernels::{self, reference};
-use crate::kv::{KvOp, reference as kv_reference};
 
 /// Settings of a [`HostBackend`].
 #[derive(Debug, Clone, Copy)]
@@ -224,7 +224,8 @@ impl Reservation for HostReservation {
 
 impl Drop for HostReservation {
     fn drop(&mut self) {
-        // SAFETY: the range was mapped by `reserve` and is owned by this reservation alone.
+        // SAFETY: the range was mapped by `reserve` and is owned by this reservation alone;
+        // every mapping inside it holds the reservation, so all of them are gone.
         if unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) } != 0 {
             eprintln!(
                 "gpu-pager: munmap of a reservation failed: {}",
@@ -234,12 +235,15 @@ impl Drop for HostReservation {
     }
 }
 
+/// A memfd mapped over part of a reservation it holds, so the placeholder it puts back on
+/// drop always lands inside the still-reserved range.
 #[derive(Debug)]
 struct HostMapping {
     ptr: u64,
     len: usize,
     _memfd: OwnedFd,
     used: Arc<AtomicUsize>,
+    _reservation: Arc<dyn Reservation>,
 }
 
 impl Mapping for HostMapping {
@@ -263,7 +267,16 @@ impl Drop for HostMapping {
 }
 
 impl HostBackend {
-    fn map_one(&self, at: u64, len: usize) -> BackendResult<HostMapping> {
+    /// Maps one memfd chunk of `len` bytes at `at`.
+    ///
+    /// # Safety
+    /// `at .. at + len` lies inside `reservation`, one of this backend's, and is unmapped.
+    unsafe fn map_one(
+        &self,
+        reservation: &Arc<dyn Reservation>,
+        at: u64,
+        len: usize,
+    ) -> BackendResult<HostMapping> {
         charge(&self.used, self.info.total_bytes, len)?;
         let uncharge = |e| {
             self.used.fetch_sub(len, Ordering::SeqCst);
@@ -286,7 +299,7 @@ impl HostBackend {
             return Err(uncharge(os_error("ftruncate")));
         }
         // SAFETY: `at..at+len` lies inside a reservation of this backend and is unmapped
-        // (the caller's contract), so MAP_FIXED replaces only our own placeholder.
+        // (`map_one`'s contract), so MAP_FIXED replaces only our own placeholder.
         let p = unsafe {
             libc::mmap(
                 at as *mut libc::c_void,
@@ -305,6 +318,7 @@ impl HostBackend {
             len,
             _memfd: memfd,
             used: self.used.clone(),
+            _reservation: reservation.clone(),
         })
     }
 }
@@ -344,7 +358,7 @@ impl Backend for HostBackend {
         })
     }
 
-    fn reserve(&self, bytes: usize) -> BackendResult<Box<dyn Reservation>> {
+    fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>> {
         if bytes == 0 || bytes % self.info.granularity != 0 {
             return Err(BackendError::Invalid {
                 op: "reserve",
@@ -368,22 +382,27 @@ impl Backend for HostBackend {
                 return Err(os_error("munmap"));
             }
         }
-        Ok(Box::new(HostReservation { base, len: bytes }))
+        Ok(Arc::new(HostReservation { base, len: bytes }))
     }
 
-    unsafe fn map(&self, at: u64, chunk_sizes: &[usize]) -> BackendResult<Vec<Box<dyn Mapping>>> {
-        let g = self.info.granularity as u64;
-        if at % g != 0 || chunk_sizes.iter().any(|&s| s == 0 || s as u64 % g != 0) {
-            return Err(BackendError::Invalid {
-                op: "map",
-                reason: format!("address and chunk sizes must be non-zero multiples of {g}"),
-            });
-        }
-        let total: usize = chunk_sizes.iter().sum();
+    unsafe fn map(
+        &self,
+        reservation: &Arc<dyn Reservation>,
+        offset: usize,
+        chunk_sizes: &[usize],
+    ) -> BackendResult<Vec<Box<dyn Mapping>>> {
+        let (at, total) = check_map(
+            reservation.as_ref(),
+            offset,
+            chunk_sizes,
+            self.info.granularity,
+        )?;
         let mut out: Vec<Box<dyn Mapping>> = Vec::with_capacity(chunk_sizes.len());
-        let mut offset = 0u64;
+        let mut next = at;
         for &len in chunk_sizes {
-            match self.map_one(at + offset, len) {
+            // SAFETY: the span lies inside `reservation` (checked), which is this backend's
+            // and unmapped there (the caller's contract).
+            match unsafe { self.map_one(reservation, next, len) } {
                 Ok(m) => out.push(Box::new(m)),
                 // Dropping `out` unmaps and releases what this call mapped.
                 Err(BackendError::OutOfMemory { .. }) => {
@@ -391,7 +410,7 @@ impl Backend for HostBackend {
                 }
                 Err(e) => return Err(e),
             }
-            offset += len as u64;
+            next += len as u64;
         }
         Ok(out)
     }
@@ -477,7 +496,13 @@ impl Backend for HostBackend {
         Ok(reference::chunk_hash(data, chunk_bytes))
     }
 
-    /// Runs the op synchronously from its host lists, as [`Backend::kv`] does.
+    fn kv_kernels(&self) -> &dyn KvKernels {
+        self
+    }
+}
+
+impl KvKernels for HostBackend {
+    /// Runs the op synchronously from its host lists, as [`KvKernels::kv`] does.
     unsafe fn kv_on(
         &self,
         op: &KvOp<'_>,
@@ -488,7 +513,7 @@ impl Backend for HostBackend {
         unsafe { self.kv(op) }
     }
 
-    /// Runs the Rust reference of the kernel ([`crate::kv::reference`]) on the memory itself.
+    /// Runs the Rust reference of the kernel ([`crate::kernels::kv::reference`]) on the memory itself.
     unsafe fn kv(&self, op: &KvOp<'_>) -> BackendResult<()> {
         op.check().map_err(|e| kv_invalid(op, e))?;
         let c = *op.cache();

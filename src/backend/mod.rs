@@ -7,9 +7,9 @@
 //! paths.
 //!
 //! The handles are RAII: a [`Mapping`] unmaps and then releases its physical memory when
-//! dropped; a [`Reservation`] frees its address range when dropped. Owners must drop every
-//! mapping inside a reservation before the reservation itself (the region declares its
-//! mappings before its reservation, so field drop order does this).
+//! dropped; a [`Reservation`] frees its address range when dropped. A mapping holds the
+//! reservation it lies in (an `Arc`), so the range is freed only after the last mapping
+//! inside it is unmapped, whatever order the owners drop them in.
 //!
 //! Device addresses are plain `u64` values. Functions that dereference them are `unsafe`:
 //! the caller promises the range lies inside mapped memory of this backend.
@@ -20,8 +20,9 @@ pub mod faulty;
 pub mod host;
 
 use std::fmt;
+use std::sync::Arc;
 
-use crate::kv::KvOp;
+use crate::kernels::kv::{KvError, KvOp};
 
 /// Which implementation a backend is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -115,8 +116,8 @@ pub enum BackendError {
 /// Result type of backend calls.
 pub type BackendResult<T> = Result<T, BackendError>;
 
-/// A reserved virtual address range. Dropping it frees the range; every mapping inside it
-/// must have been dropped first.
+/// A reserved virtual address range, shared (`Arc`) by its owner and by every [`Mapping`]
+/// inside it. Dropping the last reference frees the range, so no mapping outlives it.
 pub trait Reservation: Send + Sync + fmt::Debug {
     /// First address of the range.
     fn base(&self) -> u64;
@@ -199,17 +200,30 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Reserves `bytes` (a multiple of the granularity) of virtual address space, mapped to
     /// nothing. Accessing it faults until something is mapped.
-    fn reserve(&self, bytes: usize) -> BackendResult<Box<dyn Reservation>>;
+    fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>>;
 
     /// Creates one physical chunk per entry of `chunk_sizes` (each a multiple of the
-    /// granularity), maps them back to back starting at `at`, and enables read/write access
-    /// over the whole span. All or nothing: on failure everything created in this call is
-    /// unmapped and released before the error returns.
+    /// granularity), maps them back to back starting `offset` bytes into `reservation`, and
+    /// enables read/write access over the whole span. Each mapping holds `reservation`, so the
+    /// range stays reserved until the last of them is dropped. All or nothing: on failure
+    /// everything created in this call is unmapped and released before the error returns.
+    ///
+    /// Checked ([`BackendError::Invalid`], nothing mapped): `chunk_sizes` non-empty, every
+    /// size and `offset` a multiple of the granularity, and the span inside the reservation.
     ///
     /// # Safety
-    /// `at .. at + sum(chunk_sizes)` must lie inside a live [`Reservation`] of this backend
-    /// and must not be mapped already.
-    unsafe fn map(&self, at: u64, chunk_sizes: &[usize]) -> BackendResult<Vec<Box<dyn Mapping>>>;
+    /// What the backend cannot check stays the caller's: `reservation` must come from this
+    /// backend's [`Backend::reserve`] (a `dyn Reservation` does not say whose it is, and the
+    /// host backend maps with `MAP_FIXED`, which would replace whatever another owner has at
+    /// those addresses), and no part of the span may be mapped already (the backend does not
+    /// track which parts of a reservation are mapped; on the host a second mapping silently
+    /// replaces the first, whose drop would later unmap the second under its owner).
+    unsafe fn map(
+        &self,
+        reservation: &Arc<dyn Reservation>,
+        offset: usize,
+        chunk_sizes: &[usize],
+    ) -> BackendResult<Vec<Box<dyn Mapping>>>;
 
     /// Waits until every operation queued on the device (by anyone in this process) has
     /// finished. Release calls this before it unmaps anything.
@@ -289,6 +303,18 @@ pub trait Backend: Send + Sync + fmt::Debug {
         chunk_bytes: usize,
     ) -> BackendResult<Vec<u64>>;
 
+    /// The backend's paged-KV-cache kernels. A wrapper that leaves them alone returns the
+    /// wrapped backend's; one that changes them implements [`KvKernels`] and returns itself.
+    fn kv_kernels(&self) -> &dyn KvKernels;
+}
+
+/// The paged-KV-cache kernels of a backend, reached through [`Backend::kv_kernels`].
+///
+/// They are custom operations on top of the primitives of [`Backend`], kept out of it (as
+/// mistral.rs keeps paged attention a custom op outside candle's `BackendStorage`), so that
+/// a wrapper forwards only what it wraps: a fault-injecting wrapper of memory primitives
+/// forwards `kv_kernels` whole, and a wrapper of the KV kernels implements this trait alone.
+pub trait KvKernels: Send + Sync {
     /// Runs one paged-KV-cache kernel ([`KvOp`]) and waits for it. The call is checked first
     /// ([`KvOp::check`]: ids and slots in range, lengths consistent, no buffer overlapping the
     /// cache); a failed check is [`BackendError::Invalid`] and nothing runs.
@@ -301,21 +327,61 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Enqueues one paged-KV-cache kernel on the caller's `stream` and returns without
     /// waiting (no host synchronisation; nothing is allocated or copied). The op is checked
-    /// as by [`Backend::kv`], from its host index lists; the kernel reads the same lists
+    /// as by [`KvKernels::kv`], from its host index lists; the kernel reads the same lists
     /// from device memory at `index`, laid out as: a write's `tokens` int64 slots; a
     /// gather's `⌈tokens / block_size⌉` uint32 block ids; copy_blocks' uint32 sources then
     /// destinations; a swap's uint32 block ids. The host backend runs the op synchronously
     /// from the host lists and ignores `stream` and `index`.
     ///
     /// # Safety
-    /// As [`Backend::kv`], but until the kernel has run on `stream` (not until the call
+    /// As [`KvKernels::kv`], but until the kernel has run on `stream` (not until the call
     /// returns); `stream` is a live stream of this backend's context; `index` holds exactly
     /// the checked lists when the kernel runs.
     unsafe fn kv_on(&self, op: &KvOp<'_>, stream: RawStream, index: u64) -> BackendResult<()>;
 }
 
+/// Checks the arguments of [`Backend::map`] against granularity `g` and returns the span's
+/// first address and length.
+pub(crate) fn check_map(
+    reservation: &dyn Reservation,
+    offset: usize,
+    chunk_sizes: &[usize],
+    g: usize,
+) -> BackendResult<(u64, usize)> {
+    let invalid = |reason: String| BackendError::Invalid { op: "map", reason };
+    if chunk_sizes.is_empty() {
+        return Err(invalid("no chunk sizes given".to_owned()));
+    }
+    if offset % g != 0 {
+        return Err(invalid(format!(
+            "offset {offset} is not a multiple of the granularity {g}"
+        )));
+    }
+    let mut total = 0usize;
+    for &size in chunk_sizes {
+        if size == 0 || size % g != 0 {
+            return Err(invalid(format!(
+                "chunk size {size} is not a non-zero multiple of the granularity {g}"
+            )));
+        }
+        total = total
+            .checked_add(size)
+            .ok_or_else(|| invalid("chunk sizes overflow usize".to_owned()))?;
+    }
+    if offset
+        .checked_add(total)
+        .is_none_or(|end| end > reservation.len())
+    {
+        return Err(invalid(format!(
+            "{total} bytes at offset {offset} exceed the {}-byte reservation",
+            reservation.len()
+        )));
+    }
+    Ok((reservation.base() + offset as u64, total))
+}
+
 /// The backend's error for a KV call that fails its checks.
-pub(crate) fn kv_invalid(op: &KvOp<'_>, e: crate::kv::KvError) -> BackendError {
+pub(crate) fn kv_invalid(op: &KvOp<'_>, e: KvError) -> BackendError {
     BackendError::Invalid {
         op: op.name(),
         reason: e.to_string(),
@@ -325,18 +391,61 @@ pub(crate) fn kv_invalid(op: &KvOp<'_>, e: crate::kv::KvError) -> BackendError {
 /// Picks the CUDA backend when a driver and a GPU are present, else the host backend
 /// (capacity from [`host::CAPACITY_ENV`], else [`host::HostConfig::default`]: half the
 /// machine's memory, at most 32 GiB). Returns the backend and, when it fell back, why.
-pub fn auto() -> (std::sync::Arc<dyn Backend>, Option<String>) {
+pub fn auto() -> (Arc<dyn Backend>, Option<String>) {
     match cuda::CudaBackend::new(0) {
-        Ok(b) => (std::sync::Arc::new(b), None),
+        Ok(b) => (Arc::new(b), None),
         Err(e) => {
             let (config, note) = match host::HostConfig::from_env() {
                 Ok(c) => (c, String::new()),
                 Err(bad) => (host::HostConfig::default(), format!("; {bad}")),
             };
             (
-                std::sync::Arc::new(host::HostBackend::new(config)),
+                Arc::new(host::HostBackend::new(config)),
                 Some(format!("{e}{note}")),
             )
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host::{HostBackend, HostConfig};
+    use super::*;
+
+    #[test]
+    fn map_checks_the_span_against_the_reservation() {
+        let g = 64 << 10;
+        let b = HostBackend::new(HostConfig {
+            capacity: 16 * g,
+            granularity: g,
+        });
+        let r = b.reserve(4 * g).expect("reserve");
+        for (offset, sizes) in [
+            (0, &[][..]),
+            (0, &[0][..]),
+            (0, &[g + 1][..]),
+            (1, &[g][..]),
+            (4 * g, &[g][..]),
+            (0, &[5 * g][..]),
+            (3 * g, &[g, g][..]),
+            (0, &[usize::MAX - g + 1, g][..]),
+        ] {
+            // SAFETY: every call is rejected before anything is mapped (asserted).
+            let got = unsafe { b.map(&r, offset, sizes) };
+            assert!(
+                matches!(got, Err(BackendError::Invalid { op: "map", .. })),
+                "{offset} {sizes:?}"
+            );
+        }
+        assert_eq!(b.used_bytes(), 0);
+        // SAFETY: the last granule of the fresh reservation, mapped once.
+        let m = unsafe { b.map(&r, 3 * g, &[g]) }.expect("map the last granule");
+        assert_eq!(m[0].ptr(), r.base() + 3 * g as u64);
+        // The mapping holds the reservation: dropping the owner's handle first is fine.
+        drop(r);
+        // SAFETY: the mapping is live and writable.
+        unsafe { b.copy_to_device(m[0].ptr(), &[1, 2, 3]) }.expect("write");
+        drop(m);
+        assert_eq!(b.used_bytes(), 0);
     }
 }

@@ -1,36 +1,9 @@
 //! Block allocator of the paged KV cache: see [`BlockPool`].
 
 use std::collections::HashMap;
-use std::fmt;
 use std::ops::Range;
 
-use super::{KvError, KvLayout};
-
-/// A block handed out by a [`BlockPool`]: its index in the region and the generation it was
-/// allocated in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BlockId {
-    /// Block index: the block lives at `index × bytes_per_block` in the region.
-    pub index: u32,
-    /// Generation the id was handed out with.
-    pub generation: u32,
-}
-
-impl fmt::Display for BlockId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "#{}@gen{}", self.index, self.generation)
-    }
-}
-
-/// A sequence (one request's KV history) in a [`BlockPool`]. Ids are never reused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SeqId(pub u64);
-
-impl fmt::Display for SeqId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "seq{}", self.0)
-    }
-}
+use super::{BlockId, KvError, KvLayout, SeqId};
 
 /// Where a token of a sequence is to be written, from [`BlockPool::write_slot`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

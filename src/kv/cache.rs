@@ -517,9 +517,9 @@ impl KvCache {
         let backend = self.pager.backend();
         let r = match on {
             // SAFETY: as just said.
-            None => unsafe { backend.kv(&op) },
+            None => unsafe { backend.kv_kernels().kv(&op) },
             // SAFETY: as just said.
-            Some((stream, index)) => unsafe { backend.kv_on(&op, stream, index) },
+            Some((stream, index)) => unsafe { backend.kv_kernels().kv_on(&op, stream, index) },
         };
         r.map_err(|e| Error::backend(&self.tag, "a KV kernel", e))
     }
@@ -696,7 +696,7 @@ impl KvCache {
         // every cache block the op touches was checked live after the lease was taken, and
         // live blocks are always backed; `check` rejected buffers overlapping the cache; a
         // swap's host memory is a `SwapSpace` pinned by this pager's backend.
-        unsafe { self.pager.backend().kv(op) }
+        unsafe { self.pager.backend().kv_kernels().kv(op) }
             .map_err(|e| Error::backend(&self.tag, "a KV kernel", e))
     }
 }

@@ -2,9 +2,10 @@
 
 use gpu_pager::backend::host::HostBackend;
 use gpu_pager::backend::{
-    Backend, BackendResult, DeviceInfo, Fence, Held, HostBuffer, Mapping, MemInfo, RawStream,
-    Reservation,
+    Backend, BackendResult, DeviceInfo, Fence, Held, HostBuffer, KvKernels, Mapping, MemInfo,
+    RawStream, Reservation,
 };
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,17 +52,22 @@ impl Backend for Broken {
     fn mem_info(&self) -> BackendResult<MemInfo> {
         self.inner.mem_info()
     }
-    fn reserve(&self, bytes: usize) -> BackendResult<Box<dyn Reservation>> {
+    fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>> {
         self.inner.reserve(bytes)
     }
-    unsafe fn map(&self, at: u64, sizes: &[usize]) -> BackendResult<Vec<Box<dyn Mapping>>> {
+    unsafe fn map(
+        &self,
+        reservation: &Arc<dyn Reservation>,
+        offset: usize,
+        sizes: &[usize],
+    ) -> BackendResult<Vec<Box<dyn Mapping>>> {
         if self.has(Flaw::LeakOnMap) && self.maps.fetch_add(1, Ordering::SeqCst) % 5 == 4 {
             if let Ok(h) = self.inner.hog(self.inner.info().granularity) {
                 Box::leak(h);
             }
         }
         // SAFETY: forwarded from the caller.
-        unsafe { self.inner.map(at, sizes) }
+        unsafe { self.inner.map(reservation, offset, sizes) }
     }
     fn synchronize(&self) -> BackendResult<()> {
         self.inner.synchronize()
@@ -116,6 +122,13 @@ impl Backend for Broken {
         // SAFETY: forwarded from the caller.
         unsafe { self.inner.chunk_hash(src, bytes, chunk) }
     }
+    fn kv_kernels(&self) -> &dyn KvKernels {
+        self
+    }
+}
+
+/// The KV kernels are the host backend's, with [`Flaw::FlipKvWrites`] applied after them.
+impl KvKernels for Broken {
     unsafe fn kv_on(
         &self,
         op: &gpu_pager::kv::KvOp<'_>,
@@ -127,7 +140,7 @@ impl Backend for Broken {
     }
     unsafe fn kv(&self, op: &gpu_pager::kv::KvOp<'_>) -> BackendResult<()> {
         // SAFETY: forwarded from the caller.
-        unsafe { self.inner.kv(op) }?;
+        unsafe { self.inner.kv_kernels().kv(op) }?;
         if let gpu_pager::kv::KvOp::Write {
             cache,
             layer,

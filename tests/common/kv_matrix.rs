@@ -1,5 +1,5 @@
 //! The KV kernel matrix, shared by the host test (CI) and the GPU test: every kernel
-//! through `Backend::kv` against `kv::reference` on fresh random data, outputs poisoned
+//! through `KvKernels::kv` against `kv::reference` on fresh random data, outputs poisoned
 //! first, whole buffers compared byte for byte.
 
 use std::sync::Arc;
@@ -101,7 +101,7 @@ impl Run<'_> {
     fn run(&self, op: &KvOp<'_>) {
         // SAFETY: every span of the ops built here lies in a live buffer of a resident
         // region (or a pinned buffer), and the calls are synchronous.
-        unsafe { self.backend.kv(op) }.unwrap_or_else(|e| panic!("{op:?}: {e}"));
+        unsafe { self.backend.kv_kernels().kv(op) }.unwrap_or_else(|e| panic!("{op:?}: {e}"));
     }
 
     /// Distinct random values below `n`, `k` of them.
@@ -312,7 +312,7 @@ pub fn check_many_blocks(pager: &Pager, cache_tag: &str, mut rng: Rng) {
         },
     };
     // SAFETY: the cache buffer and the pinned buffer are live for the synchronous call.
-    unsafe { pager.backend().kv(&op) }.unwrap();
+    unsafe { pager.backend().kv_kernels().kv(&op) }.unwrap();
     let mut want = vec![0u8; mirror.len()];
     reference::swap_out(&mirror, &layout, &list, &mut want).unwrap();
     assert_bytes_eq("swap_out of 70,000 blocks", host.as_slice(), &want);

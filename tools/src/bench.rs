@@ -300,7 +300,7 @@ pub fn measure_link(pager: &Pager, bytes: usize) -> Result<Link> {
 /// The bare VMM loop on its own reservation.
 struct Bare {
     mapped: Vec<Box<dyn Mapping>>,
-    range: Box<dyn Reservation>,
+    range: Arc<dyn Reservation>,
 }
 
 impl Bare {
@@ -317,8 +317,9 @@ impl Bare {
     fn cycle(&mut self, b: &dyn Backend, chunk: usize) -> Result<(Duration, Duration)> {
         let sizes = chunk_sizes(self.range.len(), chunk);
         let t = Instant::now();
-        // SAFETY: the range is this reservation, unmapped (mapped is empty between cycles).
-        self.mapped = unsafe { b.map(self.range.base(), &sizes) }
+        // SAFETY: the range is this backend's reservation, unmapped (mapped is empty between
+        // cycles).
+        self.mapped = unsafe { b.map(&self.range, 0, &sizes) }
             .map_err(backend_err("bench_bare", "mapping"))?;
         let map = t.elapsed();
         let t = Instant::now();

@@ -3,7 +3,7 @@
 //!
 //! [`CudaBackend::kv_rows_on`] and [`CudaBackend::kv_move_on`] enqueue one launch from
 //! ready parameter structs (index lists already in device memory), for CUDA graphs and
-//! benchmarks. [`Backend::kv`](super::Backend::kv) is the checked, synchronous path: it
+//! benchmarks. [`KvKernels::kv`] is the checked, synchronous path: it
 //! validates the [`KvOp`], copies its index lists into device scratch memory on the kernel
 //! stream, launches and waits.
 
@@ -12,13 +12,13 @@ use std::borrow::Cow;
 use cudarc::driver::{CudaFunction, CudaStream, sys};
 
 use super::{CudaBackend, bind, check, driver_err};
-use crate::backend::{BackendError, BackendResult, RawStream, kv_invalid};
+use crate::backend::{BackendError, BackendResult, KvKernels, RawStream, kv_invalid};
+use crate::kernels::kv::{Kv, KvOp};
 use crate::kernels::{KernelModule, abi, kv as geometry};
-use crate::kv::{Kv, KvOp};
 
 /// The kernels of [`KernelModule::Kv`].
 #[derive(Debug)]
-pub(super) struct KvKernels {
+pub(super) struct KvFunctions {
     write: CudaFunction,
     gather: CudaFunction,
     move_blocks: CudaFunction,
@@ -51,8 +51,8 @@ fn check_vec_bytes(vec_bytes: u32) -> BackendResult<()> {
 
 impl CudaBackend {
     /// The KV kernels, loading their module on first use.
-    pub(super) fn kv_kernels(&self) -> BackendResult<&KvKernels> {
-        if let Some(k) = self.kv_kernels.get() {
+    pub(super) fn kv_functions(&self) -> BackendResult<&KvFunctions> {
+        if let Some(k) = self.kv_functions.get() {
             return Ok(k);
         }
         let module = self.load_module(KernelModule::Kv)?;
@@ -61,12 +61,12 @@ impl CudaBackend {
                 .load_function(name)
                 .map_err(|e| driver_err("cuModuleGetFunction", e))
         };
-        let kernels = KvKernels {
+        let kernels = KvFunctions {
             write: function(crate::kernels::kv::WRITE)?,
             gather: function(crate::kernels::kv::GATHER)?,
             move_blocks: function(crate::kernels::kv::MOVE_BLOCKS)?,
         };
-        Ok(self.kv_kernels.get_or_init(|| kernels))
+        Ok(self.kv_functions.get_or_init(|| kernels))
     }
 
     /// Enqueues `gp_kv_write` or `gp_kv_gather` with `params` on `stream` without waiting.
@@ -146,7 +146,7 @@ impl CudaBackend {
             return Ok(());
         }
         bind(&self.ctx)?;
-        let k = self.kv_kernels()?;
+        let k = self.kv_functions()?;
         let vecs_per_token =
             u64::from(params.kv_heads) * u64::from(params.row_bytes) / u64::from(params.vec_bytes);
         let geometry = geometry::rows_geometry(u64::from(params.tokens), vecs_per_token);
@@ -186,7 +186,7 @@ impl CudaBackend {
             return Ok(());
         }
         bind(&self.ctx)?;
-        let k = self.kv_kernels()?;
+        let k = self.kv_functions()?;
         let geometry = geometry::move_geometry(
             u64::from(params.count),
             params.block_bytes,
@@ -201,7 +201,7 @@ impl CudaBackend {
     ///
     /// # Safety
     /// `index` holds the op's index list (as [`plan`] laid it out) when the kernel runs;
-    /// the rest as [`Backend::kv`](super::Backend::kv); `stream` is a live stream of this
+    /// the rest as [`KvKernels::kv`]; `stream` is a live stream of this
     /// context.
     unsafe fn enqueue(
         &self,
@@ -231,13 +231,15 @@ impl CudaBackend {
             }
         }
     }
+}
 
-    /// [`Backend::kv`](super::Backend::kv): check, upload the index lists, launch on the
+impl KvKernels for CudaBackend {
+    /// [`KvKernels::kv`]: check, upload the index lists, launch on the
     /// kernel stream, wait.
     ///
     /// # Safety
-    /// As [`Backend::kv`](super::Backend::kv).
-    pub(super) unsafe fn kv_sync(&self, op: &KvOp<'_>) -> BackendResult<()> {
+    /// As [`KvKernels::kv`].
+    unsafe fn kv(&self, op: &KvOp<'_>) -> BackendResult<()> {
         let (launch, index) = plan(op)?;
         if index.is_empty() {
             return Ok(()); // no tokens, no blocks: nothing to do
@@ -269,17 +271,12 @@ impl CudaBackend {
         launched.and(synced)
     }
 
-    /// [`Backend::kv_on`](super::Backend::kv_on): check, launch on the caller's stream
+    /// [`KvKernels::kv_on`]: check, launch on the caller's stream
     /// with the index list already in device memory, return.
     ///
     /// # Safety
-    /// As [`Backend::kv_on`](super::Backend::kv_on).
-    pub(super) unsafe fn kv_enqueue(
-        &self,
-        op: &KvOp<'_>,
-        stream: RawStream,
-        index: u64,
-    ) -> BackendResult<()> {
+    /// As [`KvKernels::kv_on`].
+    unsafe fn kv_on(&self, op: &KvOp<'_>, stream: RawStream, index: u64) -> BackendResult<()> {
         let (launch, list) = plan(op)?;
         if list.is_empty() {
             return Ok(());

@@ -465,7 +465,7 @@ pub fn check_swap_in(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::{KvDtype, KvOrder};
+    use crate::kernels::kv::{KvDtype, KvOrder};
 
     /// 1 layer, 2 heads, head_dim 1, 2 tokens per block, bf16: a row is 2 bytes, a page
     /// 8 bytes, a block 16 bytes ([K page][V page]).

@@ -1,5 +1,5 @@
 //! One KV kernel call described on device addresses: what a backend launches
-//! ([`crate::backend::Backend::kv`]). [`crate::kv::KvCache`] builds these after checking
+//! ([`crate::backend::KvKernels::kv`]). [`crate::kv::KvCache`] builds these after checking
 //! block ids against its pool; they can also be built by hand for engine-owned tensors.
 
 use super::reference::{self, invalid};
@@ -299,7 +299,7 @@ impl KvOp<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::{KvDtype, KvOrder};
+    use crate::kernels::kv::{KvDtype, KvOrder};
 
     fn view() -> CacheView {
         CacheView {

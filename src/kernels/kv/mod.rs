@@ -1,15 +1,37 @@
-//! Launch parameters and geometry of the paged KV cache kernels (`kernels/kv.cu`).
+//! The paged KV cache below the backends: its pure descriptions and its kernels' launch
+//! parameters.
+//!
+//! - [`KvLayout`] (and [`Kv`], [`KvDtype`], [`KvOrder`], [`KvStrides`]): the byte layout of
+//!   the cache region;
+//! - [`KvOp`] on a [`CacheView`] and [`DeviceSpan`]s: one checked kernel call, what a
+//!   backend's [`KvKernels`](crate::backend::KvKernels) launch;
+//! - [`reference`]: the plain-Rust reference of each kernel (the host backend runs them);
+//! - [`KvError`] and the ids it names ([`BlockId`], [`SeqId`]);
+//! - launch parameters and geometry of `kernels/kv.cu` (below).
+//!
+//! Users reach the descriptions through [`crate::kv`], which re-exports them next to the
+//! cache ([`crate::kv::KvCache`]) and the block allocator ([`crate::kv::BlockPool`]).
+//!
+//! # Launch parameters and geometry
 //!
 //! Everything here is pure host code: it turns a [`KvLayout`] and device addresses into the
 //! parameter structs of [`super::abi`] and picks grids. The launchers validate the calls
-//! first ([`crate::kv::KvOp::check`]); these builders are also public for enqueue-only
+//! first ([`KvOp::check`]); these builders are also public for enqueue-only
 //! launches (`CudaBackend::kv_rows_on` / `kv_move_on`), so they refuse what the kernels
 //! cannot do on their own (no access width dividing every address and stride, counts over
 //! 32 bits, a token over 2^31 bytes), whoever calls them.
 
+mod error;
+mod layout;
+mod op;
+pub mod reference;
+
+pub use error::{BlockId, KvError, SeqId};
+pub use layout::{Kv, KvDtype, KvLayout, KvOrder, KvStrides};
+pub use op::{CacheView, DeviceSpan, KvOp};
+
 use super::abi::{GpKvMoveParams, GpKvRowsParams};
 use super::{BLOCK_THREADS, LaunchGeometry};
-use crate::kv::{Kv, KvLayout};
 
 /// Entry point of the write kernel (module [`super::KernelModule::Kv`]).
 pub const WRITE: &str = "gp_kv_write";
@@ -203,7 +225,6 @@ pub fn move_params(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::{KvDtype, KvOrder};
 
     #[test]
     fn widest_dividing_vector() {

@@ -65,15 +65,6 @@ impl Backup {
         Ok(t.elapsed())
     }
 
-    /// Frees the pinned memory (and the hashes, which describe it). Returns the bytes freed.
-    pub fn free(&mut self) -> usize {
-        let n = self.bytes();
-        self.buf = None;
-        self.held = 0;
-        self.hashes = None;
-        n
-    }
-
     /// The hash-chunk size for `len` bytes: `chunk`, or larger when `len` would need more
     /// hashes than one kernel launch computes.
     pub fn hash_chunk(len: usize, chunk: usize) -> usize {

@@ -40,6 +40,7 @@ mod backup;
 mod error;
 pub mod kernels;
 pub mod kv;
+mod mapped;
 mod pager;
 mod region;
 pub mod report;

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::backend::{Backend, BackendKind, Fence, RawStream};
 use crate::backup::Saved;
 use crate::error::{Error, Result, nearest_tag};
-use crate::region::{Policy, Region, RegionInfo, RegionOptions, RegionStats, remember};
+use crate::region::{Policy, Region, RegionInfo, RegionOptions, RegionStats, Shape, remember};
 use crate::report::{Move, Outcome, RegionReport, Report, Steps};
 use crate::suballoc::AllocError;
 
@@ -194,7 +194,10 @@ fn lock(slot: &Slot) -> MutexGuard<'_, Region> {
 pub(crate) const MAX_RESERVE_FACTOR: usize = 4;
 
 /// Describes a region's kind for error messages.
-fn describe(policy: Policy, bytes: usize, elastic: bool) -> String {
+fn describe(policy: Policy, bytes: usize, elastic: bool, growing: bool) -> String {
+    if growing {
+        return format!("a growing {policy:?} region (reserving {bytes} bytes)");
+    }
     let elastic = if elastic { "elastic " } else { "" };
     format!("an {elastic}{policy:?} region of {bytes} bytes")
 }
@@ -275,6 +278,15 @@ impl Pager {
     /// Creates a region of `bytes` (rounded up to the granularity), resident, at a device
     /// address that stays the same until the pager is dropped or the region removed. Asking
     /// again for an existing tag with the same size and policy returns the existing region.
+    ///
+    /// `bytes == 0` creates a **growing** region, for engines that do not know their sizes
+    /// before loading (allocations through PyTorch): it reserves four times the device's
+    /// memory of address space and maps physical memory only under live buffers. Each
+    /// [`Pager::alloc`] maps its buffer (rounded up to the granularity, in pieces of at most
+    /// the chunk size; all or nothing, `OutOfMemory` maps nothing), each [`Pager::free`]
+    /// unmaps it after waiting for the device, a release backs up (`Preserve`) and unmaps
+    /// exactly the buffers, and a resume maps and restores exactly them at the same
+    /// addresses. Any policy may grow; the backup grows with the buffers.
     pub fn region(&self, tag: &str, bytes: usize, policy: Policy) -> Result<RegionInfo> {
         self.region_with(tag, bytes, policy, RegionOptions::default())
     }
@@ -321,9 +333,17 @@ impl Pager {
         }
         let info = self.backend.info();
         let g = info.granularity;
+        let growing = bytes == 0;
+        // A growing region reserves a multiple of the device's memory (address space is
+        // cheap) and maps only under its buffers.
+        let bytes = if growing {
+            info.total_bytes.saturating_mul(MAX_RESERVE_FACTOR) / g * g
+        } else {
+            bytes
+        };
         // A region that maps all of its memory while resident must fit in the device; an
         // elastic one only reserves addresses, of which there are plenty.
-        let (limit, why) = if options.elastic {
+        let (limit, why) = if options.elastic || growing {
             (
                 info.total_bytes.saturating_mul(MAX_RESERVE_FACTOR),
                 "an elastic region reserves at most 4 times",
@@ -340,8 +360,9 @@ impl Pager {
             .ok_or_else(|| Error::InvalidSize {
                 tag: tag.to_owned(),
                 reason: format!(
-                    "{bytes} bytes: a region needs at least one byte and at most {limit} bytes \
-                     ({why} the device's {} bytes, {}); ask for fewer bytes{}",
+                    "{bytes} bytes: a region needs at most {limit} bytes ({why} the device's {} \
+                     bytes, {}); ask for fewer bytes (or 0 for a region that grows with its \
+                     buffers){}",
                     info.total_bytes,
                     info.name,
                     if options.elastic {
@@ -371,21 +392,30 @@ impl Pager {
                         .to_owned(),
                 });
             }
-            if r.policy == policy && r.size() == size && r.elastic == options.elastic {
+            let elastic = options.elastic || growing;
+            if r.policy == policy
+                && r.growing == growing
+                && (growing || r.size() == size)
+                && r.elastic == elastic
+            {
                 return Ok(r.info());
             }
             let differs: Vec<&str> = [
                 (r.policy != policy, "policy"),
-                (r.size() != size, "size"),
-                (r.elastic != options.elastic, "elastic option"),
+                (r.growing != growing, "growing (0 bytes) or fixed size"),
+                (!growing && !r.growing && r.size() != size, "size"),
+                (
+                    r.elastic != elastic && r.growing == growing,
+                    "elastic option",
+                ),
             ]
             .into_iter()
             .filter_map(|(d, what)| d.then_some(what))
             .collect();
             return Err(Error::TagConflict {
                 tag: tag.to_owned(),
-                existing: describe(r.policy, r.size(), r.elastic),
-                requested: describe(policy, size, options.elastic),
+                existing: describe(r.policy, r.size(), r.elastic, r.growing),
+                requested: describe(policy, size, elastic, growing),
                 differs: differs.join(" and "),
             });
         }
@@ -394,8 +424,12 @@ impl Pager {
             .map_or(self.config.chunk_bytes, |c| round_chunk(c, g.max(1)))
             .min(size);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let mut region =
-            Region::create(self.backend.as_ref(), id, tag, size, chunk, policy, options)?;
+        let shape = Shape {
+            size,
+            chunk_bytes: chunk,
+            growing,
+        };
+        let mut region = Region::create(self.backend.as_ref(), id, tag, shape, policy, options)?;
         region.exclusive = exclusive;
         let info = region.info();
         map.insert(tag.to_owned(), Arc::new(Mutex::new(region)));
@@ -468,13 +502,34 @@ impl Pager {
         let slot = self.slot(tag)?;
         let mut r = lock(&slot);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        match r.alloc.alloc(bytes, align, id) {
-            Ok(a) => Ok(Buffer {
-                tag: Arc::from(tag),
-                id,
-                offset: a.offset,
-                len: a.len,
-            }),
+        // A growing region maps each buffer by itself, so buffers own whole granules.
+        let g = self.backend.info().granularity;
+        let (want, align) = if r.growing && bytes > 0 {
+            let Some(rounded) = bytes.checked_next_multiple_of(g) else {
+                return Err(Error::InvalidSize {
+                    tag: tag.to_owned(),
+                    reason: format!("{bytes} bytes cannot be rounded to the {g}-byte granularity"),
+                });
+            };
+            (rounded, align.max(g))
+        } else {
+            (bytes, align)
+        };
+        match r.alloc.alloc(want, align, id) {
+            Ok(a) => {
+                if r.growing {
+                    if let Err(e) = r.map_buffer(self.backend.as_ref(), a.offset, a.len) {
+                        let _ = r.alloc.free(a.offset, id);
+                        return Err(e);
+                    }
+                }
+                Ok(Buffer {
+                    tag: Arc::from(tag),
+                    id,
+                    offset: a.offset,
+                    len: bytes,
+                })
+            }
             Err(AllocError::Invalid(reason)) => Err(if bytes == 0 {
                 Error::InvalidSize {
                     tag: tag.to_owned(),
@@ -500,9 +555,20 @@ impl Pager {
     }
 
     /// Frees a buffer. A second free of the same buffer returns `StaleBuffer`.
+    ///
+    /// In a growing region the free gives the buffer's memory back to the device at once:
+    /// it waits for all outstanding device work (as a release does), then unmaps the buffer.
     pub fn free(&self, buf: &Buffer) -> Result<()> {
         let slot = self.slot(&buf.tag)?;
         let mut r = lock(&slot);
+        if !r.alloc.is_live(buf.offset, buf.id) {
+            return Err(stale(buf));
+        }
+        if r.growing {
+            r.settle()?;
+            let len = r.alloc.get(buf.offset).map_or(0, |a| a.len);
+            r.unmap_buffer(self.backend.as_ref(), buf.offset, len)?;
+        }
         r.alloc
             .free(buf.offset, buf.id)
             .map(|_| ())
@@ -737,7 +803,7 @@ impl Pager {
             // Regions without contents first: cheap, and an out-of-memory shows up before
             // any copy starts.
             for (i, r) in regions.iter_mut().enumerate() {
-                if todo[i] && !preserve(r) && !r.elastic {
+                if todo[i] && !preserve(r) {
                     steps[i].map = r.map_all(backend, "resume")?;
                 }
             }

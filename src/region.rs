@@ -1,5 +1,14 @@
-//! One tagged region: a virtual address range reserved once, the physical chunks mapped into
+//! One tagged region: a virtual address range reserved once, the physical memory mapped into
 //! it while resident, its sub-allocator, and its pinned host backup.
+//!
+//! Three kinds share one mechanism, a table of mappings by offset ([`Mapped`]):
+//! - a **fixed** region maps its whole range, in chunks, while resident;
+//! - an **elastic** region maps chunks only where asked ([`crate::Pager::back`], a paged KV
+//!   cache) and maps nothing on resume;
+//! - a **growing** region (created with 0 bytes) reserves a large range and maps exactly the
+//!   memory under its live buffers: an allocation maps its buffer (one piece per chunk size),
+//!   a free unmaps it, a release backs up and unmaps what is mapped, and a resume maps and
+//!   restores exactly that again, at the same addresses.
 //!
 //! The region performs the steps of a move; [`crate::Pager`] orders them across the regions
 //! of one call so that each call is all or nothing.
@@ -8,9 +17,12 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BackendError, Fence, Mapping, RawStream, Reservation};
+use std::collections::BTreeMap;
+
+use crate::backend::{Backend, BackendError, Fence, RawStream, Reservation};
 use crate::backup::{Backup, Saved};
 use crate::error::{Error, Result};
+use crate::mapped::{Mapped, pieces};
 use crate::report::{RegionReport, Report};
 use crate::suballoc::SubAllocator;
 
@@ -38,12 +50,14 @@ pub enum State {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RegionOptions {
     /// Allocate the pinned host backup now (Preserve only), so the first release pays no
-    /// pinning on its critical path.
+    /// pinning on its critical path. In a growing region each buffer's backup is pinned
+    /// when the buffer is allocated.
     pub prepin: bool,
     /// Map physical chunks only where asked ([`crate::Pager::back`]) and give them back
     /// with [`crate::Pager::trim`], instead of mapping the whole region while resident (a
     /// paged KV cache). The region is created, and resumed, with nothing mapped. Only for
-    /// [`Policy::Discard`] and [`Policy::DiscardZeroed`].
+    /// [`Policy::Discard`] and [`Policy::DiscardZeroed`]. (A growing region, created with
+    /// 0 bytes, is elastic by nature and may be of any policy.)
     pub elastic: bool,
     /// Physical chunk size for this region instead of [`crate::PagerConfig::chunk_bytes`],
     /// rounded the same way (up to the granularity and to a power of two). Elastic regions
@@ -58,16 +72,22 @@ pub struct RegionInfo {
     pub tag: String,
     /// First device address; never changes while the region exists.
     pub base: u64,
-    /// Reserved bytes (the requested size rounded up to the granularity).
+    /// Reserved bytes (the requested size rounded up to the granularity; for a growing
+    /// region, the whole reservation).
     pub size: usize,
-    /// Physical chunk size (the last chunk may be smaller).
+    /// Physical chunk size (the last chunk may be smaller); in a growing region, the
+    /// largest piece one buffer is mapped in.
     pub chunk_bytes: usize,
     /// Contents policy.
     pub policy: Policy,
     /// Current state.
     pub state: State,
-    /// Whether chunks are mapped only where backed ([`RegionOptions::elastic`]).
+    /// Whether memory is mapped only where backed ([`RegionOptions::elastic`], and every
+    /// growing region).
     pub elastic: bool,
+    /// Whether the region grows with its buffers (created with 0 bytes): memory is mapped
+    /// exactly under live buffers.
+    pub growing: bool,
     /// Identity of the region: unique among the regions a pager ever created, so a region
     /// removed and created again under the same tag has a new id.
     pub id: u64,
@@ -82,7 +102,9 @@ pub struct RegionStats {
     pub info: RegionInfo,
     /// Physical bytes mapped now (for an elastic region: its backed chunks).
     pub resident_bytes: usize,
-    /// Reserved bytes with nothing mapped (the whole region while released).
+    /// Bytes a resume would map (or an elastic region could back) that are not mapped now:
+    /// the whole region while a fixed one is released; the buffers' bytes while a growing
+    /// one is.
     pub released_bytes: usize,
     /// Bytes in live buffers.
     pub allocated_bytes: usize,
@@ -104,19 +126,24 @@ pub(crate) struct Region {
     pub tag: String,
     pub policy: Policy,
     pub chunk_bytes: usize,
-    /// Chunks are mapped on demand (`back`/`trim`), not all at once.
+    /// Memory is mapped on demand, not all at once (elastic and growing regions).
     pub elastic: bool,
+    /// Memory is mapped exactly under live buffers (created with 0 bytes).
+    pub growing: bool,
+    /// Pin each buffer's backup when it is allocated (growing `Preserve` with `prepin`).
+    prepin: bool,
     /// Releases that changed this region (a KV cache invalidates its block ids on a change).
     pub releases: u64,
     /// Owned by one owner ([`crate::Pager::region_exclusive`], a KV cache), which removes
     /// it; a plain [`crate::Pager::remove`] is refused.
     pub exclusive: bool,
-    /// Entry `i` is chunk `i` (see `chunk_range`), `None` unmapped. Each mapping holds the
-    /// reservation, so the range is freed only after the last one is unmapped.
-    mappings: Vec<Option<Box<dyn Mapping>>>,
+    /// What is mapped. Each mapping holds the reservation, so the range is freed only after
+    /// the last one is unmapped.
+    mapped: Mapped,
     reservation: Arc<dyn Reservation>,
-    /// Pinned host copy; kept across cycles once allocated.
-    backup: Backup,
+    /// Pinned host copies by region offset, kept across cycles once allocated: one at 0
+    /// for a fixed region, one per buffer for a growing one.
+    backups: BTreeMap<usize, Backup>,
     pub state: State,
     /// After `resume_on`: the restore copies still in flight on the caller's stream.
     pending: Option<std::sync::Arc<dyn Fence>>,
@@ -134,13 +161,14 @@ impl std::fmt::Debug for Region {
             .field("state", &self.state)
             .field("base", &format_args!("{:#x}", self.base()))
             .field("size", &self.size())
+            .field("growing", &self.growing)
             .finish_non_exhaustive()
     }
 }
 
 impl Drop for Region {
     /// A restore enqueued by `resume_on` may still be copying from the backup into the
-    /// mappings: wait for it before the fields (mappings, then the backup) are freed.
+    /// mappings: wait for it before the fields (mappings, then the backups) are freed.
     fn drop(&mut self) {
         if let Err(e) = self.settle() {
             eprintln!("gpu-pager: dropping `{}`: {e}", self.tag);
@@ -158,44 +186,56 @@ pub fn chunk_sizes(size: usize, chunk: usize) -> Vec<usize> {
     out
 }
 
+/// How a region is created.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Shape {
+    /// Reserved bytes (a multiple of the granularity).
+    pub size: usize,
+    /// Chunk size (fixed, elastic) or largest piece (growing).
+    pub chunk_bytes: usize,
+    /// Grows with its buffers.
+    pub growing: bool,
+}
+
 impl Region {
-    /// Reserves the range and maps it, or, elastic, maps nothing (the region starts
-    /// resident either way).
+    /// Reserves the range and maps it, or, elastic or growing, maps nothing (the region
+    /// starts resident either way).
     pub fn create(
         backend: &dyn Backend,
         id: u64,
         tag: &str,
-        size: usize,
-        chunk_bytes: usize,
+        shape: Shape,
         policy: Policy,
         options: RegionOptions,
     ) -> Result<Region> {
-        if options.elastic && policy == Policy::Preserve {
+        if options.elastic && !shape.growing && policy == Policy::Preserve {
             return Err(Error::InvalidArgument {
                 tag: tag.to_owned(),
-                reason: "a Preserve region cannot be elastic (its backup covers the whole \
-                         region); use Policy::Discard or Policy::DiscardZeroed, or elastic: false"
+                reason: "a Preserve region cannot be elastic (resuming an elastic region maps \
+                         nothing, so there is nowhere to restore to); use Policy::Discard or \
+                         Policy::DiscardZeroed, elastic: false, or a growing region (0 bytes)"
                     .to_owned(),
             });
         }
         let reservation = backend
-            .reserve(size)
+            .reserve(shape.size)
             .map_err(|e| Error::backend(tag, "reserving the address range", e))?;
-        let chunks = size.div_ceil(chunk_bytes);
         let mut region = Region {
             id,
             tag: tag.to_owned(),
             policy,
-            chunk_bytes,
-            elastic: options.elastic,
+            chunk_bytes: shape.chunk_bytes,
+            elastic: options.elastic || shape.growing,
+            growing: shape.growing,
+            prepin: options.prepin && shape.growing && policy == Policy::Preserve,
             releases: 0,
             exclusive: false,
-            mappings: std::iter::repeat_with(|| None).take(chunks).collect(),
+            mapped: Mapped::default(),
             reservation,
-            backup: Backup::default(),
+            backups: BTreeMap::new(),
             state: State::Released,
             pending: None,
-            alloc: SubAllocator::new(size),
+            alloc: SubAllocator::new(shape.size),
             leases: 0,
             last_release: None,
             last_resume: None,
@@ -207,7 +247,7 @@ impl Region {
             }
         }
         region.state = State::Resident;
-        if options.prepin && policy == Policy::Preserve {
+        if options.prepin && policy == Policy::Preserve && !shape.growing {
             region.ensure_backup(backend)?;
         }
         Ok(region)
@@ -230,6 +270,7 @@ impl Region {
             policy: self.policy,
             state: self.state,
             elastic: self.elastic,
+            growing: self.growing,
             id: self.id,
             releases: self.releases,
         }
@@ -237,13 +278,18 @@ impl Region {
 
     pub fn stats(&self) -> RegionStats {
         let resident = self.mapped_bytes();
+        let wanted = if self.growing {
+            self.extents().iter().map(|e| e.len()).sum()
+        } else {
+            self.size()
+        };
         RegionStats {
             info: self.info(),
             resident_bytes: resident,
-            released_bytes: self.size() - resident,
+            released_bytes: wanted - resident.min(wanted),
             allocated_bytes: self.alloc.allocated_bytes(),
             buffers: self.alloc.count(),
-            backup_bytes: self.backup.bytes(),
+            backup_bytes: self.backup_bytes(),
             leases: self.leases,
             last_release: self.last_release.clone(),
             last_resume: self.last_resume.clone(),
@@ -281,20 +327,16 @@ impl Region {
 
     /// Bytes mapped now.
     pub fn mapped_bytes(&self) -> usize {
-        self.mappings.iter().flatten().map(|m| m.len()).sum()
+        self.mapped.bytes()
     }
 
-    /// The byte range chunk `i` covers.
-    fn chunk_range(&self, i: usize) -> Range<usize> {
-        i * self.chunk_bytes..((i + 1) * self.chunk_bytes).min(self.size())
-    }
-
-    /// The chunks that share a byte with `range` (which lies inside the region).
-    fn chunks_touching(&self, range: &Range<usize>) -> Range<usize> {
+    /// The bytes the chunks sharing a byte with `range` cover (`range` inside the region).
+    fn chunk_span(&self, range: &Range<usize>) -> Range<usize> {
         if range.is_empty() {
-            return 0..0;
+            return range.start..range.start;
         }
-        range.start / self.chunk_bytes..range.end.div_ceil(self.chunk_bytes)
+        let c = self.chunk_bytes;
+        range.start / c * c..range.end.div_ceil(c).saturating_mul(c).min(self.size())
     }
 
     /// Errors with `OutOfRange` unless `range` lies inside the region (`start <= end`).
@@ -311,120 +353,131 @@ impl Region {
         Ok(())
     }
 
-    /// Whether every chunk sharing a byte with `range` (inside the region) is mapped.
+    /// Whether every byte of `range` (inside the region) is mapped.
     pub fn is_backed(&self, range: &Range<usize>) -> bool {
-        self.mappings[self.chunks_touching(range)]
-            .iter()
-            .all(Option::is_some)
+        self.mapped.covers(range)
     }
 
-    /// Maps every unmapped chunk (all of them while released). See `map_chunks`.
+    /// The byte range a growing region maps for a live allocation: the allocation itself
+    /// (its offset and length are multiples of the granularity).
+    fn extent(offset: usize, len: usize) -> Range<usize> {
+        offset..offset + len
+    }
+
+    /// A growing region's live allocations, as the ranges mapped under them.
+    fn extents(&self) -> Vec<Range<usize>> {
+        self.alloc
+            .live()
+            .map(|a| Self::extent(a.offset, a.len))
+            .collect()
+    }
+
+    /// What a resident region has mapped, at most: the whole range (fixed), the buffers'
+    /// extents (growing), or nothing it maps by itself (elastic: `back` decides).
+    fn wanted(&self) -> Vec<Range<usize>> {
+        if self.growing {
+            self.extents()
+        } else if self.elastic {
+            Vec::new()
+        } else {
+            Vec::from([0..self.size()])
+        }
+    }
+
+    /// Maps what the region wants and lacks (all of it while released; see `wanted`).
     pub fn map_all(&mut self, backend: &dyn Backend, during: &'static str) -> Result<Duration> {
         let t = Instant::now();
-        self.map_chunks(backend, 0..self.mappings.len(), during)?;
+        let wanted = self.wanted();
+        self.map_ranges(backend, &wanted, during)?;
         Ok(t.elapsed())
     }
 
-    /// The contiguous runs of chunks among `chunks` that are mapped (`mapped`) or not.
-    fn runs(&self, chunks: Range<usize>, mapped: bool) -> Vec<Range<usize>> {
-        crate::runs::runs(chunks.filter(|&i| self.mappings[i].is_some() == mapped))
-    }
-
-    /// The byte range a non-empty run of chunks covers.
-    fn bytes_of(&self, run: &Range<usize>) -> Range<usize> {
-        self.chunk_range(run.start).start..self.chunk_range(run.end - 1).end
-    }
-
-    /// Maps the unmapped chunks among `chunks`, one backend call per contiguous run (a whole
-    /// released region is one run: one access change over the whole range, the cheapest
-    /// pattern). All or nothing: on failure what this call mapped is unmapped again.
-    /// Returns the runs of chunks newly mapped. `during` names the step for an
+    /// Maps the unmapped parts of `ranges`, in pieces cut at the chunk size, one backend
+    /// call per gap (a whole released region is one gap: one access change over the whole
+    /// range, the cheapest pattern). All or nothing: on failure what this call mapped is
+    /// unmapped again. Returns the gaps newly mapped. `during` names the step for an
     /// out-of-memory error.
-    pub fn map_chunks(
+    fn map_ranges(
         &mut self,
         backend: &dyn Backend,
-        chunks: Range<usize>,
+        ranges: &[Range<usize>],
         during: &'static str,
     ) -> Result<Vec<Range<usize>>> {
-        let runs = self.runs(chunks, false);
-        for (k, run) in runs.iter().enumerate() {
-            let sizes: Vec<usize> = run.clone().map(|i| self.chunk_range(i).len()).collect();
-            let offset = self.bytes_of(run).start;
-            // SAFETY: the reservation is `backend`'s (the region's backend, which reserved
-            // it); the run's chunks are unmapped (their entries are `None`, and every mapping
-            // in the region has an entry).
-            match unsafe { backend.map(&self.reservation, offset, &sizes) } {
-                Ok(mapped) => {
-                    for (slot, m) in self.mappings[run.clone()].iter_mut().zip(mapped) {
-                        *slot = Some(m);
-                    }
-                }
+        let gaps: Vec<Range<usize>> = ranges.iter().flat_map(|r| self.mapped.gaps(r)).collect();
+        for (k, gap) in gaps.iter().enumerate() {
+            let sizes = pieces(gap, self.chunk_bytes);
+            // SAFETY: the gap lies inside this region's reservation (from `wanted`, `back`
+            // or an allocation, all inside it) and is unmapped (a gap of `mapped`, which
+            // records every mapping of the region).
+            match unsafe { backend.map(&self.reservation, gap.start, &sizes) } {
+                Ok(maps) => self.mapped.insert(gap.start, maps),
                 Err(e) => {
-                    // Undo the runs mapped before this one, then report (free memory is
+                    // Undo the gaps mapped before this one, then report (free memory is
                     // measured after the undo).
-                    for done in &runs[..k] {
-                        self.unmap_chunks(done.clone());
+                    for done in &gaps[..k] {
+                        self.mapped.remove_within(done);
                     }
                     return Err(self.map_error(backend, e, during));
                 }
             }
         }
-        Ok(runs)
+        Ok(gaps)
     }
 
     /// Maps the unmapped chunks sharing a byte with `range` (inside the region) and, for
     /// `DiscardZeroed`, zero-fills them. All or nothing. Returns the bytes newly mapped.
     pub fn back(&mut self, backend: &dyn Backend, range: &Range<usize>) -> Result<usize> {
-        let runs = self.map_chunks(backend, self.chunks_touching(range), "back")?;
-        if self.policy == Policy::DiscardZeroed {
-            let zeroed = runs
-                .iter()
-                .try_for_each(|run| self.zero_range(backend, self.bytes_of(run)));
-            if let Err(e) = zeroed {
-                // A fill may still be queued on the device: wait before unmapping.
-                if let Err(sync) = backend.synchronize() {
-                    eprintln!(
-                        "gpu-pager: synchronize after a failed back of `{}`: {sync}",
-                        self.tag
-                    );
-                }
-                for run in &runs {
-                    self.unmap_chunks(run.clone());
-                }
-                return Err(e);
-            }
+        if self.growing {
+            return Err(Error::InvalidArgument {
+                tag: self.tag.clone(),
+                reason: "a growing region maps memory under its buffers by itself; allocate \
+                         buffers instead of backing ranges"
+                    .to_owned(),
+            });
         }
-        Ok(runs.iter().map(|run| self.bytes_of(run).len()).sum())
+        let span = self.chunk_span(range);
+        let gaps = self.map_ranges(backend, &[span], "back")?;
+        self.zero_new(backend, &gaps)?;
+        Ok(gaps.iter().map(Range::len).sum())
     }
 
-    /// Unmaps the chunks `chunks` (those mapped). Returns the bytes given back. The caller
-    /// has synchronized the device or knows nothing uses them.
-    pub fn unmap_chunks(&mut self, chunks: Range<usize>) -> usize {
-        self.mappings[chunks]
-            .iter_mut()
-            .filter_map(Option::take)
-            .map(|m| m.len())
-            .sum()
+    /// Zero-fills newly mapped `gaps` of a `DiscardZeroed` region; on failure unmaps them
+    /// again (after waiting for the device).
+    fn zero_new(&mut self, backend: &dyn Backend, gaps: &[Range<usize>]) -> Result<()> {
+        if self.policy != Policy::DiscardZeroed {
+            return Ok(());
+        }
+        let zeroed = gaps
+            .iter()
+            .try_for_each(|gap| self.zero_range(backend, gap.clone()));
+        if let Err(e) = zeroed {
+            // A fill may still be queued on the device: wait before unmapping.
+            if let Err(sync) = backend.synchronize() {
+                eprintln!(
+                    "gpu-pager: synchronize after a failed zero-fill of `{}`: {sync}",
+                    self.tag
+                );
+            }
+            for gap in gaps {
+                self.mapped.remove_within(gap);
+            }
+            return Err(e);
+        }
+        Ok(())
     }
 
-    /// Unmaps every mapped chunk that shares no byte with any of `keep`. Returns the bytes
-    /// given back. The caller has synchronized the device.
+    /// Unmaps every mapping that shares no byte with any of `keep`. Returns the bytes given
+    /// back. The caller has synchronized the device. A growing region keeps exactly its
+    /// buffers mapped, so there is nothing to trim (0).
     pub fn trim(&mut self, keep: &[Range<usize>]) -> usize {
-        // One pass over the keep ranges and one over the chunks: O(ranges + chunks).
-        let mut kept = vec![false; self.mappings.len()];
-        for k in keep {
-            let k = k.start.min(self.size())..k.end.min(self.size());
-            for i in self.chunks_touching(&k) {
-                kept[i] = true;
-            }
+        if self.growing {
+            return 0;
         }
-        let mut bytes = 0;
-        for (i, kept) in kept.into_iter().enumerate() {
-            if !kept {
-                bytes += self.unmap_chunks(i..i + 1);
-            }
-        }
-        bytes
+        self.mapped.remove_where(|m| {
+            !keep
+                .iter()
+                .any(|k| k.start < m.end && m.start < k.end && k.start < k.end)
+        })
     }
 
     /// Zero-fills `range` (mapped, inside the region).
@@ -434,129 +487,254 @@ impl Region {
             .map_err(|e| Error::backend(&self.tag, "zero-filling", e))
     }
 
-    /// Maps the region and enqueues the restore of its backup, overlapping the two: chunks
-    /// are mapped in groups of doubling size (1, 2, 4, … chunks, one backend call each), and
-    /// each group's copy is enqueued before the next group is mapped. Without `overlap`, one
-    /// group: map everything, then copy. Copies go on `stream`
-    /// or the backend's own copy stream; the caller waits for them. On failure the caller
-    /// must synchronize before unmapping (copies may be in flight). Returns (time spent
-    /// mapping, bytes enqueued).
+    /// A growing region's new buffer `offset .. offset + len` (granularity-aligned): maps it
+    /// while resident (zero-filled for `DiscardZeroed`) and pins its backup with `prepin`.
+    /// All or nothing: on failure nothing stays mapped or pinned for it, and the caller
+    /// frees the allocation.
+    pub fn map_buffer(&mut self, backend: &dyn Backend, offset: usize, len: usize) -> Result<()> {
+        let extent = Self::extent(offset, len);
+        if !self.is_resident() {
+            return Ok(());
+        }
+        let gaps = self.map_ranges(backend, std::slice::from_ref(&extent), "alloc")?;
+        self.zero_new(backend, &gaps)?;
+        if self.prepin {
+            let pinned = self
+                .backups
+                .entry(offset)
+                .or_default()
+                .ensure(backend, len)
+                .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e));
+            if let Err(e) = pinned {
+                self.backups.remove(&offset);
+                self.mapped.remove_within(&extent);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// A growing region's buffer `offset .. offset + len` was freed: unmaps it and drops
+    /// its backup. Waits for the device first, so that no queued work still uses it.
+    pub fn unmap_buffer(&mut self, backend: &dyn Backend, offset: usize, len: usize) -> Result<()> {
+        let extent = Self::extent(offset, len);
+        if self.mapped.any_within(&extent) {
+            backend
+                .synchronize()
+                .map_err(|e| Error::backend(&self.tag, "waiting for device work", e))?;
+            self.mapped.remove_within(&extent);
+        }
+        self.backups.remove(&offset);
+        Ok(())
+    }
+
+    /// The backup holding region byte `at`, and its offset.
+    fn backup_at(&self, at: usize) -> Option<(usize, &Backup)> {
+        self.backups
+            .range(..=at)
+            .next_back()
+            .map(|(&start, b)| (start, b))
+    }
+
+    /// Enqueues the restore of region bytes `range` from the backup that holds them (bytes
+    /// it does not hold are left as they are). Returns the bytes enqueued.
+    ///
+    /// # Safety
+    /// `range` is mapped until the copies finish (the caller waits, or synchronizes before
+    /// unmapping on failure), and the backup is not saved into or freed before then.
+    unsafe fn restore_range(
+        &self,
+        backend: &dyn Backend,
+        range: Range<usize>,
+        stream: Option<RawStream>,
+    ) -> Result<usize> {
+        let Some((start, backup)) = self.backup_at(range.start) else {
+            return Ok(0);
+        };
+        let base = self.base() + start as u64;
+        let local = range.start - start..range.end - start;
+        // SAFETY: as this function's contract.
+        unsafe { backup.restore_async(backend, base, local, stream) }
+            .map_err(|e| Error::backend(&self.tag, "restoring contents from the backup", e))
+    }
+
+    /// Maps the region and enqueues the restore of its backups, overlapping the two: each
+    /// range to map (the whole region, or each buffer of a growing one) is mapped in groups
+    /// of doubling size (1, 2, 4, … pieces, one backend call each), and each group's copy is
+    /// enqueued before the next group is mapped. Without `overlap`, one group per range:
+    /// map it, then copy. Copies go on `stream` or the backend's own copy stream; the
+    /// caller waits for them. On failure the caller must synchronize before unmapping
+    /// (copies may be in flight). Returns (time spent mapping, bytes enqueued).
     pub fn map_and_restore(
         &mut self,
         backend: &dyn Backend,
         stream: Option<RawStream>,
         overlap: bool,
     ) -> Result<(Duration, usize)> {
-        debug_assert!(self.mappings.iter().all(Option::is_none));
-        let sizes = chunk_sizes(self.size(), self.chunk_bytes);
-        let first_group = if overlap { 1 } else { sizes.len() };
-        let (mut first, mut group, mut offset) = (0, first_group, 0usize);
+        debug_assert_eq!(self.mapped.bytes(), 0);
         let (mut map_time, mut copied) = (Duration::ZERO, 0);
-        while first < sizes.len() {
-            let last = (first + group).min(sizes.len());
-            let bytes: usize = sizes[first..last].iter().sum();
-            let t = Instant::now();
-            // SAFETY: the reservation is `backend`'s; the span lies past everything mapped so
-            // far (the region was wholly unmapped), so it is unmapped.
-            let mapped = unsafe { backend.map(&self.reservation, offset, &sizes[first..last]) };
-            map_time += t.elapsed();
-            let mapped = mapped.map_err(|e| self.map_error(backend, e, "resume"))?;
-            for (slot, m) in self.mappings[first..last].iter_mut().zip(mapped) {
-                *slot = Some(m);
+        for range in self.wanted() {
+            let sizes = pieces(&range, self.chunk_bytes);
+            let first_group = if overlap { 1 } else { sizes.len() };
+            let (mut first, mut group, mut offset) = (0, first_group, range.start);
+            while first < sizes.len() {
+                let last = (first + group).min(sizes.len());
+                let bytes: usize = sizes[first..last].iter().sum();
+                let t = Instant::now();
+                // SAFETY: the span lies inside this region's reservation, past everything
+                // this call mapped so far and inside a range that was wholly unmapped.
+                let maps = unsafe { backend.map(&self.reservation, offset, &sizes[first..last]) };
+                map_time += t.elapsed();
+                let maps = maps.map_err(|e| self.map_error(backend, e, "resume"))?;
+                self.mapped.insert(offset, maps);
+                // SAFETY: the span was just mapped and stays mapped until the copies finish
+                // (the caller waits, or synchronizes before unmapping on failure); release
+                // synchronizes before it writes the backup again.
+                copied += unsafe { self.restore_range(backend, offset..offset + bytes, stream) }?;
+                offset += bytes;
+                first = last;
+                group *= 2;
             }
-            // SAFETY: the span was just mapped and stays mapped until the copies finish (the
-            // caller waits, or synchronizes before unmapping on failure); release
-            // synchronizes before it writes the backup again.
-            copied += unsafe {
-                self.backup
-                    .restore_async(backend, self.base(), offset..offset + bytes, stream)
-            }
-            .map_err(|e| Error::backend(&self.tag, "restoring contents from the backup", e))?;
-            offset += bytes;
-            first = last;
-            group *= 2;
         }
         Ok((map_time, copied))
     }
 
-    /// Checks the restored contents against the backup's hashes (`verify_restore`).
+    /// Checks the restored contents against the backups' hashes (`verify_restore`).
     pub fn verify(&self, backend: &dyn Backend, hash_chunk: usize) -> Result<()> {
-        // SAFETY: called after the restore finished, with the region mapped.
-        let bad = unsafe { self.backup.verify(backend, self.base(), hash_chunk) }
-            .map_err(|e| Error::backend(&self.tag, "verifying restored contents", e))?;
-        match bad {
-            None => Ok(()),
-            Some(chunk) => Err(Error::Corrupted {
-                tag: self.tag.clone(),
-                offset: chunk * Backup::hash_chunk(self.backup.held(), hash_chunk),
-            }),
+        for (&start, backup) in &self.backups {
+            // SAFETY: called after the restore finished, with the region mapped; a backup's
+            // held bytes lie inside the mapping they were saved from.
+            let bad = unsafe { backup.verify(backend, self.base() + start as u64, hash_chunk) }
+                .map_err(|e| Error::backend(&self.tag, "verifying restored contents", e))?;
+            if let Some(chunk) = bad {
+                return Err(Error::Corrupted {
+                    tag: self.tag.clone(),
+                    offset: start + chunk * Backup::hash_chunk(backup.held(), hash_chunk),
+                });
+            }
         }
+        Ok(())
     }
 
-    /// Unmaps and releases every mapped chunk. Returns (bytes, time). The caller has
+    /// Unmaps and releases everything mapped. Returns (bytes, time). The caller has
     /// synchronized the device, so a pending restore is over.
     pub fn unmap_all(&mut self) -> (usize, Duration) {
         self.pending = None;
         let t = Instant::now();
-        let bytes = self.unmap_chunks(0..self.mappings.len());
+        let bytes = self.mapped.clear();
         (bytes, t.elapsed())
     }
 
-    /// Zero-fills every mapped chunk (the whole region right after `map_all`), one fill per
+    /// Zero-fills everything mapped (the whole region right after `map_all`), one fill per
     /// contiguous run.
     pub fn zero(&self, backend: &dyn Backend) -> Result<Duration> {
         let t = Instant::now();
-        for run in self.runs(0..self.mappings.len(), true) {
-            self.zero_range(backend, self.bytes_of(&run))?;
+        for run in self.mapped.runs() {
+            self.zero_range(backend, run)?;
         }
         Ok(t.elapsed())
     }
 
-    /// Allocates the pinned backup if there is none. Returns the time it took.
-    pub fn ensure_backup(&mut self, backend: &dyn Backend) -> Result<Duration> {
-        let size = self.size();
-        self.backup
-            .ensure(backend, size)
-            .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e))
+    /// Pinned backup bytes held.
+    fn backup_bytes(&self) -> usize {
+        self.backups.values().map(Backup::bytes).sum()
     }
 
-    /// Frees the pinned backup. Refused while released (it holds the contents).
+    /// The ranges a release saves: the live prefix of a fixed region, each live buffer of
+    /// a growing one.
+    fn saved_ranges(&self) -> Vec<Range<usize>> {
+        if self.growing {
+            self.extents()
+        } else {
+            Vec::from([0..self.alloc.high_water()])
+        }
+    }
+
+    /// Allocates the pinned backups that are missing (one of the region's size for a fixed
+    /// region; one per live buffer for a growing one, dropping those of freed buffers).
+    /// Returns the time it took.
+    pub fn ensure_backup(&mut self, backend: &dyn Backend) -> Result<Duration> {
+        let mut pinning = Duration::ZERO;
+        let wanted: Vec<Range<usize>> = if self.growing {
+            self.extents()
+        } else {
+            Vec::from([0..self.size()])
+        };
+        // Keep the backups of live buffers (pinned at their size or not yet pinned); drop
+        // those of buffers freed or reallocated at another size.
+        self.backups.retain(|start, b| {
+            wanted
+                .iter()
+                .any(|w| w.start == *start && (b.bytes() == 0 || b.bytes() >= w.len()))
+        });
+        for w in wanted {
+            pinning += self
+                .backups
+                .entry(w.start)
+                .or_default()
+                .ensure(backend, w.len())
+                .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e))?;
+        }
+        Ok(pinning)
+    }
+
+    /// Frees the pinned backups. Refused while released (they hold the contents).
     pub fn free_backup(&mut self) -> Result<usize> {
-        if !self.is_resident() && self.backup.held() > 0 {
+        if !self.is_resident() && self.backups.values().any(|b| b.held() > 0) {
             return Err(Error::BackupInUse {
                 tag: self.tag.clone(),
             });
         }
-        Ok(self.backup.free())
+        let freed = self.backup_bytes();
+        self.backups.clear();
+        Ok(freed)
     }
 
-    /// Copies the live prefix of a resident Preserve region into the backup (which must
-    /// exist), only the changed hash chunks when `skip_unchanged`. Does not change state.
+    /// Copies the live contents of a resident Preserve region into its backups (which must
+    /// exist, see `ensure_backup`), only the changed hash chunks when `skip_unchanged`.
+    /// Does not change state.
     pub fn save(
         &mut self,
         backend: &dyn Backend,
         skip_unchanged: bool,
         hash_chunk: usize,
     ) -> Result<Saved> {
-        let n = self.alloc.high_water();
-        // SAFETY: the region is resident, so `base..base+n` (n <= size) is mapped, and the
-        // pager holds its lock after a synchronize, so nothing writes it meanwhile (engine
-        // kernels launched later are the caller's contract, as for any raw pointer).
-        unsafe {
-            self.backup
-                .save(backend, self.base(), n, skip_unchanged, hash_chunk)
+        let base = self.base();
+        let mut out = Saved::default();
+        for range in self.saved_ranges() {
+            let start = range.start;
+            let Some(backup) = self.backups.get_mut(&start) else {
+                continue;
+            };
+            // SAFETY: the region is resident, so its saved ranges (the live prefix, or live
+            // buffers, all mapped) are mapped, and the pager holds its lock after a
+            // synchronize, so nothing writes them meanwhile (engine kernels launched later
+            // are the caller's contract, as for any raw pointer).
+            let saved = unsafe {
+                backup.save(
+                    backend,
+                    base + start as u64,
+                    range.end - start,
+                    skip_unchanged,
+                    hash_chunk,
+                )
+            }
+            .map_err(|e| Error::backend(&self.tag, "copying contents to the host backup", e))?;
+            out.copied += saved.copied;
+            out.hash += saved.hash;
+            out.copy += saved.copy;
         }
-        .map_err(|e| Error::backend(&self.tag, "copying contents to the host backup", e))
+        Ok(out)
     }
 
-    /// Marks the region released after its chunks were unmapped (a `Preserve` region's
-    /// backup holds its contents, see [`Backup::held`]) and counts the release.
+    /// Marks the region released after its memory was unmapped (a `Preserve` region's
+    /// backups hold its contents) and counts the release.
     pub fn set_released(&mut self) {
         self.state = State::Released;
         self.releases += 1;
     }
 
-    /// Marks the region resident after its chunks were mapped and its contents restored
+    /// Marks the region resident after its memory was mapped and its contents restored
     /// (or, with `pending`, enqueued behind that fence).
     pub fn set_resident(&mut self, pending: Option<std::sync::Arc<dyn Fence>>) {
         self.state = State::Resident;

@@ -148,8 +148,14 @@ impl SubAllocator {
         self.live.len()
     }
 
+    /// The live allocation at `offset`, if any.
+    pub fn get(&self, offset: usize) -> Option<Allocation> {
+        self.live
+            .get(&offset)
+            .map(|&(len, id)| Allocation { offset, len, id })
+    }
+
     /// Live allocations in offset order.
-    #[cfg(test)]
     pub fn live(&self) -> impl Iterator<Item = Allocation> + '_ {
         self.live
             .iter()

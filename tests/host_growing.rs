@@ -1,0 +1,235 @@
+//! Growing regions (created with 0 bytes) on the host backend: memory follows the buffers,
+//! release and resume move exactly the buffers, failures roll back.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::Rng;
+use gpu_pager::backend::host::{HostBackend, HostConfig};
+use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, State};
+
+const MIB: usize = 1 << 20;
+const G: usize = 2 * MIB;
+
+fn setup(capacity: usize) -> (Arc<HostBackend>, Pager) {
+    let backend = Arc::new(HostBackend::new(HostConfig {
+        capacity,
+        granularity: G,
+    }));
+    let pager = Pager::with_config(
+        backend.clone(),
+        PagerConfig {
+            chunk_bytes: 8 * MIB,
+            hash_chunk_bytes: MIB,
+            ..PagerConfig::default()
+        },
+    );
+    (backend, pager)
+}
+
+fn read(pager: &Pager, b: &Buffer) -> Vec<u8> {
+    let mut out = vec![0u8; b.len()];
+    pager.read(b, 0, &mut out).unwrap();
+    out
+}
+
+#[test]
+fn a_growing_preserve_region_of_300_buffers_cycles_bit_exact() {
+    let (backend, pager) = setup(1 << 30);
+    let info = pager.region("weights", 0, Policy::Preserve).unwrap();
+    assert!(
+        info.growing && info.size >= 4 << 30,
+        "reserves 4x the device: {info:?}"
+    );
+    assert_eq!(backend.used_bytes(), 0, "nothing mapped before a buffer");
+    let mut rng = Rng::seeded("growing_300");
+    let mut bufs = Vec::new();
+    let mut mapped = 0;
+    for i in 0..300 {
+        // Odd sizes from a few bytes to ~2.5 MiB, as torch's segments and small tensors.
+        let len = 1 + (rng.next_u64() as usize % (5 * MIB / 2)) + i;
+        let b = pager.alloc("weights", len).unwrap();
+        mapped += len.div_ceil(G) * G;
+        let data = rng.bytes(len);
+        pager.write(&b, 0, &data).unwrap();
+        bufs.push((b, data));
+    }
+    assert_eq!(
+        backend.used_bytes(),
+        mapped,
+        "mapped = granules under live buffers"
+    );
+    let s = pager.region_stats("weights").unwrap();
+    assert_eq!((s.resident_bytes, s.buffers), (mapped, 300));
+    let addrs: Vec<u64> = bufs.iter().map(|(b, _)| pager.ptr(b).unwrap()).collect();
+
+    for cycle in 0..3 {
+        let rep = pager.release(&["weights"]).unwrap();
+        assert_eq!(
+            rep.bytes(),
+            mapped,
+            "cycle {cycle}: the release unmapped the buffers"
+        );
+        assert_eq!(
+            backend.used_bytes(),
+            0,
+            "cycle {cycle}: all memory returned"
+        );
+        assert_eq!(
+            pager.stats().backup_bytes(),
+            mapped,
+            "the backup grew with the buffers"
+        );
+        assert!(matches!(
+            pager.write(&bufs[0].0, 0, &[1]),
+            Err(Error::NotResident { .. })
+        ));
+        let rep = pager.resume(&["weights"]).unwrap();
+        assert_eq!(rep.bytes(), mapped);
+        assert_eq!(backend.used_bytes(), mapped);
+        for (k, (b, data)) in bufs.iter().enumerate() {
+            assert_eq!(pager.ptr(b).unwrap(), addrs[k], "address unchanged");
+            assert!(
+                read(&pager, b) == *data,
+                "cycle {cycle}: buffer {k} differs"
+            );
+        }
+        // Update a few, as a weight update would.
+        for (b, data) in bufs.iter_mut().step_by(7) {
+            rng.fill(data);
+            pager.write(b, 0, data).unwrap();
+        }
+    }
+    // Frees give memory back at once; the backup of a freed buffer goes with it.
+    let (b, _) = bufs.pop().unwrap();
+    let len = b.len().div_ceil(G) * G;
+    pager.free(&b).unwrap();
+    assert_eq!(backend.used_bytes(), mapped - len);
+    pager.release(&["weights"]).unwrap();
+    assert_eq!(pager.stats().backup_bytes(), mapped - len);
+}
+
+#[test]
+fn a_small_tensor_maps_only_its_granules() {
+    let (backend, pager) = setup(1 << 30);
+    pager.region("w", 0, Policy::Preserve).unwrap();
+    let b = pager.alloc("w", 10 * MIB + 1).unwrap();
+    assert_eq!(backend.used_bytes(), 12 * MIB, "not a whole 512 MiB chunk");
+    pager.free(&b).unwrap();
+    assert_eq!(backend.used_bytes(), 0);
+}
+
+#[test]
+fn prepin_pins_each_buffers_backup_as_it_is_allocated() {
+    let (_backend, pager) = setup(1 << 30);
+    let prepin = RegionOptions {
+        prepin: true,
+        ..Default::default()
+    };
+    pager.region_with("w", 0, Policy::Preserve, prepin).unwrap();
+    assert_eq!(pager.stats().backup_bytes(), 0);
+    let a = pager.alloc("w", 3 * MIB).unwrap();
+    assert_eq!(pager.stats().backup_bytes(), 4 * MIB);
+    pager.alloc("w", MIB).unwrap();
+    assert_eq!(pager.stats().backup_bytes(), 6 * MIB);
+    let rep = pager.release(&["w"]).unwrap();
+    assert_eq!(
+        rep.region("w").unwrap().steps.pin,
+        std::time::Duration::ZERO
+    );
+    pager.resume(&["w"]).unwrap();
+    pager.free(&a).unwrap();
+    assert_eq!(pager.stats().backup_bytes(), 2 * MIB);
+}
+
+#[test]
+fn out_of_memory_on_alloc_and_on_resume_rolls_back() {
+    let (backend, pager) = setup(64 * MIB);
+    pager.region("w", 0, Policy::Preserve).unwrap();
+    pager.region("kv", 0, Policy::Discard).unwrap();
+    let w = pager.alloc("w", 20 * MIB).unwrap();
+    pager.write(&w, 0, &vec![5u8; 20 * MIB]).unwrap();
+    let kv = pager.alloc("kv", 30 * MIB).unwrap();
+    // Only 14 MiB left: an alloc of 16 MiB fails and maps nothing.
+    let e = pager.alloc("kv", 16 * MIB).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::OutOfMemory {
+                during: "alloc",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(backend.used_bytes(), 50 * MIB);
+    assert_eq!(
+        pager.region_stats("kv").unwrap().buffers,
+        1,
+        "no buffer left behind"
+    );
+
+    pager.release(&["w", "kv"]).unwrap();
+    assert_eq!(backend.used_bytes(), 0);
+    let trainer = backend.hold(40 * MIB).unwrap();
+    let e = pager.resume(&["kv", "w"]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::OutOfMemory {
+                during: "resume",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(
+        backend.used_bytes(),
+        40 * MIB,
+        "the failed resume mapped nothing"
+    );
+    assert_eq!(pager.info("w").unwrap().state, State::Released);
+    pager.resume(&["w"]).unwrap(); // stage 1 fits
+    drop(trainer);
+    pager.resume(&["kv"]).unwrap();
+    assert_eq!(read(&pager, &w), vec![5u8; 20 * MIB], "nothing was lost");
+    assert!(pager.ptr(&kv).is_ok());
+}
+
+#[test]
+fn buffers_allocated_while_released_are_mapped_on_resume() {
+    let (backend, pager) = setup(64 * MIB);
+    pager.region("g", 0, Policy::DiscardZeroed).unwrap();
+    pager.release(&["g"]).unwrap();
+    let b = pager.alloc("g", 3 * MIB).unwrap();
+    assert_eq!(backend.used_bytes(), 0);
+    assert!(matches!(pager.ptr(&b), Err(Error::NotResident { .. })));
+    pager.resume(&["g"]).unwrap();
+    assert_eq!(backend.used_bytes(), 4 * MIB);
+    assert_eq!(
+        read(&pager, &b),
+        vec![0u8; 3 * MIB],
+        "DiscardZeroed comes back zeroed"
+    );
+}
+
+#[test]
+fn growing_regions_refuse_what_does_not_apply_and_report_conflicts() {
+    let (_backend, pager) = setup(64 * MIB);
+    let info = pager.region("w", 0, Policy::Preserve).unwrap();
+    assert_eq!(
+        pager.region("w", 0, Policy::Preserve).unwrap(),
+        info,
+        "asked again: the same"
+    );
+    let e = pager.region("w", 8 * MIB, Policy::Preserve).unwrap_err();
+    assert!(
+        matches!(&e, Error::TagConflict { differs, .. } if differs.contains("growing")),
+        "{e:?}"
+    );
+    let e = pager.back("w", 0..MIB).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+    let s = pager.stats().to_string();
+    assert!(s.contains("w"), "{s}");
+}

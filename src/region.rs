@@ -380,7 +380,7 @@ impl Region {
         } else if self.elastic {
             Vec::new()
         } else {
-            Vec::from([0..self.size()])
+            std::iter::once(0..self.size()).collect()
         }
     }
 
@@ -646,7 +646,7 @@ impl Region {
         if self.growing {
             self.extents()
         } else {
-            Vec::from([0..self.alloc.high_water()])
+            std::iter::once(0..self.alloc.high_water()).collect()
         }
     }
 
@@ -658,7 +658,7 @@ impl Region {
         let wanted: Vec<Range<usize>> = if self.growing {
             self.extents()
         } else {
-            Vec::from([0..self.size()])
+            std::iter::once(0..self.size()).collect()
         };
         // Keep the backups of live buffers (pinned at their size or not yet pinned); drop
         // those of buffers freed or reallocated at another size.

@@ -8,7 +8,9 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BackendError, Fence, Mapping, RawStream, Reservation};
+use crate::backend::{
+    Backend, BackendError, DeferredErrors, Fence, Mapping, RawStream, Reservation,
+};
 use crate::backup::{Backup, Saved};
 use crate::error::{Error, Result};
 use crate::report::{RegionReport, Report};
@@ -127,6 +129,8 @@ pub(crate) struct Region {
     pub leases: usize,
     pub last_release: Option<RegionReport>,
     pub last_resume: Option<RegionReport>,
+    /// The backend's sink, for failures that cannot be returned (in `Drop`, in cleanup).
+    errors: Arc<DeferredErrors>,
 }
 
 impl std::fmt::Debug for Region {
@@ -146,7 +150,8 @@ impl Drop for Region {
     /// mappings: wait for it before the fields (mappings, then the backup) are freed.
     fn drop(&mut self) {
         if let Err(e) = self.settle() {
-            eprintln!("gpu-pager: dropping `{}`: {e}", self.tag);
+            self.errors
+                .record(format!("dropping region `{}`: {e}", self.tag));
         }
     }
 }
@@ -201,6 +206,7 @@ impl Region {
             leases: 0,
             last_release: None,
             last_resume: None,
+            errors: backend.deferred_errors().clone(),
         };
         if !region.elastic {
             region.map_all(backend)?;
@@ -382,10 +388,11 @@ impl Region {
             if let Err(e) = zeroed {
                 // A fill may still be queued on the device: wait before unmapping.
                 if let Err(sync) = backend.synchronize() {
-                    eprintln!(
-                        "gpu-pager: synchronize after a failed back of `{}`: {sync}",
+                    self.errors.record(format!(
+                        "synchronize after a failed back of `{}` (the back's own error was \
+                         returned): {sync}",
                         self.tag
-                    );
+                    ));
                 }
                 for run in &runs {
                     self.unmap_chunks(run.clone());

@@ -332,7 +332,7 @@ impl Drop for DeviceScratch {
 /// The CUDA backend on one device.
 ///
 /// Thread-safe. Every entry point makes the context current for the call and gives the
-/// calling thread its own context back on return ([`CtxScope`]), so callers on threads bound
+/// calling thread its own context back on return (a context scope), so callers on threads bound
 /// to another device (or to none) stay where they were. Failures in `Drop` (of the
 /// backend's handles, or deferred by cudarc) are kept in [`Backend::deferred_errors`].
 pub struct CudaBackend {

@@ -89,6 +89,13 @@ impl Buffer {
 pub struct Stats {
     /// One entry per region, in tag order.
     pub regions: Vec<RegionStats>,
+    /// Failures that no call could return (a driver or OS call from a `Drop`, a cleanup
+    /// call on an error path), not yet taken with [`Pager::take_deferred_errors`], oldest
+    /// first; at most [`crate::backend::DEFERRED_ERRORS_KEPT`] (the newest). Shared by
+    /// every pager on the same backend. Each was also logged through the `log` crate.
+    pub deferred_errors: Vec<String>,
+    /// Such failures recorded since the backend was created, taken or not.
+    pub deferred_errors_total: u64,
 }
 
 impl Stats {
@@ -858,7 +865,10 @@ impl Pager {
             // Copies may be in flight into what this call mapped: let them finish first. If
             // even that fails the context is broken (sticky error) and runs nothing more.
             if let Err(sync) = backend.synchronize() {
-                eprintln!("gpu-pager: synchronize after a failed resume of {tags:?}: {sync}");
+                backend.deferred_errors().record(format!(
+                    "synchronize after a failed resume of {tags:?} (the resume's own error was \
+                     returned): {sync}"
+                ));
             }
             for (i, r) in regions.iter_mut().enumerate() {
                 if todo[i] {
@@ -1001,9 +1011,31 @@ impl Pager {
     /// Statistics of every region.
     pub fn stats(&self) -> Stats {
         let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
+        let errors = self.backend.deferred_errors();
         Stats {
             regions: map.values().map(|s| lock(s).stats()).collect(),
+            deferred_errors: errors.unread(),
+            deferred_errors_total: errors.total(),
         }
+    }
+
+    /// Removes and returns the failures that no call could return, oldest first (see
+    /// [`Stats::deferred_errors`]): a failed unmap, release or free when a region, a mapping
+    /// or a pinned buffer was dropped; a failed device synchronisation while undoing a
+    /// failed resume or back; a `KvCache` that could not remove its region when dropped;
+    /// errors cudarc deferred from its own `Drop` impls. Each was logged through the `log`
+    /// crate when it happened.
+    ///
+    /// The next pager call does **not** return them (unlike cudarc, whose next
+    /// `bind_to_thread` does): the failure belongs to an object already gone, not to that
+    /// call, which may come from another thread, concern another tag and succeed in full;
+    /// failing it would report an all-or-nothing move as failed although it happened, and
+    /// invite a retry that moves again. A failure that leaves the device unusable (a
+    /// sticky CUDA error) fails the next driver call by itself. Poll this (or
+    /// [`Pager::stats`]) to notice leaks; the backend's sink is shared by every pager on it,
+    /// so one drain takes them all.
+    pub fn take_deferred_errors(&self) -> Vec<String> {
+        self.backend.deferred_errors().take()
     }
 }
 

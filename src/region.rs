@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use std::collections::BTreeMap;
 
-use crate::backend::{Backend, BackendError, Fence, RawStream, Reservation};
+use crate::backend::{Backend, BackendError, DeferredErrors, Fence, RawStream, Reservation};
 use crate::backup::{Backup, Saved};
 use crate::error::{Error, Result};
 use crate::mapped::{Mapped, pieces};
@@ -151,6 +151,8 @@ pub(crate) struct Region {
     pub leases: usize,
     pub last_release: Option<RegionReport>,
     pub last_resume: Option<RegionReport>,
+    /// The backend's sink, for failures that cannot be returned (in `Drop`, in cleanup).
+    errors: Arc<DeferredErrors>,
 }
 
 impl std::fmt::Debug for Region {
@@ -171,7 +173,8 @@ impl Drop for Region {
     /// mappings: wait for it before the fields (mappings, then the backups) are freed.
     fn drop(&mut self) {
         if let Err(e) = self.settle() {
-            eprintln!("gpu-pager: dropping `{}`: {e}", self.tag);
+            self.errors
+                .record(format!("dropping region `{}`: {e}", self.tag));
         }
     }
 }
@@ -239,6 +242,7 @@ impl Region {
             leases: 0,
             last_release: None,
             last_resume: None,
+            errors: backend.deferred_errors().clone(),
         };
         if !region.elastic {
             region.map_all(backend, "region creation")?;
@@ -453,10 +457,11 @@ impl Region {
         if let Err(e) = zeroed {
             // A fill may still be queued on the device: wait before unmapping.
             if let Err(sync) = backend.synchronize() {
-                eprintln!(
-                    "gpu-pager: synchronize after a failed zero-fill of `{}`: {sync}",
+                self.errors.record(format!(
+                    "synchronize after a failed zero-fill of `{}` (the zero-fill's own error \
+                     was returned): {sync}",
                     self.tag
-                );
+                ));
             }
             for gap in gaps {
                 self.mapped.remove_within(gap);

@@ -525,3 +525,239 @@ fn captured_graph_replays_across_remap() {
     drop(src_map);
     drop(src_res);
 }
+
+/// The calling thread's current CUDA context (NULL when none).
+fn current_context() -> sys::CUcontext {
+    let mut current: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: `current` is a valid out-pointer.
+    unsafe { sys::cuCtxGetCurrent(&mut current) }
+        .result()
+        .expect("cuCtxGetCurrent");
+    current
+}
+
+/// Makes `ctx` (a live context, or NULL) current on the calling thread.
+fn set_current_context(ctx: sys::CUcontext) {
+    // SAFETY: the callers pass a context they keep alive, or NULL.
+    unsafe { sys::cuCtxSetCurrent(ctx) }
+        .result()
+        .expect("cuCtxSetCurrent");
+}
+
+/// The scoped context: a thread bound to another context (a non-primary one on device 0,
+/// then none at all, then ours) calls into the backend and the pager, and finds its own
+/// context current after every call, the drops included: mapping, copies, fill, hashes,
+/// fences, pinned memory, release, resume, `resume_on`, KV kernels, removing regions,
+/// dropping the pager and the backend, and `CudaBackend::new` itself.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_callers_context_is_current_again_after_every_call() {
+    use gpu_pager::backend::RawStream;
+    use gpu_pager::kv::{DeviceSpan, Kv, KvCache, KvCacheConfig, KvDtype, KvLayout, KvOrder};
+    use gpu_pager::{Pager, PagerConfig, Policy};
+
+    let _lock = gpu_lock();
+    std::thread::spawn(|| {
+        // A context of the caller's own: cuCtxCreate makes it current on this thread.
+        let other = cudarc::driver::CudaContext::new_non_primary(0, 0)
+            .expect("a non-primary context on CUDA device 0 (this test needs a CUDA GPU)");
+        let foreign = other.cu_ctx();
+        set_current_context(foreign);
+        let b = Arc::new(backend());
+        assert_eq!(
+            current_context(),
+            foreign,
+            "CudaBackend::new left the thread's context changed"
+        );
+        let ours = b.context().cu_ctx();
+        assert!(!ours.is_null() && ours != foreign);
+        let g = b.info().granularity;
+        let stream = RawStream(b.kernel_stream().cu_stream() as usize);
+
+        for (name, callers) in [
+            ("a non-primary context", foreign),
+            ("no context", std::ptr::null_mut()),
+            ("the backend's own context", ours),
+        ] {
+            set_current_context(callers);
+            assert_eq!(current_context(), callers);
+            let check = |what: &str| {
+                assert_eq!(
+                    current_context(),
+                    callers,
+                    "{what} left the thread's context changed (the thread had {name})"
+                );
+            };
+            let mut rng = Rng::seeded("the_callers_context_is_current_again_after_every_call");
+
+            // The backend directly.
+            b.mem_info().expect("mem_info");
+            check("mem_info");
+            b.preload_kernels().expect("preload_kernels");
+            check("preload_kernels");
+            let r = b.reserve(4 * g).expect("reserve");
+            check("reserve");
+            // SAFETY: the first two granules of the fresh reservation, mapped once.
+            let m = unsafe { b.map(&r, 0, &[g, g]) }.expect("map");
+            check("map");
+            let data = rng.bytes(2 * g);
+            // SAFETY: inside the mapped span.
+            unsafe { b.copy_to_device(r.base(), &data) }.expect("copy_to_device");
+            check("copy_to_device");
+            let mut back = vec![0u8; 2 * g];
+            // SAFETY: inside the mapped span.
+            unsafe { b.copy_to_host(&mut back, r.base()) }.expect("copy_to_host");
+            check("copy_to_host");
+            assert_bytes_eq("round trip", &back, &data);
+            // SAFETY: inside the mapped span; `data` lives until the wait below.
+            unsafe { b.copy_to_device_async(r.base(), &data, None) }.expect("async upload");
+            check("copy_to_device_async");
+            b.wait_copies().expect("wait_copies");
+            check("wait_copies");
+            // SAFETY: inside the mapped span; `back` lives until the wait below.
+            unsafe { b.copy_to_host_async(&mut back, r.base()) }.expect("async download");
+            check("copy_to_host_async");
+            b.wait_copies().expect("wait_copies");
+            // SAFETY: inside the mapped span.
+            let hashes = unsafe { b.chunk_hash(r.base(), 2 * g, 64 * KIB) }.expect("chunk_hash");
+            check("chunk_hash");
+            assert_eq!(hashes, reference::chunk_hash(&data, 64 * KIB));
+            // SAFETY: inside the mapped span.
+            unsafe { b.fill(r.base(), 2 * g, 0x0102_0304) }.expect("fill");
+            check("fill");
+            // SAFETY: inside the mapped span; the stream is the backend's.
+            unsafe { b.fill_on(b.kernel_stream(), r.base(), g, 0) }.expect("fill_on");
+            check("fill_on");
+            let fence = b.fence(stream).expect("fence");
+            check("fence");
+            fence.wait().expect("fence wait");
+            check("fence wait");
+            drop(fence);
+            check("dropping a fence");
+            b.synchronize().expect("synchronize");
+            check("synchronize");
+            let pinned = b.alloc_pinned(4096).expect("alloc_pinned");
+            check("alloc_pinned");
+            drop(pinned);
+            check("dropping pinned memory");
+            let hog = b.hog(g).expect("hog");
+            check("hog");
+            drop(hog);
+            check("dropping a hog");
+            drop(m);
+            check("dropping mappings (unmap, release)");
+            drop(r);
+            check("dropping a reservation");
+
+            // The pager over it.
+            let config = PagerConfig {
+                chunk_bytes: g,
+                ..PagerConfig::default()
+            };
+            let pager = Arc::new(Pager::with_config(b.clone(), config));
+            pager
+                .region("w", 4 * g, Policy::Preserve)
+                .expect("Preserve region");
+            check("creating a region (reserve, map)");
+            pager
+                .region("z", 2 * g, Policy::DiscardZeroed)
+                .expect("DiscardZeroed region");
+            check("creating a zeroed region (map, fill)");
+            let w = pager.alloc("w", 3 * g).expect("alloc");
+            let data = rng.bytes(3 * g);
+            pager.write(&w, 0, &data).expect("write");
+            check("pager write");
+            let mut back = vec![0u8; 3 * g];
+            pager.read(&w, 0, &mut back).expect("read");
+            check("pager read");
+            pager.release(&["w", "z"]).expect("release");
+            check("release (sync, pin, hash, copy, unmap)");
+            pager.resume(&["w", "z"]).expect("resume");
+            check("resume (map, restore, fill)");
+            pager.read(&w, 0, &mut back).expect("read after resume");
+            assert_bytes_eq("after resume", &back, &data);
+            pager.release(&["w"]).expect("release");
+            pager.resume_on(&["w"], stream).expect("resume_on");
+            check("resume_on (map, enqueue, fence)");
+            pager.read(&w, 0, &mut back).expect("read after resume_on");
+            check("pager read after resume_on (fence wait)");
+            assert_bytes_eq("after resume_on", &back, &data);
+
+            // KV kernels.
+            let layout = KvLayout::new(2, 4, 64, 16, KvDtype::Bf16, KvOrder::Nhd).expect("layout");
+            let kv_config = KvCacheConfig { chunk_bytes: g };
+            let kv =
+                KvCache::new(pager.clone(), "kv_cache", layout, 256, kv_config).expect("KvCache");
+            check("KvCache::new");
+            let token = 4 * 64 * 2;
+            pager
+                .region("io", 2 * g, Policy::Discard)
+                .expect("io region");
+            let keys = pager.alloc("io", 20 * token).expect("alloc");
+            let values = pager.alloc("io", 20 * token).expect("alloc");
+            let out = pager.alloc("io", 20 * token).expect("alloc");
+            let slots_dev = pager.alloc("io", 20 * 8).expect("alloc");
+            pager
+                .write(&values, 0, &vec![9u8; 20 * token])
+                .expect("write");
+            let seq = kv.create_seq().expect("create_seq");
+            kv.append_tokens(seq, 20).expect("append_tokens");
+            check("append_tokens (back)");
+            let slots = kv.prepare_write(seq, 0..20).expect("prepare_write");
+            kv.write(1, &keys, &values, 20, token, &slots)
+                .expect("KV write");
+            check("KV write");
+            let slot_bytes: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
+            pager.write(&slots_dev, 0, &slot_bytes).expect("write");
+            let span = |buf: &gpu_pager::Buffer| DeviceSpan {
+                addr: pager.ptr(buf).expect("ptr"),
+                len: buf.len(),
+            };
+            // SAFETY: the stream is the backend's; `slots_dev` holds the slots; the buffers
+            // and blocks stay as they are until the synchronize below.
+            unsafe {
+                kv.write_on(
+                    stream,
+                    0,
+                    span(&keys),
+                    span(&values),
+                    20,
+                    token,
+                    &slots,
+                    pager.ptr(&slots_dev).expect("ptr"),
+                )
+            }
+            .expect("KV write_on");
+            check("KV write_on");
+            b.synchronize().expect("synchronize");
+            assert_eq!(kv.gather(1, Kv::V, seq, &out).expect("gather"), 20);
+            check("KV gather");
+            pager.read(&out, 0, &mut back[..20 * token]).expect("read");
+            assert!(back[..20 * token].iter().all(|&x| x == 9));
+            drop(kv);
+            check("dropping a KvCache (removes its region)");
+            pager.remove("z").expect("remove");
+            check("removing a region");
+            assert_eq!(
+                pager.take_deferred_errors(),
+                Vec::<String>::new(),
+                "no failure was deferred"
+            );
+            drop(pager);
+            check("dropping the pager (its regions)");
+        }
+
+        // Dropping the backend releases the primary context (cudarc binds it to do so).
+        set_current_context(foreign);
+        assert!(b.deferred_errors().take().is_empty());
+        drop(b);
+        assert_eq!(
+            current_context(),
+            foreign,
+            "dropping the backend left the thread's context changed"
+        );
+        drop(other);
+    })
+    .join()
+    .expect("the test thread");
+}

@@ -3,18 +3,30 @@
 //! Address ranges, physical chunks and mappings are RAII handles built directly on
 //! `cudarc::driver::sys` (cudarc's safe layer has no VMM): a [`CudaReservation`] frees its
 //! range on drop, a [`CudaChunk`] releases its physical memory on drop, and a [`CudaMapping`]
-//! owns its chunk, so dropping it unmaps first and then releases. Every handle holds the
-//! context, which therefore outlives all memory it created.
+//! owns its chunk and holds its reservation, so dropping it unmaps first, then releases, and
+//! the range is freed after its last mapping. Every handle holds the context, which
+//! therefore outlives all memory it created.
 //!
 //! The context, streams, module loading and kernel launches use cudarc's safe layer. The
 //! backend keeps three non-blocking streams: host→device copies, device→host copies and
-//! kernels. Every public method binds the context to the calling thread first, because the
-//! pager calls from many threads.
+//! kernels.
 //!
-//! Errors from `Drop` cannot be returned; they are printed once to stderr and never panic.
+//! **The caller's context is left alone.** Every entry point, and every `Drop` that calls
+//! the driver, makes the context current for its duration only and then gives the calling
+//! thread back the context it had (another device's, a non-primary one, or none): a
+//! `CtxScope`, PyTorch's `CUDAGuard` pattern. cudarc's `bind_to_thread` would leave ours
+//! current; its objects that bind in their own `Drop` (streams, modules, the context) are
+//! dropped inside a scope too.
+//!
+//! Errors from `Drop` cannot be returned: they are recorded in the backend's
+//! [`DeferredErrors`] (logged through `log`, kept for [`crate::Pager::take_deferred_errors`]),
+//! never printed and never a panic. So are the errors cudarc defers from its own `Drop` impls
+//! to its next `bind_to_thread`: each scope drains them first, so that they do not fail an
+//! unrelated call.
 
 use std::ffi::c_void;
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -23,8 +35,8 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKer
 #[cfg(feature = "testing")]
 use super::Held;
 use super::{
-    Backend, BackendError, BackendKind, BackendResult, DeviceInfo, Fence, HostBuffer, KvKernels,
-    Mapping, MemInfo, RawStream, Reservation, check_map,
+    Backend, BackendError, BackendKind, BackendResult, DeferredErrors, DeviceInfo, Fence,
+    HostBuffer, KvKernels, Mapping, MemInfo, RawStream, Reservation, check_map,
 };
 use crate::kernels::{self, KernelModule, abi};
 
@@ -57,29 +69,187 @@ fn check(r: sys::CUresult) -> Result<(), DriverError> {
     r.result()
 }
 
-/// Makes `ctx` current on the calling thread.
+/// The calling thread's current context (`NULL` when it has none).
+fn current_context() -> BackendResult<sys::CUcontext> {
+    let mut current: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: `current` is a valid out-pointer.
+    check(unsafe { sys::cuCtxGetCurrent(&mut current) })
+        .map_err(|e| driver_err("cuCtxGetCurrent", e))?;
+    Ok(current)
+}
+
+/// Our context made current for a scope, and the caller's given back when the scope ends
+/// (PyTorch's `c10::cuda::CUDAGuard` pattern): engines call in from threads whose current
+/// context may be another device's, or none, and must find it unchanged afterwards.
 ///
-/// cudarc records errors of its own `Drop` impls (events, streams, modules, graphs) in the
-/// context and returns them from the next `bind_to_thread`, clearing them. Such a deferred
-/// error does not concern the caller's operation: it is printed and the bind retried once.
-fn bind(ctx: &CudaContext) -> BackendResult<()> {
-    match ctx.bind_to_thread() {
-        Ok(()) => Ok(()),
-        Err(deferred) => {
-            eprintln!(
-                "gpu-pager: CUDA error deferred from an earlier release of a driver object: {}",
-                describe(deferred)
-            );
-            ctx.bind_to_thread()
-                .map_err(|e| driver_err("cuCtxSetCurrent", e))
+/// [`CtxScope::enter`] reads the current context (`cuCtxGetCurrent`), makes ours current only
+/// if it differs, and the drop restores the previous one (`NULL` included); when ours was
+/// current already the scope changes nothing and costs one `cuCtxGetCurrent`. Scopes nest.
+/// The raw pointer makes the scope `!Send`, so it is dropped on the thread that entered it.
+///
+/// cudarc's own calls inside a scope (stream synchronisation, module loading, launches)
+/// call its `bind_to_thread`, which then finds our context current and changes nothing.
+#[must_use]
+struct CtxScope<'a> {
+    /// The context to make current again when the scope ends; `None`: nothing to undo.
+    previous: Option<sys::CUcontext>,
+    errors: &'a DeferredErrors,
+}
+
+impl<'a> CtxScope<'a> {
+    /// Makes `ctx` current until the scope drops.
+    ///
+    /// cudarc's `Drop` impls (streams, modules, events) record their failures in the
+    /// context, and its next `bind_to_thread` returns them as the error of whatever call
+    /// made it, which would fail the caller's unrelated operation. They are drained here
+    /// first, into `errors` (logged, kept for [`crate::Pager::take_deferred_errors`]).
+    fn enter(ctx: &CudaContext, errors: &'a DeferredErrors) -> BackendResult<Self> {
+        if let Err(e) = ctx.check_err() {
+            errors.record(format!(
+                "a CUDA error deferred by cudarc from an earlier release of a driver object: {}",
+                describe(e)
+            ));
+        }
+        let current = current_context()?;
+        let ours = ctx.cu_ctx();
+        if current == ours {
+            return Ok(CtxScope {
+                previous: None,
+                errors,
+            });
+        }
+        // SAFETY: `ours` is a live context: `ctx` holds it for the whole call.
+        check(unsafe { sys::cuCtxSetCurrent(ours) })
+            .map_err(|e| driver_err("cuCtxSetCurrent", e))?;
+        Ok(CtxScope {
+            previous: Some(current),
+            errors,
+        })
+    }
+
+    /// Saves the current context and restores it when the scope drops, whatever is made
+    /// current in between: around cudarc calls that bind a context and leave it bound
+    /// (`CudaContext::new`, `CudaContext`'s drop), when ours is not yet, or no longer,
+    /// usable.
+    fn save(errors: &'a DeferredErrors) -> BackendResult<Self> {
+        Ok(CtxScope {
+            previous: Some(current_context()?),
+            errors,
+        })
+    }
+}
+
+impl Drop for CtxScope<'_> {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous {
+            // SAFETY: `previous` was current on this thread when the scope began (or NULL,
+            // which unbinds); the scope is `!Send`, so this is the same thread, and the
+            // caller's context outlives the call that entered the scope.
+            if let Err(e) = check(unsafe { sys::cuCtxSetCurrent(previous) }) {
+                self.errors.record(format!(
+                    "giving the calling thread its CUDA context back (cuCtxSetCurrent) failed: \
+                     {}",
+                    describe(e)
+                ));
+            }
         }
     }
 }
 
-/// Binds `ctx` inside a `Drop`, where errors can only be reported.
-fn bind_in_drop(ctx: &CudaContext, what: &str) {
-    if let Err(e) = bind(ctx) {
-        eprintln!("gpu-pager: dropping {what}: {e}");
+/// What the backend and every handle it hands out hold: the context, and the sink for the
+/// failures their `Drop` cannot return. The context is released when the last holder
+/// drops.
+struct Dev {
+    /// `ManuallyDrop` so that [`Dev`]'s drop releases it inside a scope: cudarc's
+    /// `CudaContext` drop makes the context current, and leaves it so, before it releases
+    /// the primary context.
+    ctx: ManuallyDrop<Arc<CudaContext>>,
+    errors: Arc<DeferredErrors>,
+}
+
+impl fmt::Debug for Dev {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Dev")
+            .field("ordinal", &self.ctx.ordinal())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Dev {
+    /// Our context made current until the returned scope drops ([`CtxScope::enter`]).
+    fn scope(&self) -> BackendResult<CtxScope<'_>> {
+        CtxScope::enter(&self.ctx, &self.errors)
+    }
+
+    /// [`Dev::scope`] inside a `Drop`: a failure is recorded, and the caller goes on with
+    /// its driver call (which then fails and is recorded too, or succeeds).
+    fn scope_in_drop(&self, what: &str) -> Option<CtxScope<'_>> {
+        self.scope()
+            .map_err(|e| {
+                self.errors
+                    .record(format!("making the context current to drop {what}: {e}"))
+            })
+            .ok()
+    }
+
+    /// Records the failure of the driver call `op` while dropping something.
+    fn record(&self, op: &str, what: std::fmt::Arguments<'_>, e: DriverError) {
+        self.errors
+            .record(format!("{op} of {what} failed: {}", describe(e)));
+    }
+}
+
+impl Drop for Dev {
+    fn drop(&mut self) {
+        let restore = CtxScope::save(&self.errors)
+            .map_err(|e| {
+                self.errors
+                    .record(format!("reading the current context to release ours: {e}"))
+            })
+            .ok();
+        if let Err(e) = self.ctx.check_err() {
+            self.errors.record(format!(
+                "a CUDA error deferred by cudarc from an earlier release of a driver object: {}",
+                describe(e)
+            ));
+        }
+        // SAFETY: `ctx` is taken exactly once, here, and `self` is never used again.
+        let ctx = unsafe { ManuallyDrop::take(&mut self.ctx) };
+        drop(ctx);
+        drop(restore);
+    }
+}
+
+/// A cudarc object whose `Drop` makes its context current and leaves it so (a stream; a
+/// module, which every `CudaFunction` holds). Dropping it here does so inside a
+/// [`CtxScope`], so the thread that drops the backend keeps its context.
+struct InScope<T> {
+    value: ManuallyDrop<T>,
+    dev: Arc<Dev>,
+}
+
+impl<T> InScope<T> {
+    fn new(value: T, dev: &Arc<Dev>) -> Self {
+        InScope {
+            value: ManuallyDrop::new(value),
+            dev: dev.clone(),
+        }
+    }
+}
+
+impl<T> std::ops::Deref for InScope<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.value
+    }
+}
+
+impl<T> Drop for InScope<T> {
+    fn drop(&mut self) {
+        let scope = self.dev.scope_in_drop("a CUDA stream or module");
+        // SAFETY: `value` is dropped exactly once, here, and never used again.
+        unsafe { ManuallyDrop::drop(&mut self.value) };
+        drop(scope);
     }
 }
 
@@ -143,38 +313,39 @@ struct ChunkHashKernels {
 struct DeviceScratch {
     ptr: sys::CUdeviceptr,
     bytes: usize,
-    ctx: Arc<CudaContext>,
+    dev: Arc<Dev>,
 }
 
 impl Drop for DeviceScratch {
     fn drop(&mut self) {
-        bind_in_drop(&self.ctx, "chunk-hash scratch memory");
+        let scope = self.dev.scope_in_drop("scratch memory");
         // SAFETY: `ptr` came from cuMemAlloc and is freed exactly once, here; every use was
         // followed by a stream synchronisation before the lock guarding it was released.
         if let Err(e) = check(unsafe { sys::cuMemFree_v2(self.ptr) }) {
-            eprintln!(
-                "gpu-pager: cuMemFree of {} bytes of scratch memory failed: {}",
-                self.bytes,
-                describe(e)
-            );
+            let what = format_args!("{} bytes of scratch memory", self.bytes);
+            self.dev.record("cuMemFree", what, e);
         }
+        drop(scope);
     }
 }
 
 /// The CUDA backend on one device.
 ///
-/// Thread-safe: every method binds the context to the calling thread first.
+/// Thread-safe. Every entry point makes the context current for the call and gives the
+/// calling thread its own context back on return (a context scope), so callers on threads bound
+/// to another device (or to none) stay where they were. Failures in `Drop` (of the
+/// backend's handles, or deferred by cudarc) are kept in [`Backend::deferred_errors`].
 pub struct CudaBackend {
-    ctx: Arc<CudaContext>,
+    dev: Arc<Dev>,
     device: sys::CUdevice,
-    h2d: Arc<CudaStream>,
-    d2h: Arc<CudaStream>,
-    kernel_stream: Arc<CudaStream>,
+    h2d: InScope<Arc<CudaStream>>,
+    d2h: InScope<Arc<CudaStream>>,
+    kernel_stream: InScope<Arc<CudaStream>>,
     info: DeviceInfo,
     recommended_granularity: usize,
-    fill_kernels: OnceLock<FillKernels>,
-    chunk_hash_kernels: OnceLock<ChunkHashKernels>,
-    kv_functions: OnceLock<kv::KvFunctions>,
+    fill_kernels: InScope<OnceLock<FillKernels>>,
+    chunk_hash_kernels: InScope<OnceLock<ChunkHashKernels>>,
+    kv_functions: InScope<OnceLock<kv::KvFunctions>>,
     hash_scratch: Mutex<Option<DeviceScratch>>,
     /// Device copies of the index lists of [`KvKernels::kv`] calls.
     kv_scratch: Mutex<Option<DeviceScratch>>,
@@ -183,7 +354,7 @@ pub struct CudaBackend {
 impl fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CudaBackend")
-            .field("ordinal", &self.ctx.ordinal())
+            .field("ordinal", &self.dev.ctx.ordinal())
             .field("info", &self.info)
             .field("recommended_granularity", &self.recommended_granularity)
             .finish_non_exhaustive()
@@ -215,12 +386,21 @@ impl CudaBackend {
                 "CUDA device {ordinal} requested, but {count} device(s) are visible"
             )));
         }
+        let errors = Arc::new(DeferredErrors::new());
+        // cudarc's `CudaContext::new` makes the context current and leaves it so: give the
+        // caller's back on every way out of here (declared first, so dropped last).
+        let restore = CtxScope::save(&errors)?;
         let ctx = CudaContext::new(ordinal).map_err(|e| {
             BackendError::Unavailable(format!(
                 "cannot open a context on CUDA device {ordinal}: {}",
                 describe(e)
             ))
         })?;
+        let dev = Arc::new(Dev {
+            ctx: ManuallyDrop::new(ctx),
+            errors: errors.clone(),
+        });
+        let ctx = &dev.ctx;
         let device = ctx.cu_device();
         let vmm = ctx
             .attribute(
@@ -256,12 +436,13 @@ impl CudaBackend {
             .map_err(|e| driver_err("cuDeviceGetAttribute", e))?;
         let new_stream = || {
             ctx.new_stream()
+                .map(|s| InScope::new(s, &dev))
                 .map_err(|e| driver_err("cuStreamCreate", e))
         };
         let h2d = new_stream()?;
         let d2h = new_stream()?;
         let kernel_stream = new_stream()?;
-        Ok(Self {
+        let backend = Self {
             device,
             h2d,
             d2h,
@@ -274,18 +455,21 @@ impl CudaBackend {
                 compute_capability: Some(compute_capability),
             },
             recommended_granularity,
-            fill_kernels: OnceLock::new(),
-            chunk_hash_kernels: OnceLock::new(),
-            kv_functions: OnceLock::new(),
+            fill_kernels: InScope::new(OnceLock::new(), &dev),
+            chunk_hash_kernels: InScope::new(OnceLock::new(), &dev),
+            kv_functions: InScope::new(OnceLock::new(), &dev),
             hash_scratch: Mutex::new(None),
             kv_scratch: Mutex::new(None),
-            ctx,
-        })
+            dev: dev.clone(),
+        };
+        drop(restore);
+        Ok(backend)
     }
 
-    /// The CUDA context (the device's primary context).
+    /// The CUDA context (the device's primary context). Code that uses it through cudarc
+    /// directly gets cudarc's behaviour: its calls make the context current and leave it so.
     pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
+        &self.dev.ctx
     }
 
     /// The stream [`Backend::fill`] and [`Backend::chunk_hash`] launch their kernels on.
@@ -295,7 +479,7 @@ impl CudaBackend {
 
     /// The device ordinal.
     pub fn ordinal(&self) -> usize {
-        self.ctx.ordinal()
+        self.dev.ctx.ordinal()
     }
 
     /// The driver's recommended allocation granularity (`CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`),
@@ -308,16 +492,18 @@ impl CudaBackend {
     /// [`CudaBackend::fill_on`] or [`CudaBackend::chunk_hash_on`] into a CUDA graph, so that
     /// no module is loaded while a stream captures.
     pub fn preload_kernels(&self) -> BackendResult<()> {
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         self.fill_kernels()?;
         self.chunk_hash_kernels()?;
         self.kv_functions()?;
         Ok(())
     }
 
-    /// Loads the fatbin of `module` into the context.
+    /// Loads the fatbin of `module` into the context. The caller holds a [`CtxScope`] until
+    /// the module is stored or dropped.
     fn load_module(&self, module: KernelModule) -> BackendResult<Arc<cudarc::driver::CudaModule>> {
-        self.ctx
+        self.dev
+            .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(module.fatbin().to_vec()))
             .map_err(|e| driver_err("cuModuleLoadData", e))
     }
@@ -327,6 +513,7 @@ impl CudaBackend {
         if let Some(k) = self.fill_kernels.get() {
             return Ok(k);
         }
+        let _scope = self.dev.scope()?;
         let module = self.load_module(KernelModule::Fill)?;
         let fill = module
             .load_function(kernels::FILL)
@@ -340,6 +527,7 @@ impl CudaBackend {
         if let Some(k) = self.chunk_hash_kernels.get() {
             return Ok(k);
         }
+        let _scope = self.dev.scope()?;
         let module = self.load_module(KernelModule::ChunkHash)?;
         let partial = module
             .load_function(kernels::CHUNK_HASH_PARTIAL)
@@ -354,7 +542,7 @@ impl CudaBackend {
 
     /// Fails unless `stream` belongs to this backend's context.
     fn check_stream(&self, op: &'static str, stream: &CudaStream) -> BackendResult<()> {
-        if **stream.context() == *self.ctx {
+        if **stream.context() == **self.dev.ctx {
             Ok(())
         } else {
             Err(BackendError::Invalid {
@@ -382,7 +570,7 @@ impl CudaBackend {
         if bytes == 0 {
             return Ok(());
         }
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         let k = self.fill_kernels()?;
         let params = abi::GpFillParams {
             dst,
@@ -438,7 +626,7 @@ impl CudaBackend {
                     reason,
                 }
             })?;
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         let k = self.chunk_hash_kernels()?;
         let params = abi::GpChunkHashParams {
             src,
@@ -485,7 +673,7 @@ impl CudaBackend {
         *slot = Some(DeviceScratch {
             ptr,
             bytes: size,
-            ctx: self.ctx.clone(),
+            dev: self.dev.clone(),
         });
         Ok(ptr)
     }
@@ -496,8 +684,12 @@ impl Backend for CudaBackend {
         &self.info
     }
 
+    fn deferred_errors(&self) -> &Arc<DeferredErrors> {
+        &self.dev.errors
+    }
+
     fn mem_info(&self) -> BackendResult<MemInfo> {
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         let (free, total) =
             cudarc::driver::result::mem_get_info().map_err(|e| driver_err("cuMemGetInfo", e))?;
         Ok(MemInfo { free, total })
@@ -511,7 +703,7 @@ impl Backend for CudaBackend {
                 reason: format!("{bytes} bytes is not a non-zero multiple of the granularity {g}"),
             });
         }
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         let mut base: sys::CUdeviceptr = 0;
         // SAFETY: `base` is a valid out-pointer; alignment 0 and address hint 0 let the
         // driver choose (aligned to the granularity).
@@ -520,7 +712,7 @@ impl Backend for CudaBackend {
         Ok(Arc::new(CudaReservation {
             base,
             len: bytes,
-            ctx: self.ctx.clone(),
+            dev: self.dev.clone(),
         }))
     }
 
@@ -536,7 +728,7 @@ impl Backend for CudaBackend {
             chunk_sizes,
             self.info.granularity,
         )?;
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         let oom_or = |op: &'static str, e: DriverError| match e.0 {
             sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
                 BackendError::OutOfMemory { requested: total }
@@ -556,7 +748,7 @@ impl Backend for CudaBackend {
             let chunk = CudaChunk {
                 handle,
                 len: size,
-                ctx: self.ctx.clone(),
+                dev: self.dev.clone(),
             };
             // SAFETY: `ptr .. ptr + size` lies inside `reservation` (checked), which is this
             // backend's and unmapped there (the caller's contract); `size` is the whole chunk,
@@ -590,7 +782,7 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self) -> BackendResult<()> {
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         // SAFETY: the context is current on this thread.
         check(unsafe { sys::cuCtxSynchronize() }).map_err(|e| driver_err("cuCtxSynchronize", e))
     }
@@ -602,7 +794,7 @@ impl Backend for CudaBackend {
                 reason: "0 bytes requested".to_owned(),
             });
         }
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: `p` is a valid out-pointer.
         check(unsafe { sys::cuMemHostAlloc(&mut p, bytes, sys::CU_MEMHOSTALLOC_PORTABLE) })
@@ -615,7 +807,7 @@ impl Backend for CudaBackend {
         let buffer = CudaHostBuffer {
             ptr,
             len: bytes,
-            ctx: self.ctx.clone(),
+            dev: self.dev.clone(),
         };
         // The driver hands out fresh (zeroed) pages, but Rust may only read initialised
         // memory, so initialise it explicitly (cheap next to pinning itself).
@@ -625,6 +817,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()> {
+        let _scope = self.dev.scope()?;
         // SAFETY: the caller's contract; `src` outlives the wait below.
         unsafe { self.copy_to_device_async(dst, src, None) }?;
         self.h2d
@@ -633,6 +826,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
+        let _scope = self.dev.scope()?;
         // SAFETY: the caller's contract; `dst` outlives the wait below.
         unsafe { self.copy_to_host_async(dst, src) }?;
         self.d2h
@@ -649,7 +843,7 @@ impl Backend for CudaBackend {
         if src.is_empty() {
             return Ok(());
         }
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         let stream = stream.map_or(self.h2d.cu_stream(), |s| s.0 as sys::CUstream);
         // SAFETY: the caller guarantees `src` stays valid and `dst .. dst + src.len()` mapped
         // until the copy finishes, and that `stream` is a live stream of this context.
@@ -661,7 +855,7 @@ impl Backend for CudaBackend {
         if dst.is_empty() {
             return Ok(());
         }
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         // SAFETY: the caller guarantees `dst` stays valid and `src .. src + dst.len()` mapped
         // until the copy finishes.
         check(unsafe {
@@ -676,7 +870,7 @@ impl Backend for CudaBackend {
     }
 
     fn wait_copies(&self) -> BackendResult<()> {
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         for s in [&self.h2d, &self.d2h] {
             s.synchronize()
                 .map_err(|e| driver_err("cuStreamSynchronize", e))?;
@@ -685,7 +879,7 @@ impl Backend for CudaBackend {
     }
 
     fn fence(&self, stream: RawStream) -> BackendResult<Box<dyn Fence>> {
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         let mut event: sys::CUevent = std::ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         // SAFETY: `event` is a valid out-pointer.
@@ -693,7 +887,7 @@ impl Backend for CudaBackend {
             .map_err(|e| driver_err("cuEventCreate", e))?;
         let fence = CudaFence {
             event,
-            ctx: self.ctx.clone(),
+            dev: self.dev.clone(),
         };
         // SAFETY: the event was just created in this context; the caller guarantees `stream`
         // is a live stream of this context.
@@ -704,7 +898,7 @@ impl Backend for CudaBackend {
 
     #[cfg(feature = "testing")]
     fn hog(&self, bytes: usize) -> BackendResult<Box<dyn Held>> {
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         // SAFETY: a plain device allocation, owned by the returned handle and freed once.
         let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }.map_err(|e| match e.0 {
             sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
@@ -715,7 +909,7 @@ impl Backend for CudaBackend {
         Ok(Box::new(CudaHog {
             ptr,
             len: bytes,
-            ctx: self.ctx.clone(),
+            dev: self.dev.clone(),
         }))
     }
 
@@ -723,6 +917,7 @@ impl Backend for CudaBackend {
         if bytes == 0 {
             return Ok(());
         }
+        let _scope = self.dev.scope()?;
         // SAFETY: forwarded from the caller.
         unsafe { self.fill_on(&self.kernel_stream, dst, bytes, pattern) }?;
         self.kernel_stream
@@ -739,7 +934,7 @@ impl Backend for CudaBackend {
         check_chunk_hash_args(src, bytes, chunk_bytes)?;
         let chunks = kernels::chunk_count(bytes, chunk_bytes);
         let out_bytes = chunks * 8;
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         // The scratch memory is shared: hold the lock until the results are on the host.
         let mut slot = self
             .hash_scratch
@@ -776,7 +971,7 @@ impl Backend for CudaBackend {
 pub struct CudaReservation {
     base: sys::CUdeviceptr,
     len: usize,
-    ctx: Arc<CudaContext>,
+    dev: Arc<Dev>,
 }
 
 impl fmt::Debug for CudaReservation {
@@ -800,18 +995,15 @@ impl Reservation for CudaReservation {
 
 impl Drop for CudaReservation {
     fn drop(&mut self) {
-        bind_in_drop(&self.ctx, "an address reservation");
+        let scope = self.dev.scope_in_drop("an address reservation");
         // SAFETY: the range came from cuMemAddressReserve with exactly this base and size and
         // is freed once, here; every mapping inside it holds this reservation, so all of
         // them have been unmapped.
         if let Err(e) = check(unsafe { sys::cuMemAddressFree(self.base, self.len) }) {
-            eprintln!(
-                "gpu-pager: cuMemAddressFree of {} bytes at {:#x} failed: {}",
-                self.len,
-                self.base,
-                describe(e)
-            );
+            let what = format_args!("{} bytes at {:#x}", self.len, self.base);
+            self.dev.record("cuMemAddressFree", what, e);
         }
+        drop(scope);
     }
 }
 
@@ -820,7 +1012,7 @@ impl Drop for CudaReservation {
 pub struct CudaChunk {
     handle: sys::CUmemGenericAllocationHandle,
     len: usize,
-    ctx: Arc<CudaContext>,
+    dev: Arc<Dev>,
 }
 
 impl CudaChunk {
@@ -846,15 +1038,13 @@ impl fmt::Debug for CudaChunk {
 
 impl Drop for CudaChunk {
     fn drop(&mut self) {
-        bind_in_drop(&self.ctx, "a physical chunk");
+        let scope = self.dev.scope_in_drop("a physical chunk");
         // SAFETY: the handle came from cuMemCreate and is released once, here.
         if let Err(e) = check(unsafe { sys::cuMemRelease(self.handle) }) {
-            eprintln!(
-                "gpu-pager: cuMemRelease of a {}-byte chunk failed: {}",
-                self.len,
-                describe(e)
-            );
+            let what = format_args!("a {}-byte chunk", self.len);
+            self.dev.record("cuMemRelease", what, e);
         }
+        drop(scope);
     }
 }
 
@@ -898,17 +1088,15 @@ impl Mapping for CudaMapping {
 
 impl Drop for CudaMapping {
     fn drop(&mut self) {
-        bind_in_drop(&self.chunk.ctx, "a mapping");
+        let dev = &self.chunk.dev;
+        let scope = dev.scope_in_drop("a mapping");
         // SAFETY: exactly this range was mapped by cuMemMap and is unmapped once, here. The
         // owner synchronised the device before dropping, so no work still touches it.
         if let Err(e) = check(unsafe { sys::cuMemUnmap(self.ptr, self.len) }) {
-            eprintln!(
-                "gpu-pager: cuMemUnmap of {} bytes at {:#x} failed: {}",
-                self.len,
-                self.ptr,
-                describe(e)
-            );
+            let what = format_args!("{} bytes at {:#x}", self.len, self.ptr);
+            dev.record("cuMemUnmap", what, e);
         }
+        drop(scope);
     }
 }
 
@@ -917,7 +1105,7 @@ impl Drop for CudaMapping {
 pub struct CudaHostBuffer {
     ptr: NonNull<u8>,
     len: usize,
-    ctx: Arc<CudaContext>,
+    dev: Arc<Dev>,
 }
 
 // SAFETY: the buffer exclusively owns its allocation, which any thread may use or free;
@@ -955,16 +1143,14 @@ impl HostBuffer for CudaHostBuffer {
 
 impl Drop for CudaHostBuffer {
     fn drop(&mut self) {
-        bind_in_drop(&self.ctx, "pinned host memory");
+        let scope = self.dev.scope_in_drop("pinned host memory");
         // SAFETY: the pointer came from cuMemHostAlloc and is freed once, here; no slice of
         // it outlives `self`.
         if let Err(e) = check(unsafe { sys::cuMemFreeHost(self.ptr.as_ptr().cast()) }) {
-            eprintln!(
-                "gpu-pager: cuMemFreeHost of {} bytes failed: {}",
-                self.len,
-                describe(e)
-            );
+            let what = format_args!("{} bytes of pinned host memory", self.len);
+            self.dev.record("cuMemFreeHost", what, e);
         }
+        drop(scope);
     }
 }
 
@@ -974,7 +1160,7 @@ impl Drop for CudaHostBuffer {
 pub struct CudaHog {
     ptr: sys::CUdeviceptr,
     len: usize,
-    ctx: Arc<CudaContext>,
+    dev: Arc<Dev>,
 }
 
 #[cfg(feature = "testing")]
@@ -987,14 +1173,13 @@ impl Held for CudaHog {
 #[cfg(feature = "testing")]
 impl Drop for CudaHog {
     fn drop(&mut self) {
-        bind_in_drop(&self.ctx, "a memory hog");
+        let scope = self.dev.scope_in_drop("a memory hog");
         // SAFETY: `ptr` came from cuMemAlloc in `hog` and is freed only here.
         if let Err(e) = unsafe { cudarc::driver::result::free_sync(self.ptr) } {
-            eprintln!(
-                "gpu-pager: cuMemFree of a memory hog failed: {}",
-                describe(e)
-            );
+            let what = format_args!("a {}-byte memory hog", self.len);
+            self.dev.record("cuMemFree", what, e);
         }
+        drop(scope);
     }
 }
 
@@ -1002,18 +1187,18 @@ impl Drop for CudaHog {
 #[derive(Debug)]
 pub struct CudaFence {
     event: sys::CUevent,
-    ctx: Arc<CudaContext>,
+    dev: Arc<Dev>,
 }
 
-// SAFETY: a CUevent handle may be used from any thread once its context is bound (every
-// use binds first).
+// SAFETY: a CUevent handle may be used from any thread while its context is current (every
+// use enters a context scope first).
 unsafe impl Send for CudaFence {}
 // SAFETY: as above; cuEventSynchronize may be called concurrently.
 unsafe impl Sync for CudaFence {}
 
 impl Fence for CudaFence {
     fn wait(&self) -> BackendResult<()> {
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         // SAFETY: the event is live until drop.
         check(unsafe { sys::cuEventSynchronize(self.event) })
             .map_err(|e| driver_err("cuEventSynchronize", e))
@@ -1022,10 +1207,12 @@ impl Fence for CudaFence {
 
 impl Drop for CudaFence {
     fn drop(&mut self) {
-        bind_in_drop(&self.ctx, "a fence");
+        let scope = self.dev.scope_in_drop("a fence");
         // SAFETY: the event was created by `fence` and is destroyed only here.
         if let Err(e) = check(unsafe { sys::cuEventDestroy_v2(self.event) }) {
-            eprintln!("gpu-pager: cuEventDestroy failed: {}", describe(e));
+            self.dev
+                .record("cuEventDestroy", format_args!("a fence's event"), e);
         }
+        drop(scope);
     }
 }

@@ -14,14 +14,19 @@
 //!   `n+1`-th next) call at a point fails, for deterministic tests.
 //!
 //! [`FaultyBackend::injected`] counts what was injected.
+//!
+//! A failure inside a `Drop` cannot be returned, so it is injected differently:
+//! [`FaultyBackend::fail_next_unmap`] makes a later drop of a mapping record an injected
+//! unmap failure in the backend's [`DeferredErrors`] (after really unmapping), which is how
+//! a real failed `cuMemUnmap` or `munmap` surfaces.
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::{
-    Backend, BackendError, BackendResult, DeviceInfo, Held, HostBuffer, KvKernels, Mapping,
-    MemInfo, RawStream, Reservation,
+    Backend, BackendError, BackendResult, DeferredErrors, DeviceInfo, Held, HostBuffer, KvKernels,
+    Mapping, MemInfo, RawStream, Reservation,
 };
 
 /// A call that can be made to fail.
@@ -136,6 +141,53 @@ pub struct FaultyBackend {
     armed: [Mutex<Vec<u64>>; 4],
     /// Faults injected per point.
     injected: [AtomicU64; 4],
+    /// Unmap failures still to inject, shared with the mappings handed out.
+    unmap_faults: Arc<UnmapFaults>,
+}
+
+/// Armed and injected unmap failures ([`FaultyBackend::fail_next_unmap`]).
+#[derive(Debug, Default)]
+struct UnmapFaults {
+    armed: AtomicU64,
+    injected: AtomicU64,
+}
+
+/// A mapping of the wrapped backend that may report an injected unmap failure when dropped.
+#[derive(Debug)]
+struct FaultyMapping {
+    inner: Box<dyn Mapping>,
+    faults: Arc<UnmapFaults>,
+    errors: Arc<DeferredErrors>,
+}
+
+impl Mapping for FaultyMapping {
+    fn ptr(&self) -> u64 {
+        self.inner.ptr()
+    }
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+}
+
+impl Drop for FaultyMapping {
+    /// Records an injected failure if one is armed; the wrapped mapping, dropped right
+    /// after, still unmaps for real.
+    fn drop(&mut self) {
+        let armed = self
+            .faults
+            .armed
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if armed {
+            self.faults.injected.fetch_add(1, Ordering::SeqCst);
+            self.errors.record(format!(
+                "unmapping {} bytes at {:#x} failed: {}",
+                self.inner.len(),
+                self.inner.ptr(),
+                BackendError::Injected { op: "unmap" }
+            ));
+        }
+    }
 }
 
 impl fmt::Debug for FaultyBackend {
@@ -159,7 +211,20 @@ impl FaultyBackend {
             calls: Default::default(),
             armed: Default::default(),
             injected: Default::default(),
+            unmap_faults: Default::default(),
         }
+    }
+
+    /// Makes the next drop of a mapping handed out by this backend record an injected
+    /// unmap failure in [`Backend::deferred_errors`] (the memory is still unmapped).
+    /// Calling it `n` times arms `n` failures.
+    pub fn fail_next_unmap(&self) {
+        self.unmap_faults.armed.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Unmap failures injected so far ([`FaultyBackend::fail_next_unmap`]).
+    pub fn injected_unmaps(&self) -> u64 {
+        self.unmap_faults.injected.load(Ordering::SeqCst)
     }
 
     /// The wrapped backend.
@@ -250,6 +315,10 @@ impl Backend for FaultyBackend {
         self.inner.info()
     }
 
+    fn deferred_errors(&self) -> &Arc<DeferredErrors> {
+        self.inner.deferred_errors()
+    }
+
     fn mem_info(&self) -> BackendResult<MemInfo> {
         self.inner.mem_info()
     }
@@ -269,7 +338,18 @@ impl Backend for FaultyBackend {
         self.check(FaultPoint::Map, "map")?;
         // SAFETY: the caller upholds `map`'s contract, which is the wrapped backend's (its
         // reservations are the wrapped backend's).
-        unsafe { self.inner.map(reservation, offset, chunk_sizes) }
+        let mapped = unsafe { self.inner.map(reservation, offset, chunk_sizes) }?;
+        let errors = self.inner.deferred_errors();
+        Ok(mapped
+            .into_iter()
+            .map(|inner| {
+                Box::new(FaultyMapping {
+                    inner,
+                    faults: self.unmap_faults.clone(),
+                    errors: errors.clone(),
+                }) as Box<dyn Mapping>
+            })
+            .collect())
     }
 
     fn synchronize(&self) -> BackendResult<()> {
@@ -477,6 +557,62 @@ mod tests {
         ));
         always.set_enabled(false);
         assert_eq!(always.injected().copy_to_host, 1);
+    }
+
+    #[test]
+    fn unmap_failures_in_drop_are_kept_as_values_not_returned() {
+        let (host, faulty, pager) = setup(true);
+        pager.region("kv", 2 * MIB, Policy::Discard).unwrap();
+        assert_eq!(host.used_bytes(), 2 * MIB);
+        faulty.fail_next_unmap();
+        faulty.fail_next_unmap();
+        // The release itself succeeds: both chunks are unmapped, the failures are deferred.
+        pager.release(&["kv"]).unwrap();
+        assert_eq!(host.used_bytes(), 0);
+        assert_eq!(faulty.injected_unmaps(), 2);
+        let stats = pager.stats();
+        assert_eq!(stats.deferred_errors.len(), 2);
+        assert_eq!(stats.deferred_errors_total, 2);
+        assert!(
+            stats.deferred_errors[0].contains("injected fault in unmap"),
+            "{:?}",
+            stats.deferred_errors
+        );
+        // The next call is not failed by them; they stay until taken.
+        pager.resume(&["kv"]).unwrap();
+        assert_eq!(pager.stats().deferred_errors.len(), 2);
+        let taken = pager.take_deferred_errors();
+        assert_eq!(taken, stats.deferred_errors);
+        assert!(pager.take_deferred_errors().is_empty());
+        let stats = pager.stats();
+        assert!(stats.deferred_errors.is_empty());
+        assert_eq!(stats.deferred_errors_total, 2);
+        // Dropping the pager drops the region's mappings: nothing armed, nothing recorded.
+        drop(pager);
+        assert_eq!(faulty.deferred_errors().total(), 2);
+        assert_eq!(host.used_bytes(), 0);
+    }
+
+    #[test]
+    fn a_kv_cache_dropped_under_a_lease_records_why_it_kept_its_region() {
+        use crate::kv::{KvCache, KvCacheConfig, KvDtype, KvLayout, KvOrder};
+        let (_host, _faulty, pager) = setup(true);
+        let pager = Arc::new(pager);
+        let layout = KvLayout::new(1, 1, 64, 16, KvDtype::Bf16, KvOrder::Nhd).unwrap();
+        let config = KvCacheConfig { chunk_bytes: MIB };
+        let kv = KvCache::new(pager.clone(), "kv_cache", layout, 64, config).unwrap();
+        let lease = pager.lease(&["kv_cache"]).unwrap();
+        drop(kv);
+        let errors = pager.take_deferred_errors();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0].contains("dropping the KV cache `kv_cache`"),
+            "{errors:?}"
+        );
+        assert!(pager.tags().contains(&"kv_cache".to_owned()));
+        drop(lease);
+        pager.remove("kv_cache").unwrap();
+        assert!(pager.take_deferred_errors().is_empty());
     }
 
     #[test]

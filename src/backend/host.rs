@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{
-    Backend, BackendError, BackendKind, BackendResult, DeviceInfo, HostBuffer, KvKernels, Mapping,
-    MemInfo, Reservation, check_map, kv_invalid,
+    Backend, BackendError, BackendKind, BackendResult, DeferredErrors, DeviceInfo, HostBuffer,
+    KvKernels, Mapping, MemInfo, Reservation, check_map, kv_invalid,
 };
 use crate::kernels::kv::{KvOp, reference as kv_reference};
 use crate::kernels::{self, reference};
@@ -105,6 +105,7 @@ fn physical_memory() -> usize {
 pub struct HostBackend {
     info: DeviceInfo,
     used: Arc<AtomicUsize>,
+    errors: Arc<DeferredErrors>,
 }
 
 impl HostBackend {
@@ -122,6 +123,7 @@ impl HostBackend {
                 compute_capability: None,
             },
             used: Arc::new(AtomicUsize::new(0)),
+            errors: Arc::new(DeferredErrors::new()),
         }
     }
 
@@ -211,6 +213,7 @@ fn map_placeholder(addr: u64, len: usize) -> BackendResult<u64> {
 struct HostReservation {
     base: u64,
     len: usize,
+    errors: Arc<DeferredErrors>,
 }
 
 impl Reservation for HostReservation {
@@ -227,10 +230,11 @@ impl Drop for HostReservation {
         // SAFETY: the range was mapped by `reserve` and is owned by this reservation alone;
         // every mapping inside it holds the reservation, so all of them are gone.
         if unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) } != 0 {
-            eprintln!(
-                "gpu-pager: munmap of a reservation failed: {}",
-                std::io::Error::last_os_error()
-            );
+            let e = std::io::Error::last_os_error();
+            self.errors.record(format!(
+                "munmap of a {}-byte reservation at {:#x} failed: {e}",
+                self.len, self.base
+            ));
         }
     }
 }
@@ -243,6 +247,7 @@ struct HostMapping {
     len: usize,
     _memfd: OwnedFd,
     used: Arc<AtomicUsize>,
+    errors: Arc<DeferredErrors>,
     _reservation: Arc<dyn Reservation>,
 }
 
@@ -260,7 +265,10 @@ impl Drop for HostMapping {
         // Unmap (put the placeholder back so the address stays reserved), then the memfd
         // closes as the field drops and its memory goes back to the system.
         if let Err(e) = map_placeholder(self.ptr, self.len) {
-            eprintln!("gpu-pager: unmapping a host chunk failed: {e}");
+            self.errors.record(format!(
+                "unmapping a {}-byte host chunk at {:#x} failed: {e}",
+                self.len, self.ptr
+            ));
         }
         self.used.fetch_sub(self.len, Ordering::SeqCst);
     }
@@ -318,6 +326,7 @@ impl HostBackend {
             len,
             _memfd: memfd,
             used: self.used.clone(),
+            errors: self.errors.clone(),
             _reservation: reservation.clone(),
         })
     }
@@ -348,6 +357,10 @@ impl HostBuffer for HostVec {
 impl Backend for HostBackend {
     fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    fn deferred_errors(&self) -> &Arc<DeferredErrors> {
+        &self.errors
     }
 
     fn mem_info(&self) -> BackendResult<MemInfo> {
@@ -382,7 +395,11 @@ impl Backend for HostBackend {
                 return Err(os_error("munmap"));
             }
         }
-        Ok(Arc::new(HostReservation { base, len: bytes }))
+        Ok(Arc::new(HostReservation {
+            base,
+            len: bytes,
+            errors: self.errors.clone(),
+        }))
     }
 
     unsafe fn map(

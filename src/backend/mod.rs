@@ -11,6 +11,11 @@
 //! reservation it lies in (an `Arc`), so the range is freed only after the last mapping
 //! inside it is unmapped, whatever order the owners drop them in.
 //!
+//! A failure inside a `Drop` (an unmap, a release, a free, an event destroy) cannot be
+//! returned: the handle records it in its backend's [`DeferredErrors`], which logs it
+//! through the [`log`] crate and keeps it for [`crate::Pager::stats`] and
+//! [`crate::Pager::take_deferred_errors`]. Nothing in the library prints.
+//!
 //! Device addresses are plain `u64` values. Functions that dereference them are `unsafe`:
 //! the caller promises the range lies inside mapped memory of this backend.
 
@@ -19,8 +24,9 @@ pub mod cuda;
 pub mod faulty;
 pub mod host;
 
+use std::collections::VecDeque;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::kernels::kv::{KvError, KvOp};
 
@@ -116,6 +122,69 @@ pub enum BackendError {
 /// Result type of backend calls.
 pub type BackendResult<T> = Result<T, BackendError>;
 
+/// How many unread messages a [`DeferredErrors`] keeps; older ones are dropped (and still
+/// counted in [`DeferredErrors::total`]).
+pub const DEFERRED_ERRORS_KEPT: usize = 64;
+
+/// Failures that no call could return, kept as values (cudarc's `record_err` / `check_err`
+/// pattern): a driver or OS call made from a `Drop` (unmapping, releasing, freeing,
+/// destroying an event, giving the caller's CUDA context back), a cleanup call on an error
+/// path whose first error was returned instead, and errors cudarc deferred from its own
+/// `Drop` impls.
+///
+/// Each backend owns one ([`Backend::deferred_errors`]) and every handle it hands out holds
+/// it (an `Arc`), so a handle dropped after its backend still has somewhere to report.
+/// [`DeferredErrors::record`] logs the message through the [`log`] crate (level `error`,
+/// target `gpu_pager`) and keeps it until [`DeferredErrors::take`]; nothing is printed.
+#[derive(Debug, Default)]
+pub struct DeferredErrors {
+    state: Mutex<DeferredState>,
+}
+
+#[derive(Debug, Default)]
+struct DeferredState {
+    total: u64,
+    unread: VecDeque<String>,
+}
+
+impl DeferredErrors {
+    /// An empty sink.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, DeferredState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Logs `message` and keeps it (the newest [`DEFERRED_ERRORS_KEPT`] are kept).
+    pub fn record(&self, message: impl Into<String>) {
+        let message = message.into();
+        log::error!(target: "gpu_pager", "{message}");
+        let mut s = self.state();
+        s.total += 1;
+        if s.unread.len() == DEFERRED_ERRORS_KEPT {
+            s.unread.pop_front();
+        }
+        s.unread.push_back(message);
+    }
+
+    /// The kept messages, oldest first, without removing them.
+    pub fn unread(&self) -> Vec<String> {
+        self.state().unread.iter().cloned().collect()
+    }
+
+    /// Removes and returns the kept messages, oldest first.
+    pub fn take(&self) -> Vec<String> {
+        self.state().unread.drain(..).collect()
+    }
+
+    /// Failures recorded since the sink was created, taken or not.
+    pub fn total(&self) -> u64 {
+        self.state().total
+    }
+}
+
 /// A reserved virtual address range, shared (`Arc`) by its owner and by every [`Mapping`]
 /// inside it. Dropping the last reference frees the range, so no mapping outlives it.
 pub trait Reservation: Send + Sync + fmt::Debug {
@@ -194,6 +263,10 @@ pub trait Fence: Send + Sync + fmt::Debug {
 pub trait Backend: Send + Sync + fmt::Debug {
     /// Describes the device.
     fn info(&self) -> &DeviceInfo;
+
+    /// Where this backend's handles record the failures their `Drop` cannot return. A
+    /// wrapper returns the wrapped backend's (its handles are the wrapped backend's).
+    fn deferred_errors(&self) -> &Arc<DeferredErrors>;
 
     /// Free and total device memory now.
     fn mem_info(&self) -> BackendResult<MemInfo>;
@@ -411,6 +484,22 @@ pub fn auto() -> (Arc<dyn Backend>, Option<String>) {
 mod tests {
     use super::host::{HostBackend, HostConfig};
     use super::*;
+
+    #[test]
+    fn deferred_errors_keep_the_newest_and_count_all() {
+        let sink = DeferredErrors::new();
+        assert_eq!((sink.total(), sink.take()), (0, Vec::<String>::new()));
+        for i in 0..DEFERRED_ERRORS_KEPT + 3 {
+            sink.record(format!("failure {i}"));
+        }
+        assert_eq!(sink.total(), DEFERRED_ERRORS_KEPT as u64 + 3);
+        let unread = sink.unread();
+        assert_eq!(unread.len(), DEFERRED_ERRORS_KEPT);
+        assert_eq!(unread[0], "failure 3");
+        assert_eq!(sink.take(), unread);
+        assert!(sink.take().is_empty());
+        assert_eq!(sink.total(), DEFERRED_ERRORS_KEPT as u64 + 3);
+    }
 
     #[test]
     fn map_checks_the_span_against_the_reservation() {

@@ -703,12 +703,17 @@ impl KvCache {
 
 impl Drop for KvCache {
     /// Removes the cache's region (after waiting for device work), unless it was removed
-    /// already. A failure (a lease still held on the tag) is printed, never a panic; the
-    /// region then stays until `pager.remove`.
+    /// already. A failure (a lease still held on the tag) is recorded in the backend's
+    /// deferred errors ([`Pager::take_deferred_errors`]), never a panic; the region then
+    /// stays until `pager.remove`.
     fn drop(&mut self) {
         match self.pager.remove_if_id(&self.tag, self.region_id) {
             Ok(_) | Err(Error::UnknownTag { .. }) => {}
-            Err(e) => eprintln!("gpu-pager: dropping the KV cache `{}`: {e}", self.tag),
+            Err(e) => self
+                .pager
+                .backend()
+                .deferred_errors()
+                .record(format!("dropping the KV cache `{}`: {e}", self.tag)),
         }
     }
 }

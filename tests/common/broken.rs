@@ -2,8 +2,8 @@
 
 use gpu_pager::backend::host::HostBackend;
 use gpu_pager::backend::{
-    Backend, BackendResult, DeviceInfo, Fence, Held, HostBuffer, KvKernels, Mapping, MemInfo,
-    RawStream, Reservation,
+    Backend, BackendResult, DeferredErrors, DeviceInfo, Fence, Held, HostBuffer, KvKernels,
+    Mapping, MemInfo, RawStream, Reservation,
 };
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -48,6 +48,9 @@ impl Broken {
 impl Backend for Broken {
     fn info(&self) -> &DeviceInfo {
         self.inner.info()
+    }
+    fn deferred_errors(&self) -> &Arc<DeferredErrors> {
+        self.inner.deferred_errors()
     }
     fn mem_info(&self) -> BackendResult<MemInfo> {
         self.inner.mem_info()

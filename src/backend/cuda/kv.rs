@@ -11,7 +11,7 @@ use std::borrow::Cow;
 
 use cudarc::driver::{CudaFunction, CudaStream, sys};
 
-use super::{CudaBackend, bind, check, driver_err};
+use super::{CudaBackend, check, driver_err};
 use crate::backend::{BackendError, BackendResult, KvKernels, RawStream, kv_invalid};
 use crate::kernels::kv::{Kv, KvOp};
 use crate::kernels::{KernelModule, abi, kv as geometry};
@@ -55,6 +55,7 @@ impl CudaBackend {
         if let Some(k) = self.kv_functions.get() {
             return Ok(k);
         }
+        let _scope = self.dev.scope()?;
         let module = self.load_module(KernelModule::Kv)?;
         let function = |name| {
             module
@@ -87,6 +88,7 @@ impl CudaBackend {
         params: &abi::GpKvRowsParams,
     ) -> BackendResult<()> {
         self.check_stream("kv", stream)?;
+        let _scope = self.dev.scope()?;
         // SAFETY: forwarded from the caller; the stream is a live stream of this context.
         unsafe { self.enqueue_rows(stream.cu_stream(), kernel, params) }
     }
@@ -105,11 +107,13 @@ impl CudaBackend {
         params: &abi::GpKvMoveParams,
     ) -> BackendResult<()> {
         self.check_stream("kv", stream)?;
+        let _scope = self.dev.scope()?;
         // SAFETY: forwarded from the caller; the stream is a live stream of this context.
         unsafe { self.enqueue_move(stream.cu_stream(), params) }
     }
 
-    /// [`CudaBackend::kv_rows_on`] on a raw stream.
+    /// [`CudaBackend::kv_rows_on`] on a raw stream. The caller holds a
+    /// [`CtxScope`](super::CtxScope).
     ///
     /// # Safety
     /// As `kv_rows_on`, and `stream` must be a live stream of this context.
@@ -145,7 +149,6 @@ impl CudaBackend {
         if params.tokens == 0 {
             return Ok(());
         }
-        bind(&self.ctx)?;
         let k = self.kv_functions()?;
         let vecs_per_token =
             u64::from(params.kv_heads) * u64::from(params.row_bytes) / u64::from(params.vec_bytes);
@@ -159,7 +162,8 @@ impl CudaBackend {
         unsafe { launch(function, geometry, params, stream) }
     }
 
-    /// [`CudaBackend::kv_move_on`] on a raw stream.
+    /// [`CudaBackend::kv_move_on`] on a raw stream. The caller holds a
+    /// [`CtxScope`](super::CtxScope).
     ///
     /// # Safety
     /// As `kv_move_on`, and `stream` must be a live stream of this context.
@@ -185,7 +189,6 @@ impl CudaBackend {
         if params.count == 0 || params.block_bytes == 0 {
             return Ok(());
         }
-        bind(&self.ctx)?;
         let k = self.kv_functions()?;
         let geometry = geometry::move_geometry(
             u64::from(params.count),
@@ -244,7 +247,7 @@ impl KvKernels for CudaBackend {
         if index.is_empty() {
             return Ok(()); // no tokens, no blocks: nothing to do
         }
-        bind(&self.ctx)?;
+        let _scope = self.dev.scope()?;
         // The scratch memory is shared: hold its lock until the kernel has finished.
         let mut slot = self
             .kv_scratch
@@ -281,6 +284,7 @@ impl KvKernels for CudaBackend {
         if list.is_empty() {
             return Ok(());
         }
+        let _scope = self.dev.scope()?;
         // SAFETY: forwarded from the caller (a live stream of this context; `index` holds
         // the list laid out as `plan` would upload it).
         unsafe { self.enqueue(stream.0 as sys::CUstream, launch, index) }

@@ -5,7 +5,7 @@
 //!   the cache region;
 //! - [`KvOp`] on a [`CacheView`] and [`DeviceSpan`]s: one checked kernel call, what a
 //!   backend's [`KvKernels`](crate::backend::KvKernels) launch;
-//! - [`reference`]: the plain-Rust reference of each kernel (the host backend runs them);
+//! - [`reference`](mod@reference): the plain-Rust reference of each kernel (the host backend runs them);
 //! - [`KvError`] and the ids it names ([`BlockId`], [`SeqId`]);
 //! - launch parameters and geometry of `kernels/kv.cu` (below).
 //!

@@ -459,9 +459,14 @@ impl Pager {
         let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
         let slot = map.get(tag).ok_or_else(|| unknown_tag(&map, tag))?;
         {
-            let r = lock(slot);
+            let mut r = lock(slot);
             if id.is_some_and(|id| id != r.id) {
                 return Ok(false);
+            }
+            if id.is_some() {
+                // Its owner is going away: whatever happens below, a plain `remove` may
+                // take the region from now on (it is nobody's any more).
+                r.exclusive = false;
             }
             if id.is_none() && r.exclusive {
                 return Err(Error::InvalidArgument {

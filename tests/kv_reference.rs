@@ -271,6 +271,10 @@ fn oor(what: &'static str, index: u64, limit: u64) -> KvError {
     KvError::OutOfRange { what, index, limit }
 }
 
+fn short(what: &'static str, needed: u64, len: u64) -> KvError {
+    KvError::BufferTooSmall { what, needed, len }
+}
+
 #[track_caller]
 fn invalid<T: std::fmt::Debug>(r: Result<T, KvError>, needle: &str) {
     match r {
@@ -342,7 +346,7 @@ fn write_errors_write_nothing() {
                 stride,
                 &slots
             ),
-            Err(oor("keys byte", len as u64 - 1, len as u64 - 1))
+            Err(short("keys", len as u64, len as u64 - 1))
         );
         assert_eq!(
             write(
@@ -355,7 +359,7 @@ fn write_errors_write_nothing() {
                 stride,
                 &slots
             ),
-            Err(oor("values byte", len as u64 - 1, len as u64 - 1))
+            Err(short("values", len as u64, len as u64 - 1))
         );
         let limit = u64::from(cap) * bs;
         for bad in [limit, limit + 1, i64::MAX as u64] {
@@ -443,7 +447,7 @@ fn gather_errors_write_nothing() {
         );
         assert_eq!(
             gather(&cache, &l, 0, Kv::V, &[0, 1], n, &mut out[..n * tb - 1]),
-            Err(oor("output byte", (n * tb - 1) as u64, (n * tb - 1) as u64))
+            Err(short("output", (n * tb) as u64, (n * tb - 1) as u64))
         );
         assert!(out.iter().all(|&b| b == POISON), "{l:?}");
         // zero tokens need no table and no output
@@ -466,7 +470,7 @@ fn swap_errors_write_nothing() {
         );
         assert_eq!(
             swap_out(&cache, &l, &[1, 2, 3], &mut host),
-            Err(oor("host buffer byte", 3 * bpb as u64 - 1, 2 * bpb as u64))
+            Err(short("host", 3 * bpb as u64, 2 * bpb as u64))
         );
         assert!(host.iter().all(|&b| b == POISON), "{l:?}");
 
@@ -477,11 +481,7 @@ fn swap_errors_write_nothing() {
         );
         assert_eq!(
             swap_in(&mut cache, &l, &[0, 1], &src[..2 * bpb - 1]),
-            Err(oor(
-                "host buffer byte",
-                2 * bpb as u64 - 1,
-                2 * bpb as u64 - 1
-            ))
+            Err(short("host", 2 * bpb as u64, 2 * bpb as u64 - 1))
         );
         invalid(swap_in(&mut cache, &l, &[2, 2], &src), "listed twice");
         assert!(cache == orig, "{l:?}");

@@ -58,6 +58,20 @@ pub enum KvError {
         limit: u64,
     },
 
+    /// A buffer is shorter than the call needs.
+    #[error(
+        "the {what} buffer holds {len} bytes but the call needs {needed}; pass a buffer of at \
+         least {needed} bytes, or fewer tokens or blocks"
+    )]
+    BufferTooSmall {
+        /// Which buffer: `"keys"`, `"values"`, `"output"`, `"host"`.
+        what: &'static str,
+        /// Bytes the call reads or writes in it.
+        needed: u64,
+        /// Bytes it has.
+        len: u64,
+    },
+
     /// The block is already free (its id is current, its reference count is zero).
     #[error(
         "block {id} is already free (double free); free each allocation or retain exactly once"

@@ -43,13 +43,13 @@ fn to_usize(x: u64, what: &str) -> Result<usize, KvError> {
     usize::try_from(x).map_err(|_| invalid(format!("{what} ({x}) does not fit in usize")))
 }
 
-/// Errors unless a buffer of `len` bytes holds `needed` bytes.
+/// Errors unless the `what` buffer's `len` bytes hold `needed` bytes.
 fn need(what: &'static str, needed: u64, len: usize) -> Result<(), KvError> {
     if needed > len as u64 {
-        return Err(KvError::OutOfRange {
+        return Err(KvError::BufferTooSmall {
             what,
-            index: needed - 1,
-            limit: len as u64,
+            needed,
+            len: len as u64,
         });
     }
     Ok(())
@@ -230,8 +230,8 @@ pub fn check_write(
         let needed = (tokens as u64 - 1)
             .saturating_mul(stride)
             .saturating_add(token_bytes);
-        need("keys byte", needed, keys_len)?;
-        need("values byte", needed, values_len)?;
+        need("keys", needed, keys_len)?;
+        need("values", needed, values_len)?;
     }
     let capacity = blocks_in(layout, cache_len);
     let limit = u64::from(capacity) * u64::from(layout.block_size());
@@ -374,7 +374,7 @@ pub fn check_gather(
         check_block("block of the block table", b, capacity)?;
     }
     need(
-        "output byte",
+        "output",
         (tokens as u64).saturating_mul(token_bytes(layout)),
         out_len,
     )?;
@@ -394,7 +394,7 @@ pub fn check_swap_out(
         check_block("block", b, capacity)?;
     }
     need(
-        "host buffer byte",
+        "host",
         (blocks.len() as u64).saturating_mul(layout.bytes_per_block()),
         host_len,
     )?;
@@ -510,10 +510,10 @@ mod tests {
         let e = write(&mut cache, &l, 0, &keys[..9], &keys, 2, 6, &[1, 0]).unwrap_err();
         assert_eq!(
             e,
-            KvError::OutOfRange {
-                what: "keys byte",
-                index: 9,
-                limit: 9
+            KvError::BufferTooSmall {
+                what: "keys",
+                needed: 10,
+                len: 9
             }
         );
         // odd stride for a 2-byte dtype

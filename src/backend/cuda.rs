@@ -1168,6 +1168,9 @@ impl Held for CudaHog {
     fn len(&self) -> usize {
         self.len
     }
+    fn ptr(&self) -> Option<u64> {
+        Some(self.ptr)
+    }
 }
 
 #[cfg(feature = "testing")]

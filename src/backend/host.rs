@@ -158,6 +158,9 @@ impl super::Held for Hold {
     fn len(&self) -> usize {
         self.bytes
     }
+    fn ptr(&self) -> Option<u64> {
+        None
+    }
 }
 
 #[cfg(feature = "testing")]

@@ -240,6 +240,9 @@ pub trait HostBuffer: Send + Sync + fmt::Debug {
 pub trait Held: Send + Sync + fmt::Debug {
     /// Bytes held.
     fn len(&self) -> usize;
+    /// Device address of the held memory, to touch it as a trainer would (`None` where the
+    /// hold is only accounting, as on the host backend).
+    fn ptr(&self) -> Option<u64>;
     /// Whether nothing is held.
     fn is_empty(&self) -> bool {
         self.len() == 0

@@ -41,6 +41,15 @@ pub struct BenchConfig {
     pub cold_release: bool,
     /// Chunk sizes for the bare map/unmap sweep (empty: no sweep).
     pub sweep: Vec<usize>,
+    /// Also cycle the weights in a growing region (created with 0 bytes, one mapping per
+    /// buffer) next to the fixed one.
+    pub growing: bool,
+    /// Buffer sizes whose allocation latency in a growing region is timed against a bare
+    /// `cuMemCreate` + `cuMemMap` + `cuMemSetAccess` of the same size (empty: none).
+    pub alloc_sizes: Vec<usize>,
+    /// Also time the link and the weights' resume right after a trainer-like allocation of
+    /// all but a small margin of the free memory was written and freed.
+    pub after_free: bool,
 }
 
 impl BenchConfig {
@@ -54,6 +63,9 @@ impl BenchConfig {
             repeats: 5,
             cold_release: true,
             sweep: Vec::new(),
+            growing: true,
+            alloc_sizes: vec![2 * MIB, 20 * MIB, 128 * MIB, GIB],
+            after_free: true,
         }
     }
 
@@ -67,6 +79,9 @@ impl BenchConfig {
             repeats: 3,
             cold_release: false,
             sweep: Vec::new(),
+            growing: true,
+            alloc_sizes: vec![2 * MIB, 20 * MIB],
+            after_free: true,
         }
     }
 
@@ -328,15 +343,48 @@ impl Bare {
     }
 }
 
-/// Weight buffers: sizes vary ±5% around an equal share, as a model's tensors do.
-fn weight_buffers(pager: &Pager, cfg: &BenchConfig) -> Result<Vec<Buffer>> {
+/// Weight buffers in `tag`: sizes vary ±5% around an equal share, as a model's tensors do.
+fn weight_buffers(pager: &Pager, tag: &str, cfg: &BenchConfig) -> Result<Vec<Buffer>> {
     let unit = cfg.weights_bytes / cfg.weight_buffers.max(1);
     (0..cfg.weight_buffers)
         .map(|i| {
             let len = (unit - 4096 - (i * 7919) % (unit / 20).max(1)).max(16);
-            pager.alloc("weights", len)
+            pager.alloc(tag, len)
         })
         .collect()
+}
+
+/// What a trainer does between release and resume: allocates all but `margin` bytes of
+/// the free device memory with a plain allocation, writes all of it, and frees it.
+fn trainer_step(backend: &dyn Backend, margin: usize) -> Result<usize> {
+    let free = backend
+        .mem_info()
+        .map_err(backend_err("bench_trainer", "querying memory"))?
+        .free;
+    let g = backend.info().granularity;
+    let bytes = free.saturating_sub(margin) / g * g;
+    if bytes == 0 {
+        return Ok(0);
+    }
+    let held = backend
+        .hog(bytes)
+        .map_err(backend_err("bench_trainer", "allocating"))?;
+    if let Some(p) = held.ptr() {
+        // SAFETY: `p .. p + bytes` is the plain device allocation `held` owns.
+        unsafe { backend.fill(p, bytes, 0x7A7A_7A7A) }
+            .map_err(backend_err("bench_trainer", "writing"))?;
+    }
+    drop(held);
+    Ok(bytes)
+}
+
+/// Human size for row names: "2 MiB", "1 GiB".
+fn size_name(bytes: usize) -> String {
+    if bytes >= GIB && bytes % GIB == 0 {
+        format!("{} GiB", bytes / GIB)
+    } else {
+        format!("{} MiB", bytes / MIB)
+    }
 }
 
 fn write_weights(pager: &Pager, bufs: &[Buffer], generation: u32) -> Result<()> {
@@ -381,7 +429,7 @@ pub fn run(
             ..Default::default()
         },
     )?;
-    let bufs = weight_buffers(&pager, cfg)?;
+    let bufs = weight_buffers(&pager, "weights", cfg)?;
     write_weights(&pager, &bufs, 0)?;
     let first = pager.release(&["weights"])?;
     let first_row = (first.total, first.copied());
@@ -473,6 +521,87 @@ pub fn run(
     });
     pager.resume(&["weights"])?;
 
+    if cfg.growing {
+        log("weights in a growing region: the same buffers, one mapping each, cycles 1 s apart");
+        let prepin = RegionOptions {
+            prepin: true,
+            ..Default::default()
+        };
+        pager.region_with("weights_grow", 0, Policy::Preserve, prepin)?;
+        let gbufs = weight_buffers(&pager, "weights_grow", cfg)?;
+        write_weights(&pager, &gbufs, 0)?;
+        pager.release(&["weights_grow"])?;
+        let (mut res, mut rel) = (vec![], vec![]);
+        let (mut restored, mut changed) = (0, 0);
+        for rep in 0..repeats {
+            std::thread::sleep(idle);
+            let r = pager.resume(&["weights_grow"])?;
+            res.push(r.total);
+            restored = r.copied();
+            write_weights(&pager, &gbufs, rep as u32 + 1)?;
+            let r = pager.release(&["weights_grow"])?;
+            rel.push(r.total);
+            changed = r.copied();
+        }
+        rows.push(copy_row(
+            &format!(
+                "growing region ({} buffers): resume weights, 1 s after",
+                gbufs.len()
+            ),
+            &res,
+            restored,
+            "H2D",
+            Some(1.05),
+        ));
+        rows.push(copy_row(
+            "growing region: release weights, contents changed",
+            &rel,
+            changed,
+            "D2H",
+            Some(1.05),
+        ));
+        pager.remove("weights_grow")?;
+    }
+
+    if !cfg.alloc_sizes.is_empty() {
+        log("alloc latency in a growing region, alternated with bare VMM of the same size");
+        pager.region("alloc_lat", 0, Policy::Discard)?;
+        for &size in &cfg.alloc_sizes {
+            let mut bare = Bare::new(backend.as_ref(), size)?;
+            let (mut alloc, mut free, mut bmap, mut bunmap) = (vec![], vec![], vec![], vec![]);
+            for _ in 0..repeats * 4 {
+                let t = Instant::now();
+                let b = pager.alloc("alloc_lat", size)?;
+                alloc.push(t.elapsed());
+                let t = Instant::now();
+                pager.free(&b)?;
+                free.push(t.elapsed());
+                let (m, u) = bare.cycle(backend.as_ref(), size)?;
+                bmap.push(m);
+                bunmap.push(u);
+            }
+            rows.push(Row {
+                name: format!("alloc {} (growing region, maps it)", size_name(size)),
+                figure: Spread::of(&alloc),
+                limit: Spread::of(&bmap),
+                limit_name: "bare create+map+set-access".into(),
+                target: Some(1.25),
+            });
+            rows.push(Row {
+                name: format!("free {} (waits for the device, unmaps)", size_name(size)),
+                figure: Spread::of(&free),
+                limit: Spread::of(&bunmap),
+                limit_name: "bare unmap+release".into(),
+                target: None,
+            });
+        }
+        pager.remove("alloc_lat")?;
+    }
+
+    if cfg.after_free {
+        after_free_rows(&pager, cfg, &link, repeats, log, &mut rows)?;
+    }
+
     if cfg.cold_release {
         log("weights: first release without prepin (pins on the critical path)");
         pager.region("weights_cold", cfg.weights_bytes, Policy::Preserve)?;
@@ -501,6 +630,28 @@ pub fn run(
         bunmap.push(u);
         res.push(pager.resume(&["kv_cache"])?.total);
     }
+    // torch_memory_saver's pattern: one handle per 2 GiB KV tensor.
+    let (mut tmap, mut tunmap) = (vec![], vec![]);
+    for _ in 0..repeats {
+        let (m, u) = bare.cycle(backend.as_ref(), (2 * GIB).min(kv_size))?;
+        tmap.push(m);
+        tunmap.push(u);
+    }
+    let per_tensor = kv_size.div_ceil(2 * GIB);
+    rows.push(Row {
+        name: format!("bare map, {per_tensor} handles of 2 GiB (torch_memory_saver's pattern)"),
+        figure: Spread::of(&tmap),
+        limit: Spread::of(&bmap),
+        limit_name: "bare map in the pager's chunks".into(),
+        target: None,
+    });
+    rows.push(Row {
+        name: format!("bare unmap, {per_tensor} handles of 2 GiB"),
+        figure: Spread::of(&tunmap),
+        limit: Spread::of(&bunmap),
+        limit_name: "bare unmap in the pager's chunks".into(),
+        target: None,
+    });
     let chunks = kv_size.div_ceil(pager.config().chunk_bytes);
     rows.push(Row {
         name: format!("release KV {:.0} GiB", kv_size as f64 / GIB as f64),
@@ -544,4 +695,195 @@ pub fn run(
         rows,
         sweep,
     })
+}
+
+/// The rows of the sequence RL really runs: release, a trainer allocates, writes and frees
+/// nearly all free memory, resume at once. Measures the copy engine into memory mapped right
+/// after the free against settled memory, a copy split over two streams, and the KV swap-in
+/// kernel (an SM-driven zero-copy read of pinned memory) against the copy engine, then the
+/// pager's resume of the weights in that state. Needs the weights resident and released
+/// (backup current) around it; leaves them resident.
+fn after_free_rows(
+    pager: &Pager,
+    cfg: &BenchConfig,
+    link: &Link,
+    repeats: usize,
+    log: &mut dyn FnMut(&str),
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    use gpu_pager::kv::{KvCache, KvCacheConfig, KvDtype, KvLayout, KvOrder};
+    let backend = pager.backend().clone();
+    let b = backend.as_ref();
+    let margin = 2 * GIB;
+    let bytes = cfg.link_bytes();
+    log(&format!(
+        "after a trainer's allocate/write/free of all but {} GiB: {} probes",
+        margin / GIB,
+        size_name(bytes)
+    ));
+    pager.region("probe", bytes, Policy::Discard)?;
+    let pb = pager.alloc("probe", bytes)?;
+    let dst = pager.ptr(&pb)?;
+    let host = b
+        .alloc_pinned(bytes)
+        .map_err(backend_err("probe", "pinning"))?;
+    // The SM-driven copy: the KV swap-in kernel over 256 KiB blocks.
+    let layout = KvLayout::new(1, 8, 128, 64, KvDtype::Bf16, KvOrder::Nhd)?;
+    let bpb = layout.bytes_per_block() as usize;
+    let blocks = (bytes / bpb) as u32;
+    let kv = KvCache::new(
+        Arc::new(Pager::new(backend.clone())),
+        "probe_kv",
+        layout,
+        blocks,
+        KvCacheConfig::default(),
+    )?;
+    let space = kv.alloc_host(blocks)?;
+    let streams = crate::bench::streams::two(b)?;
+
+    let (mut ce_fresh, mut ce_settled, mut ce_two, mut sm_fresh, mut sm_settled) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    let mut resume_after = vec![];
+    let mut restored = 0;
+    let copy = |samples: &mut Vec<Duration>| -> Result<()> {
+        let t = Instant::now();
+        // SAFETY: `dst .. dst + bytes` is the live, resident probe buffer.
+        unsafe { b.copy_to_device(dst, host.as_slice()) }.map_err(backend_err("probe", "copy"))?;
+        samples.push(t.elapsed());
+        Ok(())
+    };
+    let swap_in = |samples: &mut Vec<Duration>| -> Result<()> {
+        let seq = kv.create_seq()?;
+        let ids = kv.append_tokens(seq, u64::from(blocks) * 64)?;
+        let t = Instant::now();
+        kv.swap_in(&ids, &space)?;
+        samples.push(t.elapsed());
+        kv.free_seq(seq)?;
+        kv.trim()?;
+        Ok(())
+    };
+    for rep in 0..repeats {
+        log(&format!(
+            "after-free probes: round {} of {repeats}",
+            rep + 1
+        ));
+        // Copy engine, one stream, into memory mapped right after the trainer's free.
+        pager.release(&["probe"])?;
+        trainer_step(b, margin)?;
+        pager.resume(&["probe"])?;
+        copy(&mut ce_fresh)?;
+        // The same a second later.
+        std::thread::sleep(Duration::from_secs(1));
+        copy(&mut ce_settled)?;
+        // Two streams, right after a free.
+        if let Some((s1, s2)) = &streams {
+            trainer_step(b, margin)?;
+            let half = bytes / 2;
+            let t = Instant::now();
+            // SAFETY: both halves lie in the live probe buffer; the host buffer lives and is
+            // not written until both streams are synchronized below.
+            unsafe {
+                b.copy_to_device_async(dst, &host.as_slice()[..half], Some(s1.raw()))
+                    .map_err(backend_err("probe", "copy"))?;
+            }
+            // SAFETY: as above.
+            unsafe {
+                b.copy_to_device_async(dst + half as u64, &host.as_slice()[half..], Some(s2.raw()))
+                    .map_err(backend_err("probe", "copy"))?;
+            }
+            s1.sync()?;
+            s2.sync()?;
+            ce_two.push(t.elapsed());
+        }
+        // The SM kernel, right after a free (into fresh memory) and settled.
+        trainer_step(b, margin)?;
+        swap_in(&mut sm_fresh)?;
+        std::thread::sleep(Duration::from_secs(1));
+        swap_in(&mut sm_settled)?;
+        // The pager's resume of the weights right after the trainer.
+        pager.release(&["weights"])?;
+        trainer_step(b, margin)?;
+        let r = pager.resume(&["weights"])?;
+        resume_after.push(r.total);
+        restored = r.copied();
+    }
+    drop(kv);
+    drop(host);
+    pager.remove("probe")?;
+    let h2d = |n: usize| Duration::from_secs_f64(n as f64 / (link.h2d_gbps * 1e9));
+    let name = size_name(bytes);
+    let mut probe_row = |what: String, samples: &[Duration]| {
+        if !samples.is_empty() {
+            rows.push(Row {
+                name: what,
+                figure: Spread::of(samples),
+                limit: Spread::of(&[h2d(bytes)]),
+                limit_name: format!("{name} / H2D (settled)"),
+                target: None,
+            });
+        }
+    };
+    probe_row(
+        format!("copy engine {name} H2D, right after a free"),
+        &ce_fresh,
+    );
+    probe_row(format!("copy engine {name} H2D, 1 s later"), &ce_settled);
+    probe_row(
+        format!("copy engine {name} H2D on 2 streams, right after a free"),
+        &ce_two,
+    );
+    probe_row(
+        format!("SM zero-copy kernel {name} H2D, right after a free"),
+        &sm_fresh,
+    );
+    probe_row(
+        format!("SM zero-copy kernel {name} H2D, 1 s later"),
+        &sm_settled,
+    );
+    rows.push(Row {
+        name: "resume weights right after a trainer's allocate/write/free".into(),
+        figure: Spread::of(&resume_after),
+        limit: Spread::of(&[h2d(restored)]),
+        limit_name: format!("{:.2} GiB / H2D", restored as f64 / GIB as f64),
+        target: Some(1.15),
+    });
+    Ok(())
+}
+
+/// Extra CUDA streams for the multi-stream probe (none on the host backend).
+mod streams {
+    use gpu_pager::backend::{Backend, BackendKind, RawStream};
+    use gpu_pager::{Error, Result};
+    use std::sync::Arc;
+
+    /// A stream of the device's primary context (the backend's context).
+    pub struct Stream(Arc<cudarc::driver::CudaStream>);
+
+    impl Stream {
+        pub fn raw(&self) -> RawStream {
+            RawStream(self.0.cu_stream() as usize)
+        }
+        pub fn sync(&self) -> Result<()> {
+            self.0.synchronize().map_err(|e| Error::InvalidArgument {
+                tag: "probe".into(),
+                reason: format!("stream synchronize failed: {e:?}"),
+            })
+        }
+    }
+
+    /// Two streams on a CUDA backend's device 0, `None` on the host backend.
+    pub fn two(b: &dyn Backend) -> Result<Option<(Stream, Stream)>> {
+        if b.info().kind != BackendKind::Cuda {
+            return Ok(None);
+        }
+        let err = |e: cudarc::driver::DriverError| Error::InvalidArgument {
+            tag: "probe".into(),
+            reason: format!("creating probe streams failed: {e:?}"),
+        };
+        let ctx = cudarc::driver::CudaContext::new(0).map_err(err)?;
+        Ok(Some((
+            Stream(ctx.new_stream().map_err(err)?),
+            Stream(ctx.new_stream().map_err(err)?),
+        )))
+    }
 }

@@ -1,0 +1,193 @@
+//! Growing regions on a real GPU: 300 odd-sized buffers cycled bit-exact, memory really
+//! returned on release and on free, OOM on alloc and on resume rolled back against a real
+//! allocation.
+//!
+//! Every test is `#[ignore = "needs a CUDA GPU"]` and fails (never passes) without one.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{Rng, assert_bytes_eq, gpu_lock};
+
+use gpu_pager::backend::Backend;
+use gpu_pager::backend::cuda::CudaBackend;
+use gpu_pager::{Buffer, Error, Pager, Policy, State};
+
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+
+fn scale() -> usize {
+    std::env::var("GPU_PAGER_TEST_SCALE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .filter(|&s: &usize| s > 0)
+        .unwrap_or(1)
+}
+
+fn gpu() -> Arc<CudaBackend> {
+    Arc::new(CudaBackend::new(0).expect("this test needs a CUDA GPU; none is usable"))
+}
+
+fn free_bytes(b: &CudaBackend) -> usize {
+    b.mem_info().expect("cuMemGetInfo").free
+}
+
+fn hash(pager: &Pager, b: &Buffer) -> u64 {
+    pager
+        .hash(b, b.len().next_multiple_of(16))
+        .expect("chunk_hash")[0]
+}
+
+/// 300 odd-sized buffers (a few KiB to ~50 MiB) in a growing Preserve region, three
+/// cycles: contents bit-exact, addresses unchanged, free device memory rises by the mapped
+/// bytes on release and falls back on resume; a free returns its buffer's memory.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_growing_preserve_region_of_300_buffers() {
+    let _lock = gpu_lock();
+    let backend = gpu();
+    let g = backend.info().granularity;
+    let pager = Pager::new(backend.clone());
+    let info = pager.region("weights", 0, Policy::Preserve).unwrap();
+    assert!(info.growing);
+    let mut rng = Rng::seeded("gpu_growing_preserve_region_of_300_buffers");
+    let start_free = free_bytes(&backend);
+    let mut bufs = Vec::new();
+    let mut mapped = 0;
+    for i in 0..300 {
+        let len = 1 + rng.next_u64() as usize % (48 * MIB / scale()) + i * 4099;
+        let b = pager.alloc("weights", len).unwrap();
+        mapped += len.next_multiple_of(g);
+        pager.fill(&b, rng.next_u64() as u32).unwrap();
+        bufs.push(b);
+    }
+    // Random bytes from the host in every 17th buffer (read back whole), hashes for all.
+    let random: Vec<(usize, Vec<u8>)> = (0..300)
+        .step_by(17)
+        .map(|i| (i, rng.bytes(bufs[i].len())))
+        .collect();
+    for (i, d) in &random {
+        pager.write(&bufs[*i], 0, d).unwrap();
+    }
+    assert_eq!(
+        pager.region_stats("weights").unwrap().resident_bytes,
+        mapped
+    );
+    let used = start_free - free_bytes(&backend);
+    assert!(
+        used >= mapped && used < mapped + 512 * MIB,
+        "mapped {mapped}, device use grew by {used}"
+    );
+    let want: Vec<u64> = bufs.iter().map(|b| hash(&pager, b)).collect();
+    let ptrs: Vec<u64> = bufs.iter().map(|b| pager.ptr(b).unwrap()).collect();
+    for cycle in 0..3 {
+        let before = free_bytes(&backend);
+        let rep = pager.release(&["weights"]).unwrap();
+        assert_eq!(rep.bytes(), mapped);
+        let after = free_bytes(&backend);
+        assert!(
+            after >= before + mapped - 64 * MIB,
+            "cycle {cycle}: free memory rose by {} of {mapped} released",
+            after.saturating_sub(before)
+        );
+        assert!(matches!(
+            pager.ptr(&bufs[0]),
+            Err(Error::NotResident { .. })
+        ));
+        pager.resume(&["weights"]).unwrap();
+        for (k, b) in bufs.iter().enumerate() {
+            assert_eq!(pager.ptr(b).unwrap(), ptrs[k], "address of buffer {k}");
+            assert_eq!(hash(&pager, b), want[k], "cycle {cycle}: buffer {k}");
+        }
+        for (i, d) in &random {
+            let mut got = vec![0u8; d.len()];
+            pager.read(&bufs[*i], 0, &mut got).unwrap();
+            assert_bytes_eq(&format!("cycle {cycle}: buffer {i}"), &got, d);
+        }
+    }
+    let last = bufs.pop().unwrap();
+    let before = free_bytes(&backend);
+    pager.free(&last).unwrap();
+    let back = last.len().next_multiple_of(g);
+    assert!(
+        free_bytes(&backend) + 2 * MIB >= before + back,
+        "a free returns the buffer's memory"
+    );
+}
+
+/// OOM on alloc maps nothing new; OOM on resume leaves the region released with its
+/// backup; both succeed once the real allocation standing in for the trainer is gone.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_growing_oom_on_alloc_and_resume_rolls_back() {
+    let _lock = gpu_lock();
+    let backend = gpu();
+    let pager = Pager::new(backend.clone());
+    pager.region("weights", 0, Policy::Preserve).unwrap();
+    pager.region("kv_cache", 0, Policy::Discard).unwrap();
+    let w = pager.alloc("weights", 2 * GIB / scale() + 12345).unwrap();
+    let mut rng = Rng::seeded("gpu_growing_oom");
+    let data = rng.bytes(32 * MIB + 5);
+    pager.fill(&w, 0xABCD_1234).unwrap();
+    pager.write(&w, 77, &data).unwrap();
+    let want = hash(&pager, &w);
+    let kv = pager.alloc("kv_cache", 6 * GIB / scale()).unwrap();
+
+    // A real allocation takes all but 1 GiB: a 3 GiB alloc must fail and map nothing.
+    let ctx = backend.context();
+    ctx.bind_to_thread().unwrap();
+    let hog_bytes = free_bytes(&backend) - GIB;
+    // SAFETY: a plain device allocation, freed below.
+    let hog = unsafe { cudarc::driver::result::malloc_sync(hog_bytes) }.unwrap();
+    let before = free_bytes(&backend);
+    let e = pager.alloc("kv_cache", 3 * GIB).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::OutOfMemory {
+                during: "alloc",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(
+        free_bytes(&backend) + 4 * MIB >= before,
+        "the failed alloc leaked"
+    );
+    assert_eq!(pager.region_stats("kv_cache").unwrap().buffers, 1);
+    // SAFETY: freed once.
+    unsafe { cudarc::driver::result::free_sync(hog) }.unwrap();
+
+    pager.release(&["weights", "kv_cache"]).unwrap();
+    let hog_bytes = free_bytes(&backend) - (2 * GIB / scale() + 512 * MIB);
+    // SAFETY: a plain device allocation, freed below.
+    let hog = unsafe { cudarc::driver::result::malloc_sync(hog_bytes) }.unwrap();
+    let before = free_bytes(&backend);
+    let e = pager.resume(&["weights", "kv_cache"]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::OutOfMemory {
+                during: "resume",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(
+        free_bytes(&backend) + 4 * MIB >= before,
+        "the failed resume leaked"
+    );
+    assert_eq!(pager.info("weights").unwrap().state, State::Released);
+    pager.resume(&["weights"]).unwrap(); // stage 1 fits
+    assert_eq!(hash(&pager, &w), want);
+    // SAFETY: freed once.
+    unsafe { cudarc::driver::result::free_sync(hog) }.unwrap();
+    pager.resume(&["kv_cache"]).unwrap();
+    assert!(pager.ptr(&kv).is_ok());
+    let mut got = vec![0u8; data.len()];
+    pager.read(&w, 77, &mut got).unwrap();
+    assert_bytes_eq("weights after the retry", &got, &data);
+}

@@ -316,11 +316,14 @@ pub fn measure_link(pager: &Pager, bytes: usize) -> Result<Link> {
 struct Bare {
     mapped: Vec<Box<dyn Mapping>>,
     range: Arc<dyn Reservation>,
+    /// Out-of-memory retries so far (memory freed a moment ago not yet available).
+    retries: usize,
 }
 
 impl Bare {
     fn new(b: &dyn Backend, bytes: usize) -> Result<Bare> {
         Ok(Bare {
+            retries: 0,
             mapped: Vec::new(),
             range: b
                 .reserve(bytes)
@@ -328,15 +331,33 @@ impl Bare {
         })
     }
 
-    /// (map time, unmap time) for the whole range in chunks of `chunk`.
+    /// (map time, unmap time) for the whole range in chunks of `chunk`. Memory the pager
+    /// unmapped a moment ago is not always available again at once: an out-of-memory
+    /// failure is retried for up to 5 s (the retries are not timed, and are counted).
     fn cycle(&mut self, b: &dyn Backend, chunk: usize) -> Result<(Duration, Duration)> {
         let sizes = chunk_sizes(self.range.len(), chunk);
-        let t = Instant::now();
-        // SAFETY: the range is this backend's reservation, unmapped (mapped is empty between
-        // cycles).
-        self.mapped = unsafe { b.map(&self.range, 0, &sizes) }
-            .map_err(backend_err("bench_bare", "mapping"))?;
-        let map = t.elapsed();
+        let started = Instant::now();
+        let (map, mapped) = loop {
+            let t = Instant::now();
+            // SAFETY: the range is this backend's reservation, unmapped (mapped is empty
+            // between cycles).
+            match unsafe { b.map(&self.range, 0, &sizes) } {
+                Ok(m) => break (t.elapsed(), m),
+                Err(BackendError::OutOfMemory { .. }) if started.elapsed().as_secs() < 5 => {
+                    self.retries += 1;
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => {
+                    let free = b.mem_info().map_or(0, |m| m.free);
+                    let e = Error::backend("bench_bare", "mapping", e);
+                    return Err(Error::InvalidArgument {
+                        tag: "bench_bare".into(),
+                        reason: format!("{e} (device free now: {free} bytes)"),
+                    });
+                }
+            }
+        };
+        self.mapped = mapped;
         let t = Instant::now();
         self.mapped.clear();
         Ok((map, t.elapsed()))
@@ -413,6 +434,12 @@ pub fn run(
     );
     let repeats = cfg.repeats.max(1);
     let mut rows = Vec::new();
+    let mem = backend.clone();
+    let mut log = |line: &str| {
+        let free = mem.mem_info().map_or(0, |m| m.free);
+        log(&format!("{line} (device free {:.1} GiB)", free as f64 / GIB as f64));
+    };
+    let log: &mut dyn FnMut(&str) = &mut log;
 
     log("measuring the link (pinned copies, best of 3)");
     let link = measure_link(&pager, cfg.link_bytes())?;
@@ -521,6 +548,83 @@ pub fn run(
     });
     pager.resume(&["weights"])?;
 
+    if cfg.cold_release {
+        log("weights: first release without prepin (pins on the critical path)");
+        pager.region("weights_cold", cfg.weights_bytes, Policy::Preserve)?;
+        let cold = pager.alloc("weights_cold", cfg.weights_bytes)?;
+        pager.fill(&cold, 0x5A5A_5A5A)?;
+        let r = pager.release(&["weights_cold"])?;
+        rows.push(copy_row(
+            "first release, no prepin (pinning included)",
+            &[r.total],
+            r.copied(),
+            "D2H",
+            None,
+        ));
+        pager.remove("weights_cold")?;
+    }
+
+    log("kv_cache: release/resume alternated with the bare VMM loop");
+    pager.region("kv_cache", cfg.kv_bytes, Policy::Discard)?;
+    let kv_size = pager.info("kv_cache")?.size;
+    let mut bare = Bare::new(backend.as_ref(), kv_size)?;
+    let (mut rel, mut res, mut bmap, mut bunmap) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..repeats * 3 {
+        rel.push(pager.release(&["kv_cache"])?.total);
+        let (m, u) = bare.cycle(backend.as_ref(), pager.config().chunk_bytes)?;
+        bmap.push(m);
+        bunmap.push(u);
+        res.push(pager.resume(&["kv_cache"])?.total);
+    }
+    // torch_memory_saver's pattern: one handle per 2 GiB KV tensor (with the KV cache
+    // released, so that both fit).
+    pager.release(&["kv_cache"])?;
+    let (mut tmap, mut tunmap) = (vec![], vec![]);
+    for _ in 0..repeats {
+        let (m, u) = bare.cycle(backend.as_ref(), (2 * GIB).min(kv_size))?;
+        tmap.push(m);
+        tunmap.push(u);
+    }
+    let per_tensor = kv_size.div_ceil(2 * GIB);
+    rows.push(Row {
+        name: format!("bare map, {per_tensor} handles of 2 GiB (torch_memory_saver's pattern)"),
+        figure: Spread::of(&tmap),
+        limit: Spread::of(&bmap),
+        limit_name: "bare map in the pager's chunks".into(),
+        target: None,
+    });
+    rows.push(Row {
+        name: format!("bare unmap, {per_tensor} handles of 2 GiB"),
+        figure: Spread::of(&tunmap),
+        limit: Spread::of(&bunmap),
+        limit_name: "bare unmap in the pager's chunks".into(),
+        target: None,
+    });
+    if bare.retries > 0 {
+        log(&format!(
+            "kv_cache: the bare loop waited {} times for memory unmapped just before",
+            bare.retries
+        ));
+    }
+    let chunks = kv_size.div_ceil(pager.config().chunk_bytes);
+    rows.push(Row {
+        name: format!("release KV {:.0} GiB", kv_size as f64 / GIB as f64),
+        figure: Spread::of(&rel),
+        limit: Spread::of(&bunmap),
+        limit_name: format!("bare unmap+release, {chunks} chunks"),
+        target: Some(1.1),
+    });
+    rows.push(Row {
+        name: format!("resume KV {:.0} GiB", kv_size as f64 / GIB as f64),
+        figure: Spread::of(&res),
+        limit: Spread::of(&bmap),
+        limit_name: format!("bare create+map+set-access, {chunks} chunks"),
+        target: Some(1.1),
+    });
+
+    // The rows added for growing regions and the after-free sequence run last, so that
+    // the trainer-like allocations cannot disturb the rows above (the KV cache stays
+    // released).
     if cfg.growing {
         log("weights in a growing region: the same buffers, one mapping each, cycles 1 s apart");
         let prepin = RegionOptions {
@@ -601,72 +705,6 @@ pub fn run(
     if cfg.after_free {
         after_free_rows(&pager, cfg, &link, repeats, log, &mut rows)?;
     }
-
-    if cfg.cold_release {
-        log("weights: first release without prepin (pins on the critical path)");
-        pager.region("weights_cold", cfg.weights_bytes, Policy::Preserve)?;
-        let cold = pager.alloc("weights_cold", cfg.weights_bytes)?;
-        pager.fill(&cold, 0x5A5A_5A5A)?;
-        let r = pager.release(&["weights_cold"])?;
-        rows.push(copy_row(
-            "first release, no prepin (pinning included)",
-            &[r.total],
-            r.copied(),
-            "D2H",
-            None,
-        ));
-        pager.remove("weights_cold")?;
-    }
-
-    log("kv_cache: release/resume alternated with the bare VMM loop");
-    pager.region("kv_cache", cfg.kv_bytes, Policy::Discard)?;
-    let kv_size = pager.info("kv_cache")?.size;
-    let mut bare = Bare::new(backend.as_ref(), kv_size)?;
-    let (mut rel, mut res, mut bmap, mut bunmap) = (vec![], vec![], vec![], vec![]);
-    for _ in 0..repeats * 3 {
-        rel.push(pager.release(&["kv_cache"])?.total);
-        let (m, u) = bare.cycle(backend.as_ref(), pager.config().chunk_bytes)?;
-        bmap.push(m);
-        bunmap.push(u);
-        res.push(pager.resume(&["kv_cache"])?.total);
-    }
-    // torch_memory_saver's pattern: one handle per 2 GiB KV tensor.
-    let (mut tmap, mut tunmap) = (vec![], vec![]);
-    for _ in 0..repeats {
-        let (m, u) = bare.cycle(backend.as_ref(), (2 * GIB).min(kv_size))?;
-        tmap.push(m);
-        tunmap.push(u);
-    }
-    let per_tensor = kv_size.div_ceil(2 * GIB);
-    rows.push(Row {
-        name: format!("bare map, {per_tensor} handles of 2 GiB (torch_memory_saver's pattern)"),
-        figure: Spread::of(&tmap),
-        limit: Spread::of(&bmap),
-        limit_name: "bare map in the pager's chunks".into(),
-        target: None,
-    });
-    rows.push(Row {
-        name: format!("bare unmap, {per_tensor} handles of 2 GiB"),
-        figure: Spread::of(&tunmap),
-        limit: Spread::of(&bunmap),
-        limit_name: "bare unmap in the pager's chunks".into(),
-        target: None,
-    });
-    let chunks = kv_size.div_ceil(pager.config().chunk_bytes);
-    rows.push(Row {
-        name: format!("release KV {:.0} GiB", kv_size as f64 / GIB as f64),
-        figure: Spread::of(&rel),
-        limit: Spread::of(&bunmap),
-        limit_name: format!("bare unmap+release, {chunks} chunks"),
-        target: Some(1.1),
-    });
-    rows.push(Row {
-        name: format!("resume KV {:.0} GiB", kv_size as f64 / GIB as f64),
-        figure: Spread::of(&res),
-        limit: Spread::of(&bmap),
-        limit_name: format!("bare create+map+set-access, {chunks} chunks"),
-        target: Some(1.1),
-    });
 
     let mut sweep = Vec::new();
     if !cfg.sweep.is_empty() {

@@ -42,6 +42,7 @@ pub mod kernels;
 pub mod kv;
 mod pager;
 mod region;
+pub mod registry;
 pub mod report;
 mod runs;
 mod suballoc;

@@ -156,8 +156,8 @@ const char *gpu_pager_version(void);
 
 // The message of this thread's last failed call: what went wrong, naming the tag, and
 // what to do about it. `""` when no call failed since the thread started or since
-// `gpu_pager_clear_error()`. Kept until the next failure on this thread (successful calls
-// leave it); the pointer is valid until then. Never NULL.
+// `gpu_pager_clear_error()`. Kept until the next failure or clear on this thread
+// (successful calls leave it); the pointer is valid until then. Never NULL.
 const char *gpu_pager_last_error(void);
 
 // The code of this thread's last failed call (`GPU_PAGER_OK` if none), as the failing call

@@ -56,8 +56,8 @@ pub extern "C" fn gpu_pager_version() -> *const c_char {
 
 /// The message of this thread's last failed call: what went wrong, naming the tag, and
 /// what to do about it. `""` when no call failed since the thread started or since
-/// `gpu_pager_clear_error()`. Kept until the next failure on this thread (successful calls
-/// leave it); the pointer is valid until then. Never NULL.
+/// `gpu_pager_clear_error()`. Kept until the next failure or clear on this thread
+/// (successful calls leave it); the pointer is valid until then. Never NULL.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_last_error() -> *const c_char {
     boundary::last_message()

@@ -43,6 +43,7 @@ pub mod kv;
 mod mapped;
 mod pager;
 mod region;
+pub mod registry;
 pub mod report;
 mod runs;
 mod suballoc;

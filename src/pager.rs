@@ -177,6 +177,9 @@ pub struct Pager {
     backend: Arc<dyn Backend>,
     config: PagerConfig,
     regions: RwLock<BTreeMap<String, Slot>>,
+    /// The same regions by base address, for [`Pager::buffer_at`]. Changed only while
+    /// `regions` is write-locked (lock order: `regions`, then `by_base`, then a region).
+    by_base: RwLock<BTreeMap<u64, Slot>>,
     next_id: AtomicU64,
     overlap_restore: AtomicBool,
 }
@@ -244,6 +247,7 @@ impl Pager {
                 ..config
             },
             regions: RwLock::new(BTreeMap::new()),
+            by_base: RwLock::new(BTreeMap::new()),
             next_id: AtomicU64::new(1),
             overlap_restore: AtomicBool::new(config.overlap_restore),
         }
@@ -439,7 +443,12 @@ impl Pager {
         let mut region = Region::create(self.backend.as_ref(), id, tag, shape, policy, options)?;
         region.exclusive = exclusive;
         let info = region.info();
-        map.insert(tag.to_owned(), Arc::new(Mutex::new(region)));
+        let slot = Arc::new(Mutex::new(region));
+        map.insert(tag.to_owned(), slot.clone());
+        self.by_base
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(info.base, slot);
         Ok(info)
     }
 
@@ -458,7 +467,7 @@ impl Pager {
     fn remove_impl(&self, tag: &str, id: Option<u64>) -> Result<bool> {
         let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
         let slot = map.get(tag).ok_or_else(|| unknown_tag(&map, tag))?;
-        {
+        let base = {
             let mut r = lock(slot);
             if id.is_some_and(|id| id != r.id) {
                 return Ok(false);
@@ -486,7 +495,12 @@ impl Pager {
             self.backend
                 .synchronize()
                 .map_err(|e| Error::backend(tag, "waiting for device work", e))?;
-        }
+            r.base()
+        };
+        self.by_base
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&base);
         map.remove(tag);
         Ok(true)
     }
@@ -564,6 +578,40 @@ impl Pager {
                 reason: "internal: stale on alloc".to_owned(),
             }),
         }
+    }
+
+    /// The live buffer that starts exactly at device address `ptr`, in any region, resident
+    /// or released; `None` when no live buffer starts there (an address inside a buffer, a
+    /// freed buffer, memory of another pager). For callers that only keep the pointer, such
+    /// as PyTorch's allocator hooks (`free(ptr, ..)`). O(log regions + log buffers).
+    pub fn buffer_at(&self, ptr: u64) -> Option<Buffer> {
+        self.buffer_containing(ptr)
+            .filter(|(_, offset)| *offset == 0)
+            .map(|(buf, _)| buf)
+    }
+
+    /// The live buffer whose bytes include device address `ptr`, and `ptr`'s offset in it
+    /// (what [`Pager::write`] and [`Pager::read`] take). Same cost as [`Pager::buffer_at`].
+    pub fn buffer_containing(&self, ptr: u64) -> Option<(Buffer, usize)> {
+        let slot = {
+            let by_base = self.by_base.read().unwrap_or_else(|p| p.into_inner());
+            by_base.range(..=ptr).next_back()?.1.clone()
+        };
+        let r = lock(&slot);
+        let offset = usize::try_from(ptr - r.base()).ok()?;
+        if offset >= r.size() {
+            return None;
+        }
+        let a = r.alloc.live_containing(offset)?;
+        Some((
+            Buffer {
+                tag: Arc::from(r.tag.as_str()),
+                id: a.id,
+                offset: a.offset,
+                len: a.len,
+            },
+            offset - a.offset,
+        ))
     }
 
     /// Frees a buffer. A second free of the same buffer returns `StaleBuffer`.

@@ -124,6 +124,16 @@ impl SubAllocator {
             .is_some_and(|&(_, live_id)| live_id == id)
     }
 
+    /// The live allocation whose bytes include `offset`, if any (O(log n)).
+    pub fn live_containing(&self, offset: usize) -> Option<Allocation> {
+        let (&start, &(len, id)) = self.live.range(..=offset).next_back()?;
+        (offset < start + len).then_some(Allocation {
+            offset: start,
+            len,
+            id,
+        })
+    }
+
     /// End of the highest live allocation (0 when none): the prefix that holds data.
     pub fn high_water(&self) -> usize {
         self.live
@@ -217,6 +227,22 @@ mod tests {
         ));
         assert!(matches!(a.alloc(0, 1, 5), Err(AllocError::Invalid(_))));
         assert!(matches!(a.alloc(1, 3, 5), Err(AllocError::Invalid(_))));
+    }
+
+    #[test]
+    fn live_containing_finds_the_buffer_around_an_offset() {
+        let mut a = SubAllocator::new(4096);
+        assert_eq!(a.live_containing(0), None);
+        let x = a.alloc(100, 256, 1).unwrap();
+        let y = a.alloc(100, 256, 2).unwrap();
+        assert_eq!(a.live_containing(0), Some(x));
+        assert_eq!(a.live_containing(99), Some(x));
+        assert_eq!(a.live_containing(100), None); // the gap before y
+        assert_eq!(a.live_containing(256), Some(y));
+        assert_eq!(a.live_containing(355), Some(y));
+        assert_eq!(a.live_containing(356), None);
+        a.free(0, 1).unwrap();
+        assert_eq!(a.live_containing(0), None);
     }
 
     #[derive(Debug, Clone)]

@@ -680,7 +680,18 @@ mod capacity_tests {
         assert_eq!(parse_bytes("64KiB"), Some(64 << 10));
         assert_eq!(parse_bytes(" 2 GB "), Some(2 << 30));
         assert_eq!(parse_bytes("1T"), Some(1 << 40));
-        for bad in ["", "G", "0", "-1G", "lots", "1.5G"] {
+        assert_eq!(parse_bytes(" 256 MiB "), Some(256 << 20));
+        assert_eq!(parse_bytes("1KB"), Some(1024));
+        for bad in [
+            "",
+            "G",
+            "0",
+            "-1G",
+            "lots",
+            "1.5G",
+            "12 apples",
+            "99999999999999999999T",
+        ] {
             assert_eq!(parse_bytes(bad), None, "{bad:?}");
         }
     }

@@ -437,7 +437,10 @@ pub fn run(
     let mem = backend.clone();
     let mut log = |line: &str| {
         let free = mem.mem_info().map_or(0, |m| m.free);
-        log(&format!("{line} (device free {:.1} GiB)", free as f64 / GIB as f64));
+        log(&format!(
+            "{line} (device free {:.1} GiB)",
+            free as f64 / GIB as f64
+        ));
     };
     let log: &mut dyn FnMut(&str) = &mut log;
 

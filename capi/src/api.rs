@@ -1,0 +1,459 @@
+//! The `gpu_pager_*` functions. Every body runs inside the panic guard
+//! ([`crate::boundary::call`]); each returns `GPU_PAGER_OK` or an error code and keeps the
+//! message for `gpu_pager_last_error()`.
+
+use std::collections::BTreeMap;
+use std::ffi::{CString, c_char, c_int, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use gpu_pager::backend::RawStream;
+use gpu_pager::{Error, Lease, Pager, RegionOptions, Result};
+
+use crate::boundary::{self, call, invalid, pager, required, write_out};
+use crate::types::{
+    gpu_pager_code, gpu_pager_device_info, gpu_pager_policy, gpu_pager_report, gpu_pager_stats,
+};
+
+/// The live buffer containing `ptr` in `pager`, and `ptr`'s offset in it.
+pub(crate) fn buffer_containing(
+    pager: &Pager,
+    device: usize,
+    ptr: u64,
+) -> Result<(gpu_pager::Buffer, usize)> {
+    pager.buffer_containing(ptr).ok_or_else(|| {
+        invalid(
+            "*",
+            format!(
+                "{ptr:#x} is not inside a live buffer of device {device}'s pager (freed \
+                 already, from another device, or not from gpu_pager_alloc or \
+                 gpu_pager_torch_malloc); pass an address these returned, before freeing it"
+            ),
+        )
+    })
+}
+
+/// The version of the library, e.g. `"0.1.0"` (a static string).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpu_pager_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// The message of this thread's last failed call: what went wrong, naming the tag, and
+/// what to do about it. `""` when no call failed since the thread started or since
+/// `gpu_pager_clear_error()`. Kept until the next failure or clear on this thread
+/// (successful calls leave it); the pointer is valid until then. Never NULL.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpu_pager_last_error() -> *const c_char {
+    boundary::last_message()
+}
+
+/// The code of this thread's last failed call (`GPU_PAGER_OK` if none), as the failing call
+/// returned it; for calls that return a pointer or nothing (`gpu_pager_torch_malloc`,
+/// `gpu_pager_torch_free`).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpu_pager_last_error_code() -> gpu_pager_code {
+    boundary::last_code()
+}
+
+/// Forgets this thread's last error.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpu_pager_clear_error() {
+    boundary::clear_last();
+}
+
+/// The name of a code, e.g. `"NotResident"` for `GPU_PAGER_ERROR_NOT_RESIDENT`, `"Ok"` for
+/// `GPU_PAGER_OK`, `"Unknown"` for a number that is no code (a static string).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpu_pager_code_name(code: u32) -> *const c_char {
+    static NAMES: OnceLock<BTreeMap<u32, CString>> = OnceLock::new();
+    let names = NAMES.get_or_init(|| {
+        let mut m: BTreeMap<u32, CString> = gpu_pager::ErrorCode::ALL
+            .into_iter()
+            .filter_map(|c| Some((c.number(), CString::new(c.name()).ok()?)))
+            .collect();
+        m.insert(0, c"Ok".to_owned());
+        m
+    });
+    names.get(&code).map_or(c"Unknown".as_ptr(), |n| n.as_ptr())
+}
+
+/// Opens device `device`'s pager (once per process; later calls return the same one) and
+/// describes it into `*out`. Without a GPU, device 0 runs on the host backend
+/// (`GPU_PAGER_BACKEND_HOST`; its capacity is `GPU_PAGER_HOST_CAPACITY` bytes if set, else
+/// 32 GiB) and other devices fail with `GPU_PAGER_ERROR_BACKEND`. Every other call opens
+/// the pager the same way on first use.
+///
+/// # Safety
+/// `out` is NULL (an error) or valid for a write of a `gpu_pager_device_info`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_device(
+    device: c_int,
+    out: *mut gpu_pager_device_info,
+) -> gpu_pager_code {
+    call("gpu_pager_device", || {
+        required(out, "out")?;
+        let pager = pager(device)?;
+        let backend = pager.backend();
+        let info = backend.info();
+        let mem = backend
+            .mem_info()
+            .map_err(|e| Error::backend("*", "querying device memory", e))?;
+        let value = gpu_pager_device_info {
+            kind: gpu_pager_device_info::kind_of(info.kind),
+            granularity: info.granularity as u64,
+            total_bytes: mem.total as u64,
+            free_bytes: mem.free as u64,
+        };
+        // SAFETY: `out` is non-NULL (checked) and valid for a write (the contract).
+        unsafe { write_out(out, value) };
+        Ok(())
+    })
+}
+
+/// Creates region `tag` of `bytes` (rounded up to the granularity) on device `device`,
+/// resident, at a device address that never changes while it exists; stores that address
+/// in `*base_out` unless `base_out` is NULL. `policy` is a `gpu_pager_policy`. `prepin`
+/// pins a `GPU_PAGER_PRESERVE` region's host backup now, so that the first release does
+/// not pay for pinning. Creating an existing tag again with the same size and policy
+/// returns it; otherwise `GPU_PAGER_ERROR_TAG_CONFLICT`. `bytes == 0` creates a growing
+/// region: a large address range with memory mapped only under live buffers (each
+/// `gpu_pager_alloc` / `gpu_pager_torch_malloc` maps its buffer, each free unmaps it).
+///
+/// # Safety
+/// `tag` is NULL (an error) or a NUL-terminated string; `base_out` is NULL or valid for a
+/// write of a `uint64_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_region(
+    device: c_int,
+    tag: *const c_char,
+    policy: u32,
+    bytes: usize,
+    prepin: bool,
+    base_out: *mut u64,
+) -> gpu_pager_code {
+    call("gpu_pager_region", || {
+        // SAFETY: `tag` is NULL or NUL-terminated and alive for this call (the contract).
+        let tag = unsafe { boundary::tag(tag, "tag") }?;
+        let policy = gpu_pager_policy::from_number(policy).ok_or_else(|| {
+            invalid(
+                tag,
+                format!(
+                    "policy {policy} is not a gpu_pager_policy; pass GPU_PAGER_PRESERVE, \
+                     GPU_PAGER_DISCARD or GPU_PAGER_DISCARD_ZEROED"
+                ),
+            )
+        })?;
+        let options = RegionOptions {
+            prepin,
+            ..RegionOptions::default()
+        };
+        let info = pager(device)?.region_with(tag, bytes, policy, options)?;
+        // SAFETY: `base_out` is NULL or valid for a write (the contract).
+        unsafe { write_out(base_out, info.base) };
+        Ok(())
+    })
+}
+
+/// Removes region `tag` of device `device`: unmaps it and frees its backup and its address
+/// range; its buffers become stale. `GPU_PAGER_ERROR_BUSY` while leased.
+///
+/// # Safety
+/// `tag` is NULL (an error) or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_remove(device: c_int, tag: *const c_char) -> gpu_pager_code {
+    call("gpu_pager_remove", || {
+        // SAFETY: `tag` is NULL or NUL-terminated and alive for this call (the contract).
+        let tag = unsafe { boundary::tag(tag, "tag") }?;
+        pager(device)?.remove(tag)
+    })
+}
+
+/// Allocates `bytes` in region `tag` of device `device` (256-byte aligned) and stores the
+/// buffer's device address in `*ptr_out`. Works while the region is released too (the
+/// address is stable; it is backed by memory once the region is resumed).
+///
+/// # Safety
+/// `tag` is NULL (an error) or a NUL-terminated string; `ptr_out` is NULL (an error) or
+/// valid for a write of a `uint64_t`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_alloc(
+    device: c_int,
+    tag: *const c_char,
+    bytes: usize,
+    ptr_out: *mut u64,
+) -> gpu_pager_code {
+    call("gpu_pager_alloc", || {
+        // SAFETY: `tag` is NULL or NUL-terminated and alive for this call (the contract).
+        let tag = unsafe { boundary::tag(tag, "tag") }?;
+        required(ptr_out, "ptr_out")?;
+        let pager = pager(device)?;
+        let buf = pager.alloc(tag, bytes)?;
+        let base = match pager.info(tag) {
+            Ok(info) => info.base,
+            Err(e) => {
+                // Removed by another thread in between: give nothing out.
+                let _ = pager.free(&buf);
+                return Err(e);
+            }
+        };
+        // SAFETY: `ptr_out` is non-NULL (checked) and valid for a write (the contract).
+        unsafe { write_out(ptr_out, base + buf.offset() as u64) };
+        Ok(())
+    })
+}
+
+/// Frees the buffer that starts at `ptr` on device `device`. An address that is not the
+/// start of a live buffer (freed already, inside a buffer) is an error and frees nothing.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpu_pager_free(device: c_int, ptr: u64) -> gpu_pager_code {
+    call("gpu_pager_free", || {
+        let d = boundary::device(device)?;
+        let pager = pager(device)?;
+        match buffer_containing(&pager, d, ptr)? {
+            (buf, 0) => pager.free(&buf),
+            (buf, offset) => Err(invalid(
+                buf.tag(),
+                format!(
+                    "{ptr:#x} is {offset} bytes inside a buffer; free the address \
+                     gpu_pager_alloc returned ({:#x})",
+                    ptr - offset as u64
+                ),
+            )),
+        }
+    })
+}
+
+/// Copies `bytes` from host memory `src` to device address `dst` of device `device`,
+/// through the pager: `dst .. dst + bytes` must lie in one live buffer, and the region must
+/// be resident (`GPU_PAGER_ERROR_NOT_RESIDENT` otherwise, naming the tag; nothing faults).
+/// Waits for the copy.
+///
+/// # Safety
+/// `src` is NULL (an error) or readable for `bytes` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_write(
+    device: c_int,
+    dst: u64,
+    src: *const c_void,
+    bytes: usize,
+) -> gpu_pager_code {
+    call("gpu_pager_write", || {
+        if src.is_null() {
+            return Err(invalid("*", "src is NULL; pass the host bytes to copy"));
+        }
+        if bytes == 0 {
+            return Err(zero_copy("gpu_pager_write"));
+        }
+        let d = boundary::device(device)?;
+        let pager = pager(device)?;
+        let (buf, offset) = buffer_containing(&pager, d, dst)?;
+        // SAFETY: `src` is non-NULL (checked) and readable for `bytes` (the contract).
+        let data = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), bytes) };
+        pager.write(&buf, offset, data)
+    })
+}
+
+/// Copies `bytes` from device address `src` of device `device` to host memory `dst`,
+/// checked as `gpu_pager_write` is. Waits for the copy.
+///
+/// # Safety
+/// `dst` is NULL (an error) or writable for `bytes` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_read(
+    device: c_int,
+    src: u64,
+    dst: *mut c_void,
+    bytes: usize,
+) -> gpu_pager_code {
+    call("gpu_pager_read", || {
+        if dst.is_null() {
+            return Err(invalid("*", "dst is NULL; pass where to copy the bytes"));
+        }
+        if bytes == 0 {
+            return Err(zero_copy("gpu_pager_read"));
+        }
+        let d = boundary::device(device)?;
+        let pager = pager(device)?;
+        let (buf, offset) = buffer_containing(&pager, d, src)?;
+        // SAFETY: `dst` is non-NULL (checked) and writable for `bytes` (the contract); the
+        // caller does not touch it during the call.
+        let out = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), bytes) };
+        pager.read(&buf, offset, out)
+    })
+}
+
+fn zero_copy(name: &str) -> Error {
+    Error::InvalidSize {
+        tag: "*".to_owned(),
+        reason: format!("{name} of 0 bytes; pass at least one byte"),
+    }
+}
+
+/// Gives the physical memory of the `n_tags` regions `tags` of device `device` back to the
+/// device: waits for outstanding device work, copies `GPU_PAGER_PRESERVE` regions to their
+/// pinned host backups, unmaps. All or nothing; regions already released are counted in
+/// `regions_already`. Fills `*report` unless it is NULL.
+///
+/// # Safety
+/// `tags` is NULL (an error unless `n_tags` is 0) or points to `n_tags` pointers, each
+/// NULL (an error) or a NUL-terminated string; `report` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_release(
+    device: c_int,
+    tags: *const *const c_char,
+    n_tags: usize,
+    report: *mut gpu_pager_report,
+) -> gpu_pager_code {
+    call("gpu_pager_release", || {
+        // SAFETY: as this function's contract.
+        let tags = unsafe { boundary::tags(tags, n_tags) }?;
+        let r = pager(device)?.release(&tags)?;
+        // SAFETY: `report` is NULL or valid for a write (the contract).
+        unsafe { write_out(report, gpu_pager_report::from(&r)) };
+        Ok(())
+    })
+}
+
+/// Maps physical memory back under the `n_tags` regions `tags` of device `device`, at the
+/// same addresses, and restores `GPU_PAGER_PRESERVE` contents; returns when they are in
+/// place. All or nothing: on `GPU_PAGER_ERROR_OUT_OF_MEMORY` (a trainer still holds the
+/// memory) every region stays released with its backup and a later resume succeeds. Fills
+/// `*report` unless it is NULL.
+///
+/// # Safety
+/// As `gpu_pager_release`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_resume(
+    device: c_int,
+    tags: *const *const c_char,
+    n_tags: usize,
+    report: *mut gpu_pager_report,
+) -> gpu_pager_code {
+    call("gpu_pager_resume", || {
+        // SAFETY: as this function's contract.
+        let tags = unsafe { boundary::tags(tags, n_tags) }?;
+        let r = pager(device)?.resume(&tags)?;
+        // SAFETY: `report` is NULL or valid for a write (the contract).
+        unsafe { write_out(report, gpu_pager_report::from(&r)) };
+        Ok(())
+    })
+}
+
+/// `gpu_pager_resume`, but the restore copies are enqueued on the caller's CUDA `stream`
+/// (a `cudaStream_t`/`CUstream` of device `device`'s primary context; NULL is the legacy
+/// default stream) and the call returns once mapping is done: kernels enqueued next on
+/// `stream` see the restored contents. Pager reads and writes wait for the restore. On the
+/// host backend the copies are synchronous.
+///
+/// # Safety
+/// As `gpu_pager_release`; `stream` is NULL or a live stream of that device.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_resume_on(
+    device: c_int,
+    tags: *const *const c_char,
+    n_tags: usize,
+    stream: *mut c_void,
+    report: *mut gpu_pager_report,
+) -> gpu_pager_code {
+    call("gpu_pager_resume_on", || {
+        // SAFETY: as this function's contract.
+        let tags = unsafe { boundary::tags(tags, n_tags) }?;
+        let r = pager(device)?.resume_on(&tags, RawStream(stream as usize))?;
+        // SAFETY: `report` is NULL or valid for a write (the contract).
+        unsafe { write_out(report, gpu_pager_report::from(&r)) };
+        Ok(())
+    })
+}
+
+/// Leases: id → lease, for handles that C can hold and that go stale visibly.
+static LEASES: Mutex<BTreeMap<u64, Lease>> = Mutex::new(BTreeMap::new());
+static NEXT_LEASE: AtomicU64 = AtomicU64::new(1);
+
+/// Keeps the `n_tags` regions `tags` of device `device` resident until
+/// `gpu_pager_unlease(*lease_out)`: releasing one fails with `GPU_PAGER_ERROR_BUSY`
+/// meanwhile. `GPU_PAGER_ERROR_NOT_RESIDENT` if one is released now. Lease handles are
+/// never 0 and never reused.
+///
+/// # Safety
+/// As `gpu_pager_release`; `lease_out` is NULL (an error) or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_lease(
+    device: c_int,
+    tags: *const *const c_char,
+    n_tags: usize,
+    lease_out: *mut u64,
+) -> gpu_pager_code {
+    call("gpu_pager_lease", || {
+        required(lease_out, "lease_out")?;
+        // SAFETY: as this function's contract.
+        let tags = unsafe { boundary::tags(tags, n_tags) }?;
+        let lease = pager(device)?.lease(&tags)?;
+        let id = NEXT_LEASE.fetch_add(1, Ordering::Relaxed);
+        LEASES
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, lease);
+        // SAFETY: `lease_out` is non-NULL (checked) and valid for a write (the contract).
+        unsafe { write_out(lease_out, id) };
+        Ok(())
+    })
+}
+
+/// Ends a lease from `gpu_pager_lease`. A handle that is not live (0, ended already,
+/// never handed out) is `GPU_PAGER_ERROR_INVALID_ARGUMENT` and changes nothing.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpu_pager_unlease(lease: u64) -> gpu_pager_code {
+    call("gpu_pager_unlease", || {
+        let taken = LEASES
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&lease);
+        // Dropped here, outside the table's lock: that gives the regions back.
+        match taken {
+            Some(l) => {
+                drop(l);
+                Ok(())
+            }
+            None => Err(invalid(
+                "*",
+                format!(
+                    "lease {lease} is not live (ended already, or not from gpu_pager_lease); \
+                     end each lease once"
+                ),
+            )),
+        }
+    })
+}
+
+/// Fills `*out` with device `device`'s statistics over all its regions.
+///
+/// # Safety
+/// `out` is NULL (an error) or valid for a write of a `gpu_pager_stats`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_get_stats(
+    device: c_int,
+    out: *mut gpu_pager_stats,
+) -> gpu_pager_code {
+    call("gpu_pager_get_stats", || {
+        required(out, "out")?;
+        let s = pager(device)?.stats();
+        // SAFETY: `out` is non-NULL (checked) and valid for a write (the contract).
+        unsafe { write_out(out, gpu_pager_stats::from(&s)) };
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_code_has_its_name() {
+        for c in gpu_pager::ErrorCode::ALL {
+            // SAFETY: gpu_pager_code_name returns a static NUL-terminated string.
+            let name = unsafe { std::ffi::CStr::from_ptr(gpu_pager_code_name(c.number())) };
+            assert_eq!(name.to_str().unwrap(), c.name());
+        }
+    }
+}

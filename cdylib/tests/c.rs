@@ -1,0 +1,162 @@
+//! The C tests: C programs compiled with the system C compiler (`$CC`, else `cc`) against
+//! `include/gpu_pager.h` and the `libgpu_pager.so` that cargo built for this package, then
+//! run. On the GPU when there is one, else on the host backend (CI).
+//!
+//! Cargo builds a package's library before its integration tests, also when the library is
+//! only a cdylib: the `.so` lies next to this test's `deps/` directory.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("cdylib/ has a parent")
+        .to_path_buf()
+}
+
+/// `target/<profile>/libgpu_pager.so`, from this test's path `target/<profile>/deps/c-<hash>`.
+fn shared_library() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test knows its path");
+    let deps = exe.parent().expect("the test lies in deps/");
+    // deps/ first: that is where the build for this test puts it (target/<profile>/ holds a
+    // copy only after `cargo build`, maybe an older one).
+    let candidates = [
+        Some(deps.join("libgpu_pager.so")),
+        deps.parent().map(|d| d.join("libgpu_pager.so")),
+    ];
+    candidates
+        .into_iter()
+        .flatten()
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "libgpu_pager.so not found next to {}; build it with `cargo build -p \
+                 gpu-pager-cdylib` (cargo test builds it first)",
+                deps.display()
+            )
+        })
+}
+
+/// Compiles `source` into an executable linked against libgpu_pager.so.
+fn compile(source: &Path, name: &str) -> PathBuf {
+    let lib = shared_library();
+    let lib_dir = lib.parent().expect("the library lies in a directory");
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
+    let status = Command::new(&cc)
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic", "-o"])
+        .arg(&out)
+        .arg("-I")
+        .arg(workspace().join("include"))
+        .arg(source)
+        .arg(&lib)
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run the C compiler `{cc}` (set CC): {e}"));
+    assert!(
+        status.success(),
+        "{cc} failed on {} ({status})",
+        source.display()
+    );
+    out
+}
+
+/// Runs a compiled program; returns its stdout. Fails the test on a non-zero exit.
+fn run(exe: &Path, env: &[(&str, &str)]) -> String {
+    let mut cmd = Command::new(exe);
+    cmd.env_remove(HOST_CAPACITY_ENV);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", exe.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}");
+    eprintln!("{stderr}");
+    assert!(
+        out.status.success(),
+        "{} failed ({}):\n{stdout}\n{stderr}",
+        exe.display(),
+        out.status
+    );
+    stdout
+}
+
+use gpu_pager::registry::HOST_CAPACITY_ENV;
+
+#[test]
+fn wakeup_and_error_paths_from_c() {
+    let exe = compile(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/wakeup.c"),
+        "wakeup",
+    );
+    // 64 MiB of host "device memory": enough for the stages, small enough to run out.
+    let out = run(&exe, &[(HOST_CAPACITY_ENV, "64M")]);
+    assert!(out.trim_end().ends_with("ok"), "{out}");
+}
+
+/// The README's "## C" example, compiled and run as it stands there.
+#[test]
+fn readme_c_example() {
+    let readme = std::fs::read_to_string(workspace().join("README.md")).expect("README.md");
+    let section = readme
+        .split("\n## C\n")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("README.md has a \"## C\" section");
+    let code = section
+        .split("```c\n")
+        .nth(1)
+        .and_then(|s| s.split("\n```").next())
+        .expect("the \"## C\" section has a ```c block");
+    let source = Path::new(env!("CARGO_TARGET_TMPDIR")).join("readme_example.c");
+    std::fs::write(&source, code).expect("the target tmpdir is writable");
+    let exe = compile(&source, "readme_example");
+    let out = run(&exe, &[]);
+    assert!(out.contains("is released"), "{out}");
+}
+
+/// Every function the header declares is a dynamic symbol of the library, and the library
+/// exports nothing else (Rust exports an rlib's `#[no_mangle]` functions from a cdylib).
+#[test]
+fn the_library_exports_exactly_the_header_functions() {
+    let header =
+        std::fs::read_to_string(workspace().join("include/gpu_pager.h")).expect("the header");
+    let mut declared: Vec<String> = header
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .flat_map(|l| {
+            // Identifiers `gpu_pager_*` directly followed by `(`: the declared functions.
+            l.match_indices("gpu_pager_")
+                .filter_map(|(i, _)| {
+                    let name: String = l[i..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    l[i + name.len()..].starts_with('(').then_some(name)
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    declared.sort();
+    assert!(declared.len() > 20, "{declared:?}");
+    let nm = Command::new("nm")
+        .args(["-D", "--defined-only"])
+        .arg(shared_library())
+        .output()
+        .expect("nm (binutils) runs");
+    assert!(nm.status.success(), "nm failed");
+    let mut exported: Vec<String> = String::from_utf8_lossy(&nm.stdout)
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, kind, name) = (f.next()?, f.next()?, f.next()?);
+            (kind == "T").then(|| name.to_owned())
+        })
+        .collect();
+    exported.sort();
+    assert_eq!(exported, declared);
+}

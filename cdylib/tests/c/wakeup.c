@@ -1,0 +1,318 @@
+/* The multi-stage wake-up through the C ABI, then its error paths. Built and run against
+ * libgpu_pager.so by cdylib/tests/c.rs, on the GPU when there is one, else on the host
+ * backend (with GPU_PAGER_HOST_CAPACITY set small, so out-of-memory is reachable). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpu_pager.h"
+
+#define MIB ((size_t)1 << 20)
+
+static int failures = 0;
+
+/* A call that must succeed. */
+#define CHECK(call)                                                                        \
+    do {                                                                                   \
+        gpu_pager_code c_ = (call);                                                        \
+        if (c_ != GPU_PAGER_OK) {                                                          \
+            fprintf(stderr, "%s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call,            \
+                    gpu_pager_code_name(c_), gpu_pager_last_error());                      \
+            exit(1);                                                                       \
+        }                                                                                  \
+    } while (0)
+
+/* A call that must fail with `code`, its message containing `needle`. */
+#define EXPECT(call, code, needle)                                                         \
+    do {                                                                                   \
+        gpu_pager_clear_error();                                                           \
+        gpu_pager_code c_ = (call);                                                        \
+        expect_(c_, (code), (needle), #call, __LINE__);                                    \
+    } while (0)
+
+static void expect_(gpu_pager_code got, gpu_pager_code want, const char *needle,
+                    const char *what, int line) {
+    const char *msg = gpu_pager_last_error();
+    if (got != want || gpu_pager_last_error_code() != want || strstr(msg, needle) == NULL) {
+        fprintf(stderr, "line %d: %s -> %s (want %s, message with \"%s\"): %s\n", line, what,
+                gpu_pager_code_name(got), gpu_pager_code_name(want), needle, msg);
+        failures++;
+    } else {
+        printf("  expected %-16s %s\n", gpu_pager_code_name(got), msg);
+    }
+}
+
+static void pattern(unsigned char *p, size_t n, unsigned seed) {
+    for (size_t i = 0; i < n; i++) p[i] = (unsigned char)(i * 31u + seed);
+}
+
+/* A growing Preserve region filled through the PyTorch hook with 300 odd-sized
+ * allocations: release gives the mapped memory back (free memory rises by it), resume brings
+ * every byte back at the same address; frees give memory back at once. */
+static void grow(int dev, int N, size_t max_bytes) {
+    static void *ptrs[300];
+    static size_t lens[300];
+    gpu_pager_device_info info;
+    CHECK(gpu_pager_region(dev, "torch_weights", GPU_PAGER_PRESERVE, 0, false, NULL));
+    CHECK(gpu_pager_use_tag(dev, "torch_weights"));
+    CHECK(gpu_pager_device(dev, &info));
+    const uint64_t g = info.granularity, free0 = info.free_bytes;
+    uint64_t mapped = 0;
+    unsigned char *data = malloc(max_bytes + N), *back = malloc(max_bytes + N);
+    if (!data || !back) exit(1);
+    for (int i = 0; i < N; i++) {
+        lens[i] = 1 + ((size_t)i * 7919u * 13u) % max_bytes + (size_t)i;
+        ptrs[i] = gpu_pager_torch_malloc(lens[i], dev, NULL);
+        if (ptrs[i] == NULL) {
+            fprintf(stderr, "torch_malloc %d (%zu bytes): %s\n", i, lens[i], gpu_pager_last_error());
+            exit(1);
+        }
+        mapped += (lens[i] + g - 1) / g * g;
+        pattern(data, lens[i], (unsigned)i);
+        CHECK(gpu_pager_write(dev, (uint64_t)(uintptr_t)ptrs[i], data, lens[i]));
+    }
+    CHECK(gpu_pager_device(dev, &info));
+    if (free0 - info.free_bytes < mapped) {
+        fprintf(stderr, "growing: %llu bytes mapped but free memory fell by %llu\n",
+                (unsigned long long)mapped, (unsigned long long)(free0 - info.free_bytes));
+        failures++;
+    }
+    const char *tags[] = {"torch_weights"};
+    gpu_pager_report r;
+    for (int cycle = 0; cycle < 2; cycle++) {
+        uint64_t before;
+        CHECK(gpu_pager_device(dev, &info));
+        before = info.free_bytes;
+        CHECK(gpu_pager_release(dev, tags, 1, &r));
+        CHECK(gpu_pager_device(dev, &info));
+        if (r.bytes != mapped || info.free_bytes + 64 * MIB < before + mapped) {
+            fprintf(stderr, "growing release: %llu of %llu bytes, free rose by %llu\n",
+                    (unsigned long long)r.bytes, (unsigned long long)mapped,
+                    (unsigned long long)(info.free_bytes - before));
+            failures++;
+        }
+        CHECK(gpu_pager_resume(dev, tags, 1, &r));
+        for (int i = 0; i < N; i++) {
+            pattern(data, lens[i], (unsigned)i);
+            CHECK(gpu_pager_read(dev, (uint64_t)(uintptr_t)ptrs[i], back, lens[i]));
+            if (memcmp(data, back, lens[i]) != 0) {
+                fprintf(stderr, "growing: allocation %d differs after cycle %d\n", i, cycle);
+                failures++;
+                break;
+            }
+        }
+    }
+    printf("growing region: %d torch allocations, %llu bytes mapped, cycled bit-exact\n", N,
+           (unsigned long long)mapped);
+    CHECK(gpu_pager_device(dev, &info));
+    const uint64_t before = info.free_bytes;
+    for (int i = 0; i < N; i++) gpu_pager_torch_free(ptrs[i], lens[i], dev, NULL);
+    CHECK(gpu_pager_device(dev, &info));
+    if (info.free_bytes + 64 * MIB < before + mapped) {
+        fprintf(stderr, "growing: the frees gave back %llu of %llu bytes\n",
+                (unsigned long long)(info.free_bytes - before), (unsigned long long)mapped);
+        failures++;
+    }
+    CHECK(gpu_pager_use_tag(dev, NULL));
+    CHECK(gpu_pager_remove(dev, "torch_weights"));
+    free(data);
+    free(back);
+}
+
+int main(void) {
+    const int dev = 0;
+    gpu_pager_device_info info;
+    CHECK(gpu_pager_device(dev, &info));
+    int host = info.kind == GPU_PAGER_BACKEND_HOST;
+    printf("gpu-pager %s, device 0 on %s, %llu bytes free\n", gpu_pager_version(),
+           host ? "the host backend (no GPU)" : "CUDA", (unsigned long long)info.free_bytes);
+
+    /* Regions: weights (Preserve) and kv_cache (Discard). */
+    const size_t weights_bytes = 8 * MIB, kv_bytes = 16 * MIB, buf_bytes = 1 * MIB;
+    uint64_t weights_base = 0;
+    CHECK(gpu_pager_region(dev, "weights", GPU_PAGER_PRESERVE, weights_bytes, false,
+                           &weights_base));
+    CHECK(gpu_pager_region(dev, "kv_cache", GPU_PAGER_DISCARD, kv_bytes, false, NULL));
+
+    /* Weights buffers with known bytes. */
+    enum { N = 4 };
+    uint64_t w[N];
+    unsigned char *data = malloc(buf_bytes), *back = malloc(buf_bytes);
+    if (!data || !back) return 1;
+    for (int i = 0; i < N; i++) {
+        CHECK(gpu_pager_alloc(dev, "weights", buf_bytes, &w[i]));
+        pattern(data, buf_bytes, (unsigned)i);
+        CHECK(gpu_pager_write(dev, w[i], data, buf_bytes));
+    }
+
+    /* Sleep: release both. */
+    const char *both[] = {"kv_cache", "weights"};
+    const char *weights[] = {"weights"}, *kv[] = {"kv_cache"};
+    gpu_pager_report rep;
+    CHECK(gpu_pager_release(dev, both, 2, &rep));
+    printf("release: %llu bytes unmapped, %llu copied, %.2f ms\n",
+           (unsigned long long)rep.bytes, (unsigned long long)rep.copied, rep.seconds * 1e3);
+    if (rep.bytes != weights_bytes + kv_bytes || rep.regions_done != 2 ||
+        rep.copied < N * buf_bytes) {
+        fprintf(stderr, "unexpected release report\n");
+        failures++;
+    }
+    EXPECT(gpu_pager_write(dev, w[0], data, 16), GPU_PAGER_ERROR_NOT_RESIDENT, "`weights`");
+    EXPECT(gpu_pager_read(dev, w[0], back, 16), GPU_PAGER_ERROR_NOT_RESIDENT, "resume it");
+
+    /* Stage 1: weights back, bit-exact, same addresses; update them in place. */
+    CHECK(gpu_pager_resume(dev, weights, 1, &rep));
+    printf("resume weights: %llu bytes mapped, %llu copied\n", (unsigned long long)rep.bytes,
+           (unsigned long long)rep.copied);
+    for (int i = 0; i < N; i++) {
+        pattern(data, buf_bytes, (unsigned)i);
+        CHECK(gpu_pager_read(dev, w[i], back, buf_bytes));
+        if (memcmp(data, back, buf_bytes) != 0) {
+            fprintf(stderr, "weights buffer %d differs after resume\n", i);
+            failures++;
+        }
+    }
+    if (w[0] != weights_base) {
+        fprintf(stderr, "the first buffer moved\n");
+        failures++;
+    }
+    pattern(data, buf_bytes, 200);
+    CHECK(gpu_pager_write(dev, w[0], data, buf_bytes));
+    CHECK(gpu_pager_read(dev, w[0], back, buf_bytes));
+    if (memcmp(data, back, buf_bytes) != 0) {
+        fprintf(stderr, "updated weights differ\n");
+        failures++;
+    }
+
+    /* Stage 2: kv_cache. */
+    CHECK(gpu_pager_resume(dev, kv, 1, &rep));
+    CHECK(gpu_pager_resume(dev, both, 2, &rep)); /* idempotent */
+    if (rep.regions_already != 2) {
+        fprintf(stderr, "a second resume changed something\n");
+        failures++;
+    }
+    gpu_pager_stats st;
+    CHECK(gpu_pager_get_stats(dev, &st));
+    if (st.resident_bytes != weights_bytes + kv_bytes || st.released_bytes != 0 ||
+        st.regions != 2 || st.buffers != N) {
+        fprintf(stderr, "unexpected stats: resident %llu, regions %llu\n",
+                (unsigned long long)st.resident_bytes, (unsigned long long)st.regions);
+        failures++;
+    }
+
+    /* A lease keeps weights resident. */
+    uint64_t lease = 0;
+    CHECK(gpu_pager_lease(dev, weights, 1, &lease));
+    EXPECT(gpu_pager_release(dev, weights, 1, NULL), GPU_PAGER_ERROR_BUSY, "`weights`");
+    CHECK(gpu_pager_unlease(lease));
+    EXPECT(gpu_pager_unlease(lease), GPU_PAGER_ERROR_INVALID_ARGUMENT, "not live");
+
+    printf("error paths:\n");
+    uint64_t p = 0;
+    /* Unknown tags. */
+    const char *nope[] = {"nope"};
+    EXPECT(gpu_pager_alloc(dev, "nope", 64, &p), GPU_PAGER_ERROR_UNKNOWN_TAG, "`nope`");
+    EXPECT(gpu_pager_release(dev, nope, 1, NULL), GPU_PAGER_ERROR_UNKNOWN_TAG, "`nope`");
+    /* NULL arguments. */
+    EXPECT(gpu_pager_alloc(dev, NULL, 64, &p), GPU_PAGER_ERROR_INVALID_ARGUMENT, "NULL");
+    EXPECT(gpu_pager_alloc(dev, "weights", 64, NULL), GPU_PAGER_ERROR_INVALID_ARGUMENT,
+           "ptr_out");
+    EXPECT(gpu_pager_release(dev, NULL, 1, NULL), GPU_PAGER_ERROR_INVALID_ARGUMENT, "NULL");
+    const char *with_null[] = {"weights", NULL};
+    EXPECT(gpu_pager_release(dev, with_null, 2, NULL), GPU_PAGER_ERROR_INVALID_ARGUMENT,
+           "tags[1]");
+    EXPECT(gpu_pager_write(dev, w[0], NULL, 16), GPU_PAGER_ERROR_INVALID_ARGUMENT, "src");
+    EXPECT(gpu_pager_get_stats(dev, NULL), GPU_PAGER_ERROR_INVALID_ARGUMENT, "NULL");
+    EXPECT(gpu_pager_device(dev, NULL), GPU_PAGER_ERROR_INVALID_ARGUMENT, "NULL");
+    /* Not UTF-8. */
+    EXPECT(gpu_pager_region(dev, "\xff\xfe", GPU_PAGER_DISCARD, MIB, false, NULL),
+           GPU_PAGER_ERROR_INVALID_ARGUMENT, "UTF-8");
+    /* Zero sizes (a region of 0 bytes is a growing one: see grow() below). */
+    EXPECT(gpu_pager_alloc(dev, "weights", 0, &p), GPU_PAGER_ERROR_INVALID_SIZE, "`weights`");
+    EXPECT(gpu_pager_write(dev, w[0], data, 0), GPU_PAGER_ERROR_INVALID_SIZE, "0 bytes");
+    /* Bad values. */
+    EXPECT(gpu_pager_region(dev, "x", 42, MIB, false, NULL), GPU_PAGER_ERROR_INVALID_ARGUMENT,
+           "GPU_PAGER_PRESERVE");
+    EXPECT(gpu_pager_region(dev, "weights", GPU_PAGER_DISCARD, weights_bytes, false, NULL),
+           GPU_PAGER_ERROR_TAG_CONFLICT, "`weights`");
+    EXPECT(gpu_pager_alloc(-1, "weights", 64, &p), GPU_PAGER_ERROR_INVALID_ARGUMENT, "-1");
+    EXPECT(gpu_pager_write(dev, w[0] + 16, data, buf_bytes), GPU_PAGER_ERROR_OUT_OF_RANGE,
+           "`weights`");
+    EXPECT(gpu_pager_free(dev, w[0] + 8), GPU_PAGER_ERROR_INVALID_ARGUMENT, "inside");
+    EXPECT(gpu_pager_free(dev, 16), GPU_PAGER_ERROR_INVALID_ARGUMENT, "not inside");
+    EXPECT(gpu_pager_alloc(dev, "weights", weights_bytes, &p), GPU_PAGER_ERROR_REGION_FULL,
+           "`weights`");
+    if (host) {
+        EXPECT(gpu_pager_device(1, &info), GPU_PAGER_ERROR_BACKEND, "device 1");
+    }
+
+    /* Out of memory: a region larger than the device, then a resume while a "trainer"
+     * region holds the memory. Nothing is lost; the resume succeeds once it is gone. */
+    CHECK(gpu_pager_device(dev, &info));
+    EXPECT(gpu_pager_region(dev, "too_big", GPU_PAGER_DISCARD, (size_t)info.total_bytes * 2,
+                            false, NULL),
+           GPU_PAGER_ERROR_INVALID_SIZE, "`too_big`");
+    CHECK(gpu_pager_release(dev, kv, 1, NULL));
+    CHECK(gpu_pager_device(dev, &info));
+    size_t hog = (size_t)(info.free_bytes - kv_bytes / 2) / info.granularity * info.granularity;
+    CHECK(gpu_pager_region(dev, "trainer", GPU_PAGER_DISCARD, hog, false, NULL));
+    EXPECT(gpu_pager_resume(dev, kv, 1, NULL), GPU_PAGER_ERROR_OUT_OF_MEMORY, "`kv_cache`");
+    CHECK(gpu_pager_remove(dev, "trainer"));
+    CHECK(gpu_pager_resume(dev, kv, 1, NULL));
+
+    /* The PyTorch hooks: nothing is placed without a tag. */
+    EXPECT(gpu_pager_use_tag(dev, "nope"), GPU_PAGER_ERROR_UNKNOWN_TAG, "`nope`");
+    gpu_pager_clear_error();
+    if (gpu_pager_torch_malloc(4096, dev, NULL) != NULL) {
+        fprintf(stderr, "torch_malloc without a tag returned memory\n");
+        failures++;
+    }
+    expect_(gpu_pager_last_error_code(), GPU_PAGER_ERROR_INVALID_ARGUMENT, "gpu_pager_use_tag",
+            "gpu_pager_torch_malloc without a tag", __LINE__);
+    CHECK(gpu_pager_use_tag(dev, "kv_cache"));
+    void *t = gpu_pager_torch_malloc(4096, dev, NULL);
+    if (t == NULL) {
+        fprintf(stderr, "torch_malloc: %s\n", gpu_pager_last_error());
+        return 1;
+    }
+    pattern(data, 4096, 7);
+    CHECK(gpu_pager_write(dev, (uint64_t)(uintptr_t)t, data, 4096));
+    CHECK(gpu_pager_read(dev, (uint64_t)(uintptr_t)t, back, 4096));
+    if (memcmp(data, back, 4096) != 0) failures++;
+    gpu_pager_clear_error();
+    if (gpu_pager_torch_malloc(0, dev, NULL) != NULL) failures++;
+    expect_(gpu_pager_last_error_code(), GPU_PAGER_ERROR_INVALID_SIZE, "0 bytes",
+            "gpu_pager_torch_malloc(0)", __LINE__);
+    gpu_pager_clear_error();
+    gpu_pager_torch_free(t, 4096, dev, NULL);
+    if (gpu_pager_last_error_code() != GPU_PAGER_OK) failures++;
+    gpu_pager_torch_free(t, 4096, dev, NULL); /* twice: an error, nothing freed */
+    expect_(gpu_pager_last_error_code(), GPU_PAGER_ERROR_INVALID_ARGUMENT, "freed already",
+            "a second gpu_pager_torch_free", __LINE__);
+    CHECK(gpu_pager_release(dev, kv, 1, NULL));
+    gpu_pager_clear_error();
+    if (gpu_pager_torch_malloc(4096, dev, NULL) != NULL) failures++;
+    expect_(gpu_pager_last_error_code(), GPU_PAGER_ERROR_NOT_RESIDENT, "`kv_cache`",
+            "gpu_pager_torch_malloc in a released region", __LINE__);
+    CHECK(gpu_pager_use_tag(dev, NULL));
+    gpu_pager_clear_error();
+    if (gpu_pager_torch_malloc(4096, dev, NULL) != NULL) failures++;
+    expect_(gpu_pager_last_error_code(), GPU_PAGER_ERROR_INVALID_ARGUMENT, "no current tag",
+            "gpu_pager_torch_malloc after clearing the tag", __LINE__);
+
+    /* Growing regions through the PyTorch hook: small on the host backend. */
+    grow(dev, host ? 20 : 300, host ? 96 * 1024 : 48 * MIB);
+
+    for (int i = 0; i < N; i++) CHECK(gpu_pager_free(dev, w[i]));
+    EXPECT(gpu_pager_free(dev, w[0]), GPU_PAGER_ERROR_INVALID_ARGUMENT, "freed already");
+    CHECK(gpu_pager_remove(dev, "weights"));
+    CHECK(gpu_pager_remove(dev, "kv_cache"));
+    free(data);
+    free(back);
+    if (failures) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("ok\n");
+    return 0;
+}

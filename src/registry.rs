@@ -1,0 +1,105 @@
+//! One pager per device in a process, shared by every layer that embeds gpu-pager (Rust,
+//! the C ABI, PyTorch's allocator hooks, Python).
+//!
+//! [`Pager::for_device`] creates the device's pager on first use, from any thread, and
+//! returns the same [`Arc`] afterwards. Each device has its own pager: its own backend,
+//! regions and streams. Pagers live until the process exits.
+//!
+//! Without a usable GPU (no driver, no device), device 0 gets the host backend, as
+//! [`crate::backend::auto`] does; [`Pager::backend_kind`] says so and [`host_fallback`]
+//! says why. Other devices are then an error. The host backend's capacity is half the
+//! machine's memory (at most 32 GiB) unless the environment variable [`HOST_CAPACITY_ENV`] (`GPU_PAGER_HOST_CAPACITY`) says
+//! otherwise, read when device 0's pager is created: a byte count, optionally with a
+//! binary suffix (`268435456`, `256M`, `256MiB`, `4G`). CI uses it to run out-of-memory
+//! paths with small regions.
+//!
+//! ```
+//! use gpu_pager::Pager;
+//! use gpu_pager::backend::BackendKind;
+//! let pager = Pager::for_device(0)?;
+//! assert!(std::sync::Arc::ptr_eq(&pager, &Pager::for_device(0)?));
+//! if pager.backend_kind() == BackendKind::Host {
+//!     println!("no GPU: {}", gpu_pager::registry::host_fallback().unwrap_or_default());
+//! }
+//! # Ok::<(), gpu_pager::Error>(())
+//! ```
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock, RwLock};
+
+use crate::backend::cuda::CudaBackend;
+use crate::backend::host::{HostBackend, HostConfig};
+use crate::backend::{Backend, BackendError};
+use crate::error::{Error, Result};
+use crate::pager::Pager;
+
+/// The environment variable that sets the host backend's capacity in bytes (see the
+/// module docs for the accepted forms): [`crate::backend::host::CAPACITY_ENV`].
+pub use crate::backend::host::CAPACITY_ENV as HOST_CAPACITY_ENV;
+
+static PAGERS: RwLock<BTreeMap<usize, Arc<Pager>>> = RwLock::new(BTreeMap::new());
+static HOST_FALLBACK: OnceLock<String> = OnceLock::new();
+
+impl Pager {
+    /// The process's pager for device `ordinal`, created on first use (see
+    /// [`crate::registry`]). Fails without creating anything when the device cannot be
+    /// opened, or when [`HOST_CAPACITY_ENV`] is malformed; a later call tries again.
+    pub fn for_device(ordinal: usize) -> Result<Arc<Pager>> {
+        for_device(ordinal)
+    }
+}
+
+/// Same as [`Pager::for_device`].
+pub fn for_device(ordinal: usize) -> Result<Arc<Pager>> {
+    if let Some(p) = PAGERS
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&ordinal)
+    {
+        return Ok(p.clone());
+    }
+    // Created under the write lock, so two threads' first calls get the same pager. Opening
+    // a device takes a fraction of a second, once per device and process.
+    let mut map = PAGERS.write().unwrap_or_else(|p| p.into_inner());
+    if let Some(p) = map.get(&ordinal) {
+        return Ok(p.clone());
+    }
+    let pager = Arc::new(Pager::new(open(ordinal)?));
+    map.insert(ordinal, pager.clone());
+    Ok(pager)
+}
+
+/// Why device 0 runs on the host backend (the CUDA backend's error), once its pager was
+/// created that way; `None` before, or when it runs on a GPU.
+pub fn host_fallback() -> Option<String> {
+    HOST_FALLBACK.get().cloned()
+}
+
+fn open(ordinal: usize) -> Result<Arc<dyn Backend>> {
+    let why = match CudaBackend::new(ordinal) {
+        Ok(b) => return Ok(Arc::new(b)),
+        Err(BackendError::Unavailable(why)) => why,
+        Err(e) => return Err(Error::backend("*", "opening the CUDA device", e)),
+    };
+    if ordinal != 0 {
+        return Err(Error::backend(
+            "*",
+            "opening the CUDA device",
+            BackendError::Unavailable(format!(
+                "device {ordinal}: {why}; without a GPU only device 0 exists (on the host \
+                 backend), so use device 0 or run on a machine with {} GPUs",
+                ordinal + 1
+            )),
+        ));
+    }
+    let config = HostConfig::from_env().map_err(|e| Error::InvalidArgument {
+        tag: "*".to_owned(),
+        reason: format!("{e}, or unset it"),
+    })?;
+    log::warn!(
+        "gpu-pager: no usable GPU ({why}); device 0 runs on the host backend with {} bytes",
+        config.capacity
+    );
+    let _ = HOST_FALLBACK.set(why);
+    Ok(Arc::new(HostBackend::new(config)))
+}

@@ -24,6 +24,7 @@ __all__ = [
     "BackendError",
     "PanicError",
     "error_codes",
+    "_torch_hook_state",
     "Pager",
     "Lease",
     "Policy",
@@ -48,6 +49,10 @@ __version__: str
 
 def error_codes() -> list[tuple[int, str]]:
     """Every error code as ``(number, name)``; the class of ``name`` is ``<name>Error``."""
+
+def _torch_hook_state(device: int) -> tuple[str | None, str | None, int, int]:
+    """``(tag, last_error, segments, segment_bytes)`` of the torch allocator hooks on
+    ``device`` for the calling thread (used by ``gpu_pager.torch``)."""
 
 @final
 class Policy:

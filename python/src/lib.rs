@@ -12,6 +12,7 @@ mod args;
 mod errors;
 mod pager;
 mod registry;
+mod torch;
 mod types;
 
 /// The extension module.
@@ -19,6 +20,7 @@ mod types;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::add_to(m)?;
     m.add_function(wrap_pyfunction!(errors::error_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_hook_state, m)?)?;
     m.add_class::<pager::PyPager>()?;
     m.add_class::<pager::Lease>()?;
     m.add_class::<types::Policy>()?;
@@ -33,4 +35,15 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULT_ALIGN", gpu_pager::DEFAULT_ALIGN)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
+}
+
+/// The state of the torch allocator hooks on `device`, for the calling thread:
+/// ``(tag, last_error, segments, segment_bytes)``: the tag new segments come from (or
+/// ``None``), the message of the thread's last failed hook call, and
+/// the live segments of the device with their bytes.
+#[pyfunction]
+#[pyo3(name = "_torch_hook_state")]
+fn torch_hook_state(device: usize) -> (Option<String>, Option<String>, usize, usize) {
+    let (n, bytes) = torch::segments(device);
+    (torch::current_tag(device), torch::last_error(), n, bytes)
 }

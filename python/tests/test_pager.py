@@ -269,9 +269,9 @@ def test_bad_python_types(pager: gpu_pager.Pager, tag: str) -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         pager.region(tag, "keep", 2 * MIB)
     with pytest.raises(TypeError):
-        pager.region(tag, 1, 2 * MIB)
+        pager.region(tag, 1, 2 * MIB)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        pager.region(tag, "preserve", 2.0)
+        pager.region(tag, "preserve", 2.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         pager.region(tag, "preserve", True)
     with pytest.raises(ValueError):
@@ -297,7 +297,7 @@ def test_bad_python_types(pager: gpu_pager.Pager, tag: str) -> None:
     with pytest.raises(TypeError):
         pager.release([tag, 5])  # type: ignore[list-item]
     with pytest.raises(TypeError):
-        gpu_pager.Pager()  # type: ignore[call-arg]
+        gpu_pager.Pager()
     with pytest.raises(OverflowError):
         gpu_pager.Pager.for_device(-1)
 

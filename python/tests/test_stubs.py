@@ -15,15 +15,35 @@ import gpu_pager
 import gpu_pager._native as native
 
 
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+
+
 def test_stubtest() -> None:
     pytest.importorskip("mypy.stubtest", reason="mypy is not installed")
     env = dict(os.environ)
     env.setdefault("MYPY_CACHE_DIR", os.path.join(tempfile.gettempdir(), "gpu_pager-mypy-cache"))
     done = subprocess.run(
-        [sys.executable, "-m", "mypy.stubtest", "gpu_pager"],
+        [sys.executable, "-m", "mypy.stubtest", "gpu_pager", "--mypy-config-file", CONFIG],
         capture_output=True,
         text=True,
         env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_mypy_strict_on_the_package_and_tests() -> None:
+    """The stubs are usable: the package's Python code and these tests type-check."""
+    pytest.importorskip("mypy", reason="mypy is not installed")
+    env = dict(os.environ)
+    env.setdefault("MYPY_CACHE_DIR", os.path.join(tempfile.gettempdir(), "gpu_pager-mypy-cache"))
+    root = os.path.dirname(CONFIG)
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", CONFIG, "gpu_pager", "tests"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr

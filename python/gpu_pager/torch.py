@@ -160,6 +160,17 @@ def pager(device: Any = None) -> Pager:
     return Pager.for_device(_index(device))
 
 
+def _ensure_region(
+    p: Pager, tag: str, policy: Policy | str, bytes: int | None, prepin: bool
+) -> RegionInfo:
+    """Creates region ``tag``, or returns it if it exists with ``policy``: without ``bytes``
+    an existing region is taken at its size, so that ``region(tag)`` can be entered again."""
+    # TODO: growing regions: let the core answer bytes=None (0) for an existing region.
+    if bytes is None and tag in p.tags():
+        bytes = p.info(tag).size
+    return p.region(tag, policy, bytes, prepin)
+
+
 @contextmanager
 def _expandable_segments_off() -> Iterator[None]:
     # A MemPool with a pluggable allocator does not work with expandable segments
@@ -191,7 +202,7 @@ def region(
     a note (and in ``last_error()``)."""
     torch = _torch()
     index = _index(device)
-    info = Pager.for_device(index).region(tag, policy, bytes, prepin)
+    info = _ensure_region(Pager.for_device(index), tag, policy, bytes, prepin)
     previous = current_tag(index)
     with _expandable_segments_off(), torch.cuda.use_mem_pool(pool(tag, index), device=index):
         use_tag(index, tag)

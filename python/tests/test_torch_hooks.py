@@ -85,6 +85,14 @@ def test_use_tag_is_per_thread(tag: str) -> None:
     assert seen == [None]
 
 
+def test_region_entered_again_without_bytes(pager: gpu_pager.Pager, tag: str) -> None:
+    first = gpt._ensure_region(pager, tag, "preserve", 4 * MIB, False)
+    again = gpt._ensure_region(pager, tag, "preserve", None, False)
+    assert again.id == first.id
+    with pytest.raises(gpu_pager.TagConflictError):
+        gpt._ensure_region(pager, tag, "discard", None, False)
+
+
 def test_use_tag_refuses_a_negative_device() -> None:
     with pytest.raises(gpu_pager.InvalidArgumentError):
         gpt.use_tag(-1, "x")

@@ -1,0 +1,355 @@
+//! `gpu_pager.Pager` and `gpu_pager.Lease`: thin wrappers over [`gpu_pager::Pager`] and
+//! [`gpu_pager::Lease`]. Every call that takes a pager lock releases the GIL.
+
+use std::sync::{Arc, Mutex};
+
+use gpu_pager::RegionOptions;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::args::{self, as_strs, run};
+use crate::registry;
+use crate::types::{Buffer, RegionInfo, RegionStats, Report, Stats};
+
+/// The process's pager for one device: tagged regions of device memory at stable
+/// addresses, released and resumed by tag. Get it with ``Pager.for_device(device)``; every
+/// call for a device returns the same pager. Thread-safe: calls release the GIL, moves of
+/// different tags may run concurrently from different threads.
+#[pyclass(module = "gpu_pager", name = "Pager", frozen)]
+pub struct PyPager {
+    device: usize,
+    inner: Arc<gpu_pager::Pager>,
+}
+
+impl PyPager {
+    /// A buffer of another device's pager is `InvalidArgumentError`.
+    fn check_device(&self, py: Python<'_>, buf: &Buffer) -> PyResult<()> {
+        if buf.device == self.device {
+            return Ok(());
+        }
+        let e = gpu_pager::Error::InvalidArgument {
+            tag: buf.inner.tag().to_owned(),
+            reason: format!(
+                "the buffer belongs to device {}'s pager, not device {}'s",
+                buf.device, self.device
+            ),
+        };
+        Err(crate::errors::to_py(py, &e))
+    }
+}
+
+#[pymethods]
+impl PyPager {
+    /// The pager of CUDA device ``device`` (default 0), created on first use. Device 0 runs
+    /// on host memory when there is no GPU (see ``backend`` and ``host_fallback``); its
+    /// capacity is then read from the environment variable ``GPU_PAGER_HOST_CAPACITY``
+    /// (e.g. ``"8G"``) when the pager is created.
+    #[staticmethod]
+    #[pyo3(signature = (device = 0))]
+    fn for_device(py: Python<'_>, device: usize) -> PyResult<Self> {
+        let inner = run(py, || registry::for_device(device))?;
+        Ok(PyPager { device, inner })
+    }
+
+    /// The device ordinal.
+    #[getter]
+    fn device(&self) -> usize {
+        self.device
+    }
+
+    /// ``"cuda"`` on a GPU, ``"host"`` on host memory standing in for one.
+    #[getter]
+    fn backend(&self) -> String {
+        self.inner.backend_kind().to_string()
+    }
+
+    /// Why the pager runs on host memory (the CUDA backend's error), or ``None`` on a GPU.
+    #[getter]
+    fn host_fallback(&self) -> Option<String> {
+        match self.inner.backend_kind() {
+            gpu_pager::backend::BackendKind::Host => registry::host_fallback(),
+            gpu_pager::backend::BackendKind::Cuda => None,
+        }
+    }
+
+    /// Creates region ``tag`` of ``bytes`` (rounded up to the granularity) with ``policy``
+    /// (a ``Policy`` or its name), resident, at a device address that never changes, and
+    /// returns its description. Asking again for an existing tag with the same size and
+    /// policy returns the existing region; otherwise ``TagConflictError``. ``bytes=None``
+    /// asks for a region that grows with its buffers. ``prepin`` allocates the pinned host
+    /// backup now (``Policy.PRESERVE`` only), so that the first release pays no pinning.
+    #[pyo3(signature = (tag, policy, bytes = None, prepin = false))]
+    fn region(
+        &self,
+        py: Python<'_>,
+        tag: &str,
+        policy: &Bound<'_, PyAny>,
+        bytes: Option<&Bound<'_, PyAny>>,
+        prepin: bool,
+    ) -> PyResult<RegionInfo> {
+        let policy = args::policy(policy)?;
+        // Growing regions: the core takes 0 bytes for "grow with the buffers" (until it
+        // does, it answers InvalidSize).
+        let bytes = bytes
+            .map(|b| args::size(b, "bytes"))
+            .transpose()?
+            .unwrap_or(0);
+        let options = RegionOptions {
+            prepin,
+            ..RegionOptions::default()
+        };
+        let p = &self.inner;
+        run(py, || p.region_with(tag, bytes, policy, options)).map(RegionInfo::from)
+    }
+
+    /// Removes region ``tag``: unmaps it, frees its backup and its address range; its
+    /// buffers become stale. Refused (``BusyError``) while it is leased.
+    fn remove(&self, py: Python<'_>, tag: &str) -> PyResult<()> {
+        let p = &self.inner;
+        run(py, || p.remove(tag))
+    }
+
+    /// The tags of all regions, in order.
+    fn tags(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let p = &self.inner;
+        run(py, || Ok(p.tags()))
+    }
+
+    /// The description of region ``tag``.
+    fn info(&self, py: Python<'_>, tag: &str) -> PyResult<RegionInfo> {
+        let p = &self.inner;
+        run(py, || p.info(tag)).map(RegionInfo::from)
+    }
+
+    /// Allocates a buffer of ``nbytes`` in region ``tag``, aligned to ``align`` bytes (a
+    /// power of two; default 256). Works whether the region is resident or released.
+    #[pyo3(signature = (tag, nbytes, align = None))]
+    fn alloc(
+        &self,
+        py: Python<'_>,
+        tag: &str,
+        nbytes: &Bound<'_, PyAny>,
+        align: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Buffer> {
+        let nbytes = args::size(nbytes, "nbytes")?;
+        let align = align
+            .map(|a| args::size(a, "align"))
+            .transpose()?
+            .unwrap_or(gpu_pager::DEFAULT_ALIGN);
+        let p = &self.inner;
+        let inner = run(py, || p.alloc_aligned(tag, nbytes, align))?;
+        Ok(Buffer {
+            inner,
+            device: self.device,
+        })
+    }
+
+    /// Frees a buffer. Freeing it twice is ``StaleBufferError``.
+    fn free(&self, py: Python<'_>, buf: PyRef<'_, Buffer>) -> PyResult<()> {
+        self.check_device(py, &buf)?;
+        let (p, b) = (&self.inner, &buf.inner);
+        run(py, || p.free(b))
+    }
+
+    /// The buffer's device address (an int). The address never changes, but it is backed
+    /// by memory only while the region is resident: ``NotResidentError`` otherwise.
+    fn ptr(&self, py: Python<'_>, buf: PyRef<'_, Buffer>) -> PyResult<u64> {
+        self.check_device(py, &buf)?;
+        let (p, b) = (&self.inner, &buf.inner);
+        run(py, || p.ptr(b))
+    }
+
+    /// Copies ``data`` (bytes-like) into the buffer at ``offset``, through the pager: a
+    /// released region is ``NotResidentError``, never a fault.
+    fn write(
+        &self,
+        py: Python<'_>,
+        buf: PyRef<'_, Buffer>,
+        offset: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.check_device(py, &buf)?;
+        let offset = args::size(offset, "offset")?;
+        let data = args::data(data)?;
+        let (p, b, d) = (&self.inner, &buf.inner, &*data);
+        run(py, || p.write(b, offset, d))
+    }
+
+    /// Reads ``n`` bytes of the buffer from ``offset``, through the pager (a released region
+    /// is ``NotResidentError``).
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        buf: PyRef<'_, Buffer>,
+        offset: &Bound<'_, PyAny>,
+        n: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        self.check_device(py, &buf)?;
+        let offset = args::size(offset, "offset")?;
+        let n = args::size(n, "n")?;
+        let (p, b) = (&self.inner, &buf.inner);
+        let out = run(py, || {
+            // Checked first, so that a bad range fails before the allocation.
+            if offset.checked_add(n).is_none_or(|end| end > b.len()) {
+                return Err(gpu_pager::Error::OutOfRange {
+                    tag: b.tag().to_owned(),
+                    what: "buffer",
+                    offset,
+                    len: n,
+                    size: b.len(),
+                });
+            }
+            let mut out = vec![0u8; n];
+            p.read(b, offset, &mut out)?;
+            Ok(out)
+        })?;
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// Gives the physical memory of ``tags`` (a str or a sequence of str) back to the
+    /// device: waits for outstanding device work, copies ``PRESERVE`` regions to their
+    /// pinned backups, unmaps. All or nothing (``BusyError`` if one is leased). Regions
+    /// already released are reported as such.
+    fn release(&self, py: Python<'_>, tags: &Bound<'_, PyAny>) -> PyResult<Report> {
+        let tags = args::tags(tags)?;
+        let p = &self.inner;
+        run(py, || p.release(&as_strs(&tags))).map(Report::from)
+    }
+
+    /// Maps physical memory back under ``tags`` at the same addresses and restores
+    /// ``PRESERVE`` contents bit-exact. All or nothing: on ``OutOfMemoryError`` every region
+    /// stays released with its backup, and a later resume succeeds.
+    fn resume(&self, py: Python<'_>, tags: &Bound<'_, PyAny>) -> PyResult<Report> {
+        let tags = args::tags(tags)?;
+        let p = &self.inner;
+        run(py, || p.resume(&as_strs(&tags))).map(Report::from)
+    }
+
+    /// ``resume`` that enqueues the restore copies on ``stream`` (an int ``CUstream`` or an
+    /// object with ``.cuda_stream``, e.g. ``torch.cuda.Stream``) and returns once mapping is
+    /// done: kernels launched next on that stream see the restored contents.
+    fn resume_on(
+        &self,
+        py: Python<'_>,
+        tags: &Bound<'_, PyAny>,
+        stream: &Bound<'_, PyAny>,
+    ) -> PyResult<Report> {
+        let tags = args::tags(tags)?;
+        let stream = args::stream(stream)?;
+        let p = &self.inner;
+        run(py, || p.resume_on(&as_strs(&tags), stream)).map(Report::from)
+    }
+
+    /// ``resume`` and ``lease`` in one step, so that no other thread can release the tags
+    /// in between. Returns ``(report, lease)``.
+    fn resume_and_lease(
+        &self,
+        py: Python<'_>,
+        tags: &Bound<'_, PyAny>,
+    ) -> PyResult<(Report, Lease)> {
+        let tags = args::tags(tags)?;
+        let p = &self.inner;
+        let (report, lease) = run(py, || p.resume_and_lease(&as_strs(&tags)))?;
+        Ok((Report::from(report), Lease::new(tags, lease)))
+    }
+
+    /// Keeps ``tags`` resident until the lease is closed: releasing one of them is
+    /// ``BusyError`` meanwhile. ``NotResidentError`` if one is released now. Use it as a
+    /// context manager (``with pager.lease("weights"): ...``) or call ``close()``.
+    fn lease(&self, py: Python<'_>, tags: &Bound<'_, PyAny>) -> PyResult<Lease> {
+        let tags = args::tags(tags)?;
+        let p = &self.inner;
+        let lease = run(py, || p.lease(&as_strs(&tags)))?;
+        Ok(Lease::new(tags, lease))
+    }
+
+    /// Statistics of every region.
+    fn stats(&self, py: Python<'_>) -> PyResult<Stats> {
+        let p = &self.inner;
+        run(py, || Ok(p.stats())).map(Stats::from)
+    }
+
+    /// Statistics of region ``tag``.
+    fn region_stats(&self, py: Python<'_>, tag: &str) -> PyResult<RegionStats> {
+        let p = &self.inner;
+        run(py, || p.region_stats(tag)).map(RegionStats::from)
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<PyPager>()
+            .is_ok_and(|o| Arc::ptr_eq(&o.get().inner, &self.inner))
+    }
+
+    fn __hash__(&self) -> u64 {
+        self.device as u64
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Pager(device={}, backend={:?})",
+            self.device,
+            self.inner.backend_kind().to_string()
+        )
+    }
+}
+
+/// Keeps tags resident while open; see ``Pager.lease``. A context manager; ``close()`` (or
+/// leaving the ``with`` block) ends it, and closing twice is harmless.
+#[pyclass(module = "gpu_pager", frozen)]
+pub struct Lease {
+    tags: Vec<String>,
+    inner: Mutex<Option<gpu_pager::Lease>>,
+}
+
+impl Lease {
+    fn new(tags: Vec<String>, lease: gpu_pager::Lease) -> Self {
+        Lease {
+            tags,
+            inner: Mutex::new(Some(lease)),
+        }
+    }
+
+    fn slot(&self) -> std::sync::MutexGuard<'_, Option<gpu_pager::Lease>> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl Lease {
+    /// The leased tags, as given.
+    #[getter]
+    fn tags(&self) -> Vec<String> {
+        self.tags.clone()
+    }
+
+    /// Whether the lease is still held.
+    #[getter]
+    fn active(&self) -> bool {
+        self.slot().is_some()
+    }
+
+    /// Ends the lease (the tags may be released again).
+    fn close(&self, py: Python<'_>) {
+        let lease = self.slot().take();
+        py.detach(move || drop(lease));
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Lease(tags={:?}, active={})",
+            self.tags,
+            if self.active() { "True" } else { "False" }
+        )
+    }
+}

@@ -1,0 +1,114 @@
+"""torch on gpu_pager: needs torch and a CUDA GPU (skipped otherwise). Written for the GPU
+machine (torch 2.11, CUDA 13); see python-research notes for the torch facts relied on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import gpu_pager
+
+torch: Any = pytest.importorskip("torch", reason="torch is not installed")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+
+import gpu_pager.torch as gpt  # noqa: E402
+from gpu_pager.compat.torch_memory_saver import TorchMemorySaver  # noqa: E402
+from gpu_pager.compat.vllm import CuMemAllocator  # noqa: E402
+
+MIB = 1 << 20
+
+
+def test_tensors_live_in_the_region_and_survive_a_cycle(new_tag: Callable[[], str]) -> None:
+    weights, kv = new_tag(), new_tag()
+    with gpt.region(weights, "preserve", bytes=64 * MIB) as info:
+        w = torch.arange(4 << 20, dtype=torch.float32, device="cuda")  # 16 MiB
+    with gpt.region(kv, "discard", bytes=64 * MIB):
+        k = torch.ones(1 << 20, dtype=torch.float32, device="cuda")
+    assert info.base <= w.data_ptr() < info.base + info.size
+    expect = w.clone().cpu()
+    addr = w.data_ptr()
+    graph = torch.cuda.CUDAGraph()
+    out = torch.empty_like(w)
+    with torch.cuda.graph(graph):
+        out.copy_(w * 2)
+
+    report = gpt.release([weights, kv])
+    assert report.bytes == 128 * MIB
+    gpt.resume(weights)
+    assert w.data_ptr() == addr
+    assert torch.equal(w.cpu(), expect)
+    graph.replay()  # the captured address is valid again
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), expect * 2)
+    gpt.resume(kv)
+    k.fill_(3)
+    assert float(k.sum()) == 3 * (1 << 20)
+
+
+def test_region_full_is_torch_oom_with_our_reason(tag: str) -> None:
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        with gpt.region(tag, "discard", bytes=4 * MIB):
+            torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+    assert "no free range" in (gpt.last_error() or "")
+    if hasattr(e.value, "__notes__"):
+        assert any("gpu_pager" in n for n in e.value.__notes__)
+
+
+def test_outside_a_region_tensors_are_ordinary(pager: gpu_pager.Pager) -> None:
+    before = pager.stats().resident_bytes
+    x = torch.ones(1 << 20, device="cuda")
+    assert pager.stats().resident_bytes == before
+    del x
+
+
+def test_torch_memory_saver_compat(new_tag: Callable[[], str]) -> None:
+    tms = TorchMemorySaver()
+    w_tag, kv_tag = new_tag(), new_tag()
+    tms.region_bytes = {w_tag: 64 * MIB, kv_tag: 64 * MIB}
+    with tms.region(w_tag, enable_cpu_backup=True):
+        w = torch.full((1 << 20,), 7.0, device="cuda")
+    with tms.region(kv_tag):
+        k = torch.zeros(1 << 20, device="cuda")
+    tms.pause(kv_tag)
+    tms.pause(w_tag)
+    tms.pause(w_tag)  # idempotent (torch_memory_saver exits here)
+    tms.resume(w_tag)
+    assert float(w.sum()) == 7.0 * (1 << 20)
+    tms.resume()
+    k.fill_(1)
+    assert float(k.sum()) == 1 << 20
+
+
+def test_vllm_compat_sleep_and_wake(new_tag: Callable[[], str]) -> None:
+    alloc = CuMemAllocator()
+    w_tag, kv_tag = new_tag(), new_tag()
+    alloc.policies[w_tag] = gpu_pager.Policy.PRESERVE
+    alloc.region_bytes = {w_tag: 64 * MIB, kv_tag: 64 * MIB}
+    with alloc.use_memory_pool(tag=w_tag):
+        w = torch.full((1 << 20,), 5.0, device="cuda")
+    with alloc.use_memory_pool(tag=kv_tag):
+        k = torch.zeros(1 << 20, device="cuda")
+    assert alloc.get_current_usage() >= 8 * MIB
+    with pytest.raises(ValueError):
+        alloc.sleep(offload_tags=(kv_tag,))
+    alloc.sleep(offload_tags=(w_tag,))
+    alloc.wake_up(tags=[w_tag])
+    assert float(w.sum()) == 5.0 * (1 << 20)
+    alloc.wake_up()
+    k.fill_(2)
+    assert float(k.sum()) == 2 * (1 << 20)
+
+
+def test_resume_on_a_torch_stream(tag: str) -> None:
+    with gpt.region(tag, "preserve", bytes=16 * MIB):
+        x = torch.full((1 << 20,), 9.0, device="cuda")
+    gpt.release(tag)
+    stream = torch.cuda.Stream()
+    gpt.pager().resume_on(tag, stream)
+    with torch.cuda.stream(stream):
+        total = x.sum()
+    stream.synchronize()
+    assert float(total) == 9.0 * (1 << 20)

@@ -105,6 +105,9 @@ class RegionInfo:
     @property
     def elastic(self) -> bool: ...
     @property
+    def growing(self) -> bool:
+        """Whether the region grows with its buffers (created with ``bytes=None``)."""
+    @property
     def id(self) -> int: ...
     @property
     def releases(self) -> int:

@@ -128,6 +128,8 @@ pub struct RegionInfo {
     pub state: State,
     /// Whether chunks are mapped only where backed.
     pub elastic: bool,
+    /// Whether the region grows with its buffers (created with 0 bytes or `bytes=None`).
+    pub growing: bool,
     /// Identity: unique among the regions the pager ever created.
     pub id: u64,
     /// Releases that changed the region so far.
@@ -144,6 +146,7 @@ impl From<gpu_pager::RegionInfo> for RegionInfo {
             policy: Policy::from_core(i.policy),
             state: State::from_core(i.state),
             elastic: i.elastic,
+            growing: i.growing,
             id: i.id,
             releases: i.releases,
         }
@@ -154,13 +157,14 @@ impl From<gpu_pager::RegionInfo> for RegionInfo {
 impl RegionInfo {
     fn __repr__(&self) -> String {
         format!(
-            "RegionInfo(tag={:?}, base={:#x}, size={}, policy={}, state={}, elastic={}, id={}, releases={})",
+            "RegionInfo(tag={:?}, base={:#x}, size={}, policy={}, state={}, elastic={}, growing={}, id={}, releases={})",
             self.tag,
             self.base,
             self.size,
             self.policy.name(),
             self.state.name(),
             py_bool(self.elastic),
+            py_bool(self.growing),
             self.id,
             self.releases
         )

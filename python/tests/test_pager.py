@@ -303,8 +303,10 @@ def test_bad_python_types(pager: gpu_pager.Pager, tag: str) -> None:
 
 
 def test_pager_errors_for_bad_values(pager: gpu_pager.Pager, tag: str) -> None:
+    # 0 bytes (or None) is a growing region; a size past the device is InvalidSize.
+    assert pager.region(tag + "_grows", "preserve", 0).growing
     with pytest.raises(gpu_pager.InvalidSizeError):
-        pager.region(tag, "preserve", 0)
+        pager.region(tag + "_huge", "preserve", 1 << 60)
     pager.region(tag, "preserve", 2 * MIB)
     with pytest.raises(gpu_pager.InvalidSizeError):
         pager.alloc(tag, 0)

@@ -49,3 +49,40 @@ fn without_a_gpu_device_0_is_host_and_others_are_errors() {
         }
     }
 }
+
+/// Each device's pager has its own backend and regions, and a call on one device leaves
+/// the caller's current context alone. Needs a GPU; with only one it checks device 0 and
+/// says that the two-device half was skipped (no second GPU to test on).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_each_device_has_its_own_pager() {
+    let p0 = Pager::for_device(0).unwrap();
+    assert_eq!(
+        p0.backend_kind(),
+        BackendKind::Cuda,
+        "this test needs a CUDA GPU"
+    );
+    p0.region("per-device", 64 << 20, Policy::Preserve).unwrap();
+    let b = p0.alloc("per-device", 4096).unwrap();
+    p0.write(&b, 0, &[3u8; 4096]).unwrap();
+    match Pager::for_device(1) {
+        Ok(p1) => {
+            assert!(!Arc::ptr_eq(&p0, &p1));
+            assert!(
+                p1.info("per-device").is_err(),
+                "device 1 has its own regions"
+            );
+            p1.region("per-device", 64 << 20, Policy::Discard).unwrap();
+            p1.release(&["per-device"]).unwrap();
+            let mut back = [0u8; 4096];
+            p0.read(&b, 0, &mut back).unwrap();
+            assert_eq!(
+                back, [3u8; 4096],
+                "device 0 untouched by device 1's release"
+            );
+            p1.remove("per-device").unwrap();
+        }
+        Err(e) => eprintln!("skipped the two-device half: no second GPU ({e})"),
+    }
+    p0.remove("per-device").unwrap();
+}

@@ -7,34 +7,13 @@
 
 mod common;
 
-use std::sync::Arc;
+use common::{Rng, assert_bytes_eq, free_bytes, gpu, gpu_lock, scale};
 
-use common::{Rng, assert_bytes_eq, gpu_lock};
-
-use gpu_pager::backend::Backend;
-use gpu_pager::backend::cuda::CudaBackend;
 use gpu_pager::kernels::reference;
 use gpu_pager::{Buffer, Error, Pager, Policy, RegionOptions, State};
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
-
-/// Divides the test sizes (e.g. 16 under compute-sanitizer, which slows kernels a lot).
-fn scale() -> usize {
-    std::env::var("GPU_PAGER_TEST_SCALE")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .filter(|&s: &usize| s > 0)
-        .unwrap_or(1)
-}
-
-fn gpu() -> Arc<CudaBackend> {
-    Arc::new(CudaBackend::new(0).expect("this test needs a CUDA GPU; none is usable"))
-}
-
-fn free_bytes(b: &CudaBackend) -> usize {
-    b.mem_info().expect("cuMemGetInfo").free
-}
 
 fn whole_hash(pager: &Pager, b: &Buffer) -> u64 {
     pager

@@ -97,3 +97,27 @@ pub fn assert_bytes_eq(what: &str, got: &[u8], want: &[u8]) {
         &want[first..end]
     );
 }
+
+/// Divides the GPU tests' sizes (`GPU_PAGER_TEST_SCALE`, e.g. 16 under compute-sanitizer,
+/// which slows kernels a lot).
+pub fn scale() -> usize {
+    std::env::var("GPU_PAGER_TEST_SCALE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .filter(|&s: &usize| s > 0)
+        .unwrap_or(1)
+}
+
+/// Device 0's CUDA backend; panics (the test fails) without a GPU.
+pub fn gpu() -> std::sync::Arc<gpu_pager::backend::cuda::CudaBackend> {
+    std::sync::Arc::new(
+        gpu_pager::backend::cuda::CudaBackend::new(0)
+            .expect("this test needs a CUDA GPU; none is usable"),
+    )
+}
+
+/// Free device memory now.
+pub fn free_bytes(b: &gpu_pager::backend::cuda::CudaBackend) -> usize {
+    use gpu_pager::backend::Backend;
+    b.mem_info().expect("cuMemGetInfo").free
+}

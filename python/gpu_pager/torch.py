@@ -23,9 +23,9 @@ caching allocator still caches and splits blocks in the segments it gets from us
 frees come from torch at its own pace (``del pool`` or ``empty_cache`` after a pool is
 dropped), not when tensors die.
 
-torch is imported on first use, so that this module imports without it. Until the core
-has growing regions, ``bytes`` must be given: the region must hold every segment torch
-asks for (multiples of 2 MiB).
+torch is imported on first use, so that this module imports without it. Without ``bytes``
+the region grows with torch's segments (multiples of 2 MiB): memory is mapped under live
+segments only; with ``bytes`` it is a fixed region that must hold every segment.
 """
 
 from __future__ import annotations
@@ -165,9 +165,9 @@ def _ensure_region(
 ) -> RegionInfo:
     """Creates region ``tag``, or returns it if it exists with ``policy``: without ``bytes``
     an existing region is taken at its size, so that ``region(tag)`` can be entered again."""
-    # TODO: growing regions: let the core answer bytes=None (0) for an existing region.
     if bytes is None and tag in p.tags():
-        bytes = p.info(tag).size
+        info = p.info(tag)
+        bytes = 0 if info.growing else info.size
     return p.region(tag, policy, bytes, prepin)
 
 

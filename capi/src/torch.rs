@@ -25,6 +25,9 @@ use crate::api::buffer_containing;
 use crate::boundary::{self, call, call_or, invalid};
 use crate::types::gpu_pager_code;
 
+/// Alignment of torch segments of at least this size.
+const SEGMENT_ALIGN: usize = 2 << 20;
+
 thread_local! {
     /// This thread's current tag per device, for `gpu_pager_torch_malloc`.
     static CURRENT: RefCell<BTreeMap<usize, String>> = const { RefCell::new(BTreeMap::new()) };
@@ -51,6 +54,12 @@ pub unsafe extern "C" fn gpu_pager_use_tag(device: c_int, tag: *const c_char) ->
         CURRENT.with(|c| c.borrow_mut().insert(d, tag.to_owned()));
         Ok(())
     })
+}
+
+/// The calling thread's current tag for `device` (set by [`gpu_pager_use_tag`]), for
+/// Rust callers such as the Python extension.
+pub fn current_tag(device: usize) -> Option<String> {
+    CURRENT.with(|c| c.borrow().get(&device).cloned())
 }
 
 /// PyTorch's `malloc` hook: allocates `size` bytes for device `device` in this thread's
@@ -92,7 +101,14 @@ pub extern "C" fn gpu_pager_torch_malloc(
                 });
             }
             let pager = boundary::pager(device)?;
-            let buf = pager.alloc(&tag, size)?;
+            // Whole segments (torch asks for multiples of 2 MiB from 2 MiB up) start on a
+            // 2 MiB boundary, as cudaMalloc's do; smaller ones at the default alignment.
+            let align = if size >= SEGMENT_ALIGN {
+                SEGMENT_ALIGN
+            } else {
+                gpu_pager::DEFAULT_ALIGN
+            };
+            let buf = pager.alloc_aligned(&tag, size, align)?;
             // A released region: torch would write into unmapped memory at once, so refuse
             // (NotResident) instead of handing out the address.
             match pager.ptr(&buf) {

@@ -25,8 +25,11 @@ How: torch's ``CUDAPluggableAllocator`` is pointed at two C functions that the e
 module ``gpu_pager._native`` exports (``gpu_pager_torch_malloc``/``gpu_pager_torch_free``;
 the whole C ABI lives in that module, so torch, Python and C share one pager per device),
 inside one ``torch.cuda.MemPool`` per (tag, device), kept for the whole process. torch's
-caching allocator still caches and splits blocks in the segments it gets from us. Segment
-frees come from torch at its own pace (``torch.cuda.empty_cache()``), not when tensors die.
+caching allocator still caches and splits blocks in the segments it gets from us. torch
+frees a segment only when its pool is dropped, not when tensors die, and
+``torch.cuda.empty_cache()`` leaves live pools alone: ``empty_cache(tag)`` drops the tag's
+pool, so that its unused segments (and, at a later ``empty_cache``, those of tensors that
+died since) go back to the device; the next ``use(tag)`` starts a new pool.
 
 Without ``bytes`` a region grows with torch's segments (multiples of 2 MiB): memory is
 mapped under live segments only, and freed segments give their memory back at once. With
@@ -65,6 +68,7 @@ __all__ = [
     "last_error",
     "allocator",
     "pool",
+    "empty_cache",
     "pager",
     "use",
     "region",
@@ -87,8 +91,8 @@ USE_TAG_SYMBOL = "gpu_pager_use_tag"
 
 _lock = threading.Lock()
 _allocator: Any = None
-# One pool per (tag, device), never dropped: a pool bound to one device silently bypasses
-# the allocator on another, and dropping a pool frees segments a CUDA graph may still use.
+# One pool per (tag, device) (a pool bound to one device silently bypasses the allocator on
+# another), kept until empty_cache(tag) drops it, and past interpreter exit (_keep_forever).
 _pools: dict[tuple[str, int], Any] = {}
 _lib: ctypes.CDLL | None = None
 
@@ -107,6 +111,11 @@ def _keep_forever(obj: Any) -> None:
     pointer not allocated here". Kept alive, neither is destroyed; the process's exit
     returns the memory."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def _let_go(obj: Any) -> None:
+    """Gives back the reference ``_keep_forever`` took."""
+    ctypes.pythonapi.Py_DecRef(ctypes.py_object(obj))
 
 
 def library_path() -> str:
@@ -193,6 +202,28 @@ def pool(tag: str, device: Any = None) -> Any:
             _keep_forever(p)
             _pools[(tag, index)] = p
         return p
+
+
+def empty_cache(tags: str | Iterable[str] | None = None, device: Any = None) -> None:
+    """Gives the unused torch segments of ``tags`` (default: every tag) on ``device`` back:
+    drops the tags' pools (a new one starts at the next ``use``) and empties torch's cache.
+    Segments of live tensors stay until the tensors die and ``empty_cache`` runs again; a
+    CUDA graph captured into a tag keeps the pool's memory while the graph lives. In a
+    growing region a freed segment's memory returns to the device at once."""
+    torch = _torch()
+    index = _index(device)
+    wanted = None if tags is None else set(_tags(tags))
+    with _lock:
+        dropped = [
+            _pools.pop(key)
+            for key in list(_pools)
+            if key[1] == index and (wanted is None or key[0] in wanted)
+        ]
+    for p in dropped:
+        _let_go(p)
+    del dropped
+    torch.cuda.synchronize(index)
+    torch.cuda.empty_cache()
 
 
 def pager(device: Any = None) -> Pager:

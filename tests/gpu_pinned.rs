@@ -226,6 +226,43 @@ fn kernels_use_registered_memory_through_its_device_pointer() {
     );
 }
 
+/// `pin_from_device` fills fresh pinned memory with a device range, piece by piece as each
+/// registers, bit-exact (odd size, one piece and many).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pin_from_device_copies_bit_exact() {
+    let _lock = gpu_lock();
+    let b = gpu();
+    let pager = Pager::new(b.clone());
+    let mut rng = Rng::seeded("pin_from_device_copies_bit_exact");
+    let bytes = 40 * MIB / scale() + 13;
+    pager.region("src", bytes, Policy::Discard).unwrap();
+    let src = pager.alloc("src", bytes).unwrap();
+    let data = rng.bytes(bytes);
+    pager.write(&src, 0, &data).unwrap();
+    let at = pager.ptr(&src).unwrap();
+    for opts in [PinOptions::default(), pieces(2 * MIB, false)] {
+        // SAFETY: `at .. at + bytes` is the live `src` buffer, not written meanwhile.
+        let host = unsafe { b.pin_from_device(bytes, &opts, at) }.expect("pin_from_device");
+        assert_eq!(host.len(), bytes);
+        let want_pieces = if opts.piece_bytes == 0 { 1 } else { 2 };
+        assert!(host.registrations().len() >= want_pieces);
+        assert_bytes_eq(
+            &format!("{} registrations", host.registrations().len()),
+            host.as_slice(),
+            &data,
+        );
+        eprintln!("{:?}", host.timings());
+    }
+    drop(pager);
+    assert_eq!(
+        b.deferred_errors().total(),
+        0,
+        "{:?}",
+        b.deferred_errors().take()
+    );
+}
+
 /// A `/proc/self/status` value in bytes (0 when the kernel does not report it).
 fn status_bytes(key: &str) -> usize {
     let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");

@@ -94,8 +94,12 @@ pub struct PinTimings {
     pub map: Duration,
     /// First touch of every page.
     pub touch: Duration,
-    /// `cuMemHostRegister` (all pieces) and `cuMemHostGetDevicePointer`.
+    /// `cuMemHostRegister` (all pieces) and `cuMemHostGetDevicePointer`; in
+    /// [`CudaBackend::pin_from_device`], registering and enqueueing the copies.
     pub register: Duration,
+    /// [`CudaBackend::pin_from_device`]: waiting for the copies after the last piece was
+    /// registered (zero for [`CudaBackend::pin`]).
+    pub wait: Duration,
     /// Threads that touched (1: the calling thread alone).
     pub touch_threads: usize,
     /// Registrations.
@@ -103,9 +107,9 @@ pub struct PinTimings {
 }
 
 impl PinTimings {
-    /// The whole pinning.
+    /// The whole pinning (and, from [`CudaBackend::pin_from_device`], copying).
     pub fn total(&self) -> Duration {
-        self.map + self.touch + self.register
+        self.map + self.touch + self.register + self.wait
     }
 }
 
@@ -494,6 +498,100 @@ impl CudaBackend {
     /// cannot be mapped; [`BackendError::Driver`] when the driver refuses to register it.
     /// Nothing stays mapped or registered after an error.
     pub fn pin(&self, bytes: usize, opts: &PinOptions) -> BackendResult<CudaPinned> {
+        let (mut pinned, pieces) = self.map_and_touch(bytes, opts)?;
+        // On any error below, dropping `pinned` unregisters what was registered and unmaps.
+        let t = Instant::now();
+        if opts.parallel_register && pieces.len() > 1 {
+            pinned.register_parallel(&pieces, pinned.timings.touch_threads)?;
+        } else {
+            pinned.register_serial(&pieces)?;
+        }
+        pinned.device_ptr = pinned.lookup_device_ptr()?;
+        pinned.timings.register = t.elapsed();
+        Ok(pinned)
+    }
+
+    /// Pins `bytes` as [`CudaBackend::pin`] does and fills them with a copy of device memory
+    /// at `src`, overlapping the two: the pieces ([`PinOptions::piece_bytes`]) are registered
+    /// one after another on this thread (`parallel_register` is ignored), and each piece's
+    /// copy is enqueued on the backend's device→host stream as soon as it is registered, so
+    /// that registering the later pieces runs while the earlier ones copy. A first backup in
+    /// one pass; every copy stays inside one registration. Waits for the copies before it
+    /// returns, also on error. [`PinTimings::register`] is the registering and enqueueing,
+    /// [`PinTimings::wait`] the wait for the copies after the last piece.
+    ///
+    /// # Safety
+    /// `src .. src + bytes` must be mapped device memory of this context, not written until
+    /// the call returns.
+    pub unsafe fn pin_from_device(
+        &self,
+        bytes: usize,
+        opts: &PinOptions,
+        src: u64,
+    ) -> BackendResult<CudaPinned> {
+        let (mut pinned, pieces) = self.map_and_touch(bytes, opts)?;
+        let scope = self.dev.scope()?;
+        let base = pinned.mem.ptr.as_ptr() as usize;
+        let stream = self.d2h.cu_stream();
+        let t = Instant::now();
+        let mut enqueued = Ok(());
+        for r in &pieces {
+            if let Err(e) = register(base + r.start, r.len()) {
+                enqueued = Err(e);
+                break;
+            }
+            pinned.regs.push(r.clone());
+            let n = r.end.min(bytes).saturating_sub(r.start);
+            if n == 0 {
+                continue;
+            }
+            // SAFETY: the destination is `n` bytes of the piece just registered, inside the
+            // buffer; the source is inside `src .. src + bytes` (the caller's contract). The
+            // buffer is neither read nor freed before the stream is synchronized below.
+            let copied = check(unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    (base + r.start) as *mut c_void,
+                    src + r.start as u64,
+                    n,
+                    stream,
+                )
+            });
+            if let Err(e) = copied {
+                enqueued = Err(driver_err("cuMemcpyDtoHAsync", e));
+                break;
+            }
+        }
+        pinned.timings.register = t.elapsed();
+        let t = Instant::now();
+        if let Err(e) = self.d2h.synchronize() {
+            // A copy may still be writing the buffer: leak it rather than unmap it under the
+            // copy engine.
+            self.dev.errors.record(format!(
+                "pin_from_device: waiting for the copies failed ({}); {} bytes of pinned host                  memory are leaked",
+                super::describe(e),
+                pinned.mem.len
+            ));
+            drop(scope);
+            std::mem::forget(pinned);
+            return Err(BackendError::Driver {
+                op: "cuStreamSynchronize",
+                message: "waiting for the copies into fresh pinned memory failed".to_owned(),
+            });
+        }
+        pinned.timings.wait = t.elapsed();
+        drop(scope);
+        enqueued?;
+        pinned.device_ptr = pinned.lookup_device_ptr()?;
+        Ok(pinned)
+    }
+
+    /// The steps before registration: maps `bytes` (> 0, else `Invalid`) and touches them;
+    /// returns the buffer, nothing registered yet, and the pieces to register.
+    fn map_and_touch(
+        &self,
+        bytes: usize,
+        opts: &PinOptions,
+    ) -> BackendResult<(CudaPinned, Vec<Range<usize>>)> {
         if bytes == 0 {
             return Err(BackendError::Invalid {
                 op: "alloc_pinned",
@@ -508,30 +606,21 @@ impl CudaBackend {
         touch(mem.as_mut_slice(), threads, opts.populate);
         let touched = t.elapsed();
         let pieces = pieces(mem.len, opts.piece_bytes);
-        let mut pinned = CudaPinned {
+        let pinned = CudaPinned {
             regs: Vec::with_capacity(pieces.len()),
             device_ptr: 0,
             len: bytes,
             timings: PinTimings {
                 map,
                 touch: touched,
-                register: Duration::ZERO,
                 touch_threads: threads,
                 pieces: pieces.len(),
+                ..PinTimings::default()
             },
             mem,
             dev: self.dev.clone(),
         };
-        // On any error below, dropping `pinned` unregisters what was registered and unmaps.
-        let t = Instant::now();
-        if opts.parallel_register && pieces.len() > 1 {
-            pinned.register_parallel(&pieces, threads)?;
-        } else {
-            pinned.register_serial(&pieces)?;
-        }
-        pinned.device_ptr = pinned.lookup_device_ptr()?;
-        pinned.timings.register = t.elapsed();
-        Ok(pinned)
+        Ok((pinned, pieces))
     }
 }
 

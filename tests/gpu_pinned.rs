@@ -101,6 +101,14 @@ fn registered_buffers_of_odd_sizes_round_trip_bit_exact() {
         pager.write(buf, 0, d).unwrap();
     }
     pager.release(&["g"]).unwrap();
+    let g = b.info().granularity;
+    let want: usize = lens.iter().map(|n| n.next_multiple_of(g)).sum();
+    let stats = pager.stats();
+    let backup = stats.region("g").map(|s| s.backup_bytes).unwrap_or(0);
+    assert_eq!(
+        backup, want,
+        "one backup per buffer, at the buffer's mapped size"
+    );
     pager.resume(&["g"]).unwrap();
     for (buf, d) in bufs.iter().zip(&datas) {
         let mut back = vec![0u8; d.len()];

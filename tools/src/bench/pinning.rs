@@ -528,14 +528,27 @@ pub(super) fn kv_pattern_rows(
     let backend = pager.backend().clone();
     let g = backend.info().granularity;
     let round = |c: usize| c.max(g).next_multiple_of(g);
+    // Memory unmapped a moment ago is not always available at once: retry out-of-memory
+    // failures for up to 5 s before taking them for an answer.
+    let create = |tag: &str, chunk: usize| {
+        let opts = RegionOptions {
+            chunk_bytes: Some(chunk),
+            ..RegionOptions::default()
+        };
+        let started = Instant::now();
+        loop {
+            match pager.region_with(tag, kv_size, Policy::Discard, opts) {
+                Err(Error::OutOfMemory { .. }) if started.elapsed().as_secs() < 5 => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                other => return other,
+            }
+        }
+    };
     // The single handle: as large as the driver creates (halving on failure).
     let mut one = round(kv_size);
     let single = loop {
-        let opts = RegionOptions {
-            chunk_bytes: Some(one),
-            ..RegionOptions::default()
-        };
-        match pager.region_with("kv_1", kv_size, Policy::Discard, opts) {
+        match create("kv_1", one) {
             Ok(info) => break info.chunk_bytes,
             Err(e) if one > 2 * GIB => {
                 log(&format!(
@@ -554,11 +567,7 @@ pub(super) fn kv_pattern_rows(
         ("kv_128", round(kv_size.div_ceil(128))),
     ];
     for &(tag, chunk) in &patterns[1..] {
-        let opts = RegionOptions {
-            chunk_bytes: Some(chunk),
-            ..RegionOptions::default()
-        };
-        pager.region_with(tag, kv_size, Policy::Discard, opts)?;
+        create(tag, chunk)?;
         pager.release(&[tag])?;
     }
     let chunks: Vec<usize> = patterns

@@ -49,7 +49,10 @@ mod runs;
 mod suballoc;
 
 pub use error::{Error, ErrorCode, Result};
-pub use pager::{Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, Lease, Pager, PagerConfig, Stats};
+pub use pager::{
+    Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, DEFAULT_DISCARD_CHUNK_BYTES, Lease, Pager,
+    PagerConfig, Stats,
+};
 pub use region::{Policy, RegionInfo, RegionOptions, RegionStats, State, chunk_sizes};
 pub use report::{Move, Outcome, RegionReport, Report, Steps};
 

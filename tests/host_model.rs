@@ -64,6 +64,7 @@ proptest! {
         let backend = Arc::new(HostBackend::new(HostConfig { capacity: CAPACITY, granularity: 64 * KIB }));
         let pager = Pager::with_config(backend.clone(), PagerConfig {
             chunk_bytes: 128 * KIB,
+            discard_chunk_bytes: 128 * KIB,
             hash_chunk_bytes: 16 * KIB,
             ..PagerConfig::default()
         });

@@ -752,6 +752,7 @@ fn after_free_rows(
     log: &mut dyn FnMut(&str),
     rows: &mut Vec<Row>,
 ) -> Result<()> {
+    use gpu_pager::backend::{Direction, Mover, RawCopy};
     use gpu_pager::kv::{KvCache, KvCacheConfig, KvDtype, KvLayout, KvOrder};
     let backend = pager.backend().clone();
     let b = backend.as_ref();
@@ -820,16 +821,31 @@ fn after_free_rows(
         if let Some((s1, s2)) = &streams {
             trainer_step(b, margin)?;
             let half = bytes / 2;
+            let first = RawCopy {
+                direction: Direction::ToDevice,
+                host: host.as_slice().as_ptr() as u64,
+                host_device: host.device_ptr(),
+                device: dst,
+                bytes: half,
+            };
+            let second = RawCopy {
+                host: first.host + half as u64,
+                host_device: first.host_device + half as u64,
+                device: dst + half as u64,
+                bytes: bytes - half,
+                ..first
+            };
             let t = Instant::now();
-            // SAFETY: both halves lie in the live probe buffer; the host buffer lives and is
-            // not written until both streams are synchronized below.
+            // SAFETY: both halves lie in the live probe buffer; the host buffer is this
+            // backend's pinned memory, and lives and is not written until both streams are
+            // synchronized below.
             unsafe {
-                b.copy_to_device_async(dst, &host.as_slice()[..half], Some(s1.raw()))
+                b.copy_on(&first, Mover::CopyEngine, s1.raw())
                     .map_err(backend_err("probe", "copy"))?;
             }
             // SAFETY: as above.
             unsafe {
-                b.copy_to_device_async(dst + half as u64, &host.as_slice()[half..], Some(s2.raw()))
+                b.copy_on(&second, Mover::CopyEngine, s2.raw())
                     .map_err(backend_err("probe", "copy"))?;
             }
             s1.sync()?;

@@ -21,6 +21,8 @@ use gpu_pager::chunk_sizes;
 use gpu_pager::report::{gbps, ms};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, Result};
 
+mod routes;
+
 const GIB: usize = 1 << 30;
 const MIB: usize = 1 << 20;
 
@@ -50,6 +52,10 @@ pub struct BenchConfig {
     /// Also time the link and the weights' resume right after a trainer-like allocation of
     /// all but a small margin of the free memory was written and freed.
     pub after_free: bool,
+    /// Also time the copy pump's routes: the link per mover, the weights' resume and
+    /// release by route (settled and right after a free), and a release and a resume of
+    /// two tags at once.
+    pub routes: bool,
 }
 
 impl BenchConfig {
@@ -66,6 +72,7 @@ impl BenchConfig {
             growing: true,
             alloc_sizes: vec![2 * MIB, 20 * MIB, 128 * MIB, GIB],
             after_free: true,
+            routes: true,
         }
     }
 
@@ -82,6 +89,7 @@ impl BenchConfig {
             growing: true,
             alloc_sizes: vec![2 * MIB, 20 * MIB],
             after_free: true,
+            routes: true,
         }
     }
 
@@ -707,6 +715,9 @@ pub fn run(
 
     if cfg.after_free {
         after_free_rows(&pager, cfg, &link, repeats, log, &mut rows)?;
+    }
+    if cfg.routes {
+        routes::rows(&pager, cfg, &link, &bufs, log, &mut rows)?;
     }
 
     let mut sweep = Vec::new();

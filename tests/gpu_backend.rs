@@ -611,8 +611,12 @@ fn the_callers_context_is_current_again_after_every_call() {
             assert_bytes_eq("round trip", &back, &data);
             let mut pinned = b.alloc_pinned(2 * g).expect("alloc_pinned");
             check("alloc_pinned");
-            pinned.as_mut_slice().copy_from_slice(&data);
             for mover in Mover::ALL {
+                // Poison the side each copy writes first, so that a copy that does nothing
+                // fails the round trip.
+                pinned.as_mut_slice().copy_from_slice(&data);
+                // SAFETY: inside the mapped span.
+                unsafe { b.fill(r.base(), 2 * g, 0) }.expect("poison");
                 let unit = RawCopy {
                     direction: Direction::ToDevice,
                     host: pinned.as_slice().as_ptr() as u64,
@@ -627,6 +631,7 @@ fn the_callers_context_is_current_again_after_every_call() {
                 fence.wait().expect("fence wait");
                 assert!(fence.is_done().expect("fence query"));
                 check("fence query");
+                pinned.as_mut_slice().fill(0);
                 let back_unit = RawCopy {
                     direction: Direction::ToHost,
                     host: pinned.as_mut_slice().as_mut_ptr() as u64,

@@ -120,4 +120,21 @@ typedef struct GpKvMoveParams {
     uint32_t vec_bytes;   /* 16, 8, 4 or 2 */
 } GpKvMoveParams;
 
+/*
+ * gp_copy: copy [src, src + bytes) to [dst, dst + bytes) (kernels/copy.cu). Either side may
+ * be device memory or pinned host memory reached zero-copy through its device address; the
+ * ranges must not overlap. Any addresses and byte count: the access width W is the largest
+ * power of two up to 16 that divides (dst - src) mod 16 (16 when they are co-aligned), the
+ * bytes before dst reaches a multiple of W and the last (bytes - head) % W bytes are copied
+ * one by one, everything between in W-byte words. The Rust reference is
+ * gpu_pager::kernels::reference::copy; gpu_pager::kernels::copy_geometry sizes the grid.
+ * Launch: any 1-D grid of 1-D blocks, at least 16 threads in all (the head and tail bytes go
+ * to the first threads).
+ */
+typedef struct GpCopyParams {
+    uint64_t dst;   /* address of the first byte written */
+    uint64_t src;   /* address of the first byte read */
+    uint64_t bytes; /* bytes to copy; 0 is a no-op */
+} GpCopyParams;
+
 #endif /* GP_ABI_H */

@@ -14,8 +14,9 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BackendError, HostBuffer, RawStream};
+use crate::backend::{Backend, BackendError, HostBuffer};
 use crate::kernels;
+use crate::pump::{Pinned, PinnedMut, Pump, Sink};
 
 /// Default hash-chunk size: 32 MiB. Small enough that a partial weight update copies little,
 /// large enough that each copy runs at link speed.
@@ -24,12 +25,10 @@ pub const DEFAULT_HASH_CHUNK_BYTES: usize = 32 << 20;
 /// What a save did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Saved {
-    /// Bytes actually copied (changed chunks only).
+    /// Bytes copied (changed chunks only), once the pump has finished.
     pub copied: usize,
     /// Time hashing the device contents.
     pub hash: Duration,
-    /// Time copying.
-    pub copy: Duration,
 }
 
 /// A pinned host copy of a region's leading bytes.
@@ -39,6 +38,16 @@ pub(crate) struct Backup {
     /// Leading bytes of the region the backup holds: what a resume restores.
     held: usize,
     /// Hashes of those bytes, one per hash chunk (None: unknown, the next save copies all).
+    hashes: Option<Vec<u64>>,
+    /// What the backup will hold once the copies of the last save have finished
+    /// ([`Backup::commit`]).
+    staged: Option<Staged>,
+}
+
+/// The state a save leaves once its copies have finished.
+#[derive(Debug)]
+struct Staged {
+    held: usize,
     hashes: Option<Vec<u64>>,
 }
 
@@ -62,6 +71,7 @@ impl Backup {
         self.buf = Some(backend.alloc_pinned(size)?);
         self.held = 0;
         self.hashes = None;
+        self.staged = None;
         Ok(t.elapsed())
     }
 
@@ -71,26 +81,40 @@ impl Backup {
         chunk.max(len.div_ceil(kernels::MAX_HASH_CHUNKS).next_multiple_of(16))
     }
 
-    /// Copies device `base .. base + len` into the backup. With `skip_unchanged`, hashes the
-    /// device range first and copies only the hash chunks whose hash differs from the
-    /// backup's. The backup must have been ensured. On error the backup holds nothing (a
-    /// copy may have overwritten part of it), so the next save copies everything again.
+    /// Starts copying device `base .. base + len` into the backup through `pump`. With
+    /// `skip_unchanged`, hashes the device range first and copies only the hash chunks whose
+    /// hash differs from the backup's. The backup must have been ensured. From here on the
+    /// backup holds nothing until [`Backup::commit`], which the caller calls once the pump's
+    /// scope has succeeded; after a failure it stays so (a copy may have overwritten part
+    /// of it), and the next save copies everything again.
     ///
     /// # Safety
-    /// `base .. base + len` must be mapped device memory of `backend`, not written while this
-    /// runs.
-    pub unsafe fn save(
-        &mut self,
+    /// `base .. base + len` must be mapped device memory of `backend`, not written, until
+    /// the pump's scope returns; `pump` runs on `backend`.
+    pub unsafe fn save<'h>(
+        &'h mut self,
         backend: &dyn Backend,
         base: u64,
         len: usize,
         skip_unchanged: bool,
         hash_chunk: usize,
+        pump: &mut Pump<'_, 'h>,
     ) -> Result<Saved, BackendError> {
+        let Backup {
+            buf,
+            held,
+            hashes,
+            staged,
+        } = self;
         let mut out = Saved::default();
-        let old = self.hashes.take().filter(|_| skip_unchanged);
-        self.held = 0;
+        let old = hashes.take().filter(|_| skip_unchanged);
+        *held = 0;
+        *staged = None;
         if len == 0 {
+            *staged = Some(Staged {
+                held: 0,
+                hashes: None,
+            });
             return Ok(out);
         }
         let chunk = Self::hash_chunk(len, hash_chunk);
@@ -107,68 +131,70 @@ impl Backup {
             (Some(o), Some(n)) => o.get(k) != n.get(k),
             _ => true,
         };
-        let runs = changed_runs(kernels::chunk_count(len, chunk), changed);
-        let buf = self.buf.as_mut().ok_or_else(|| BackendError::Invalid {
+        let runs: Vec<Range<usize>> = changed_runs(kernels::chunk_count(len, chunk), changed)
+            .into_iter()
+            .map(|run| run.start * chunk..(run.end * chunk).min(len))
+            .collect();
+        let buf = buf.as_mut().ok_or_else(|| BackendError::Invalid {
             op: "save",
             reason: "internal: no backup buffer".to_owned(),
         })?;
-        let t = Instant::now();
-        let host = buf.as_mut_slice();
-        let mut enqueue = || -> Result<(), BackendError> {
-            for run in &runs {
-                let bytes = run.start * chunk..(run.end * chunk).min(len);
-                out.copied += bytes.len();
-                // SAFETY: the device range is mapped (the caller's contract); the host slice
-                // is the backup, which nothing else touches until wait_copies returns below.
-                unsafe {
-                    backend.copy_to_host_async(&mut host[bytes.clone()], base + bytes.start as u64)
-                }?;
-            }
-            Ok(())
-        };
-        let enqueued = enqueue();
-        // Wait even after a failed enqueue: earlier copies may still be writing the backup.
-        let waited = backend.wait_copies();
-        enqueued.and(waited)?;
-        out.copy = t.elapsed();
-        self.hashes = new;
-        self.held = len;
+        // SAFETY: the caller's contract covers the device ranges (inside `base .. base +
+        // len`); the host side is the backup, borrowed by the pump for its scope.
+        out.copied = unsafe { copy_out(PinnedMut::new(buf.as_mut()), base, &runs, pump) }?;
+        *staged = Some(Staged {
+            held: len,
+            hashes: new,
+        });
         Ok(out)
     }
 
-    /// Enqueues the copy of backup bytes `range` (clipped to [`Backup::held`]) to
-    /// device `base + range.start`, on `stream` or the backend's own copy stream. Returns the
-    /// bytes enqueued.
+    /// Makes the last save's contents the backup's, once its copies have finished.
+    pub fn commit(&mut self) {
+        if let Some(s) = self.staged.take() {
+            self.held = s.held;
+            self.hashes = s.hashes;
+        }
+    }
+
+    /// Sends the backup's bytes `ranges` (offsets from the backup's start, each clipped to
+    /// [`Backup::held`]) to device `base + offset` through `sink`. Returns the bytes sent.
     ///
     /// # Safety
-    /// `base + range` must be mapped device memory of `backend` until the copy finishes, and
-    /// the backup must not be saved into or freed before then (release synchronizes first).
-    pub unsafe fn restore_async(
-        &self,
-        backend: &dyn Backend,
+    /// As [`Sink::push_to_device`] for each device range `base + range`; for a stream sink, the
+    /// backup is not saved into or freed before the stream has run the copies (release and
+    /// `free_backup` synchronize first).
+    pub unsafe fn restore<'h>(
+        &'h self,
         base: u64,
-        range: Range<usize>,
-        stream: Option<RawStream>,
+        ranges: &[Range<usize>],
+        sink: &mut Sink<'_, '_, 'h>,
     ) -> Result<usize, BackendError> {
         let held = self.held;
-        let range = range.start.min(held)..range.end.min(held);
-        if range.is_empty() {
-            return Ok(0);
+        let mut sent = 0;
+        for range in ranges {
+            let range = range.start.min(held)..range.end.min(held);
+            if range.is_empty() {
+                continue;
+            }
+            let buf = self.buf.as_ref().ok_or_else(|| BackendError::Invalid {
+                op: "restore",
+                reason: "internal: saved contents without a backup".to_owned(),
+            })?;
+            let src = Pinned::new(buf.as_ref())
+                .get(range.clone())
+                .ok_or_else(|| BackendError::Invalid {
+                    op: "restore",
+                    reason: format!(
+                        "internal: backup bytes {range:?} outside its {} bytes",
+                        buf.len()
+                    ),
+                })?;
+            // SAFETY: as this function's contract.
+            unsafe { sink.push_to_device(src, base + range.start as u64) }?;
+            sent += range.len();
         }
-        let buf = self.buf.as_ref().ok_or_else(|| BackendError::Invalid {
-            op: "restore",
-            reason: "internal: saved contents without a backup".to_owned(),
-        })?;
-        // SAFETY: the caller guarantees the device range stays mapped and the backup
-        // untouched until the copy finishes.
-        unsafe {
-            backend.copy_to_device_async(
-                base + range.start as u64,
-                &buf.as_slice()[range.clone()],
-                stream,
-            )
-        }?;
-        Ok(range.len())
+        Ok(sent)
     }
 
     /// Checks restored device contents `base .. base + held()` against the backup's hashes.
@@ -197,6 +223,36 @@ impl Backup {
         let got = unsafe { backend.chunk_hash(base, held, chunk) }?;
         Ok(got.iter().zip(&want).position(|(a, b)| a != b))
     }
+}
+
+/// Pushes the copies of device `base + r` into `dst[r]` for each of `ranges` (sorted,
+/// disjoint, inside `dst`) into `pump`. Returns the bytes pushed.
+///
+/// # Safety
+/// Each device range `base + r` is mapped memory of the pump's backend, not written until
+/// the pump's scope returns.
+unsafe fn copy_out<'h>(
+    dst: PinnedMut<'h>,
+    base: u64,
+    ranges: &[Range<usize>],
+    pump: &mut Pump<'_, 'h>,
+) -> Result<usize, BackendError> {
+    let bad = |r: &Range<usize>| BackendError::Invalid {
+        op: "save",
+        reason: format!("internal: backup ranges out of order or outside the backup at {r:?}"),
+    };
+    let (mut rest, mut at, mut copied) = (dst, 0usize, 0usize);
+    for r in ranges {
+        let skip = r.start.checked_sub(at).ok_or_else(|| bad(r))?;
+        let (_, tail) = rest.split_at(skip).ok_or_else(|| bad(r))?;
+        let (part, tail) = tail.split_at(r.len()).ok_or_else(|| bad(r))?;
+        // SAFETY: the caller's contract covers the device range; `part` is the backup's
+        // bytes `r`, borrowed by the pump.
+        unsafe { pump.push_to_host(base + r.start as u64, part) }?;
+        (rest, at) = (tail, r.end);
+        copied += r.len();
+    }
+    Ok(copied)
 }
 
 /// Maximal runs of consecutive indices in `0..n` for which `changed` holds.

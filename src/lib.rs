@@ -42,6 +42,7 @@ pub mod kernels;
 pub mod kv;
 mod mapped;
 mod pager;
+pub mod pump;
 mod region;
 pub mod registry;
 pub mod report;
@@ -53,6 +54,7 @@ pub use pager::{
     Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, DEFAULT_DISCARD_CHUNK_BYTES, Lease, Pager,
     PagerConfig, Stats,
 };
+pub use pump::CopyRoute;
 pub use region::{Policy, RegionInfo, RegionOptions, RegionStats, State, chunk_sizes};
 pub use report::{Move, Outcome, RegionReport, Report, Steps};
 

@@ -2,13 +2,14 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BackendKind, Fence, RawStream};
+use crate::backend::{Backend, BackendKind, Fence, Mover, RawStream};
 use crate::backup::Saved;
 use crate::error::{Error, Result, nearest_tag};
+use crate::pump::{self, CopyRoute, PumpConfig, PumpStats, Sink};
 use crate::region::{Policy, Region, RegionInfo, RegionOptions, RegionStats, Shape, remember};
 use crate::report::{Move, Outcome, RegionReport, Report, Steps};
 use crate::suballoc::AllocError;
@@ -57,6 +58,24 @@ pub struct PagerConfig {
     /// the next one maps (default on). Off: map the whole region with one call, then copy.
     /// Also switchable at run time with [`Pager::set_overlap_restore`].
     pub overlap_restore: bool,
+    /// Which movers restore `Preserve` contents on resume ([`crate::pump`]; default
+    /// [`CopyRoute::Adaptive`]: the copy engine and the copy kernel side by side, so that a
+    /// resume right after a trainer's free, when the copy engine runs at half the link, is
+    /// carried by the kernel). Also switchable with [`Pager::set_restore_route`].
+    pub restore_route: CopyRoute,
+    /// Which movers copy `Preserve` contents to the backup on release (default
+    /// [`CopyRoute::Engine`]). Also switchable with [`Pager::set_save_route`].
+    pub save_route: CopyRoute,
+    /// Bytes per unit of a pumped copy (default [`pump::DEFAULT_UNIT_BYTES`], 64 MiB; rounded
+    /// up to a multiple of [`pump::MIN_UNIT_BYTES`]).
+    pub copy_unit_bytes: usize,
+    /// Units queued per mover at most (default [`pump::DEFAULT_DEPTH`], 2). A call has at
+    /// most twice this many units in flight, which is all that a concurrent release of
+    /// another tag waits for.
+    pub copy_depth: usize,
+    /// The mover [`Pager::resume_on`] enqueues its restore with on the caller's stream
+    /// (default [`Mover::CopyEngine`]; [`Mover::CopyKernel`] launches the copy kernel there).
+    pub stream_mover: Mover,
 }
 
 impl Default for PagerConfig {
@@ -68,7 +87,29 @@ impl Default for PagerConfig {
             hash_chunk_bytes: crate::backup::DEFAULT_HASH_CHUNK_BYTES,
             verify_restore: false,
             overlap_restore: true,
+            restore_route: CopyRoute::Adaptive,
+            save_route: CopyRoute::Engine,
+            copy_unit_bytes: pump::DEFAULT_UNIT_BYTES,
+            copy_depth: pump::DEFAULT_DEPTH,
+            stream_mover: Mover::CopyEngine,
         }
+    }
+}
+
+/// A [`CopyRoute`] kept in an atomic.
+fn route_code(route: CopyRoute) -> u8 {
+    match route {
+        CopyRoute::Engine => 0,
+        CopyRoute::Kernel => 1,
+        CopyRoute::Adaptive => 2,
+    }
+}
+
+fn route_of(code: u8) -> CopyRoute {
+    match code {
+        0 => CopyRoute::Engine,
+        1 => CopyRoute::Kernel,
+        _ => CopyRoute::Adaptive,
     }
 }
 
@@ -199,6 +240,8 @@ pub struct Pager {
     by_base: RwLock<BTreeMap<u64, Slot>>,
     next_id: AtomicU64,
     overlap_restore: AtomicBool,
+    restore_route: AtomicU8,
+    save_route: AtomicU8,
 }
 
 impl std::fmt::Debug for Pager {
@@ -258,24 +301,54 @@ impl Pager {
         let chunk = round_chunk(config.chunk_bytes, g);
         let discard_chunk = round_chunk(config.discard_chunk_bytes, g);
         let hash_chunk = config.hash_chunk_bytes.max(16).next_multiple_of(16);
+        let copies = PumpConfig {
+            route: config.restore_route,
+            unit_bytes: config.copy_unit_bytes,
+            depth: config.copy_depth,
+        }
+        .normalized();
         Pager {
             backend,
             config: PagerConfig {
                 chunk_bytes: chunk,
                 discard_chunk_bytes: discard_chunk,
                 hash_chunk_bytes: hash_chunk,
+                copy_unit_bytes: copies.unit_bytes,
+                copy_depth: copies.depth,
                 ..config
             },
             regions: RwLock::new(BTreeMap::new()),
             by_base: RwLock::new(BTreeMap::new()),
             next_id: AtomicU64::new(1),
             overlap_restore: AtomicBool::new(config.overlap_restore),
+            restore_route: AtomicU8::new(route_code(config.restore_route)),
+            save_route: AtomicU8::new(route_code(config.save_route)),
         }
     }
 
     /// Switches [`PagerConfig::overlap_restore`] for later resumes.
     pub fn set_overlap_restore(&self, on: bool) {
         self.overlap_restore.store(on, Ordering::Relaxed);
+    }
+
+    /// Switches [`PagerConfig::restore_route`] for later resumes.
+    pub fn set_restore_route(&self, route: CopyRoute) {
+        self.restore_route
+            .store(route_code(route), Ordering::Relaxed);
+    }
+
+    /// Switches [`PagerConfig::save_route`] for later releases.
+    pub fn set_save_route(&self, route: CopyRoute) {
+        self.save_route.store(route_code(route), Ordering::Relaxed);
+    }
+
+    /// The pump settings of a copy on `route`.
+    fn pump_config(&self, route: &AtomicU8) -> PumpConfig {
+        PumpConfig {
+            route: route_of(route.load(Ordering::Relaxed)),
+            unit_bytes: self.config.copy_unit_bytes,
+            depth: self.config.copy_depth,
+        }
     }
 
     /// The backend.
@@ -288,9 +361,14 @@ impl Pager {
         self.backend.info().kind
     }
 
-    /// The effective settings (chunk size rounded).
+    /// The effective settings (chunk size rounded; the switches as they are now).
     pub fn config(&self) -> PagerConfig {
-        self.config
+        PagerConfig {
+            overlap_restore: self.overlap_restore.load(Ordering::Relaxed),
+            restore_route: route_of(self.restore_route.load(Ordering::Relaxed)),
+            save_route: route_of(self.save_route.load(Ordering::Relaxed)),
+            ..self.config
+        }
     }
 
     fn slot(&self, tag: &str) -> Result<Slot> {
@@ -798,17 +876,51 @@ impl Pager {
 
         let mut steps = vec![Steps::default(); regions.len()];
         let mut saved = vec![Saved::default(); regions.len()];
-        // Copies first, for every region: a failure leaves everything resident.
+        let saving: Vec<bool> = regions
+            .iter()
+            .map(|r| r.is_resident() && r.policy == Policy::Preserve)
+            .collect();
+        let backend = self.backend.as_ref();
+        // Pins and copies first, for every region: a failure leaves everything resident.
         for (i, r) in regions.iter_mut().enumerate() {
-            if r.is_resident() && r.policy == Policy::Preserve {
-                steps[i].pin = r.ensure_backup(self.backend.as_ref())?;
-                saved[i] = r.save(
-                    self.backend.as_ref(),
-                    self.config.skip_unchanged,
-                    self.config.hash_chunk_bytes,
-                )?;
-                (steps[i].hash, steps[i].copy) = (saved[i].hash, saved[i].copy);
+            if saving[i] {
+                steps[i].pin = r.ensure_backup(backend)?;
             }
+        }
+        let mut copies = PumpStats::default();
+        if saving.contains(&true) {
+            let (skip, hash_chunk) = (self.config.skip_unchanged, self.config.hash_chunk_bytes);
+            let t = Instant::now();
+            // One pump for the whole call: each region (each buffer of a growing one) is
+            // hashed while the copies of the ones before it run.
+            let ((), pumped) = pump::scope(
+                backend,
+                self.pump_config(&self.save_route),
+                |p| {
+                    for (i, r) in regions.iter_mut().enumerate() {
+                        if saving[i] {
+                            saved[i] = r.save(backend, skip, hash_chunk, p)?;
+                            steps[i].hash = saved[i].hash;
+                        }
+                    }
+                    Ok(())
+                },
+                |e| Error::backend(&tags.join(","), "copying contents to the host backup", e),
+            )?;
+            // The copy time: the call's copying less its hashing, by each region's share of
+            // the bytes.
+            let hashing: Duration = steps.iter().map(|s| s.hash).sum();
+            charge(
+                &mut steps,
+                &saved.iter().map(|s| s.copied).collect::<Vec<_>>(),
+                t.elapsed().saturating_sub(hashing),
+            );
+            for (i, r) in regions.iter_mut().enumerate() {
+                if saving[i] {
+                    r.commit_saves();
+                }
+            }
+            copies = pumped;
         }
         let mut out = Vec::with_capacity(regions.len());
         for (i, r) in regions.iter_mut().enumerate() {
@@ -832,6 +944,7 @@ impl Pager {
             sync,
             regions: out,
             total: start.elapsed(),
+            copies,
         };
         for r in &mut regions {
             remember(&report, r);
@@ -885,6 +998,13 @@ impl Pager {
         let backend = self.backend.as_ref();
         let preserve = |r: &Region| r.policy == Policy::Preserve;
         let overlap = self.overlap_restore.load(Ordering::Relaxed);
+        let mut copies = PumpStats::default();
+        // Restores of the Preserve regions to do, in order.
+        let restoring: Vec<bool> = regions
+            .iter()
+            .zip(&todo)
+            .map(|(r, &t)| t && preserve(r))
+            .collect();
 
         let result = (|| {
             // Regions without contents first: cheap, and an out-of-memory shows up before
@@ -894,26 +1014,50 @@ impl Pager {
                     steps[i].map = r.map_all(backend, "resume")?;
                 }
             }
-            for (i, r) in regions.iter_mut().enumerate() {
-                if todo[i] && preserve(r) {
-                    let t = Instant::now();
-                    (steps[i].map, copied[i]) = r.map_and_restore(backend, stream, overlap)?;
-                    steps[i].copy = t.elapsed().saturating_sub(steps[i].map);
+            match stream {
+                None if restoring.contains(&true) => {
+                    // One pump for the call, fed while the regions map; its scope waits for
+                    // exactly its own copies.
+                    let ((), pumped) = pump::scope(
+                        backend,
+                        self.pump_config(&self.restore_route),
+                        |p| {
+                            let sink = &mut Sink::Pump(p);
+                            map_and_restore_all(
+                                &mut regions,
+                                &restoring,
+                                backend,
+                                sink,
+                                overlap,
+                                &mut steps,
+                                &mut copied,
+                            )
+                        },
+                        |e| {
+                            Error::backend(&tags.join(","), "restoring contents from the backup", e)
+                        },
+                    )?;
+                    // The wait at the end is copy time not hidden behind mapping; charge it
+                    // to the Preserve regions by their share of the bytes.
+                    charge(&mut steps, &copied, pumped.waited);
+                    copies = pumped;
                 }
-            }
-            if stream.is_none() {
-                let t = Instant::now();
-                backend.wait_copies().map_err(|e| {
-                    Error::backend(&tags.join(","), "restoring contents from the backup", e)
-                })?;
-                // The wait is copy time not hidden behind mapping; charge it to the
-                // Preserve regions by their share of the bytes.
-                let waited = t.elapsed();
-                let total: usize = copied.iter().sum();
-                for (i, c) in copied.iter().enumerate() {
-                    if total > 0 {
-                        steps[i].copy += waited.mul_f64(*c as f64 / total as f64);
-                    }
+                None => {}
+                Some(s) => {
+                    let sink = &mut Sink::Stream {
+                        backend,
+                        stream: s,
+                        mover: self.config.stream_mover,
+                    };
+                    map_and_restore_all(
+                        &mut regions,
+                        &restoring,
+                        backend,
+                        sink,
+                        overlap,
+                        &mut steps,
+                        &mut copied,
+                    )?;
                 }
             }
             for (i, r) in regions.iter_mut().enumerate() {
@@ -942,8 +1086,10 @@ impl Pager {
             (r, _) => r,
         };
         if let Err(e) = result {
-            // Copies may be in flight into what this call mapped: let them finish first. If
-            // even that fails the context is broken (sticky error) and runs nothing more.
+            // A pump's copies are over (its scope waited), but with `resume_on` copies may be
+            // in flight on the caller's stream into what this call mapped, and a zero-fill
+            // may have failed half-way: let everything finish first. If even that fails the
+            // context is broken (sticky error) and runs nothing more.
             if let Err(sync) = backend.synchronize() {
                 backend.deferred_errors().record(format!(
                     "synchronize after a failed resume of {tags:?} (the resume's own error was \
@@ -978,6 +1124,7 @@ impl Pager {
             sync: Duration::ZERO,
             regions: out,
             total: start.elapsed(),
+            copies,
         };
         for r in &mut regions {
             remember(&report, r);
@@ -1116,6 +1263,39 @@ impl Pager {
     /// so one drain takes them all.
     pub fn take_deferred_errors(&self) -> Vec<String> {
         self.backend.deferred_errors().take()
+    }
+}
+
+/// Maps each region flagged in `restoring` and sends its restore to `sink`
+/// ([`Region::map_and_restore`]), recording each one's map time, copy time (what was not
+/// hidden behind its mapping, so far) and bytes.
+fn map_and_restore_all<'h>(
+    regions: &'h mut [MutexGuard<'_, Region>],
+    restoring: &[bool],
+    backend: &dyn Backend,
+    sink: &mut Sink<'_, '_, 'h>,
+    overlap: bool,
+    steps: &mut [Steps],
+    copied: &mut [usize],
+) -> Result<()> {
+    for (i, r) in regions.iter_mut().enumerate() {
+        if restoring[i] {
+            let t = Instant::now();
+            (steps[i].map, copied[i]) = r.map_and_restore(backend, sink, overlap)?;
+            steps[i].copy = t.elapsed().saturating_sub(steps[i].map);
+        }
+    }
+    Ok(())
+}
+
+/// Adds `time` to the copy step of each region by its share of `bytes`.
+fn charge(steps: &mut [Steps], bytes: &[usize], time: Duration) {
+    let total: usize = bytes.iter().sum();
+    if total == 0 {
+        return;
+    }
+    for (s, &b) in steps.iter_mut().zip(bytes) {
+        s.copy += time.mul_f64(b as f64 / total as f64);
     }
 }
 

@@ -19,10 +19,11 @@ use std::time::{Duration, Instant};
 
 use std::collections::BTreeMap;
 
-use crate::backend::{Backend, BackendError, DeferredErrors, Fence, RawStream, Reservation};
+use crate::backend::{Backend, BackendError, DeferredErrors, Fence, Reservation};
 use crate::backup::{Backup, Saved};
 use crate::error::{Error, Result};
 use crate::mapped::{Mapped, pieces};
+use crate::pump::{Pump, Sink};
 use crate::report::{RegionReport, Report};
 use crate::suballoc::SubAllocator;
 
@@ -318,15 +319,7 @@ impl Region {
 
     /// The pager's error for a failed map of this region.
     fn map_error(&self, backend: &dyn Backend, e: BackendError, during: &'static str) -> Error {
-        match e {
-            BackendError::OutOfMemory { requested } => Error::OutOfMemory {
-                tag: self.tag.clone(),
-                during,
-                requested,
-                free: backend.mem_info().map_or(0, |m| m.free),
-            },
-            e => Error::backend(&self.tag, "mapping physical memory", e),
-        }
+        map_error(&self.tag, backend, e, during)
     }
 
     /// Bytes mapped now.
@@ -533,53 +526,37 @@ impl Region {
         Ok(())
     }
 
-    /// The backup holding region byte `at`, and its offset.
-    fn backup_at(&self, at: usize) -> Option<(usize, &Backup)> {
-        self.backups
-            .range(..=at)
-            .next_back()
-            .map(|(&start, b)| (start, b))
-    }
-
-    /// Enqueues the restore of region bytes `range` from the backup that holds them (bytes
-    /// it does not hold are left as they are). Returns the bytes enqueued.
-    ///
-    /// # Safety
-    /// `range` is mapped until the copies finish (the caller waits, or synchronizes before
-    /// unmapping on failure), and the backup is not saved into or freed before then.
-    unsafe fn restore_range(
-        &self,
+    /// Maps the region and sends the restore of its backups to `sink`, overlapping the two:
+    /// each range to map (the whole region, or each buffer of a growing one) is mapped in
+    /// groups of doubling size (1, 2, 4, … pieces, one backend call each), and each group's
+    /// copies are pushed before the next group is mapped (a pump starts them at once and
+    /// keeps feeding them on every push). Without `overlap`, one group per range: map it,
+    /// then copy. The region stays borrowed by the sink until the copies have finished (a
+    /// pump's scope waits for them; a stream sink's caller keeps a fence). On failure what
+    /// this call mapped stays mapped: the caller unmaps it once the copies are over (after
+    /// the pump's scope returns, or a synchronize). Returns (time spent mapping, bytes sent).
+    pub fn map_and_restore<'h>(
+        &'h mut self,
         backend: &dyn Backend,
-        range: Range<usize>,
-        stream: Option<RawStream>,
-    ) -> Result<usize> {
-        let Some((start, backup)) = self.backup_at(range.start) else {
-            return Ok(0);
-        };
-        let base = self.base() + start as u64;
-        let local = range.start - start..range.end - start;
-        // SAFETY: as this function's contract.
-        unsafe { backup.restore_async(backend, base, local, stream) }
-            .map_err(|e| Error::backend(&self.tag, "restoring contents from the backup", e))
-    }
-
-    /// Maps the region and enqueues the restore of its backups, overlapping the two: each
-    /// range to map (the whole region, or each buffer of a growing one) is mapped in groups
-    /// of doubling size (1, 2, 4, … pieces, one backend call each), and each group's copy is
-    /// enqueued before the next group is mapped. Without `overlap`, one group per range:
-    /// map it, then copy. Copies go on `stream` or the backend's own copy stream; the
-    /// caller waits for them. On failure the caller must synchronize before unmapping
-    /// (copies may be in flight). Returns (time spent mapping, bytes enqueued).
-    pub fn map_and_restore(
-        &mut self,
-        backend: &dyn Backend,
-        stream: Option<RawStream>,
+        sink: &mut Sink<'_, '_, 'h>,
         overlap: bool,
     ) -> Result<(Duration, usize)> {
         debug_assert_eq!(self.mapped.bytes(), 0);
+        let wanted = self.wanted();
+        let base = self.base();
+        // The backups are lent to the sink for `'h`; the mappings stay ours to extend.
+        let Region {
+            mapped,
+            backups,
+            reservation,
+            chunk_bytes,
+            tag,
+            ..
+        } = self;
+        let backups: &'h BTreeMap<usize, Backup> = backups;
         let (mut map_time, mut copied) = (Duration::ZERO, 0);
-        for range in self.wanted() {
-            let sizes = pieces(&range, self.chunk_bytes);
+        for range in wanted {
+            let sizes = pieces(&range, *chunk_bytes);
             let first_group = if overlap { 1 } else { sizes.len() };
             let (mut first, mut group, mut offset) = (0, first_group, range.start);
             while first < sizes.len() {
@@ -588,14 +565,15 @@ impl Region {
                 let t = Instant::now();
                 // SAFETY: the span lies inside this region's reservation, past everything
                 // this call mapped so far and inside a range that was wholly unmapped.
-                let maps = unsafe { backend.map(&self.reservation, offset, &sizes[first..last]) };
+                let maps = unsafe { backend.map(reservation, offset, &sizes[first..last]) };
                 map_time += t.elapsed();
-                let maps = maps.map_err(|e| self.map_error(backend, e, "resume"))?;
-                self.mapped.insert(offset, maps);
-                // SAFETY: the span was just mapped and stays mapped until the copies finish
-                // (the caller waits, or synchronizes before unmapping on failure); release
-                // synchronizes before it writes the backup again.
-                copied += unsafe { self.restore_range(backend, offset..offset + bytes, stream) }?;
+                let maps = maps.map_err(|e| map_error(tag, backend, e, "resume"))?;
+                mapped.insert(offset, maps);
+                // SAFETY: the span was just mapped, and the caller unmaps nothing before the
+                // copies are over (see above); release synchronizes before it writes the
+                // backup again, and the backups are borrowed for `'h`.
+                copied +=
+                    unsafe { restore_range(backups, base, tag, offset..offset + bytes, sink) }?;
                 offset += bytes;
                 first = last;
                 group *= 2;
@@ -695,41 +673,57 @@ impl Region {
         Ok(freed)
     }
 
-    /// Copies the live contents of a resident Preserve region into its backups (which must
-    /// exist, see `ensure_backup`), only the changed hash chunks when `skip_unchanged`.
-    /// Does not change state.
-    pub fn save(
-        &mut self,
+    /// Pushes the copies of the live contents of a resident Preserve region into its
+    /// backups (which must exist, see `ensure_backup`) into `pump`, only the changed hash
+    /// chunks when `skip_unchanged`. The backups hold the new contents once the caller
+    /// calls [`Region::commit_saves`] after the pump's scope succeeded. Does not change
+    /// state.
+    pub fn save<'h>(
+        &'h mut self,
         backend: &dyn Backend,
         skip_unchanged: bool,
         hash_chunk: usize,
+        pump: &mut Pump<'_, 'h>,
     ) -> Result<Saved> {
         let base = self.base();
+        let ends: BTreeMap<usize, usize> = self
+            .saved_ranges()
+            .into_iter()
+            .map(|r| (r.start, r.end))
+            .collect();
+        let Region { backups, tag, .. } = self;
         let mut out = Saved::default();
-        for range in self.saved_ranges() {
-            let start = range.start;
-            let Some(backup) = self.backups.get_mut(&start) else {
+        for (&start, backup) in backups.iter_mut() {
+            let Some(&end) = ends.get(&start) else {
                 continue;
             };
             // SAFETY: the region is resident, so its saved ranges (the live prefix, or live
             // buffers, all mapped) are mapped, and the pager holds its lock after a
-            // synchronize, so nothing writes them meanwhile (engine kernels launched later
-            // are the caller's contract, as for any raw pointer).
+            // synchronize until the pump's scope has returned, so nothing unmaps or writes
+            // them meanwhile (engine kernels launched later are the caller's contract, as
+            // for any raw pointer); the pump runs on `backend`.
             let saved = unsafe {
                 backup.save(
                     backend,
                     base + start as u64,
-                    range.end - start,
+                    end - start,
                     skip_unchanged,
                     hash_chunk,
+                    pump,
                 )
             }
-            .map_err(|e| Error::backend(&self.tag, "copying contents to the host backup", e))?;
+            .map_err(|e| Error::backend(tag, "copying contents to the host backup", e))?;
             out.copied += saved.copied;
             out.hash += saved.hash;
-            out.copy += saved.copy;
         }
         Ok(out)
+    }
+
+    /// Makes the contents of the last save the backups', once its copies have finished.
+    pub fn commit_saves(&mut self) {
+        for backup in self.backups.values_mut() {
+            backup.commit();
+        }
     }
 
     /// Marks the region released after its memory was unmapped (a `Preserve` region's
@@ -757,6 +751,41 @@ impl Region {
         }
         Ok(())
     }
+}
+
+/// The pager's error for a failed map of region `tag`.
+fn map_error(tag: &str, backend: &dyn Backend, e: BackendError, during: &'static str) -> Error {
+    match e {
+        BackendError::OutOfMemory { requested } => Error::OutOfMemory {
+            tag: tag.to_owned(),
+            during,
+            requested,
+            free: backend.mem_info().map_or(0, |m| m.free),
+        },
+        e => Error::backend(tag, "mapping physical memory", e),
+    }
+}
+
+/// Sends the restore of region bytes `range` from the backup that holds them (of
+/// `backups`, by region offset; bytes it does not hold are left as they are) to `sink`.
+/// Returns the bytes sent.
+///
+/// # Safety
+/// `base + range` is mapped memory of the region at `base`, as [`Backup::restore`] needs.
+unsafe fn restore_range<'h>(
+    backups: &'h BTreeMap<usize, Backup>,
+    base: u64,
+    tag: &str,
+    range: Range<usize>,
+    sink: &mut Sink<'_, '_, 'h>,
+) -> Result<usize> {
+    let Some((&start, backup)) = backups.range(..=range.start).next_back() else {
+        return Ok(0);
+    };
+    let local = range.start - start..range.end - start;
+    // SAFETY: as this function's contract.
+    unsafe { backup.restore(base + start as u64, &[local], sink) }
+        .map_err(|e| Error::backend(tag, "restoring contents from the backup", e))
 }
 
 /// Records the per-region entries of a report on the regions (for stats).

@@ -3,6 +3,9 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::backend::Mover;
+use crate::pump::PumpStats;
+
 /// Which move a report describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Move {
@@ -72,6 +75,10 @@ pub struct Report {
     pub regions: Vec<RegionReport>,
     /// Wall time of the whole call.
     pub total: Duration,
+    /// What the call's copy pump moved, per mover ([`crate::pump`]; all zero when nothing
+    /// was copied, and for [`crate::Pager::resume_on`], which enqueues on the caller's
+    /// stream instead).
+    pub copies: PumpStats,
 }
 
 impl Report {
@@ -130,6 +137,19 @@ impl fmt::Display for Report {
             ms(self.total),
             ms(self.sync)
         )?;
+        let c = &self.copies;
+        if c.total_bytes() > 0 {
+            write!(
+                f,
+                "; copied {:.2} GiB by the {} and {:.2} GiB by the {} ({} + {} units)",
+                c.bytes_by(Mover::CopyEngine) as f64 / (1u64 << 30) as f64,
+                Mover::CopyEngine,
+                c.bytes_by(Mover::CopyKernel) as f64 / (1u64 << 30) as f64,
+                Mover::CopyKernel,
+                c.units[Mover::CopyEngine.index()],
+                c.units[Mover::CopyKernel.index()]
+            )?;
+        }
         for r in &self.regions {
             let s = &r.steps;
             write!(f, "\n  {:<12}", r.tag)?;

@@ -552,7 +552,7 @@ fn set_current_context(ctx: sys::CUcontext) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn the_callers_context_is_current_again_after_every_call() {
-    use gpu_pager::backend::RawStream;
+    use gpu_pager::backend::{Direction, Mover, RawCopy, RawStream};
     use gpu_pager::kv::{DeviceSpan, Kv, KvCache, KvCacheConfig, KvDtype, KvLayout, KvOrder};
     use gpu_pager::{Pager, PagerConfig, Policy};
 
@@ -609,15 +609,41 @@ fn the_callers_context_is_current_again_after_every_call() {
             unsafe { b.copy_to_host(&mut back, r.base()) }.expect("copy_to_host");
             check("copy_to_host");
             assert_bytes_eq("round trip", &back, &data);
-            // SAFETY: inside the mapped span; `data` lives until the wait below.
-            unsafe { b.copy_to_device_async(r.base(), &data, None) }.expect("async upload");
-            check("copy_to_device_async");
-            b.wait_copies().expect("wait_copies");
-            check("wait_copies");
-            // SAFETY: inside the mapped span; `back` lives until the wait below.
-            unsafe { b.copy_to_host_async(&mut back, r.base()) }.expect("async download");
-            check("copy_to_host_async");
-            b.wait_copies().expect("wait_copies");
+            let mut pinned = b.alloc_pinned(2 * g).expect("alloc_pinned");
+            check("alloc_pinned");
+            for mover in Mover::ALL {
+                // Poison the side each copy writes first, so that a copy that does nothing
+                // fails the round trip.
+                pinned.as_mut_slice().copy_from_slice(&data);
+                // SAFETY: inside the mapped span.
+                unsafe { b.fill(r.base(), 2 * g, 0) }.expect("poison");
+                let unit = RawCopy {
+                    direction: Direction::ToDevice,
+                    host: pinned.as_slice().as_ptr() as u64,
+                    host_device: pinned.device_ptr(),
+                    device: r.base(),
+                    bytes: 2 * g,
+                };
+                // SAFETY: inside the mapped span; `pinned` is this backend's and lives, and
+                // is not written, until the fence below has passed.
+                let fence = unsafe { b.copy_unit(&unit, mover) }.expect("copy unit up");
+                check("copy_unit");
+                fence.wait().expect("fence wait");
+                assert!(fence.is_done().expect("fence query"));
+                check("fence query");
+                pinned.as_mut_slice().fill(0);
+                let back_unit = RawCopy {
+                    direction: Direction::ToHost,
+                    host: pinned.as_mut_slice().as_mut_ptr() as u64,
+                    ..unit
+                };
+                // SAFETY: as above; nothing touches `pinned` until the wait below.
+                unsafe { b.copy_on(&back_unit, mover, stream) }.expect("copy on a stream");
+                check("copy_on");
+                b.fence(stream).expect("fence").wait().expect("fence wait");
+                assert_bytes_eq(&format!("{mover} round trip"), pinned.as_slice(), &data);
+            }
+            drop(pinned);
             // SAFETY: inside the mapped span.
             let hashes = unsafe { b.chunk_hash(r.base(), 2 * g, 64 * KIB) }.expect("chunk_hash");
             check("chunk_hash");

@@ -8,8 +8,10 @@
 //! therefore outlives all memory it created.
 //!
 //! The context, streams, module loading and kernel launches use cudarc's safe layer. The
-//! backend keeps three non-blocking streams: host→device copies, device→host copies and
-//! kernels.
+//! backend keeps five non-blocking streams: the copy engine's host→device and device→host
+//! copies, the copy kernel's host→device and device→host copies (so that both movers of
+//! the copy pump, in both directions, run side by side: see [`crate::pump`]), and the other
+//! kernels (fill, chunk hash, KV).
 //!
 //! **The caller's context is left alone.** Every entry point, and every `Drop` that calls
 //! the driver, makes the context current for its duration only and then gives the calling
@@ -34,10 +36,11 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKer
 use super::Held;
 use super::{
     Backend, BackendError, BackendKind, BackendResult, DeferredErrors, DeviceInfo, Fence,
-    HostBuffer, KvKernels, Mapping, MemInfo, RawStream, Reservation, check_map,
+    HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation, check_map,
 };
 use crate::kernels::{self, KernelModule, abi};
 
+mod copy;
 mod kv;
 mod pinned;
 pub use kv::RowsKernel;
@@ -338,14 +341,23 @@ impl Drop for DeviceScratch {
 pub struct CudaBackend {
     dev: Arc<Dev>,
     device: sys::CUdevice,
+    /// The copy engine's host→device stream.
     h2d: InScope<Arc<CudaStream>>,
+    /// The copy engine's device→host stream.
     d2h: InScope<Arc<CudaStream>>,
+    /// The copy kernel's host→device stream.
+    h2d_kernel: InScope<Arc<CudaStream>>,
+    /// The copy kernel's device→host stream.
+    d2h_kernel: InScope<Arc<CudaStream>>,
     kernel_stream: InScope<Arc<CudaStream>>,
     info: DeviceInfo,
     recommended_granularity: usize,
+    /// Streaming multiprocessors, for the copy kernel's grid.
+    sms: u32,
     fill_kernels: InScope<OnceLock<FillKernels>>,
     chunk_hash_kernels: InScope<OnceLock<ChunkHashKernels>>,
     kv_functions: InScope<OnceLock<kv::KvFunctions>>,
+    copy_functions: InScope<OnceLock<copy::CopyFunctions>>,
     hash_scratch: Mutex<Option<DeviceScratch>>,
     /// Device copies of the index lists of [`KvKernels::kv`] calls.
     kv_scratch: Mutex<Option<DeviceScratch>>,
@@ -434,6 +446,9 @@ impl CudaBackend {
         let compute_capability = ctx
             .compute_capability()
             .map_err(|e| driver_err("cuDeviceGetAttribute", e))?;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| driver_err("cuDeviceGetAttribute", e))?;
         let new_stream = || {
             ctx.new_stream()
                 .map(|s| InScope::new(s, &dev))
@@ -441,12 +456,17 @@ impl CudaBackend {
         };
         let h2d = new_stream()?;
         let d2h = new_stream()?;
+        let h2d_kernel = new_stream()?;
+        let d2h_kernel = new_stream()?;
         let kernel_stream = new_stream()?;
         let backend = Self {
             device,
             h2d,
             d2h,
+            h2d_kernel,
+            d2h_kernel,
             kernel_stream,
+            sms: u32::try_from(sms).unwrap_or(1).max(1),
             info: DeviceInfo {
                 kind: BackendKind::Cuda,
                 name,
@@ -458,6 +478,7 @@ impl CudaBackend {
             fill_kernels: InScope::new(OnceLock::new(), &dev),
             chunk_hash_kernels: InScope::new(OnceLock::new(), &dev),
             kv_functions: InScope::new(OnceLock::new(), &dev),
+            copy_functions: InScope::new(OnceLock::new(), &dev),
             hash_scratch: Mutex::new(None),
             kv_scratch: Mutex::new(None),
             dev: dev.clone(),
@@ -496,7 +517,13 @@ impl CudaBackend {
         self.fill_kernels()?;
         self.chunk_hash_kernels()?;
         self.kv_functions()?;
+        self.copy_functions()?;
         Ok(())
+    }
+
+    /// The device's streaming multiprocessors.
+    pub fn sm_count(&self) -> u32 {
+        self.sms
     }
 
     /// Loads the fatbin of `module` into the context. The caller holds a [`CtxScope`] until
@@ -679,6 +706,22 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// A fresh event (timing disabled) as an unrecorded fence, which has passed until it is
+    /// recorded. The caller holds a [`CtxScope`].
+    fn new_fence(&self) -> BackendResult<CudaFence> {
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: `event` is a valid out-pointer.
+        check(unsafe { sys::cuEventCreate(&mut event, flags) })
+            .map_err(|e| driver_err("cuEventCreate", e))?;
+        Ok(CudaFence {
+            event,
+            dev: self.dev.clone(),
+        })
+    }
+}
+
 impl Backend for CudaBackend {
     fn info(&self) -> &DeviceInfo {
         &self.info
@@ -792,47 +835,28 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
         let _scope = self.dev.scope()?;
-        // SAFETY: the caller's contract; `src` outlives the wait below.
-        unsafe { self.copy_to_device_async(dst, src, None) }?;
+        // SAFETY: the caller guarantees `dst .. dst + src.len()` is mapped; `src` outlives the
+        // wait below, which ends the copy before this returns.
+        check(unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), self.h2d.cu_stream())
+        })
+        .map_err(|e| driver_err("cuMemcpyHtoDAsync", e))?;
         self.h2d
             .synchronize()
             .map_err(|e| driver_err("cuStreamSynchronize", e))
     }
 
     unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
-        let _scope = self.dev.scope()?;
-        // SAFETY: the caller's contract; `dst` outlives the wait below.
-        unsafe { self.copy_to_host_async(dst, src) }?;
-        self.d2h
-            .synchronize()
-            .map_err(|e| driver_err("cuStreamSynchronize", e))
-    }
-
-    unsafe fn copy_to_device_async(
-        &self,
-        dst: u64,
-        src: &[u8],
-        stream: Option<RawStream>,
-    ) -> BackendResult<()> {
-        if src.is_empty() {
-            return Ok(());
-        }
-        let _scope = self.dev.scope()?;
-        let stream = stream.map_or(self.h2d.cu_stream(), |s| s.0 as sys::CUstream);
-        // SAFETY: the caller guarantees `src` stays valid and `dst .. dst + src.len()` mapped
-        // until the copy finishes, and that `stream` is a live stream of this context.
-        check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), stream) })
-            .map_err(|e| driver_err("cuMemcpyHtoDAsync", e))
-    }
-
-    unsafe fn copy_to_host_async(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
         if dst.is_empty() {
             return Ok(());
         }
         let _scope = self.dev.scope()?;
-        // SAFETY: the caller guarantees `dst` stays valid and `src .. src + dst.len()` mapped
-        // until the copy finishes.
+        // SAFETY: the caller guarantees `src .. src + dst.len()` is mapped; `dst` outlives the
+        // wait below, which ends the copy before this returns.
         check(unsafe {
             sys::cuMemcpyDtoHAsync_v2(
                 dst.as_mut_ptr().cast(),
@@ -841,29 +865,25 @@ impl Backend for CudaBackend {
                 self.d2h.cu_stream(),
             )
         })
-        .map_err(|e| driver_err("cuMemcpyDtoHAsync", e))
+        .map_err(|e| driver_err("cuMemcpyDtoHAsync", e))?;
+        self.d2h
+            .synchronize()
+            .map_err(|e| driver_err("cuStreamSynchronize", e))
     }
 
-    fn wait_copies(&self) -> BackendResult<()> {
-        let _scope = self.dev.scope()?;
-        for s in [&self.h2d, &self.d2h] {
-            s.synchronize()
-                .map_err(|e| driver_err("cuStreamSynchronize", e))?;
-        }
-        Ok(())
+    unsafe fn copy_unit(&self, copy: &RawCopy, mover: Mover) -> BackendResult<Box<dyn Fence>> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.copy_unit_impl(copy, mover) }
+    }
+
+    unsafe fn copy_on(&self, copy: &RawCopy, mover: Mover, stream: RawStream) -> BackendResult<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.copy_on_impl(copy, mover, stream) }
     }
 
     fn fence(&self, stream: RawStream) -> BackendResult<Box<dyn Fence>> {
         let _scope = self.dev.scope()?;
-        let mut event: sys::CUevent = std::ptr::null_mut();
-        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        // SAFETY: `event` is a valid out-pointer.
-        check(unsafe { sys::cuEventCreate(&mut event, flags) })
-            .map_err(|e| driver_err("cuEventCreate", e))?;
-        let fence = CudaFence {
-            event,
-            dev: self.dev.clone(),
-        };
+        let fence = self.new_fence()?;
         // SAFETY: the event was just created in this context; the caller guarantees `stream`
         // is a live stream of this context.
         check(unsafe { sys::cuEventRecord(fence.event, stream.0 as sys::CUstream) })
@@ -1126,6 +1146,16 @@ impl Fence for CudaFence {
         // SAFETY: the event is live until drop.
         check(unsafe { sys::cuEventSynchronize(self.event) })
             .map_err(|e| driver_err("cuEventSynchronize", e))
+    }
+
+    fn is_done(&self) -> BackendResult<bool> {
+        let _scope = self.dev.scope()?;
+        // SAFETY: the event is live until drop.
+        match unsafe { sys::cuEventQuery(self.event) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(driver_err("cuEventQuery", DriverError(e))),
+        }
     }
 }
 

@@ -1,10 +1,12 @@
 //! A [`Backend`] wrapper that makes chosen calls fail, to test the pager's error paths.
 //!
 //! [`FaultyBackend`] delegates every call to the backend it wraps. Before delegating
-//! [`Backend::map`], the copies ([`Backend::copy_to_device`], [`Backend::copy_to_host`] and
-//! their `_async` forms) and [`Backend::alloc_pinned`], it may return
-//! [`BackendError::Injected`] instead — **without** calling the wrapped backend, so a failed
-//! `map` maps nothing (it stays all or nothing) and a failed copy moves no byte.
+//! [`Backend::map`], the copies ([`Backend::copy_to_device`], [`Backend::copy_to_host`],
+//! and each unit of a pumped copy: [`Backend::copy_unit`], [`Backend::copy_on`]) and
+//! [`Backend::alloc_pinned`], it may return [`BackendError::Injected`] instead — **without**
+//! calling the wrapped backend, so a failed `map` maps nothing (it stays all or nothing) and
+//! a failed copy moves no byte (a pumped copy fails at that unit, after the units before it
+//! moved).
 //!
 //! Two sources of faults:
 //! - a seeded [`FaultPlan`]: each call at a [`FaultPoint`] fails with the plan's probability.
@@ -25,8 +27,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::{
-    Backend, BackendError, BackendResult, DeferredErrors, DeviceInfo, Held, HostBuffer, KvKernels,
-    Mapping, MemInfo, RawStream, Reservation,
+    Backend, BackendError, BackendResult, DeferredErrors, DeviceInfo, Direction, Fence, Held,
+    HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
 };
 
 /// A call that can be made to fail.
@@ -34,9 +36,11 @@ use super::{
 pub enum FaultPoint {
     /// [`Backend::map`] (resume, region creation).
     Map,
-    /// [`Backend::copy_to_device`] and [`Backend::copy_to_device_async`] (restore, writes).
+    /// [`Backend::copy_to_device`] (writes), and each host→device unit of
+    /// [`Backend::copy_unit`] and [`Backend::copy_on`] (restores).
     CopyToDevice,
-    /// [`Backend::copy_to_host`] and [`Backend::copy_to_host_async`] (backup, reads).
+    /// [`Backend::copy_to_host`] (reads), and each device→host unit of
+    /// [`Backend::copy_unit`] and [`Backend::copy_on`] (backups).
     CopyToHost,
     /// [`Backend::alloc_pinned`] (the first release of a `Preserve` region).
     AllocPinned,
@@ -302,6 +306,14 @@ impl FaultyBackend {
     }
 }
 
+/// The fault point of a pumped copy unit: by its direction.
+fn copy_point(copy: &RawCopy) -> FaultPoint {
+    match copy.direction {
+        Direction::ToDevice => FaultPoint::CopyToDevice,
+        Direction::ToHost => FaultPoint::CopyToHost,
+    }
+}
+
 /// splitmix64's output function: a well-mixed 64-bit hash of `x`.
 fn splitmix64(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -378,31 +390,20 @@ impl Backend for FaultyBackend {
     }
 
     /// # Safety
-    /// As [`Backend::copy_to_device_async`]. An injected fault returns before anything is
-    /// enqueued.
-    unsafe fn copy_to_device_async(
-        &self,
-        dst: u64,
-        src: &[u8],
-        stream: Option<RawStream>,
-    ) -> BackendResult<()> {
-        self.check(FaultPoint::CopyToDevice, "copy_to_device_async")?;
-        // SAFETY: the caller upholds `copy_to_device_async`'s contract (lifetimes until the
-        // copy finishes included), the wrapped backend's.
-        unsafe { self.inner.copy_to_device_async(dst, src, stream) }
+    /// As [`Backend::copy_unit`]. An injected fault returns before anything is enqueued.
+    unsafe fn copy_unit(&self, copy: &RawCopy, mover: Mover) -> BackendResult<Box<dyn Fence>> {
+        self.check(copy_point(copy), "copy_unit")?;
+        // SAFETY: the caller upholds `copy_unit`'s contract (lifetimes until the fence passes
+        // included), the wrapped backend's.
+        unsafe { self.inner.copy_unit(copy, mover) }
     }
 
     /// # Safety
-    /// As [`Backend::copy_to_host_async`]. An injected fault returns before anything is
-    /// enqueued.
-    unsafe fn copy_to_host_async(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
-        self.check(FaultPoint::CopyToHost, "copy_to_host_async")?;
-        // SAFETY: the caller upholds `copy_to_host_async`'s contract, the wrapped backend's.
-        unsafe { self.inner.copy_to_host_async(dst, src) }
-    }
-
-    fn wait_copies(&self) -> BackendResult<()> {
-        self.inner.wait_copies()
+    /// As [`Backend::copy_on`]. An injected fault returns before anything is enqueued.
+    unsafe fn copy_on(&self, copy: &RawCopy, mover: Mover, stream: RawStream) -> BackendResult<()> {
+        self.check(copy_point(copy), "copy_on")?;
+        // SAFETY: the caller upholds `copy_on`'s contract, the wrapped backend's.
+        unsafe { self.inner.copy_on(copy, mover, stream) }
     }
 
     fn fence(&self, stream: super::RawStream) -> BackendResult<Box<dyn super::Fence>> {
@@ -547,15 +548,16 @@ mod tests {
                 ..FaultPlan::none()
             },
         );
-        let mut one = [0u8; 1];
-        // SAFETY: the injected fault returns before the address is touched.
-        let e = unsafe { always.copy_to_host_async(&mut one, 0) }.unwrap_err();
-        assert!(matches!(
-            e,
-            BackendError::Injected {
-                op: "copy_to_host_async"
-            }
-        ));
+        let unit = RawCopy {
+            direction: Direction::ToHost,
+            host: 0,
+            host_device: 0,
+            device: 0,
+            bytes: 1,
+        };
+        // SAFETY: the injected fault returns before any address is touched.
+        let e = unsafe { always.copy_unit(&unit, Mover::CopyKernel) }.unwrap_err();
+        assert!(matches!(e, BackendError::Injected { op: "copy_unit" }));
         always.set_enabled(false);
         assert_eq!(always.injected().copy_to_host, 1);
     }

@@ -14,8 +14,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{
-    Backend, BackendError, BackendKind, BackendResult, DeferredErrors, DeviceInfo, HostBuffer,
-    KvKernels, Mapping, MemInfo, Reservation, check_map, kv_invalid,
+    Backend, BackendError, BackendKind, BackendResult, DeferredErrors, DeviceInfo, Direction,
+    HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, Reservation, check_copy, check_map,
+    kv_invalid,
 };
 use crate::kernels::kv::{KvOp, reference as kv_reference};
 use crate::kernels::{self, reference};
@@ -343,6 +344,37 @@ impl super::Fence for Passed {
     fn wait(&self) -> BackendResult<()> {
         Ok(())
     }
+    fn is_done(&self) -> BackendResult<bool> {
+        Ok(true)
+    }
+}
+
+/// Runs `copy` at once: with the copy engine from the host address, with the copy kernel
+/// from the device address of the host bytes (the same address here), the kernel's
+/// reference ([`reference::copy`]) either way.
+///
+/// # Safety
+/// As [`Backend::copy_unit`]: both ranges are live memory of this backend that nothing else
+/// accesses during the call, and they do not overlap.
+unsafe fn host_copy(op: &'static str, copy: &RawCopy, mover: Mover) -> BackendResult<()> {
+    if !check_copy(op, copy)? {
+        return Ok(());
+    }
+    let host = match mover {
+        Mover::CopyEngine => copy.host,
+        Mover::CopyKernel => copy.host_device,
+    };
+    let (dst, src) = match copy.direction {
+        Direction::ToDevice => (copy.device, host),
+        Direction::ToHost => (host, copy.device),
+    };
+    // SAFETY: the caller guarantees `src .. src + bytes` is live memory nobody writes.
+    let src = unsafe { std::slice::from_raw_parts(src as *const u8, copy.bytes) };
+    // SAFETY: the caller guarantees `dst .. dst + bytes` is live memory nobody else accesses,
+    // disjoint from `src` (checked above).
+    let dst = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, copy.bytes) };
+    reference::copy(dst, src);
+    Ok(())
 }
 
 #[derive(Debug)]
@@ -463,24 +495,24 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    unsafe fn copy_to_device_async(
+    unsafe fn copy_unit(
         &self,
-        dst: u64,
-        src: &[u8],
-        _stream: Option<super::RawStream>,
+        copy: &RawCopy,
+        mover: Mover,
+    ) -> BackendResult<Box<dyn super::Fence>> {
+        // SAFETY: the caller's contract (copy_unit's) covers the call, which finishes here.
+        unsafe { host_copy("copy_unit", copy, mover) }?;
+        Ok(Box::new(Passed))
+    }
+
+    unsafe fn copy_on(
+        &self,
+        copy: &RawCopy,
+        mover: Mover,
+        _stream: super::RawStream,
     ) -> BackendResult<()> {
-        // SAFETY: the caller's contract is copy_to_device's and more; host copies are
-        // synchronous, so they are finished when this returns.
-        unsafe { self.copy_to_device(dst, src) }
-    }
-
-    unsafe fn copy_to_host_async(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
-        // SAFETY: as above, with copy_to_host's contract.
-        unsafe { self.copy_to_host(dst, src) }
-    }
-
-    fn wait_copies(&self) -> BackendResult<()> {
-        Ok(())
+        // SAFETY: as in copy_unit; host copies are synchronous.
+        unsafe { host_copy("copy_on", copy, mover) }
     }
 
     fn fence(&self, _stream: super::RawStream) -> BackendResult<Box<dyn super::Fence>> {

@@ -226,10 +226,10 @@ pub trait HostBuffer: Send + Sync + fmt::Debug {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// The address kernels use to read and write the buffer in place (zero-copy). The CUDA
-    /// backend's buffers return what `cuMemHostGetDevicePointer` gives for their registration
-    /// (with unified addressing, on every 64-bit platform, the host address itself); this
-    /// default, the host address, is what the host backend's kernels use.
+    /// The address kernels (the copy kernel, the KV swaps) use to read and write the buffer
+    /// in place (zero-copy). The CUDA backend maps its pinned memory into the device's
+    /// address space and returns the driver's device pointer for it; with unified addressing
+    /// (every 64-bit CUDA platform) that is the host address, which is the default here.
     fn device_ptr(&self) -> u64 {
         self.as_slice().as_ptr() as u64
     }
@@ -256,10 +256,75 @@ pub trait Held: Send + Sync + fmt::Debug {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RawStream(pub usize);
 
-/// A point in a stream's work, recorded by [`Backend::fence`].
+/// A point in a stream's work, recorded by [`Backend::fence`] (or after one copy by
+/// [`Backend::copy_unit`]).
 pub trait Fence: Send + Sync + fmt::Debug {
     /// Blocks until the stream's work before the fence has finished.
     fn wait(&self) -> BackendResult<()>;
+
+    /// Whether the stream's work before the fence has finished, without blocking
+    /// (`cuEventQuery`). An error (a failed copy, a broken context) is returned as such.
+    fn is_done(&self) -> BackendResult<bool>;
+}
+
+/// Who moves the bytes of a copy between host and device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mover {
+    /// The GPU's copy engine (DMA): `cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync` from or to the
+    /// pinned host memory.
+    CopyEngine,
+    /// The copy kernel (`gp_copy`, [`crate::kernels::COPY`]) on the SMs, loading or storing
+    /// the pinned host memory directly (zero-copy, through [`HostBuffer::device_ptr`]).
+    CopyKernel,
+}
+
+impl Mover {
+    /// Both movers, in index order.
+    pub const ALL: [Mover; 2] = [Mover::CopyEngine, Mover::CopyKernel];
+
+    /// 0 for the copy engine, 1 for the copy kernel.
+    pub fn index(self) -> usize {
+        match self {
+            Mover::CopyEngine => 0,
+            Mover::CopyKernel => 1,
+        }
+    }
+}
+
+impl fmt::Display for Mover {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Mover::CopyEngine => "copy engine",
+            Mover::CopyKernel => "copy kernel",
+        })
+    }
+}
+
+/// Which way a copy goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// Host to device (a restore).
+    ToDevice,
+    /// Device to host (a backup).
+    ToHost,
+}
+
+/// One contiguous copy between pinned host memory and device memory, as raw addresses
+/// (what [`Backend::copy_unit`] and [`Backend::copy_on`] move; [`crate::pump::Pump`] cuts
+/// borrowed host memory into these).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawCopy {
+    /// Which way the bytes go.
+    pub direction: Direction,
+    /// Host address of the first host byte: what the copy engine is given.
+    pub host: u64,
+    /// Device address of the same host byte ([`HostBuffer::device_ptr`] plus the offset):
+    /// what the copy kernel loads or stores.
+    pub host_device: u64,
+    /// Device address of the first device byte.
+    pub device: u64,
+    /// Bytes to copy.
+    pub bytes: usize,
 }
 
 /// The primitives the pager needs. Implementations are thread-safe; the pager serialises
@@ -310,44 +375,46 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// touched on every core, then registered (see [`cuda::PinOptions`]).
     fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>>;
 
-    /// Copies `src` to device address `dst` and waits for the copy to finish.
+    /// Copies `src` (any host memory) to device address `dst` with the copy engine and waits
+    /// for the copy to finish.
     ///
     /// # Safety
     /// `dst .. dst + src.len()` must be mapped device memory of this backend that no other
     /// thread writes concurrently.
     unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()>;
 
-    /// Copies device address `src` into `dst` and waits for the copy to finish.
+    /// Copies device address `src` into `dst` (any host memory) with the copy engine and
+    /// waits for the copy to finish.
     ///
     /// # Safety
     /// `src .. src + dst.len()` must be mapped device memory of this backend.
     unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> BackendResult<()>;
 
-    /// Enqueues a copy of `src` to device address `dst` and returns without waiting: on
-    /// `stream` when given, else on the backend's own host→device stream (then
-    /// [`Backend::wait_copies`] waits for it).
+    /// Enqueues `copy` with `mover` on the backend's own stream for that mover and the copy's
+    /// direction (four streams: copy engine and copy kernel, each way, so that copies of
+    /// either direction and by either mover run side by side), records a fence right after
+    /// it, and returns the fence without waiting. A failed call leaves nothing of itself in
+    /// flight. The host backend copies at once and returns a passed fence.
+    ///
+    /// Use [`crate::pump`], which keeps the host memory borrowed until the copy has
+    /// finished; this is its primitive.
     ///
     /// # Safety
-    /// As [`Backend::copy_to_device`], and `src` must stay alive and unmodified, and `dst`
-    /// mapped, until the copy has finished (a wait on the stream, `wait_copies`, or
-    /// `synchronize`).
-    unsafe fn copy_to_device_async(
-        &self,
-        dst: u64,
-        src: &[u8],
-        stream: Option<RawStream>,
-    ) -> BackendResult<()>;
+    /// Until the fence has passed: `copy.device .. + copy.bytes` is mapped device memory of
+    /// this backend that nothing else accesses; `copy.host .. + copy.bytes` is live pinned
+    /// memory from this backend's [`Backend::alloc_pinned`] with `copy.host_device` its
+    /// device address, not written by anyone (and, for [`Direction::ToHost`], not read
+    /// either); the two ranges do not overlap.
+    unsafe fn copy_unit(&self, copy: &RawCopy, mover: Mover) -> BackendResult<Box<dyn Fence>>;
 
-    /// Enqueues a copy of device address `src` into `dst` on the backend's device→host
-    /// stream and returns without waiting.
+    /// Enqueues `copy` with `mover` (a copy-engine call, or a launch of the copy kernel) on
+    /// the caller's `stream` and returns without waiting and without a fence. The host
+    /// backend copies at once.
     ///
     /// # Safety
-    /// As [`Backend::copy_to_host`], and `dst` must stay alive and untouched, and `src`
-    /// mapped, until [`Backend::wait_copies`] (or `synchronize`) returns.
-    unsafe fn copy_to_host_async(&self, dst: &mut [u8], src: u64) -> BackendResult<()>;
-
-    /// Waits for every copy enqueued on the backend's own copy streams.
-    fn wait_copies(&self) -> BackendResult<()>;
+    /// As [`Backend::copy_unit`], until the stream has run the copy; `stream` is a live
+    /// stream of this backend's context.
+    unsafe fn copy_on(&self, copy: &RawCopy, mover: Mover, stream: RawStream) -> BackendResult<()>;
 
     /// Records a fence on the caller's `stream` after the work enqueued on it so far (a CUDA
     /// event). The host backend's fences are already passed.
@@ -416,6 +483,31 @@ pub trait KvKernels: Send + Sync {
     /// returns); `stream` is a live stream of this backend's context; `index` holds exactly
     /// the checked lists when the kernel runs.
     unsafe fn kv_on(&self, op: &KvOp<'_>, stream: RawStream, index: u64) -> BackendResult<()>;
+}
+
+/// Checks what [`Backend::copy_unit`] and [`Backend::copy_on`] can check themselves: a
+/// non-empty copy whose ranges do not wrap the address space and do not overlap.
+/// `Ok(false)`: nothing to copy.
+pub(crate) fn check_copy(op: &'static str, copy: &RawCopy) -> BackendResult<bool> {
+    if copy.bytes == 0 {
+        return Ok(false);
+    }
+    let bytes = copy.bytes as u64;
+    let ends = [copy.host, copy.host_device, copy.device].map(|a| a.checked_add(bytes));
+    if ends.iter().any(Option::is_none) {
+        return Err(BackendError::Invalid {
+            op,
+            reason: format!("a copy of {bytes} bytes wraps the address space ({copy:?})"),
+        });
+    }
+    let overlaps = |a: u64, b: u64| a < b + bytes && b < a + bytes;
+    if overlaps(copy.host, copy.device) || overlaps(copy.host_device, copy.device) {
+        return Err(BackendError::Invalid {
+            op,
+            reason: format!("the host and device ranges of a copy overlap ({copy:?})"),
+        });
+    }
+    Ok(true)
 }
 
 /// Checks the arguments of [`Backend::map`] against granularity `g` and returns the span's

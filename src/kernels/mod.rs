@@ -12,6 +12,7 @@
 //! | [`KernelModule::ChunkHash`] | [`CHUNK_HASH_PARTIAL`], then [`CHUNK_HASH_FINALIZE`] | [`abi::GpChunkHashParams`] | [`chunk_hash_geometry`], [`chunk_hash_finalize_geometry`] |
 //! | [`KernelModule::Kv`] | [`kv::WRITE`], [`kv::GATHER`] | [`abi::GpKvRowsParams`] | [`kv::rows_geometry`] |
 //! | [`KernelModule::Kv`] | [`kv::MOVE_BLOCKS`] | [`abi::GpKvMoveParams`] | [`kv::move_geometry`] |
+//! | [`KernelModule::Copy`] | [`COPY`] | [`abi::GpCopyParams`] | [`copy_geometry`] |
 //!
 //! The chunk hash takes two launches on one stream: zero the `out` array, run
 //! [`CHUNK_HASH_PARTIAL`] (each block adds its share of a chunk's word sum with one atomic),
@@ -47,6 +48,8 @@ pub mod abi {
     unsafe impl cudarc::driver::DeviceRepr for GpKvRowsParams {}
     // SAFETY: as above: five `u64` then two `u32` fields, no padding, no pointers.
     unsafe impl cudarc::driver::DeviceRepr for GpKvMoveParams {}
+    // SAFETY: as above: three `u64` fields, no padding, no pointers.
+    unsafe impl cudarc::driver::DeviceRepr for GpCopyParams {}
 }
 
 /// Entry point of the fill kernel (module [`KernelModule::Fill`]).
@@ -55,6 +58,9 @@ pub const FILL: &str = "gp_fill";
 pub const CHUNK_HASH_PARTIAL: &str = "gp_chunk_hash_partial";
 /// Entry point of the chunk hash's second pass (module [`KernelModule::ChunkHash`]).
 pub const CHUNK_HASH_FINALIZE: &str = "gp_chunk_hash_finalize";
+
+/// Entry point of the copy kernel (module [`KernelModule::Copy`]).
+pub const COPY: &str = "gp_copy";
 
 /// Most chunks one chunk-hash call can cover: the chunk index is `blockIdx.y`, and
 /// `gridDim.y` is at most 65535.
@@ -92,6 +98,8 @@ pub enum KernelModule {
     ChunkHash,
     /// `kernels/kv.cu`: [`kv::WRITE`], [`kv::GATHER`], [`kv::MOVE_BLOCKS`].
     Kv,
+    /// `kernels/copy.cu`: [`COPY`].
+    Copy,
 }
 
 /// Bytes embedded with 16-byte alignment (a fatbin image handed to the driver as is should
@@ -107,13 +115,16 @@ static CHUNK_HASH_FATBIN: &Aligned<[u8]> = &Aligned(*include_bytes!(concat!(
 )));
 static KV_FATBIN: &Aligned<[u8]> =
     &Aligned(*include_bytes!(concat!(env!("OUT_DIR"), "/kv.fatbin")));
+static COPY_FATBIN: &Aligned<[u8]> =
+    &Aligned(*include_bytes!(concat!(env!("OUT_DIR"), "/copy.fatbin")));
 
 impl KernelModule {
     /// Every module, for loading them all up front.
-    pub const ALL: [KernelModule; 3] = [
+    pub const ALL: [KernelModule; 4] = [
         KernelModule::Fill,
         KernelModule::ChunkHash,
         KernelModule::Kv,
+        KernelModule::Copy,
     ];
 
     /// The fatbin image (16-byte aligned), for `cuModuleLoadData` or cudarc's
@@ -123,6 +134,7 @@ impl KernelModule {
             KernelModule::Fill => &FILL_FATBIN.0,
             KernelModule::ChunkHash => &CHUNK_HASH_FATBIN.0,
             KernelModule::Kv => &KV_FATBIN.0,
+            KernelModule::Copy => &COPY_FATBIN.0,
         }
     }
 
@@ -132,6 +144,7 @@ impl KernelModule {
             KernelModule::Fill => "fill",
             KernelModule::ChunkHash => "chunk_hash",
             KernelModule::Kv => "kv",
+            KernelModule::Copy => "copy",
         }
     }
 
@@ -141,6 +154,7 @@ impl KernelModule {
             KernelModule::Fill => &[FILL],
             KernelModule::ChunkHash => &[CHUNK_HASH_PARTIAL, CHUNK_HASH_FINALIZE],
             KernelModule::Kv => &[kv::WRITE, kv::GATHER, kv::MOVE_BLOCKS],
+            KernelModule::Copy => &[COPY],
         }
     }
 }
@@ -263,6 +277,46 @@ pub fn chunk_hash_geometry(bytes: u64, chunk_bytes: u64) -> Result<LaunchGeometr
     })
 }
 
+/// 16-byte words each copy-kernel thread loads before it stores (`GP_COPY_UNROLL` in
+/// `kernels/copy.cu`).
+const COPY_UNROLL: u64 = 4;
+
+/// Resident copy-kernel blocks per SM at most (of 8 that fit): enough loads in flight to
+/// reach the link when reading pinned host memory (256 threads × 4 words of 16 bytes × 4
+/// blocks = 64 KiB outstanding per SM, several MiB over the GPU, against the ~100 KiB that
+/// ~55 GB/s × ~2 µs needs), while leaving room on every SM for kernels of other streams (a
+/// concurrent release's chunk hash).
+pub const COPY_BLOCKS_PER_SM: u32 = 4;
+
+/// The access width of [`COPY`] from `src` to `dst`: the largest power of two up to 16 that
+/// divides `(dst - src) mod 16` (16 when the two are co-aligned). Mirrors `kernels/copy.cu`.
+pub fn copy_width(dst: u64, src: u64) -> u64 {
+    let residue = dst.wrapping_sub(src) & 15;
+    if residue == 0 {
+        16
+    } else {
+        1 << residue.trailing_zeros()
+    }
+}
+
+/// Geometry of [`COPY`] over `bytes` bytes from `src` to `dst` on a GPU with `sms`
+/// multiprocessors: one tile of [`BLOCK_THREADS`] × 4 words per block, up to
+/// [`COPY_BLOCKS_PER_SM`] blocks per SM (the kernel's grid-stride loop covers the rest).
+/// Any arguments are valid (`bytes` 0 gives one block, which copies nothing).
+pub fn copy_geometry(dst: u64, src: u64, bytes: u64, sms: u32) -> LaunchGeometry {
+    let width = copy_width(dst, src);
+    let head = ((width - dst % width) % width).min(bytes);
+    let words = (bytes - head) / width;
+    let max_blocks = u64::from(sms.max(1)) * u64::from(COPY_BLOCKS_PER_SM);
+    let blocks = words
+        .div_ceil(u64::from(BLOCK_THREADS) * COPY_UNROLL)
+        .clamp(1, max_blocks);
+    LaunchGeometry {
+        grid: (u32::try_from(blocks).unwrap_or(u32::MAX), 1, 1),
+        block: (BLOCK_THREADS, 1, 1),
+    }
+}
+
 /// Geometry of [`CHUNK_HASH_FINALIZE`]: one thread per chunk.
 pub fn chunk_hash_finalize_geometry(num_chunks: usize) -> LaunchGeometry {
     let threads = u64::from(BLOCK_THREADS);
@@ -283,6 +337,10 @@ mod tests {
         assert_eq!(std::mem::size_of::<abi::GpChunkHashParams>(), 32);
         assert_eq!(std::mem::size_of::<abi::GpKvRowsParams>(), 96);
         assert_eq!(std::mem::size_of::<abi::GpKvMoveParams>(), 48);
+        assert_eq!(std::mem::size_of::<abi::GpCopyParams>(), 24);
+        assert_eq!(std::mem::offset_of!(abi::GpCopyParams, dst), 0);
+        assert_eq!(std::mem::offset_of!(abi::GpCopyParams, src), 8);
+        assert_eq!(std::mem::offset_of!(abi::GpCopyParams, bytes), 16);
         assert_eq!(abi::GP_HASH_K1, 0x9E37_79B9_7F4A_7C15);
         assert_eq!(abi::GP_HASH_K2, 0xC2B2_AE3D_27D4_EB4F);
     }
@@ -380,6 +438,44 @@ mod tests {
         assert_eq!(
             chunk_hash_finalize_geometry(MAX_HASH_CHUNKS).grid,
             (256, 1, 1)
+        );
+    }
+
+    #[test]
+    fn copy_width_follows_the_relative_alignment() {
+        assert_eq!(copy_width(0x1000, 0x2000), 16);
+        assert_eq!(copy_width(0x1003, 0x2003), 16);
+        assert_eq!(copy_width(0x1008, 0x2000), 8);
+        assert_eq!(copy_width(0x1000, 0x2008), 8);
+        assert_eq!(copy_width(0x1004, 0x2000), 4);
+        assert_eq!(copy_width(0x100C, 0x2000), 4);
+        assert_eq!(copy_width(0x1002, 0x2000), 2);
+        assert_eq!(copy_width(0x1006, 0x2000), 2);
+        assert_eq!(copy_width(0x1001, 0x2000), 1);
+        assert_eq!(copy_width(0x2000, 0x1007), 1);
+        // dst below src wraps: still the residue mod 16.
+        assert_eq!(copy_width(0x1000, 0x1004), 4);
+    }
+
+    #[test]
+    fn copy_geometry_is_sized_from_the_sm_count() {
+        // Small: one block.
+        assert_eq!(copy_geometry(0, 0, 0, 132).grid, (1, 1, 1));
+        assert_eq!(copy_geometry(3, 7, 100, 132).grid, (1, 1, 1));
+        // One tile is 256 × 4 × 16 bytes = 16 KiB (co-aligned).
+        assert_eq!(copy_geometry(0, 0, 16 << 10, 132).grid, (1, 1, 1));
+        assert_eq!(copy_geometry(0, 0, (16 << 10) + 16, 132).grid, (2, 1, 1));
+        // A 1-byte head does not make a tile by itself.
+        assert_eq!(copy_geometry(1, 1, (16 << 10) + 15, 132).grid, (1, 1, 1));
+        // Narrow words: a tile is 256 × 4 × 2 bytes.
+        assert_eq!(copy_geometry(2, 0, 4 << 10, 132).grid, (2, 1, 1));
+        // Big: capped at COPY_BLOCKS_PER_SM per SM.
+        let g = copy_geometry(0, 0, 64 << 20, 132);
+        assert_eq!(g.grid, (132 * COPY_BLOCKS_PER_SM, 1, 1));
+        assert_eq!(g.block, (BLOCK_THREADS, 1, 1));
+        assert_eq!(
+            copy_geometry(0, 0, 64 << 20, 0).grid,
+            (COPY_BLOCKS_PER_SM, 1, 1)
         );
     }
 

@@ -32,6 +32,16 @@ pub fn fill(buf: &mut [u8], pattern: u32) {
     }
 }
 
+/// What `gp_copy` does: `dst` becomes `src`, byte for byte, whatever the alignment of
+/// either (the kernel picks its word width from their relative alignment; the bytes are the
+/// same). The kernel's ranges must not overlap, which two Rust slices here cannot.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn copy(dst: &mut [u8], src: &[u8]) {
+    dst.copy_from_slice(src);
+}
+
 /// What `gp_chunk_hash_partial` + `gp_chunk_hash_finalize` compute: one hash per chunk of
 /// `chunk_bytes` bytes of `data` (the last chunk may be shorter; empty `data` has no
 /// chunks).

@@ -2,15 +2,15 @@
 
 use gpu_pager::backend::host::HostBackend;
 use gpu_pager::backend::{
-    Backend, BackendResult, DeferredErrors, DeviceInfo, Fence, Held, HostBuffer, KvKernels,
-    Mapping, MemInfo, RawStream, Reservation,
+    Backend, BackendResult, DeferredErrors, DeviceInfo, Direction, Fence, Held, HostBuffer,
+    KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
 };
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Flaw {
-    /// Every restore copy lands with one byte flipped.
+    /// Every restore copy (each unit of a pumped restore) lands with one byte flipped.
     FlipRestores,
     /// Every 5th map also takes memory that is never given back.
     LeakOnMap,
@@ -42,6 +42,24 @@ impl Broken {
 
     fn has(&self, flaw: Flaw) -> bool {
         self.flaw == flaw && self.active.load(Ordering::SeqCst)
+    }
+
+    /// With [`Flaw::FlipRestores`], flips the middle byte of a restore just copied.
+    ///
+    /// # Safety
+    /// `copy` was just copied: its device range is mapped memory of the inner backend.
+    unsafe fn flip(&self, copy: &RawCopy) -> BackendResult<()> {
+        if !self.has(Flaw::FlipRestores) || copy.direction != Direction::ToDevice || copy.bytes == 0
+        {
+            return Ok(());
+        }
+        let at = copy.device + copy.bytes as u64 / 2;
+        let mut b = [0u8; 1];
+        // SAFETY: `at` lies inside the device range the caller guarantees mapped.
+        unsafe { self.inner.copy_to_host(&mut b, at) }?;
+        b[0] ^= 0x10;
+        // SAFETY: as above.
+        unsafe { self.inner.copy_to_device(at, &b) }
     }
 }
 
@@ -86,30 +104,18 @@ impl Backend for Broken {
         // SAFETY: forwarded from the caller.
         unsafe { self.inner.copy_to_host(dst, src) }
     }
-    unsafe fn copy_to_device_async(
-        &self,
-        dst: u64,
-        src: &[u8],
-        stream: Option<RawStream>,
-    ) -> BackendResult<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.inner.copy_to_device_async(dst, src, stream) }?;
-        if self.has(Flaw::FlipRestores) && !src.is_empty() {
-            let mid = src.len() / 2;
-            // SAFETY: `dst + mid` lies inside the range the caller guarantees mapped.
-            unsafe {
-                self.inner
-                    .copy_to_device(dst + mid as u64, &[src[mid] ^ 0x10])
-            }?;
-        }
-        Ok(())
+    unsafe fn copy_unit(&self, copy: &RawCopy, mover: Mover) -> BackendResult<Box<dyn Fence>> {
+        // SAFETY: forwarded from the caller (the host backend copies at once).
+        let fence = unsafe { self.inner.copy_unit(copy, mover) }?;
+        // SAFETY: as above.
+        unsafe { self.flip(copy) }?;
+        Ok(fence)
     }
-    unsafe fn copy_to_host_async(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.inner.copy_to_host_async(dst, src) }
-    }
-    fn wait_copies(&self) -> BackendResult<()> {
-        self.inner.wait_copies()
+    unsafe fn copy_on(&self, copy: &RawCopy, mover: Mover, stream: RawStream) -> BackendResult<()> {
+        // SAFETY: forwarded from the caller (the host backend copies at once).
+        unsafe { self.inner.copy_on(copy, mover, stream) }?;
+        // SAFETY: as above.
+        unsafe { self.flip(copy) }
     }
     fn fence(&self, stream: RawStream) -> BackendResult<Box<dyn Fence>> {
         self.inner.fence(stream)

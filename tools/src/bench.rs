@@ -22,6 +22,7 @@ use gpu_pager::report::{gbps, ms};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, Result};
 
 mod pinning;
+mod routes;
 
 const GIB: usize = 1 << 30;
 const MIB: usize = 1 << 20;
@@ -55,6 +56,10 @@ pub struct BenchConfig {
     /// Also time the link and the weights' resume right after a trainer-like allocation of
     /// all but a small margin of the free memory was written and freed.
     pub after_free: bool,
+    /// Also time the copy pump's routes: the link per mover, the weights' resume and
+    /// release by route (settled and right after a free), and a release and a resume of
+    /// two tags at once.
+    pub routes: bool,
 }
 
 impl BenchConfig {
@@ -72,6 +77,7 @@ impl BenchConfig {
             growing: true,
             alloc_sizes: vec![2 * MIB, 20 * MIB, 128 * MIB, GIB],
             after_free: true,
+            routes: true,
         }
     }
 
@@ -89,6 +95,7 @@ impl BenchConfig {
             growing: true,
             alloc_sizes: vec![2 * MIB, 20 * MIB],
             after_free: true,
+            routes: true,
         }
     }
 
@@ -687,6 +694,9 @@ pub fn run(
     if cfg.after_free {
         after_free_rows(&pager, cfg, &link, repeats, log, &mut rows)?;
     }
+    if cfg.routes {
+        routes::rows(&pager, cfg, &link, &bufs, log, &mut rows)?;
+    }
 
     let mut sweep = Vec::new();
     if !cfg.sweep.is_empty() {
@@ -731,6 +741,7 @@ fn after_free_rows(
     log: &mut dyn FnMut(&str),
     rows: &mut Vec<Row>,
 ) -> Result<()> {
+    use gpu_pager::backend::{Direction, Mover, RawCopy};
     use gpu_pager::kv::{KvCache, KvCacheConfig, KvDtype, KvLayout, KvOrder};
     let backend = pager.backend().clone();
     let b = backend.as_ref();
@@ -799,16 +810,31 @@ fn after_free_rows(
         if let Some((s1, s2)) = &streams {
             trainer_step(b, margin)?;
             let half = bytes / 2;
+            let first = RawCopy {
+                direction: Direction::ToDevice,
+                host: host.as_slice().as_ptr() as u64,
+                host_device: host.device_ptr(),
+                device: dst,
+                bytes: half,
+            };
+            let second = RawCopy {
+                host: first.host + half as u64,
+                host_device: first.host_device + half as u64,
+                device: dst + half as u64,
+                bytes: bytes - half,
+                ..first
+            };
             let t = Instant::now();
-            // SAFETY: both halves lie in the live probe buffer; the host buffer lives and is
-            // not written until both streams are synchronized below.
+            // SAFETY: both halves lie in the live probe buffer; the host buffer is this
+            // backend's pinned memory, and lives and is not written until both streams are
+            // synchronized below.
             unsafe {
-                b.copy_to_device_async(dst, &host.as_slice()[..half], Some(s1.raw()))
+                b.copy_on(&first, Mover::CopyEngine, s1.raw())
                     .map_err(backend_err("probe", "copy"))?;
             }
             // SAFETY: as above.
             unsafe {
-                b.copy_to_device_async(dst + half as u64, &host.as_slice()[half..], Some(s2.raw()))
+                b.copy_on(&second, Mover::CopyEngine, s2.raw())
                     .map_err(backend_err("probe", "copy"))?;
             }
             s1.sync()?;

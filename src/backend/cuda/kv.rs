@@ -375,7 +375,7 @@ fn plan<'o>(op: &KvOp<'o>) -> BackendResult<(Launch, Cow<'o, [u8]>)> {
 /// # Safety
 /// `function` takes exactly one `P` by value; every address `params` leads to is mapped
 /// when the kernel runs; `stream` is a live stream of `function`'s context, bound.
-unsafe fn launch<P>(
+pub(super) unsafe fn launch<P>(
     function: &CudaFunction,
     geometry: crate::kernels::LaunchGeometry,
     params: &P,

@@ -1,0 +1,1025 @@
+//! The copy pump: host↔device copies fed from the host to two movers, the GPU's copy engine
+//! and the copy kernel, a few units at a time, each call waiting for exactly its own units.
+//!
+//! Why two movers: right after a trainer frees a large allocation, the copy engine copies
+//! host→device at about half the link for a second, while the copy kernel (`gp_copy`, which
+//! reads the pinned host memory directly over the link) does not slow down; settled, the
+//! copy engine is the faster (BENCHMARKS.md, "H200, 2026-12-02, later run"). The pump cuts
+//! every copy into units ([`PumpConfig::unit_bytes`], default 64 MiB) and keeps at most
+//! [`PumpConfig::depth`] units (default 2) queued on each mover's stream, each followed by a
+//! fence; whenever a mover has a free slot it gets the next unit. With
+//! [`CopyRoute::Adaptive`] both movers run side by side and whichever is faster takes more
+//! units; [`CopyRoute::Engine`] and [`CopyRoute::Kernel`] use one.
+//!
+//! The calling thread feeds the movers: every [`Pump::push_to_device`] / [`Pump::push_to_host`] and
+//! [`Pump::poll`] starts what fits, without blocking, so a caller can interleave other work
+//! (a resume maps the next group of chunks while the last one copies); the end of the
+//! [`scope`] feeds the rest and waits, polling the fences with short sleeps. Because at most
+//! `2 × depth` units are ever in flight, another thread's device-wide synchronisation (a
+//! release of another tag) waits for those only, and its copies in the other direction run
+//! on the other direction's streams meanwhile.
+//!
+//! **Ownership.** A pump exists only inside [`scope`], which waits for every unit it started
+//! before it returns — on success, on error, and when the closure panics (the pump's `Drop`
+//! waits) — and no pump can be leaked out of it. Host memory enters a pump as [`Pinned`] or
+//! [`PinnedMut`] borrowed for the scope's lifetime `'h`, so the borrow checker keeps it
+//! alive and untouched (or, for a destination, unaliased) until every copy from or into it
+//! has finished. Device memory is a plain address: that it stays mapped and untouched until
+//! the scope returns is the one promise the caller makes, at [`Pump::push_to_device`] and
+//! [`Pump::push_to_host`].
+//!
+//! **Errors.** The first failure (a unit that cannot be enqueued, a fence that reports an
+//! error) stops the feeding: queued units are dropped, the units in flight are waited for,
+//! and the error is returned (by the push or poll that saw it, else by the scope). Nothing
+//! started by a pump is in flight once its scope has returned.
+
+use std::collections::VecDeque;
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use crate::backend::{
+    Backend, BackendError, BackendResult, DeferredErrors, Direction, Fence, HostBuffer, Mover,
+    RawCopy, RawStream,
+};
+
+/// Default unit size: 64 MiB (about 1.2 ms at 55 GB/s: long enough that a launch or an
+/// enqueue is noise, short enough that the last unit of the slower mover adds little).
+pub const DEFAULT_UNIT_BYTES: usize = 64 << 20;
+
+/// Default units queued per mover: 2 (one copying, one ready behind it, so that the mover
+/// never waits for the host's next poll).
+pub const DEFAULT_DEPTH: usize = 2;
+
+/// Smallest unit: units are rounded up to a multiple of this.
+pub const MIN_UNIT_BYTES: usize = 4096;
+
+/// How long the feeding thread sleeps when nothing finished and nothing could start.
+const POLL: Duration = Duration::from_micros(20);
+
+/// Which movers a copy may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CopyRoute {
+    /// The copy engine only (`cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync`).
+    Engine,
+    /// The copy kernel only (zero-copy loads or stores of the pinned host memory).
+    Kernel,
+    /// Both, side by side: a mover with a free slot takes the next unit, so the faster one
+    /// takes more.
+    Adaptive,
+}
+
+impl CopyRoute {
+    /// Every route.
+    pub const ALL: [CopyRoute; 3] = [CopyRoute::Engine, CopyRoute::Kernel, CopyRoute::Adaptive];
+
+    /// Whether `mover` may take units on this route.
+    pub fn allows(self, mover: Mover) -> bool {
+        match self {
+            CopyRoute::Engine => mover == Mover::CopyEngine,
+            CopyRoute::Kernel => mover == Mover::CopyKernel,
+            CopyRoute::Adaptive => true,
+        }
+    }
+}
+
+impl std::fmt::Display for CopyRoute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CopyRoute::Engine => "copy engine",
+            CopyRoute::Kernel => "copy kernel",
+            CopyRoute::Adaptive => "adaptive",
+        })
+    }
+}
+
+/// How a pump moves its copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PumpConfig {
+    /// Which movers to use.
+    pub route: CopyRoute,
+    /// Bytes per unit (rounded up to a multiple of [`MIN_UNIT_BYTES`]; the last unit of a
+    /// copy may be shorter).
+    pub unit_bytes: usize,
+    /// Units queued per mover at most (at least 1).
+    pub depth: usize,
+}
+
+impl Default for PumpConfig {
+    /// Adaptive, 64 MiB units, 2 per mover.
+    fn default() -> Self {
+        PumpConfig {
+            route: CopyRoute::Adaptive,
+            unit_bytes: DEFAULT_UNIT_BYTES,
+            depth: DEFAULT_DEPTH,
+        }
+    }
+}
+
+impl PumpConfig {
+    /// The settings a pump runs with: the unit rounded up to a multiple of
+    /// [`MIN_UNIT_BYTES`] (at least one), the depth at least 1.
+    pub fn normalized(self) -> Self {
+        PumpConfig {
+            route: self.route,
+            unit_bytes: self
+                .unit_bytes
+                .max(1)
+                .checked_next_multiple_of(MIN_UNIT_BYTES)
+                .unwrap_or(usize::MAX / MIN_UNIT_BYTES * MIN_UNIT_BYTES),
+            depth: self.depth.max(1),
+        }
+    }
+}
+
+/// What a pump moved.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PumpStats {
+    /// Bytes moved by each mover, indexed by [`Mover::index`].
+    pub bytes: [usize; 2],
+    /// Units moved by each mover, indexed by [`Mover::index`].
+    pub units: [usize; 2],
+    /// From the scope's start until its last unit was seen finished.
+    pub elapsed: Duration,
+    /// Of that, the time after the scope's closure returned: copying not hidden behind the
+    /// caller's own work (mapping, hashing).
+    pub waited: Duration,
+}
+
+impl PumpStats {
+    /// Bytes moved by `mover`.
+    pub fn bytes_by(&self, mover: Mover) -> usize {
+        self.bytes[mover.index()]
+    }
+
+    /// Bytes moved in all.
+    pub fn total_bytes(&self) -> usize {
+        self.bytes.iter().sum()
+    }
+
+    /// Adds another pump's figures (times add up, as for pumps run one after another).
+    pub fn add(&mut self, other: &PumpStats) {
+        for m in Mover::ALL {
+            self.bytes[m.index()] += other.bytes[m.index()];
+            self.units[m.index()] += other.units[m.index()];
+        }
+        self.elapsed += other.elapsed;
+        self.waited += other.waited;
+    }
+}
+
+/// Pinned host bytes borrowed for `'h`, to be read by copies (a restore's source). Cheap to
+/// copy; any number may borrow the same buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct Pinned<'h> {
+    host: u64,
+    device: u64,
+    len: usize,
+    _borrow: PhantomData<&'h [u8]>,
+}
+
+impl<'h> Pinned<'h> {
+    /// All of `buf`.
+    pub fn new(buf: &'h dyn HostBuffer) -> Self {
+        let bytes = buf.as_slice();
+        Pinned {
+            host: bytes.as_ptr() as u64,
+            device: buf.device_ptr(),
+            len: bytes.len(),
+            _borrow: PhantomData,
+        }
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes `range` of these; `None` unless the range lies inside them.
+    pub fn get(self, range: Range<usize>) -> Option<Self> {
+        (range.start <= range.end && range.end <= self.len).then(|| Pinned {
+            host: self.host + range.start as u64,
+            device: self.device + range.start as u64,
+            len: range.len(),
+            _borrow: PhantomData,
+        })
+    }
+}
+
+/// Pinned host bytes borrowed exclusively for `'h`, to be written by copies (a backup's
+/// destination). Split it, like a `&mut [u8]`, to hand disjoint parts to several copies.
+#[derive(Debug)]
+pub struct PinnedMut<'h> {
+    host: u64,
+    device: u64,
+    len: usize,
+    _borrow: PhantomData<&'h mut [u8]>,
+}
+
+impl<'h> PinnedMut<'h> {
+    /// All of `buf`.
+    pub fn new(buf: &'h mut dyn HostBuffer) -> Self {
+        let device = buf.device_ptr();
+        let bytes = buf.as_mut_slice();
+        PinnedMut {
+            host: bytes.as_mut_ptr() as u64,
+            device,
+            len: bytes.len(),
+            _borrow: PhantomData,
+        }
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes before `mid` and those from `mid` on; `None` if `mid` is past the end.
+    pub fn split_at(self, mid: usize) -> Option<(Self, Self)> {
+        (mid <= self.len).then(|| {
+            let tail = PinnedMut {
+                host: self.host + mid as u64,
+                device: self.device + mid as u64,
+                len: self.len - mid,
+                _borrow: PhantomData,
+            };
+            (PinnedMut { len: mid, ..self }, tail)
+        })
+    }
+
+    /// The bytes `range` of these (the rest is given up); `None` unless the range lies
+    /// inside them.
+    pub fn get(self, range: Range<usize>) -> Option<Self> {
+        if range.start > range.end || range.end > self.len {
+            return None;
+        }
+        let (_, tail) = self.split_at(range.start)?;
+        let (part, _) = tail.split_at(range.len())?;
+        Some(part)
+    }
+}
+
+/// What a pump needs of a backend (a trait of its own so that the scheduling is tested
+/// with scripted movers).
+trait Movers {
+    /// [`Backend::copy_unit`].
+    ///
+    /// # Safety
+    /// As `copy_unit`.
+    unsafe fn start(&self, copy: &RawCopy, mover: Mover) -> BackendResult<Box<dyn Fence>>;
+    /// [`Backend::synchronize`].
+    fn synchronize(&self) -> BackendResult<()>;
+    /// [`Backend::deferred_errors`].
+    fn errors(&self) -> &DeferredErrors;
+}
+
+/// A backend's movers.
+struct Via<'b>(&'b dyn Backend);
+
+impl Movers for Via<'_> {
+    unsafe fn start(&self, copy: &RawCopy, mover: Mover) -> BackendResult<Box<dyn Fence>> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.0.copy_unit(copy, mover) }
+    }
+    fn synchronize(&self) -> BackendResult<()> {
+        self.0.synchronize()
+    }
+    fn errors(&self) -> &DeferredErrors {
+        self.0.deferred_errors()
+    }
+}
+
+/// A unit started on a mover.
+struct InFlight {
+    fence: Box<dyn Fence>,
+    bytes: usize,
+}
+
+/// Feeds copies to the movers; see the module docs. Only [`scope`] makes one.
+pub struct Pump<'e, 'h> {
+    movers: &'e dyn Movers,
+    config: PumpConfig,
+    /// Units not started yet, in order.
+    queue: VecDeque<RawCopy>,
+    /// Units started and not seen finished, per mover.
+    flight: [Vec<InFlight>; 2],
+    /// The first failure, until it is returned.
+    failure: Option<BackendError>,
+    /// A failure happened: nothing more starts.
+    failed: bool,
+    stats: PumpStats,
+    started: Instant,
+    /// Invariant in `'h`: the host borrows of every push live exactly as long.
+    _host: PhantomData<&'h mut &'h ()>,
+}
+
+impl std::fmt::Debug for Pump<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pump")
+            .field("config", &self.config)
+            .field("queued", &self.queue.len())
+            .field("in_flight", &[self.flight[0].len(), self.flight[1].len()])
+            .field("failed", &self.failed)
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+/// Runs `f` with a pump on `backend` and waits for every unit the pump started: after `f`
+/// returns `Ok`, the pump copies what is still queued and the result is `f`'s value and the
+/// pump's figures, or `copy_error` of the first copy failure not yet returned; after `f`
+/// returns `Err` (or panics), queued units are dropped, the units in flight are waited for,
+/// and `f`'s error is returned (a copy failure that `f` never saw is recorded in the
+/// backend's [`DeferredErrors`]). Either way, nothing the pump started is in flight when
+/// this returns.
+pub fn scope<'h, T, E>(
+    backend: &dyn Backend,
+    config: PumpConfig,
+    f: impl for<'e> FnOnce(&mut Pump<'e, 'h>) -> Result<T, E>,
+    copy_error: impl FnOnce(BackendError) -> E,
+) -> Result<(T, PumpStats), E> {
+    run(&Via(backend), config, f, copy_error)
+}
+
+fn run<'e, 'h, T, E>(
+    movers: &'e dyn Movers,
+    config: PumpConfig,
+    f: impl FnOnce(&mut Pump<'e, 'h>) -> Result<T, E>,
+    copy_error: impl FnOnce(BackendError) -> E,
+) -> Result<(T, PumpStats), E> {
+    let mut pump = Pump {
+        movers,
+        config: config.normalized(),
+        queue: VecDeque::new(),
+        flight: [Vec::new(), Vec::new()],
+        failure: None,
+        failed: false,
+        stats: PumpStats::default(),
+        started: Instant::now(),
+        _host: PhantomData,
+    };
+    // A panic in `f` unwinds through `pump`'s drop, which waits like `abort`.
+    match f(&mut pump) {
+        Ok(value) => pump
+            .finish()
+            .map(|stats| (value, stats))
+            .map_err(copy_error),
+        Err(e) => {
+            pump.abort();
+            Err(e)
+        }
+    }
+}
+
+impl<'h> Pump<'_, 'h> {
+    /// Queues a copy of `src` to device address `dst` and starts what fits, without
+    /// blocking. Returns the first copy failure of this pump if one happened by now (then
+    /// nothing more is copied).
+    ///
+    /// # Safety
+    /// `dst .. dst + src.len()` is mapped device memory of the pump's backend that stays
+    /// mapped, and that nothing else reads or writes, until the pump's [`scope`] returns;
+    /// `src` is memory from that backend's [`Backend::alloc_pinned`], and does not overlap
+    /// the destination.
+    pub unsafe fn push_to_device(&mut self, src: Pinned<'h>, dst: u64) -> BackendResult<()> {
+        self.push(Direction::ToDevice, src.host, src.device, dst, src.len)
+    }
+
+    /// Queues a copy of device address `src` into `dst` and starts what fits, without
+    /// blocking. Returns as [`Pump::push_to_device`].
+    ///
+    /// # Safety
+    /// `src .. src + dst.len()` is mapped device memory of the pump's backend that stays
+    /// mapped, and that nothing writes, until the pump's [`scope`] returns; `dst` is memory
+    /// from that backend's [`Backend::alloc_pinned`].
+    pub unsafe fn push_to_host(&mut self, src: u64, dst: PinnedMut<'h>) -> BackendResult<()> {
+        self.push(Direction::ToHost, dst.host, dst.device, src, dst.len)
+    }
+
+    /// Retires finished units and starts queued ones on free slots, without blocking. Call it
+    /// between other work to keep the movers busy. Returns as [`Pump::push_to_device`].
+    pub fn poll(&mut self) -> BackendResult<()> {
+        self.feed(false);
+        self.take_failure()
+    }
+
+    /// The figures so far (bytes and units of the units seen finished).
+    pub fn stats(&self) -> PumpStats {
+        self.stats
+    }
+
+    /// The settings in use ([`PumpConfig::normalized`]).
+    pub fn config(&self) -> PumpConfig {
+        self.config
+    }
+
+    /// Cuts a copy into units, queues them and feeds.
+    fn push(
+        &mut self,
+        direction: Direction,
+        host: u64,
+        host_device: u64,
+        device: u64,
+        len: usize,
+    ) -> BackendResult<()> {
+        if self.failed {
+            return Err(self.take_failure().err().unwrap_or_else(stopped));
+        }
+        let unit = self.config.unit_bytes;
+        let mut at = 0usize;
+        while at < len {
+            let bytes = (len - at).min(unit);
+            let off = at as u64;
+            self.queue.push_back(RawCopy {
+                direction,
+                host: host.wrapping_add(off),
+                host_device: host_device.wrapping_add(off),
+                device: device.wrapping_add(off),
+                bytes,
+            });
+            at += bytes;
+        }
+        self.feed(false);
+        self.take_failure()
+    }
+
+    fn take_failure(&mut self) -> BackendResult<()> {
+        match self.failure.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Notes a failure: the first is kept to be returned, later ones are recorded; nothing
+    /// more starts.
+    fn fail(&mut self, e: BackendError) {
+        self.queue.clear();
+        if self.failed {
+            self.movers.errors().record(format!(
+                "a copy failed after an earlier failure of the same call (the first error \
+                 was returned): {e}"
+            ));
+        } else {
+            self.failed = true;
+            self.failure = Some(e);
+        }
+    }
+
+    /// Retires and starts units; with `block`, until nothing is queued or in flight (or a
+    /// failure stops it).
+    fn feed(&mut self, block: bool) {
+        loop {
+            let retired = self.retire();
+            if self.failed {
+                return;
+            }
+            let started = self.dispatch();
+            let idle = self.queue.is_empty() && self.flight.iter().all(Vec::is_empty);
+            if self.failed || !block || idle {
+                return;
+            }
+            if !retired && !started {
+                std::thread::sleep(POLL);
+            }
+        }
+    }
+
+    /// Drops the units whose fence has passed, counting them. Stops at the first fence
+    /// that reports an error (kept in flight: `abort` waits for it).
+    fn retire(&mut self) -> bool {
+        let mut any = false;
+        for m in Mover::ALL {
+            let mut i = 0;
+            while i < self.flight[m.index()].len() {
+                match self.flight[m.index()][i].fence.is_done() {
+                    Ok(true) => {
+                        let unit = self.flight[m.index()].swap_remove(i);
+                        self.stats.bytes[m.index()] += unit.bytes;
+                        self.stats.units[m.index()] += 1;
+                        any = true;
+                    }
+                    Ok(false) => i += 1,
+                    Err(e) => {
+                        self.fail(e);
+                        return any;
+                    }
+                }
+            }
+        }
+        if any {
+            self.stats.elapsed = self.started.elapsed();
+        }
+        any
+    }
+
+    /// The mover that takes the next unit: one the route allows with a free slot; with
+    /// both free, the one with fewer units in flight (the copy engine on a tie).
+    fn free_mover(&self) -> Option<Mover> {
+        let in_flight = |m: Mover| self.flight[m.index()].len();
+        Mover::ALL
+            .into_iter()
+            .filter(|&m| self.config.route.allows(m) && in_flight(m) < self.config.depth)
+            .min_by_key(|&m| (in_flight(m), m.index()))
+    }
+
+    /// Starts queued units on free slots.
+    fn dispatch(&mut self) -> bool {
+        let mut any = false;
+        while !self.queue.is_empty() {
+            let Some(mover) = self.free_mover() else {
+                break;
+            };
+            let Some(unit) = self.queue.pop_front() else {
+                break;
+            };
+            // SAFETY: the unit was cut from a push, whose caller promised that its device
+            // range stays mapped and untouched until the scope returns and that its host
+            // range is the backend's pinned memory; the host range is borrowed for `'h`,
+            // which outlives this pump, and the pump waits for every unit it starts before
+            // it is gone (`finish`, `abort`, `drop`), so the memory outlives the copy.
+            match unsafe { self.movers.start(&unit, mover) } {
+                Ok(fence) => {
+                    self.flight[mover.index()].push(InFlight {
+                        fence,
+                        bytes: unit.bytes,
+                    });
+                    any = true;
+                }
+                Err(e) => {
+                    self.fail(e);
+                    break;
+                }
+            }
+        }
+        any
+    }
+
+    /// Copies everything queued and waits for it. On a failure, stops and waits for what is
+    /// in flight (`abort`) and returns the failure (or [`stopped`] when it was returned to a
+    /// push already).
+    fn finish(&mut self) -> BackendResult<PumpStats> {
+        let t = Instant::now();
+        self.feed(true);
+        self.stats.waited = t.elapsed();
+        if self.failed {
+            let e = self.failure.take().unwrap_or_else(stopped);
+            self.abort();
+            return Err(e);
+        }
+        self.stats.elapsed = self.started.elapsed();
+        Ok(self.stats)
+    }
+
+    /// Drops what is queued and waits for every unit in flight. If a wait fails (a broken
+    /// context), synchronizes the device instead, and if even that fails, records it: the
+    /// context then runs nothing more. A failure never returned is recorded.
+    fn abort(&mut self) {
+        self.queue.clear();
+        let mut broken = None;
+        for flight in &mut self.flight {
+            for unit in flight.drain(..) {
+                if let Err(e) = unit.fence.wait() {
+                    broken.get_or_insert(e);
+                }
+            }
+        }
+        let errors = self.movers.errors();
+        if let Some(e) = broken {
+            errors.record(format!(
+                "waiting for in-flight copies failed ({e}); synchronizing the device instead"
+            ));
+            if let Err(sync) = self.movers.synchronize() {
+                errors.record(format!(
+                    "synchronizing the device after a failed wait for copies failed: {sync}"
+                ));
+            }
+        }
+        if let Some(e) = self.failure.take() {
+            errors.record(format!(
+                "a copy failed while its call was failing for another reason (that error was \
+                 returned): {e}"
+            ));
+        }
+    }
+}
+
+impl Drop for Pump<'_, '_> {
+    /// Waits for the units in flight (after a panic in the scope's closure; otherwise
+    /// there are none left).
+    fn drop(&mut self) {
+        self.abort();
+    }
+}
+
+/// The error of a push or scope after an earlier failure was already returned.
+fn stopped() -> BackendError {
+    BackendError::Invalid {
+        op: "copy",
+        reason: "an earlier copy of this call failed, so nothing more was copied".to_owned(),
+    }
+}
+
+/// Where a restore's copies go: a pump (fed from the host, waited for by its scope), or a
+/// caller's stream ([`crate::Pager::resume_on`]: enqueued there by one mover, not waited for).
+pub(crate) enum Sink<'s, 'e, 'h> {
+    /// A pump.
+    Pump(&'s mut Pump<'e, 'h>),
+    /// A caller's stream.
+    Stream {
+        backend: &'e dyn Backend,
+        stream: RawStream,
+        mover: Mover,
+    },
+}
+
+impl<'h> Sink<'_, '_, 'h> {
+    /// Copies `src` to device address `dst`.
+    ///
+    /// # Safety
+    /// As [`Pump::push_to_device`] for a pump. For a stream: the device range is mapped, and the
+    /// host bytes alive and unwritten, until the stream has run the copy (the caller keeps
+    /// a fence after it and waits for it before either changes).
+    pub unsafe fn push_to_device(&mut self, src: Pinned<'h>, dst: u64) -> BackendResult<()> {
+        match self {
+            // SAFETY: forwarded from the caller.
+            Sink::Pump(pump) => unsafe { pump.push_to_device(src, dst) },
+            Sink::Stream {
+                backend,
+                stream,
+                mover,
+            } => {
+                let copy = RawCopy {
+                    direction: Direction::ToDevice,
+                    host: src.host,
+                    host_device: src.device,
+                    device: dst,
+                    bytes: src.len,
+                };
+                // SAFETY: forwarded from the caller.
+                unsafe { backend.copy_on(&copy, *mover, *stream) }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::host::{HostBackend, HostConfig};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    /// Scripted movers on a virtual clock that advances by one tick per fence query: a unit
+    /// on mover `m` takes `cost[m]` ticks after the previous unit on `m` (or its start).
+    #[derive(Default)]
+    struct Script {
+        cost: [u64; 2],
+        /// Fail the start of this unit (counting from 0), once.
+        fail_start: Option<usize>,
+        /// The fence of this unit reports an error when polled.
+        fail_fence: Option<usize>,
+        state: Arc<Mutex<Clock>>,
+        errors: DeferredErrors,
+    }
+
+    #[derive(Default, Debug)]
+    struct Clock {
+        now: u64,
+        last: [u64; 2],
+        starts: Vec<(Mover, RawCopy)>,
+        in_flight: [usize; 2],
+        max_in_flight: [usize; 2],
+        synced: usize,
+    }
+
+    #[derive(Debug)]
+    struct ScriptFence {
+        state: Arc<Mutex<Clock>>,
+        mover: Mover,
+        due: u64,
+        broken: bool,
+        done: AtomicBool,
+    }
+
+    impl ScriptFence {
+        fn finish(&self, c: &mut Clock) {
+            if !self.done.swap(true, Ordering::SeqCst) {
+                c.in_flight[self.mover.index()] -= 1;
+            }
+        }
+    }
+
+    impl Fence for ScriptFence {
+        fn wait(&self) -> BackendResult<()> {
+            let mut c = self.state.lock().unwrap();
+            c.now = c.now.max(self.due);
+            self.finish(&mut c);
+            Ok(())
+        }
+        fn is_done(&self) -> BackendResult<bool> {
+            let mut c = self.state.lock().unwrap();
+            c.now += 1;
+            if self.broken {
+                return Err(BackendError::Injected { op: "fence" });
+            }
+            if c.now >= self.due {
+                self.finish(&mut c);
+                return Ok(true);
+            }
+            Ok(false)
+        }
+    }
+
+    impl Movers for Script {
+        unsafe fn start(&self, copy: &RawCopy, mover: Mover) -> BackendResult<Box<dyn Fence>> {
+            let mut c = self.state.lock().unwrap();
+            let n = c.starts.len();
+            if self.fail_start == Some(n) {
+                return Err(BackendError::Injected { op: "start" });
+            }
+            c.starts.push((mover, *copy));
+            let m = mover.index();
+            let due = c.now.max(c.last[m]) + self.cost[m];
+            c.last[m] = due;
+            c.in_flight[m] += 1;
+            c.max_in_flight[m] = c.max_in_flight[m].max(c.in_flight[m]);
+            Ok(Box::new(ScriptFence {
+                state: self.state.clone(),
+                mover,
+                due,
+                broken: self.fail_fence == Some(n),
+                done: AtomicBool::new(false),
+            }))
+        }
+        fn synchronize(&self) -> BackendResult<()> {
+            self.state.lock().unwrap().synced += 1;
+            Ok(())
+        }
+        fn errors(&self) -> &DeferredErrors {
+            &self.errors
+        }
+    }
+
+    const MIB: usize = 1 << 20;
+
+    fn buffer(len: usize) -> Box<dyn HostBuffer> {
+        HostBackend::new(HostConfig::default())
+            .alloc_pinned(len)
+            .unwrap()
+    }
+
+    fn config(route: CopyRoute) -> PumpConfig {
+        PumpConfig {
+            route,
+            unit_bytes: MIB,
+            depth: 2,
+        }
+    }
+
+    /// Pushes `buf` to device address 0x1000_0000 in pieces of `piece` bytes.
+    fn restore(
+        script: &Script,
+        cfg: PumpConfig,
+        buf: &dyn HostBuffer,
+        piece: usize,
+    ) -> Result<PumpStats, BackendError> {
+        let all = Pinned::new(buf);
+        run(
+            script,
+            cfg,
+            |p| {
+                let mut at = 0;
+                while at < all.len() {
+                    let end = (at + piece).min(all.len());
+                    let src = all.get(at..end).unwrap();
+                    // SAFETY: the scripted movers touch no memory.
+                    unsafe { p.push_to_device(src, 0x1000_0000 + at as u64) }?;
+                    at = end;
+                }
+                Ok(())
+            },
+            |e| e,
+        )
+        .map(|((), s)| s)
+    }
+
+    #[test]
+    fn units_are_cut_from_each_piece_and_cover_it() {
+        let script = Script {
+            cost: [3, 3],
+            ..Script::default()
+        };
+        let buf = buffer(5 * MIB + 123);
+        let stats = restore(&script, config(CopyRoute::Engine), buf.as_ref(), 3 * MIB).unwrap();
+        let c = script.state.lock().unwrap();
+        let sizes: Vec<usize> = c.starts.iter().map(|(_, u)| u.bytes).collect();
+        assert_eq!(sizes, vec![MIB, MIB, MIB, MIB, MIB, 123]);
+        let mut at = 0u64;
+        for (m, u) in &c.starts {
+            assert_eq!(*m, Mover::CopyEngine);
+            assert_eq!(u.direction, Direction::ToDevice);
+            assert_eq!(u.device, 0x1000_0000 + at);
+            assert_eq!(u.host, buf.as_slice().as_ptr() as u64 + at);
+            assert_eq!(u.host_device, buf.device_ptr() + at);
+            at += u.bytes as u64;
+        }
+        assert_eq!(stats.bytes, [5 * MIB + 123, 0]);
+        assert_eq!(stats.units, [6, 0]);
+        assert_eq!(c.in_flight, [0, 0]);
+        assert!(c.max_in_flight[0] <= 2);
+    }
+
+    #[test]
+    fn each_route_uses_its_movers_and_respects_the_depth() {
+        for route in CopyRoute::ALL {
+            for depth in [1, 2, 3] {
+                let script = Script {
+                    cost: [5, 5],
+                    ..Script::default()
+                };
+                let cfg = PumpConfig {
+                    depth,
+                    ..config(route)
+                };
+                let buf = buffer(40 * MIB);
+                let stats = restore(&script, cfg, buf.as_ref(), 7 * MIB).unwrap();
+                let c = script.state.lock().unwrap();
+                assert_eq!(stats.total_bytes(), 40 * MIB);
+                for m in Mover::ALL {
+                    assert!(c.max_in_flight[m.index()] <= depth, "{route:?} {depth}");
+                    assert_eq!(stats.bytes_by(m) > 0, route.allows(m), "{route:?} {m}");
+                }
+                assert_eq!(c.in_flight, [0, 0]);
+            }
+        }
+    }
+
+    #[test]
+    fn adaptive_gives_the_faster_mover_more_units() {
+        for (cost, fast) in [([40, 10], Mover::CopyKernel), ([10, 40], Mover::CopyEngine)] {
+            let script = Script {
+                cost,
+                ..Script::default()
+            };
+            let buf = buffer(64 * MIB);
+            let stats =
+                restore(&script, config(CopyRoute::Adaptive), buf.as_ref(), 64 * MIB).unwrap();
+            let slow = Mover::ALL.into_iter().find(|&m| m != fast).unwrap();
+            assert_eq!(stats.total_bytes(), 64 * MIB);
+            assert!(
+                2 * stats.units[fast.index()] >= 5 * stats.units[slow.index()],
+                "{cost:?}: {:?}",
+                stats.units
+            );
+            assert!(stats.units[slow.index()] > 0, "{cost:?}: both movers work");
+        }
+    }
+
+    #[test]
+    fn a_failed_start_stops_the_feeding_and_waits_for_the_units_in_flight() {
+        for fail in [0, 1, 5] {
+            let script = Script {
+                cost: [50, 50],
+                fail_start: Some(fail),
+                ..Script::default()
+            };
+            let buf = buffer(20 * MIB);
+            let err =
+                restore(&script, config(CopyRoute::Adaptive), buf.as_ref(), 4 * MIB).unwrap_err();
+            assert!(
+                matches!(err, BackendError::Injected { op: "start" }),
+                "{err}"
+            );
+            let c = script.state.lock().unwrap();
+            assert_eq!(c.starts.len(), fail, "nothing starts after the failure");
+            assert_eq!(c.in_flight, [0, 0], "every started unit was waited for");
+            assert!(script.errors.take().is_empty());
+        }
+    }
+
+    #[test]
+    fn a_failed_fence_is_returned_by_the_scope_after_the_others_finished() {
+        let script = Script {
+            cost: [5, 5],
+            fail_fence: Some(2),
+            ..Script::default()
+        };
+        let buf = buffer(20 * MIB);
+        // One piece: the failure shows up while the scope waits.
+        let err =
+            restore(&script, config(CopyRoute::Adaptive), buf.as_ref(), 20 * MIB).unwrap_err();
+        assert!(
+            matches!(err, BackendError::Injected { op: "fence" }),
+            "{err}"
+        );
+        let c = script.state.lock().unwrap();
+        assert!(
+            c.starts.len() < 20,
+            "the feeding stopped: {}",
+            c.starts.len()
+        );
+        assert_eq!(c.in_flight, [0, 0]);
+    }
+
+    #[test]
+    fn the_closures_error_wins_and_the_units_in_flight_are_waited_for() {
+        let script = Script {
+            cost: [1, 1],
+            fail_fence: Some(0),
+            ..Script::default()
+        };
+        let buf = buffer(4 * MIB);
+        let all = Pinned::new(buf.as_ref());
+        let got: Result<((), PumpStats), &str> = run(
+            &script,
+            config(CopyRoute::Engine),
+            |p| {
+                // SAFETY: the scripted movers touch no memory.
+                let _ = unsafe { p.push_to_device(all, 0x1000) };
+                Err("mapping failed")
+            },
+            |_| "copy failed",
+        );
+        assert_eq!(got.unwrap_err(), "mapping failed");
+        assert_eq!(script.state.lock().unwrap().in_flight, [0, 0]);
+    }
+
+    #[test]
+    fn a_panic_in_the_scope_still_waits_for_the_units_in_flight() {
+        let script = Script {
+            cost: [1000, 1000],
+            ..Script::default()
+        };
+        let buf = buffer(8 * MIB);
+        let all = Pinned::new(buf.as_ref());
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _: Result<((), PumpStats), BackendError> = run(
+                &script,
+                config(CopyRoute::Adaptive),
+                |p| {
+                    // SAFETY: the scripted movers touch no memory.
+                    unsafe { p.push_to_device(all, 0x1000) }?;
+                    panic!("the caller panics with units in flight");
+                },
+                |e| e,
+            );
+        }));
+        assert!(caught.is_err());
+        let c = script.state.lock().unwrap();
+        assert_eq!(c.starts.len(), 4, "two per mover were in flight");
+        assert_eq!(c.in_flight, [0, 0]);
+    }
+
+    #[test]
+    fn pinned_parts_stay_inside_their_buffer() {
+        let mut buf = buffer(100);
+        let base = buf.as_slice().as_ptr() as u64;
+        let p = Pinned::new(buf.as_ref());
+        assert!(p.get(10..101).is_none());
+        #[allow(clippy::reversed_empty_ranges)]
+        let backwards = 20..10;
+        assert!(p.get(backwards).is_none());
+        let q = p.get(10..30).unwrap();
+        assert_eq!((q.host, q.len()), (base + 10, 20));
+        assert!(q.get(0..21).is_none());
+        let m = PinnedMut::new(buf.as_mut());
+        assert!(m.split_at(101).is_none());
+        let m = PinnedMut::new(buf.as_mut());
+        let (a, b) = m.split_at(40).unwrap();
+        assert_eq!(
+            (a.host, a.len(), b.host, b.len()),
+            (base, 40, base + 40, 60)
+        );
+        let c = b.get(5..25).unwrap();
+        assert_eq!((c.host, c.len()), (base + 45, 20));
+        assert!(PinnedMut::new(buf.as_mut()).get(50..101).is_none());
+    }
+
+    #[test]
+    fn the_config_is_normalized() {
+        let c = PumpConfig {
+            route: CopyRoute::Kernel,
+            unit_bytes: 0,
+            depth: 0,
+        }
+        .normalized();
+        assert_eq!((c.unit_bytes, c.depth), (MIN_UNIT_BYTES, 1));
+        let c = PumpConfig {
+            unit_bytes: MIN_UNIT_BYTES + 1,
+            ..PumpConfig::default()
+        }
+        .normalized();
+        assert_eq!(c.unit_bytes, 2 * MIN_UNIT_BYTES);
+        assert_eq!(PumpConfig::default().normalized(), PumpConfig::default());
+    }
+}

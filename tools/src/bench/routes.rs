@@ -1,0 +1,380 @@
+//! Rows of the copy pump (`gpu_pager::pump`): the link as each mover sees it, the weights'
+//! resume and release by route (settled, and right after a trainer's allocate/write/free or
+//! a big release), and a release and a resume of two tags at once (both directions of the
+//! link). Every figure is against the link measured in the same run ([`Link`]).
+
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use gpu_pager::backend::{Backend, BackendKind, Direction, HostBuffer, Mover};
+use gpu_pager::pump::{self, Pinned, PinnedMut, PumpConfig, PumpStats};
+use gpu_pager::report::gbps;
+use gpu_pager::{Buffer, CopyRoute, Error, Pager, Policy, RegionOptions, Report, Result};
+
+use super::{
+    BenchConfig, GIB, Link, Row, Spread, backend_err, size_name, trainer_step, write_weights,
+};
+
+/// The rows; see the module docs. Needs the `weights` region (buffers `bufs`) resident with
+/// its backup current and `kv_cache` released; leaves them so (contents rewritten), with the
+/// routes back at their defaults.
+pub(super) fn rows(
+    pager: &Pager,
+    cfg: &BenchConfig,
+    link: &Link,
+    bufs: &[Buffer],
+    log: &mut dyn FnMut(&str),
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    let on_gpu = pager.backend_kind() == BackendKind::Cuda;
+    // Long enough on a GPU for the copy engine to recover from a free (about a second);
+    // the host backend has no such effect.
+    let settle = if on_gpu {
+        Duration::from_secs(1)
+    } else {
+        Duration::from_millis(50)
+    };
+    let repeats = cfg.repeats.clamp(1, 3);
+    let defaults = pager.config();
+    let h2d = |n: usize| Duration::from_secs_f64(n as f64 / (link.h2d_gbps * 1e9));
+    let d2h = |n: usize| Duration::from_secs_f64(n as f64 / (link.d2h_gbps * 1e9));
+
+    movers_rows(pager, cfg, link, log, rows)?;
+
+    log(
+        "weights by route: resume settled, right after a trainer's free, right after releasing kv_cache too",
+    );
+    let mut generation = 1000;
+    for route in CopyRoute::ALL {
+        pager.set_restore_route(route);
+        pager.set_save_route(route);
+        let (mut res_settled, mut res_after, mut res_kv) = (vec![], vec![], vec![]);
+        let (mut rel_settled, mut rel_after, mut rel_kv) = (vec![], vec![], vec![]);
+        let (mut restored, mut saved, mut saved_kv) = (0, 0, 0);
+        let mut split = PumpStats::default();
+        for _ in 0..repeats {
+            // Resume, settled.
+            pager.release(&["weights"])?;
+            std::thread::sleep(settle);
+            let r = pager.resume(&["weights"])?;
+            res_settled.push(r.total);
+            restored = r.copied();
+            // Resume right after a trainer's allocate/write/free.
+            pager.release(&["weights"])?;
+            trainer_step(pager.backend().as_ref(), 2 * GIB)?;
+            let r = pager.resume(&["weights"])?;
+            res_after.push(r.total);
+            split.add(&r.copies);
+            // Release of changed weights, settled.
+            generation += 1;
+            write_weights(pager, bufs, generation)?;
+            std::thread::sleep(settle);
+            let r = pager.release(&["weights"])?;
+            rel_settled.push(r.total);
+            saved = r.copied();
+            pager.resume(&["weights"])?;
+            // Release of changed weights right after a trainer's free.
+            generation += 1;
+            write_weights(pager, bufs, generation)?;
+            trainer_step(pager.backend().as_ref(), 2 * GIB)?;
+            let r = pager.release(&["weights"])?;
+            rel_after.push(r.total);
+            // kv_cache + changed weights in one release (the KV's memory goes back right
+            // after the copies), then the weights' resume at once.
+            pager.resume(&["weights", "kv_cache"])?;
+            generation += 1;
+            write_weights(pager, bufs, generation)?;
+            let r = pager.release(&["kv_cache", "weights"])?;
+            rel_kv.push(r.total);
+            saved_kv = r.copied();
+            let r = pager.resume(&["weights"])?;
+            res_kv.push(r.total);
+        }
+        log(&format!(
+            "{route}: resume right after a free moved {}",
+            mover_split(&split)
+        ));
+        let target = |t: f64| (route == defaults.restore_route).then_some(t);
+        let save_target = |t: f64| (route == defaults.save_route).then_some(t);
+        let row = |name: String, samples: &[Duration], limit: Duration, what: String, target| Row {
+            name,
+            figure: Spread::of(samples),
+            limit: Spread::of(&[limit]),
+            limit_name: what,
+            target,
+        };
+        let gib = |n: usize| n as f64 / GIB as f64;
+        rows.push(row(
+            format!("resume weights, {route}, 1 s after the release"),
+            &res_settled,
+            h2d(restored),
+            format!("{:.2} GiB / H2D", gib(restored)),
+            target(1.05),
+        ));
+        rows.push(row(
+            format!("resume weights, {route}, right after a trainer's allocate/write/free"),
+            &res_after,
+            h2d(restored),
+            format!("{:.2} GiB / H2D", gib(restored)),
+            target(1.15),
+        ));
+        rows.push(row(
+            format!("resume weights, {route}, right after releasing kv_cache + weights"),
+            &res_kv,
+            h2d(restored),
+            format!("{:.2} GiB / H2D", gib(restored)),
+            target(1.15),
+        ));
+        rows.push(row(
+            format!("release weights (changed), {route}, 1 s after the writes"),
+            &rel_settled,
+            d2h(saved),
+            format!("{:.2} GiB / D2H", gib(saved)),
+            save_target(1.05),
+        ));
+        rows.push(row(
+            format!("release weights (changed), {route}, right after a trainer's free"),
+            &rel_after,
+            d2h(saved),
+            format!("{:.2} GiB / D2H", gib(saved)),
+            None,
+        ));
+        rows.push(row(
+            format!(
+                "release kv_cache + weights (changed) in one call, {route} (unmaps {})",
+                size_name(cfg.kv_bytes)
+            ),
+            &rel_kv,
+            d2h(saved_kv),
+            format!("{:.2} GiB / D2H", gib(saved_kv)),
+            None,
+        ));
+    }
+    pager.set_restore_route(defaults.restore_route);
+    pager.set_save_route(defaults.save_route);
+
+    both_directions_rows(pager, cfg, link, bufs, settle, repeats, log, rows)?;
+    pager.set_restore_route(defaults.restore_route);
+    pager.set_save_route(defaults.save_route);
+    Ok(())
+}
+
+/// "copy engine 3.2 GiB, copy kernel 12.5 GiB (80%)".
+fn mover_split(s: &PumpStats) -> String {
+    let total = s.total_bytes().max(1);
+    Mover::ALL
+        .iter()
+        .map(|&m| {
+            format!(
+                "{} {:.1} GiB ({:.0}%)",
+                m,
+                s.bytes_by(m) as f64 / GIB as f64,
+                100.0 * s.bytes_by(m) as f64 / total as f64
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The link as each mover sees it, settled: a pinned buffer of the link size copied whole
+/// through a pump on one route (units of the pager's size), each way, best of three,
+/// against the link measured with one plain copy-engine copy.
+fn movers_rows(
+    pager: &Pager,
+    cfg: &BenchConfig,
+    link: &Link,
+    log: &mut dyn FnMut(&str),
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    let bytes = cfg.link_bytes();
+    log(&format!(
+        "the link per mover: {} each way through the pump, settled",
+        size_name(bytes)
+    ));
+    let backend = pager.backend().clone();
+    pager.region("bench_movers", bytes, Policy::Discard)?;
+    let dev = pager.alloc("bench_movers", bytes)?;
+    let dst = pager.ptr(&dev)?;
+    let mut host = backend
+        .alloc_pinned(bytes)
+        .map_err(backend_err("bench_movers", "pinning"))?;
+    let config = pager.config();
+    for route in [CopyRoute::Engine, CopyRoute::Kernel, CopyRoute::Adaptive] {
+        let pump_config = PumpConfig {
+            route,
+            unit_bytes: config.copy_unit_bytes,
+            depth: config.copy_depth,
+        };
+        for direction in [Direction::ToDevice, Direction::ToHost] {
+            let mut samples = Vec::new();
+            let mut stats = PumpStats::default();
+            for _ in 0..3 {
+                let t = Instant::now();
+                let ((), s) =
+                    pump_whole(backend.as_ref(), pump_config, direction, host.as_mut(), dst)?;
+                samples.push(t.elapsed());
+                stats = s;
+            }
+            let (dir, gbs) = match direction {
+                Direction::ToDevice => ("H2D", link.h2d_gbps),
+                Direction::ToHost => ("D2H", link.d2h_gbps),
+            };
+            let best = samples.iter().min().copied().unwrap_or_default();
+            log(&format!(
+                "{route} {dir}: {:.1} GB/s ({})",
+                gbps(bytes, best),
+                mover_split(&stats)
+            ));
+            rows.push(Row {
+                name: format!(
+                    "{route} {} {dir} through the pump, settled (best of 3)",
+                    size_name(bytes)
+                ),
+                figure: Spread::of(&[best]),
+                limit: Spread::of(&[Duration::from_secs_f64(bytes as f64 / (gbs * 1e9))]),
+                limit_name: format!("{} / {dir} (one copy-engine copy)", size_name(bytes)),
+                target: None,
+            });
+        }
+    }
+    drop(host);
+    pager.remove("bench_movers")?;
+    Ok(())
+}
+
+/// One pump scope copying all of `host` to or from device address `dev`, the live
+/// `bench_movers` buffer of `host.len()` bytes.
+fn pump_whole(
+    backend: &dyn Backend,
+    config: PumpConfig,
+    direction: Direction,
+    host: &mut dyn HostBuffer,
+    dev: u64,
+) -> Result<((), PumpStats)> {
+    pump::scope(
+        backend,
+        config,
+        |p| match direction {
+            // SAFETY: `dev .. dev + host.len()` is the live, resident bench_movers buffer,
+            // which nothing else touches meanwhile; `host` is this backend's pinned memory.
+            Direction::ToDevice => unsafe { p.push_to_device(Pinned::new(host), dev) },
+            // SAFETY: as above.
+            Direction::ToHost => unsafe { p.push_to_host(dev, PinnedMut::new(host)) },
+        },
+        |e| e,
+    )
+    .map_err(|e| Error::backend("bench_movers", "copying", e))
+}
+
+/// Thread A releases the weights (contents changed) while thread B resumes another tag of
+/// the same size: both directions of the link at once, the aggregate against one
+/// direction's link (a duplex link moves both in the time of one: ratio 0.5; one direction
+/// after the other: 1.0). With the default routes, and with both on the copy engine.
+#[allow(clippy::too_many_arguments)]
+fn both_directions_rows(
+    pager: &Pager,
+    cfg: &BenchConfig,
+    link: &Link,
+    bufs: &[Buffer],
+    settle: Duration,
+    repeats: usize,
+    log: &mut dyn FnMut(&str),
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    log("both directions at once: release the weights while another tag resumes");
+    pager.region_with(
+        "weights_y",
+        cfg.weights_bytes,
+        Policy::Preserve,
+        RegionOptions {
+            prepin: true,
+            ..Default::default()
+        },
+    )?;
+    let y = pager.alloc("weights_y", cfg.weights_bytes - 4096)?;
+    pager.fill(&y, 0x0F0F_0F0F)?;
+    pager.release(&["weights_y"])?;
+    let defaults = pager.config();
+    let mut generation = 5000;
+    for (name, restore, save) in [
+        (
+            "default routes",
+            defaults.restore_route,
+            defaults.save_route,
+        ),
+        (
+            "both on the copy engine",
+            CopyRoute::Engine,
+            CopyRoute::Engine,
+        ),
+    ] {
+        pager.set_restore_route(restore);
+        pager.set_save_route(save);
+        let (mut both, mut alone_rel, mut alone_res) = (vec![], vec![], vec![]);
+        let mut moved = 0;
+        for _ in 0..repeats {
+            // The weights resident with changed contents, weights_y released.
+            generation += 1;
+            write_weights(pager, bufs, generation)?;
+            std::thread::sleep(settle);
+            let start = Arc::new(Barrier::new(2));
+            let t = Instant::now();
+            let (rel, res) = std::thread::scope(|s| {
+                let go = start.clone();
+                let a = s.spawn(move || {
+                    go.wait();
+                    let r = pager.release(&["weights"]);
+                    (r, Instant::now())
+                });
+                let go = start.clone();
+                let b = s.spawn(move || {
+                    go.wait();
+                    let r = pager.resume(&["weights_y"]);
+                    (r, Instant::now())
+                });
+                (a.join(), b.join())
+            });
+            let joined = |r: std::thread::Result<(Result<Report>, Instant)>| {
+                r.map_err(|_| Error::InvalidArgument {
+                    tag: "weights".into(),
+                    reason: "a bench thread panicked".into(),
+                })
+            };
+            let (rel, rel_end) = joined(rel)?;
+            let (res, res_end) = joined(res)?;
+            let (rel, res) = (rel?, res?);
+            both.push(rel_end.max(res_end) - t);
+            alone_rel.push(rel.total);
+            alone_res.push(res.total);
+            moved = rel.copied() + res.copied();
+            // Back: the weights resident (restored), weights_y released (unchanged).
+            pager.release(&["weights_y"])?;
+            pager.resume(&["weights"])?;
+        }
+        let one_way = Duration::from_secs_f64(moved as f64 / (link.h2d_gbps * 1e9));
+        let median = Spread::of(&both).median;
+        log(&format!(
+            "both directions, {name}: {:.1} GB/s together ({:.2}× one direction's link); \
+             release {:.0} ms, resume {:.0} ms",
+            gbps(moved, median),
+            gbps(moved, median) / link.h2d_gbps,
+            Spread::of(&alone_rel).median.as_secs_f64() * 1e3,
+            Spread::of(&alone_res).median.as_secs_f64() * 1e3,
+        ));
+        rows.push(Row {
+            name: format!(
+                "release weights (changed) while resuming {} of another tag, {name}",
+                size_name(cfg.weights_bytes)
+            ),
+            figure: Spread::of(&both),
+            limit: Spread::of(&[one_way]),
+            limit_name: format!(
+                "{:.2} GiB / H2D (one direction); ≤ 0.625 is ≥ 1.6× its link",
+                moved as f64 / GIB as f64
+            ),
+            target: (name == "default routes").then_some(0.625),
+        });
+    }
+    pager.remove("weights_y")?;
+    Ok(())
+}

@@ -42,6 +42,7 @@ pub mod kernels;
 pub mod kv;
 mod mapped;
 mod pager;
+mod ranges;
 mod region;
 pub mod registry;
 pub mod report;
@@ -49,7 +50,10 @@ mod runs;
 mod suballoc;
 
 pub use error::{Error, ErrorCode, Result};
-pub use pager::{Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, Lease, Pager, PagerConfig, Stats};
+pub use pager::{
+    Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, DEFAULT_COPY_GAP_BYTES, Lease, Pager, PagerConfig,
+    Stats,
+};
 pub use region::{Policy, RegionInfo, RegionOptions, RegionStats, State, chunk_sizes};
 pub use report::{Move, Outcome, RegionReport, Report, Steps};
 

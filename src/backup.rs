@@ -75,6 +75,11 @@ impl Backup {
         !self.valid.is_empty()
     }
 
+    /// Whether the backup validly holds any byte of `range` (from the backup's start).
+    pub fn holds_within(&self, range: &Range<usize>) -> bool {
+        !crate::ranges::clip(&self.valid, range).is_empty()
+    }
+
     /// Bytes of the device range the last save covered (0 before the first save).
     pub fn extent(&self) -> usize {
         self.len

@@ -585,11 +585,20 @@ impl Region {
             .map_err(|e| Error::backend(&self.tag, "restoring contents from the backup", e))
     }
 
+    /// Whether a backup validly holds any byte of region range `range` (a resume restores
+    /// something there).
+    fn restores_into(&self, range: &Range<usize>) -> bool {
+        self.backup_at(range.start).is_some_and(|(start, b)| {
+            b.holds_within(&(range.start - start..range.end.saturating_sub(start)))
+        })
+    }
+
     /// Maps the region and enqueues the restore of its backups, overlapping the two: each
     /// range to map (the whole region, or each buffer of a growing one) is mapped in groups
     /// of doubling size (1, 2, 4, … pieces, one backend call each), and each group's copy is
-    /// enqueued before the next group is mapped. Without `overlap`, one group per range:
-    /// map it, then copy. Copies go on `stream` or the backend's own copy stream; the
+    /// enqueued before the next group is mapped. Without `overlap`, or with nothing to
+    /// restore in the range (marked overwritten at the release), one group per range: map
+    /// it, then copy. Copies go on `stream` or the backend's own copy stream; the
     /// caller waits for them. On failure the caller must synchronize before unmapping
     /// (copies may be in flight). Returns (time spent mapping, bytes enqueued).
     pub fn map_and_restore(
@@ -602,7 +611,8 @@ impl Region {
         let (mut map_time, mut copied) = (Duration::ZERO, 0);
         for range in self.wanted() {
             let sizes = pieces(&range, self.chunk_bytes);
-            let first_group = if overlap { 1 } else { sizes.len() };
+            let restores = self.restores_into(&range);
+            let first_group = if overlap && restores { 1 } else { sizes.len() };
             let (mut first, mut group, mut offset) = (0, first_group, range.start);
             while first < sizes.len() {
                 let last = (first + group).min(sizes.len());
@@ -614,10 +624,13 @@ impl Region {
                 map_time += t.elapsed();
                 let maps = maps.map_err(|e| self.map_error(backend, e, "resume"))?;
                 self.mapped.insert(offset, maps);
-                // SAFETY: the span was just mapped and stays mapped until the copies finish
-                // (the caller waits, or synchronizes before unmapping on failure); release
-                // synchronizes before it writes the backup again.
-                copied += unsafe { self.restore_range(backend, offset..offset + bytes, stream) }?;
+                if restores {
+                    // SAFETY: the span was just mapped and stays mapped until the copies
+                    // finish (the caller waits, or synchronizes before unmapping on failure);
+                    // release synchronizes before it writes the backup again.
+                    let n = unsafe { self.restore_range(backend, offset..offset + bytes, stream) };
+                    copied += n?;
+                }
                 offset += bytes;
                 first = last;
                 group *= 2;

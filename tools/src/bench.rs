@@ -21,6 +21,8 @@ use gpu_pager::chunk_sizes;
 use gpu_pager::report::{gbps, ms};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, Result};
 
+mod marked;
+
 const GIB: usize = 1 << 30;
 const MIB: usize = 1 << 20;
 
@@ -50,6 +52,9 @@ pub struct BenchConfig {
     /// Also time the link and the weights' resume right after a trainer-like allocation of
     /// all but a small margin of the free memory was written and freed.
     pub after_free: bool,
+    /// Also time update-aware release: the weights marked overwritten (all, half), and the
+    /// RL wake-up with them (see `bench/marked.rs`).
+    pub marked: bool,
 }
 
 impl BenchConfig {
@@ -66,6 +71,7 @@ impl BenchConfig {
             growing: true,
             alloc_sizes: vec![2 * MIB, 20 * MIB, 128 * MIB, GIB],
             after_free: true,
+            marked: true,
         }
     }
 
@@ -82,6 +88,7 @@ impl BenchConfig {
             growing: true,
             alloc_sizes: vec![2 * MIB, 20 * MIB],
             after_free: true,
+            marked: true,
         }
     }
 
@@ -707,6 +714,9 @@ pub fn run(
 
     if cfg.after_free {
         after_free_rows(&pager, cfg, &link, repeats, log, &mut rows)?;
+    }
+    if cfg.marked {
+        marked::rows(&pager, cfg, &link, &bufs, repeats, log, &mut rows)?;
     }
 
     let mut sweep = Vec::new();

@@ -345,8 +345,10 @@ void *gpu_pager_torch_malloc(size_t size, int device, void *stream);
 
 // PyTorch's `free` hook: frees the buffer at `ptr` (from `gpu_pager_torch_malloc`) on
 // device `device`. Torch passes the `size` it asked for; a mismatch is logged. Failures
-// (an address that is no live buffer's start) free nothing and are kept for
-// `gpu_pager_last_error()` and logged, since the hook returns nothing.
+// free nothing and are kept for `gpu_pager_last_error()` and logged, since the hook
+// returns nothing: an address `gpu_pager_torch_malloc` did not return (or a second free),
+// and `GPU_PAGER_ERROR_STALE_BUFFER` for a segment whose region was removed meanwhile
+// (its addresses may belong to a new region by now; nothing of it is touched).
 void gpu_pager_torch_free(void *ptr, size_t size, int device, void *stream);
 
 #ifdef __cplusplus

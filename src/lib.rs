@@ -51,8 +51,8 @@ mod suballoc;
 
 pub use error::{Error, ErrorCode, Result};
 pub use pager::{
-    Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, DEFAULT_COPY_GAP_BYTES, Lease, Pager, PagerConfig,
-    Stats,
+    Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, DEFAULT_COPY_GAP_BYTES,
+    DEFAULT_DISCARD_CHUNK_BYTES, Lease, Pager, PagerConfig, Stats,
 };
 pub use region::{Policy, RegionInfo, RegionOptions, RegionStats, State, chunk_sizes};
 pub use report::{Move, Outcome, RegionReport, Report, Steps};

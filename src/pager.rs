@@ -19,6 +19,14 @@ mod overwritten;
 /// 32 GiB maps in ~3 ms as 1 GiB chunks and in ~650 ms as 2 MiB chunks).
 pub const DEFAULT_CHUNK_BYTES: usize = 512 << 20;
 
+/// Default chunk size of fixed `Discard` and `DiscardZeroed` regions: 2 GiB, one handle per
+/// 2 GiB as torch_memory_saver maps a KV tensor (32 handles for 64 GiB of KV cache). Such a
+/// region has no contents to copy while it maps, so nothing is gained from small chunks; the
+/// bare VMM calls measured the same for 128 × 512 MiB and 32 × 2 GiB on the H200, and fewer
+/// handles mean fewer driver calls. Provisional: `gpu-pager bench` times 1, 32 and 128
+/// handles in one run.
+pub const DEFAULT_DISCARD_CHUNK_BYTES: usize = 2 << 30;
+
 /// Default buffer alignment: 256 bytes, what CUDA's own allocators guarantee.
 pub const DEFAULT_ALIGN: usize = 256;
 
@@ -31,8 +39,16 @@ pub const DEFAULT_COPY_GAP_BYTES: usize = 1 << 20;
 pub struct PagerConfig {
     /// Physical chunk size in bytes; rounded up to the backend's granularity and to a power
     /// of two. A region smaller than a chunk is one chunk of its own (rounded) size.
-    /// [`RegionOptions::chunk_bytes`] overrides it per region.
+    /// [`RegionOptions::chunk_bytes`] overrides it per region. Fixed (not elastic, not
+    /// growing) `Discard` and `DiscardZeroed` regions use `discard_chunk_bytes` instead.
     pub chunk_bytes: usize,
+    /// Physical chunk size of fixed `Discard` and `DiscardZeroed` regions (a KV cache
+    /// mapped whole), rounded as `chunk_bytes` (default [`DEFAULT_DISCARD_CHUNK_BYTES`]).
+    /// Their resume maps without copying anything, so it is as fast as the driver maps the
+    /// fewest handles; `usize::MAX` maps each such region as one handle.
+    /// [`RegionOptions::chunk_bytes`] overrides it per region. Elastic regions (mapped and
+    /// trimmed chunk by chunk) and growing ones keep `chunk_bytes`.
+    pub discard_chunk_bytes: usize,
     /// On release, hash `Preserve` contents and copy only the hash chunks that changed since
     /// the last backup or restore (default on).
     pub skip_unchanged: bool,
@@ -60,6 +76,7 @@ impl Default for PagerConfig {
     fn default() -> Self {
         PagerConfig {
             chunk_bytes: DEFAULT_CHUNK_BYTES,
+            discard_chunk_bytes: DEFAULT_DISCARD_CHUNK_BYTES,
             skip_unchanged: true,
             hash_chunk_bytes: crate::backup::DEFAULT_HASH_CHUNK_BYTES,
             verify_restore: false,
@@ -251,12 +268,15 @@ impl Pager {
 
     /// A pager over `backend` with the given settings.
     pub fn with_config(backend: Arc<dyn Backend>, config: PagerConfig) -> Self {
-        let chunk = round_chunk(config.chunk_bytes, backend.info().granularity.max(1));
+        let g = backend.info().granularity.max(1);
+        let chunk = round_chunk(config.chunk_bytes, g);
+        let discard_chunk = round_chunk(config.discard_chunk_bytes, g);
         let hash_chunk = config.hash_chunk_bytes.max(16).next_multiple_of(16);
         Pager {
             backend,
             config: PagerConfig {
                 chunk_bytes: chunk,
+                discard_chunk_bytes: discard_chunk,
                 hash_chunk_bytes: hash_chunk,
                 ..config
             },
@@ -444,9 +464,16 @@ impl Pager {
                 differs: differs.join(" and "),
             });
         }
+        // A fixed Discard region has nothing to copy while it maps: as few handles as the
+        // driver maps fastest. Everything else maps and copies (or backs) chunk by chunk.
+        let default_chunk = if policy != Policy::Preserve && !options.elastic && !growing {
+            self.config.discard_chunk_bytes
+        } else {
+            self.config.chunk_bytes
+        };
         let chunk = options
             .chunk_bytes
-            .map_or(self.config.chunk_bytes, |c| round_chunk(c, g.max(1)))
+            .map_or(default_chunk, |c| round_chunk(c, g.max(1)))
             .min(size);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let shape = Shape {

@@ -652,6 +652,7 @@ fn the_callers_context_is_current_again_after_every_call() {
             // The pager over it.
             let config = PagerConfig {
                 chunk_bytes: g,
+                discard_chunk_bytes: g,
                 ..PagerConfig::default()
             };
             let pager = Arc::new(Pager::with_config(b.clone(), config));

@@ -168,6 +168,7 @@ fn check_model(ops: Vec<Op>, copy_gap: usize) -> Result<(), TestCaseError> {
         backend.clone(),
         PagerConfig {
             chunk_bytes: 128 * KIB,
+            discard_chunk_bytes: 128 * KIB,
             hash_chunk_bytes: 16 * KIB,
             copy_gap_bytes: copy_gap,
             verify_restore: true,

@@ -20,6 +20,7 @@ fn setup(capacity: usize) -> (Arc<HostBackend>, Pager) {
         backend.clone(),
         PagerConfig {
             chunk_bytes: 2 * MIB,
+            discard_chunk_bytes: 2 * MIB,
             hash_chunk_bytes: 256 << 10,
             verify_restore: true,
             ..PagerConfig::default()
@@ -530,6 +531,7 @@ fn verify_restore_catches_a_corrupted_restore() {
             backend.clone(),
             PagerConfig {
                 chunk_bytes: MIB,
+                discard_chunk_bytes: MIB,
                 verify_restore: true,
                 skip_unchanged,
                 ..PagerConfig::default()

@@ -3,7 +3,7 @@
 //! message for `gpu_pager_last_error()`.
 
 use std::collections::BTreeMap;
-use std::ffi::{CString, c_char, c_int, c_void};
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
@@ -46,6 +46,14 @@ pub extern "C" fn gpu_pager_version() -> *const c_char {
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_last_error() -> *const c_char {
     boundary::last_message()
+}
+
+/// The message of this thread's last failed call (as [`gpu_pager_last_error`]), or `None`
+/// when there is none; for Rust callers such as the Python extension.
+pub fn last_error() -> Option<String> {
+    // SAFETY: the pointer is this thread's NUL-terminated message, alive for this read.
+    let msg = unsafe { CStr::from_ptr(boundary::last_message()) };
+    (!msg.is_empty()).then(|| msg.to_string_lossy().into_owned())
 }
 
 /// The code of this thread's last failed call (`GPU_PAGER_OK` if none), as the failing call

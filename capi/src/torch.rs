@@ -17,13 +17,26 @@
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void};
+use std::sync::{Mutex, PoisonError};
 
 use gpu_pager::backend::RawStream;
 use gpu_pager::{Buffer, Error, Pager, Result};
 
-use crate::api::buffer_containing;
 use crate::boundary::{self, call, call_or, invalid};
 use crate::types::gpu_pager_code;
+
+/// Alignment of torch segments of at least this size.
+const SEGMENT_ALIGN: usize = 2 << 20;
+
+/// The segments handed to torch, by (device, address), with the buffer handle each came
+/// from. A free looks its handle up here rather than by address, so that a segment whose
+/// region was removed (and whose addresses may belong to a new region by now) fails as
+/// `StaleBuffer` instead of freeing someone else's buffer.
+static SEGMENTS: Mutex<BTreeMap<(usize, u64), Buffer>> = Mutex::new(BTreeMap::new());
+
+fn segments() -> std::sync::MutexGuard<'static, BTreeMap<(usize, u64), Buffer>> {
+    SEGMENTS.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 thread_local! {
     /// This thread's current tag per device, for `gpu_pager_torch_malloc`.
@@ -51,6 +64,12 @@ pub unsafe extern "C" fn gpu_pager_use_tag(device: c_int, tag: *const c_char) ->
         CURRENT.with(|c| c.borrow_mut().insert(d, tag.to_owned()));
         Ok(())
     })
+}
+
+/// The calling thread's current tag for `device` (set by [`gpu_pager_use_tag`]), for
+/// Rust callers such as the Python extension.
+pub fn current_tag(device: usize) -> Option<String> {
+    CURRENT.with(|c| c.borrow().get(&device).cloned())
 }
 
 /// PyTorch's `malloc` hook: allocates `size` bytes for device `device` in this thread's
@@ -92,11 +111,21 @@ pub extern "C" fn gpu_pager_torch_malloc(
                 });
             }
             let pager = boundary::pager(device)?;
-            let buf = pager.alloc(&tag, size)?;
+            // Whole segments (torch asks for multiples of 2 MiB from 2 MiB up) start on a
+            // 2 MiB boundary, as cudaMalloc's do; smaller ones at the default alignment.
+            let align = if size >= SEGMENT_ALIGN {
+                SEGMENT_ALIGN
+            } else {
+                gpu_pager::DEFAULT_ALIGN
+            };
+            let buf = pager.alloc_aligned(&tag, size, align)?;
             // A released region: torch would write into unmapped memory at once, so refuse
             // (NotResident) instead of handing out the address.
             match pager.ptr(&buf) {
-                Ok(p) => Ok(p as usize as *mut c_void),
+                Ok(p) => {
+                    segments().insert((d, p), buf);
+                    Ok(p as usize as *mut c_void)
+                }
                 Err(e) => {
                     let _ = pager.free(&buf);
                     Err(e)
@@ -108,8 +137,10 @@ pub extern "C" fn gpu_pager_torch_malloc(
 
 /// PyTorch's `free` hook: frees the buffer at `ptr` (from `gpu_pager_torch_malloc`) on
 /// device `device`. Torch passes the `size` it asked for; a mismatch is logged. Failures
-/// (an address that is no live buffer's start) free nothing and are kept for
-/// `gpu_pager_last_error()` and logged, since the hook returns nothing.
+/// free nothing and are kept for `gpu_pager_last_error()` and logged, since the hook
+/// returns nothing: an address `gpu_pager_torch_malloc` did not return (or a second free),
+/// and `GPU_PAGER_ERROR_STALE_BUFFER` for a segment whose region was removed meanwhile
+/// (its addresses may belong to a new region by now; nothing of it is touched).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_torch_free(
     ptr: *mut c_void,
@@ -121,18 +152,15 @@ pub extern "C" fn gpu_pager_torch_free(
         let d = boundary::device(device)?;
         let pager = boundary::pager(device)?;
         let addr = ptr as usize as u64;
-        let buf = match buffer_containing(&pager, d, addr)? {
-            (buf, 0) => buf,
-            (buf, offset) => {
-                return Err(invalid(
-                    buf.tag(),
-                    format!(
-                        "gpu_pager_torch_free({addr:#x}): the address is {offset} bytes inside \
-                         a buffer; free the address gpu_pager_torch_malloc returned"
-                    ),
-                ));
-            }
-        };
+        let buf = segments().remove(&(d, addr)).ok_or_else(|| {
+            invalid(
+                "*",
+                format!(
+                    "gpu_pager_torch_free({addr:#x}, device {d}): not a segment \
+                     gpu_pager_torch_malloc returned, or freed already; nothing was freed"
+                ),
+            )
+        })?;
         if buf.len() != size {
             log::warn!(
                 "gpu-pager: gpu_pager_torch_free({addr:#x}, {size} bytes): the buffer in `{}` \

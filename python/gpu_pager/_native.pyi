@@ -50,9 +50,9 @@ __version__: str
 def error_codes() -> list[tuple[int, str]]:
     """Every error code as ``(number, name)``; the class of ``name`` is ``<name>Error``."""
 
-def _torch_hook_state(device: int) -> tuple[str | None, str | None, int, int]:
-    """``(tag, last_error, segments, segment_bytes)`` of the torch allocator hooks on
-    ``device`` for the calling thread (used by ``gpu_pager.torch``)."""
+def _torch_hook_state(device: int) -> tuple[str | None, str | None]:
+    """``(tag, last_error)``: the calling thread's tag for torch segments on ``device``
+    and the message of its last failed C call (used by ``gpu_pager.torch``)."""
 
 @final
 class Policy:
@@ -270,6 +270,7 @@ class Pager:
     def alloc(self, tag: str, nbytes: int, align: int | None = None) -> Buffer: ...
     def free(self, buf: Buffer) -> None: ...
     def ptr(self, buf: Buffer) -> int: ...
+    def buffer_containing(self, ptr: int) -> tuple[Buffer, int] | None: ...
     def write(self, buf: Buffer, offset: int, data: _BytesLike) -> None: ...
     def read(self, buf: Buffer, offset: int, n: int) -> bytes: ...
     def set_overwritten(

@@ -1,31 +1,49 @@
-"""PyTorch integration: tensors allocated inside ``region(tag)`` live in the pager's region
+"""PyTorch integration: tensors allocated inside ``use(tag)`` live in the pager's region
 ``tag``, at addresses that survive release and resume (so CUDA graphs that captured them
 stay valid).
 
 ::
 
     import torch
-    import gpu_pager.torch as gpt
+    import gpu_pager.torch as pager
 
-    with gpt.region("weights", "preserve", bytes=8 << 30):
-        model = load_model()  # parameters come from region "weights"
-    with gpt.region("kv_cache", "discard", bytes=32 << 30):
+    with pager.use("weights"):  # a growing PRESERVE region
+        model = load_model()  # parameters and buffers come from region "weights"
+    with pager.use("kv_cache", "discard"):
         kv = torch.empty(...)
+    graph = torch.cuda.CUDAGraph()
+    with pager.graph(graph, "cuda_graph"):  # the graph's own memory in a tag too
+        out = model(static_input)
 
-    gpt.release(["kv_cache", "weights"])  # the trainer runs
-    gpt.resume("weights")  # weights back bit-exact, same addresses
-    gpt.resume("kv_cache")
+    pager.release(["kv_cache", "weights", "cuda_graph"])  # the trainer runs
+    pager.resume("weights")  # weights back bit-exact, same addresses
+    update_weights(model)
+    pager.resume(["kv_cache", "cuda_graph"])
+    graph.replay()
 
 How: torch's ``CUDAPluggableAllocator`` is pointed at two C functions that the extension
-module ``gpu_pager._native`` exports (``gpu_pager_torch_malloc``/``gpu_pager_torch_free``),
+module ``gpu_pager._native`` exports (``gpu_pager_torch_malloc``/``gpu_pager_torch_free``;
+the whole C ABI lives in that module, so torch, Python and C share one pager per device),
 inside one ``torch.cuda.MemPool`` per (tag, device), kept for the whole process. torch's
-caching allocator still caches and splits blocks in the segments it gets from us. Segment
-frees come from torch at its own pace (``del pool`` or ``empty_cache`` after a pool is
-dropped), not when tensors die.
+caching allocator still caches and splits blocks in the segments it gets from us. torch
+frees a segment only when its pool is dropped, not when tensors die, and
+``torch.cuda.empty_cache()`` leaves live pools alone: ``empty_cache(tag)`` drops the tag's
+pool, so that its unused segments (and, at a later ``empty_cache``, those of tensors that
+died since) go back to the device; the next ``use(tag)`` starts a new pool.
 
-torch is imported on first use, so that this module imports without it. Without ``bytes``
-the region grows with torch's segments (multiples of 2 MiB): memory is mapped under live
-segments only; with ``bytes`` it is a fixed region that must hold every segment.
+Without ``bytes`` a region grows with torch's segments (multiples of 2 MiB): memory is
+mapped under live segments only, and freed segments give their memory back at once. With
+``bytes`` it is a fixed region that must hold every segment.
+
+**Raw access to a released tag.** torch kernels use raw device addresses; the pager
+cannot intercept them. A kernel (or a graph replay) that touches a tensor of a released
+tag reads or writes unmapped memory: CUDA reports ``an illegal memory access`` and the
+CUDA context is unusable afterwards, exactly as with torch_memory_saver or vLLM's sleep
+mode. gpu_pager's protections are the pager-mediated paths: ``read``/``write`` (and
+``Pager.read``/``Pager.write``) raise ``NotResidentError``, and ``lease(tags)`` keeps
+tags resident while kernels that use them may run (a release then raises ``BusyError``).
+
+torch is imported on first use, so that this module imports without it.
 """
 
 from __future__ import annotations
@@ -38,7 +56,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from gpu_pager import _native
-from gpu_pager._native import Pager, Policy, RegionInfo, Report
+from gpu_pager._native import Lease, Pager, Policy, RegionInfo, Report
 
 __all__ = [
     "MALLOC_SYMBOL",
@@ -50,10 +68,18 @@ __all__ = [
     "last_error",
     "allocator",
     "pool",
+    "empty_cache",
     "pager",
+    "use",
     "region",
+    "disable",
+    "graph",
     "release",
     "resume",
+    "lease",
+    "locate",
+    "read",
+    "write",
 ]
 
 MALLOC_SYMBOL = "gpu_pager_torch_malloc"
@@ -65,8 +91,8 @@ USE_TAG_SYMBOL = "gpu_pager_use_tag"
 
 _lock = threading.Lock()
 _allocator: Any = None
-# One pool per (tag, device), never dropped: a pool bound to one device silently bypasses
-# the allocator on another, and dropping a pool frees segments a CUDA graph may still use.
+# One pool per (tag, device) (a pool bound to one device silently bypasses the allocator on
+# another), kept until empty_cache(tag) drops it, and past interpreter exit (_keep_forever).
 _pools: dict[tuple[str, int], Any] = {}
 _lib: ctypes.CDLL | None = None
 
@@ -75,6 +101,21 @@ def _torch() -> Any:
     import torch
 
     return torch
+
+
+def _keep_forever(obj: Any) -> None:
+    """Takes a reference that is never given back, so that ``obj`` outlives interpreter
+    shutdown. torch's ``MemPool`` keeps a raw pointer to its allocator, and destroying a
+    pool frees its cached segments through that allocator: if the allocator (or a pool)
+    were collected at exit in the wrong order, torch would abort with "Trying to free a
+    pointer not allocated here". Kept alive, neither is destroyed; the process's exit
+    returns the memory."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def _let_go(obj: Any) -> None:
+    """Gives back the reference ``_keep_forever`` took."""
+    ctypes.pythonapi.Py_DecRef(ctypes.py_object(obj))
 
 
 def library_path() -> str:
@@ -96,14 +137,19 @@ def _c() -> ctypes.CDLL:
         return _lib
 
 
+def _raise_code(code: int, fallback: str) -> None:
+    names = dict(_native.error_codes())
+    cls = getattr(_native, f"{names.get(code, 'InvalidArgument')}Error")
+    raise cls(last_error() or fallback)
+
+
 def use_tag(device: int, tag: str | None) -> None:
     """Sets (``None``: clears) the region that new torch segments on ``device`` come from,
-    for the calling thread. ``region()`` does this for you."""
+    for the calling thread. The region must exist (``UnknownTagError``). ``use()`` does
+    this for you."""
     code = _c().gpu_pager_use_tag(device, None if tag is None else tag.encode())
     if code != 0:
-        names = dict(_native.error_codes())
-        cls = getattr(_native, f"{names.get(code, 'InvalidArgument')}Error")
-        raise cls(last_error() or f"gpu_pager_use_tag failed with code {code}")
+        _raise_code(code, f"gpu_pager_use_tag failed with code {code}")
 
 
 def current_tag(device: int) -> str | None:
@@ -112,8 +158,9 @@ def current_tag(device: int) -> str | None:
 
 
 def last_error() -> str | None:
-    """Why the calling thread's last failed allocation (or free) failed, if one did. torch
-    raises a bare ``torch.OutOfMemoryError`` when ours returns nothing; this says why."""
+    """Why the calling thread's last failed C call (a torch allocation or free included)
+    failed, if one did. torch raises a bare ``torch.OutOfMemoryError`` when our allocation
+    returns nothing; this says why."""
     return _native._torch_hook_state(0)[1]
 
 
@@ -126,6 +173,7 @@ def allocator() -> Any:
             _allocator = torch.cuda.memory.CUDAPluggableAllocator(
                 library_path(), MALLOC_SYMBOL, FREE_SYMBOL
             )
+            _keep_forever(_allocator)
         return _allocator
 
 
@@ -141,8 +189,8 @@ def _index(device: Any) -> int:
 
 def pool(tag: str, device: Any = None) -> Any:
     """The ``torch.cuda.MemPool`` of ``tag`` on ``device`` (default: the current one),
-    created on first use and kept for the whole process. Its ``.id`` can be passed as
-    ``pool=`` to ``torch.cuda.graph``."""
+    created on first use and kept for the whole process. Its ``.id`` is what ``graph``
+    captures into."""
     torch = _torch()
     index = _index(device)
     alloc = allocator()
@@ -151,8 +199,31 @@ def pool(tag: str, device: Any = None) -> Any:
         if p is None:
             with torch.cuda.device(index):  # a pool belongs to the device current at creation
                 p = torch.cuda.MemPool(allocator=alloc.allocator())
+            _keep_forever(p)
             _pools[(tag, index)] = p
         return p
+
+
+def empty_cache(tags: str | Iterable[str] | None = None, device: Any = None) -> None:
+    """Gives the unused torch segments of ``tags`` (default: every tag) on ``device`` back:
+    drops the tags' pools (a new one starts at the next ``use``) and empties torch's cache.
+    Segments of live tensors stay until the tensors die and ``empty_cache`` runs again; a
+    CUDA graph captured into a tag keeps the pool's memory while the graph lives. In a
+    growing region a freed segment's memory returns to the device at once."""
+    torch = _torch()
+    index = _index(device)
+    wanted = None if tags is None else set(_tags(tags))
+    with _lock:
+        dropped = [
+            _pools.pop(key)
+            for key in list(_pools)
+            if key[1] == index and (wanted is None or key[0] in wanted)
+        ]
+    for p in dropped:
+        _let_go(p)
+    del dropped
+    torch.cuda.synchronize(index)
+    torch.cuda.empty_cache()
 
 
 def pager(device: Any = None) -> Pager:
@@ -164,7 +235,7 @@ def _ensure_region(
     p: Pager, tag: str, policy: Policy | str, bytes: int | None, prepin: bool
 ) -> RegionInfo:
     """Creates region ``tag``, or returns it if it exists with ``policy``: without ``bytes``
-    an existing region is taken at its size, so that ``region(tag)`` can be entered again."""
+    an existing region is taken at its size, so that ``use(tag)`` can be entered again."""
     if bytes is None and tag in p.tags():
         info = p.info(tag)
         bytes = 0 if info.growing else info.size
@@ -188,7 +259,25 @@ def _expandable_segments_off() -> Iterator[None]:
 
 
 @contextmanager
-def region(
+def _tagged(index: int, tag: str) -> Iterator[None]:
+    """This thread's torch segments on device ``index`` come from ``tag`` inside; a torch
+    out-of-memory error gets our reason as a note."""
+    torch = _torch()
+    previous = current_tag(index)
+    use_tag(index, tag)
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        why = last_error()
+        if why and hasattr(e, "add_note"):
+            e.add_note(f"gpu_pager: {why}")
+        raise
+    finally:
+        use_tag(index, previous)
+
+
+@contextmanager
+def use(
     tag: str,
     policy: Policy | str = "preserve",
     bytes: int | None = None,
@@ -196,25 +285,65 @@ def region(
     prepin: bool = False,
 ) -> Iterator[RegionInfo]:
     """Tensors allocated by this thread inside the block on ``device`` (default: the current
-    one) come from region ``tag``, created with ``policy`` and ``bytes`` if it does not
-    exist. Nests: the previous tag is restored on exit. Yields the region's description.
-    A segment that does not fit raises ``torch.OutOfMemoryError`` with our reason added as
-    a note (and in ``last_error()``)."""
+    one) come from region ``tag``, created with ``policy`` (default ``"preserve"``) and
+    ``bytes`` (default: growing) if it does not exist; entering an existing tag again
+    takes it as it is. Nests: the previous tag is restored on exit. Yields the region's
+    description. A segment that does not fit raises ``torch.OutOfMemoryError`` with our
+    reason added as a note (and in ``last_error()``)."""
     torch = _torch()
     index = _index(device)
     info = _ensure_region(Pager.for_device(index), tag, policy, bytes, prepin)
-    previous = current_tag(index)
     with _expandable_segments_off(), torch.cuda.use_mem_pool(pool(tag, index), device=index):
-        use_tag(index, tag)
-        try:
+        with _tagged(index, tag):
             yield info
-        except torch.OutOfMemoryError as e:
-            why = last_error()
-            if why and hasattr(e, "add_note"):
-                e.add_note(f"gpu_pager: {why}")
-            raise
-        finally:
-            use_tag(index, previous)
+
+
+region = use
+"""Another name of ``use`` (``region(tag, ...)`` as torch_memory_saver spells it)."""
+
+
+@contextmanager
+def disable(device: Any = None) -> Iterator[None]:
+    """Tensors allocated by this thread inside the block are ordinary torch memory (a
+    private pool of torch's own allocator), outside every region, even inside ``use``.
+    The pool is dropped on exit; its memory goes back to torch as its tensors die."""
+    torch = _torch()
+    index = _index(device)
+    previous = current_tag(index)
+    plain = torch.cuda.MemPool()
+    use_tag(index, None)
+    try:
+        with torch.cuda.use_mem_pool(plain, device=index):
+            yield
+    finally:
+        use_tag(index, previous)
+        del plain
+
+
+@contextmanager
+def graph(
+    cuda_graph: Any,
+    tag: str = "cuda_graph",
+    policy: Policy | str = "discard",
+    stream: Any = None,
+    capture_error_mode: str = "global",
+    device: Any = None,
+) -> Iterator[Any]:
+    """``torch.cuda.graph(cuda_graph, ...)`` whose memory (the tensors the captured work
+    allocates) comes from region ``tag`` (growing, ``policy``, default ``"discard"``: a
+    graph's intermediate tensors need no backup), so that it can be released with the
+    rest. Graphs captured in one tag share its pool, as graphs passed one pool handle do.
+    The captured addresses stay valid across release and resume: replay after resuming
+    ``tag`` and every tag the graph reads."""
+    torch = _torch()
+    index = _index(device)
+    _ensure_region(Pager.for_device(index), tag, policy, None, False)
+    mem = pool(tag, index)
+    with _expandable_segments_off(), _tagged(index, tag):
+        with torch.cuda.graph(
+            cuda_graph, pool=mem.id, stream=stream, capture_error_mode=capture_error_mode
+        ) as g:
+            yield g
 
 
 def _tags(tags: str | Iterable[str]) -> list[str]:
@@ -223,7 +352,8 @@ def _tags(tags: str | Iterable[str]) -> list[str]:
 
 def release(tags: str | Iterable[str], device: Any = None) -> Report:
     """Waits for torch's work on ``device`` and releases ``tags`` (see ``Pager.release``).
-    Tensors in them keep their addresses; touching them before ``resume`` faults."""
+    Tensors in them keep their addresses; touching them with a kernel before ``resume``
+    faults (see the module docs); ``read``/``write`` raise ``NotResidentError``."""
     torch = _torch()
     index = _index(device)
     torch.cuda.synchronize(index)
@@ -232,5 +362,55 @@ def release(tags: str | Iterable[str], device: Any = None) -> Report:
 
 def resume(tags: str | Iterable[str], device: Any = None) -> Report:
     """Resumes ``tags`` (see ``Pager.resume``); the contents of ``preserve`` regions are back
-    when it returns."""
+    when it returns. Raises ``OutOfMemoryError`` (nothing lost, tags stay released) when
+    the device has not enough free memory yet."""
     return Pager.for_device(_index(device)).resume(_tags(tags))
+
+
+def lease(tags: str | Iterable[str], device: Any = None) -> Lease:
+    """Keeps ``tags`` resident while the returned lease is open (a context manager):
+    releasing one of them raises ``BusyError`` meanwhile. Raises ``NotResidentError`` if
+    one is released now. Hold one around kernels that use the tags' tensors."""
+    return Pager.for_device(_index(device)).lease(_tags(tags))
+
+
+def locate(tensor: Any) -> tuple[str, int] | None:
+    """The tag of the region holding ``tensor``'s storage and its offset in the region, or
+    ``None`` when the tensor is ordinary torch memory."""
+    if not tensor.is_cuda:
+        return None
+    p = Pager.for_device(int(tensor.device.index))
+    found = p.buffer_containing(int(tensor.data_ptr()))
+    if found is None:
+        return None
+    buf, offset = found
+    return buf.tag, buf.offset + offset
+
+
+def _checked(tensor: Any) -> tuple[Pager, str]:
+    where = locate(tensor)
+    if where is None:
+        raise ValueError(
+            "the tensor is not in a gpu_pager region (allocate it inside gpu_pager.torch.use())"
+        )
+    return Pager.for_device(int(tensor.device.index)), where[0]
+
+
+def write(tensor: Any, value: Any) -> None:
+    """Copies ``value`` (a tensor or anything ``Tensor.copy_`` takes) into ``tensor``
+    through the pager: the tensor's tag is leased for the copy, so a released tag raises
+    ``NotResidentError`` instead of faulting, and no release can start until the copy has
+    finished. Returns when the copy is done."""
+    torch = _torch()
+    p, tag = _checked(tensor)
+    with p.lease([tag]):
+        tensor.copy_(value)
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def read(tensor: Any) -> Any:
+    """A CPU copy of ``tensor``, read through the pager (``NotResidentError`` if its tag is
+    released)."""
+    p, tag = _checked(tensor)
+    with p.lease([tag]):
+        return tensor.detach().to("cpu")

@@ -5,14 +5,20 @@
 //! The binding wraps the core's types (no PyO3 attributes on them), maps every
 //! [`gpu_pager::Error`] to the exception class of its [`gpu_pager::ErrorCode`], releases the
 //! GIL around every call that takes a pager lock, and lets no panic cross into Python.
+//!
+//! The module also carries the whole C ABI ([`gpu_pager_capi`], re-exported below), torch's
+//! allocator hooks (`gpu_pager_torch_malloc`/`gpu_pager_torch_free`/`gpu_pager_use_tag`)
+//! included: `gpu_pager.torch` hands torch this module's own path, so Python, torch and any
+//! C caller in the process share one copy of the library and one pager per device.
 
 use pyo3::prelude::*;
+
+/// The C ABI, exported by the extension module itself (see the module docs).
+pub use gpu_pager_capi::*;
 
 mod args;
 mod errors;
 mod pager;
-mod registry;
-mod torch;
 mod types;
 
 /// The extension module.
@@ -38,12 +44,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 /// The state of the torch allocator hooks on `device`, for the calling thread:
-/// ``(tag, last_error, segments, segment_bytes)``: the tag new segments come from (or
-/// ``None``), the message of the thread's last failed hook call, and
-/// the live segments of the device with their bytes.
+/// ``(tag, last_error)``: the tag new segments come from (or ``None``) and the message of
+/// the thread's last failed C call (a torch hook's included), or ``None``.
 #[pyfunction]
 #[pyo3(name = "_torch_hook_state")]
-fn torch_hook_state(device: usize) -> (Option<String>, Option<String>, usize, usize) {
-    let (n, bytes) = torch::segments(device);
-    (torch::current_tag(device), torch::last_error(), n, bytes)
+fn torch_hook_state(device: usize) -> (Option<String>, Option<String>) {
+    (
+        gpu_pager_capi::current_tag(device),
+        gpu_pager_capi::last_error(),
+    )
 }

@@ -8,7 +8,6 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::args::{self, as_strs, run};
-use crate::registry;
 use crate::types::{Buffer, RegionInfo, RegionStats, Report, Stats};
 
 /// The process's pager for one device: tagged regions of device memory at stable
@@ -47,7 +46,7 @@ impl PyPager {
     #[staticmethod]
     #[pyo3(signature = (device = 0))]
     fn for_device(py: Python<'_>, device: usize) -> PyResult<Self> {
-        let inner = run(py, || registry::for_device(device))?;
+        let inner = run(py, || gpu_pager::Pager::for_device(device))?;
         Ok(PyPager { device, inner })
     }
 
@@ -67,7 +66,7 @@ impl PyPager {
     #[getter]
     fn host_fallback(&self) -> Option<String> {
         match self.inner.backend_kind() {
-            gpu_pager::backend::BackendKind::Host => registry::host_fallback(),
+            gpu_pager::backend::BackendKind::Host => gpu_pager::registry::host_fallback(),
             gpu_pager::backend::BackendKind::Cuda => None,
         }
     }
@@ -157,6 +156,16 @@ impl PyPager {
         self.check_device(py, &buf)?;
         let (p, b) = (&self.inner, &buf.inner);
         run(py, || p.ptr(b))
+    }
+
+    /// The live buffer whose bytes include device address ``ptr`` (an int, e.g. a torch
+    /// tensor's ``data_ptr()``) and ``ptr``'s offset in it, as ``(buffer, offset)``; ``None``
+    /// when no live buffer of this pager holds that address. Works while the region is
+    /// released too.
+    fn buffer_containing(&self, py: Python<'_>, ptr: u64) -> PyResult<Option<(Buffer, usize)>> {
+        let (p, device) = (&self.inner, self.device);
+        let found = run(py, || Ok(p.buffer_containing(ptr)))?;
+        Ok(found.map(|(inner, offset)| (Buffer { inner, device }, offset)))
     }
 
     /// Copies ``data`` (bytes-like) into the buffer at ``offset``, through the pager: a

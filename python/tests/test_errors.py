@@ -115,16 +115,19 @@ def test_out_of_memory_loses_nothing(pager: gpu_pager.Pager) -> None:
     assert done.stdout.strip() == "ok"
 
 
-def test_bad_capacity_is_a_backend_note(pager: gpu_pager.Pager) -> None:
+def test_bad_capacity_is_refused_naming_the_variable(pager: gpu_pager.Pager) -> None:
     if pager.backend != "host":
         pytest.skip("GPU_PAGER_HOST_CAPACITY matters only without a GPU")
     done = run_isolated(
         """
         import gpu_pager
-        p = gpu_pager.Pager.for_device(0)
-        print(p.host_fallback)
+        try:
+            gpu_pager.Pager.for_device(0)
+        except gpu_pager.InvalidArgumentError as e:
+            print("refused:", e)
         """,
         "lots",
     )
     assert done.returncode == 0, done.stderr
-    assert "GPU_PAGER_HOST_CAPACITY" in done.stdout
+    assert "refused:" in done.stdout and "GPU_PAGER_HOST_CAPACITY" in done.stdout
+    assert "unset it" in done.stdout

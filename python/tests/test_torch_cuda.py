@@ -113,3 +113,97 @@ def test_resume_on_a_torch_stream(tag: str) -> None:
         total = x.sum()
     stream.synchronize()
     assert float(total) == 9.0 * (1 << 20)
+
+
+def test_use_grows_and_gives_memory_back(pager: gpu_pager.Pager, tag: str) -> None:
+    with gpt.use(tag) as info:  # no bytes: a growing region
+        x = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+    assert info.growing
+    assert pager.region_stats(tag).resident_bytes >= 64 * MIB
+    assert gpt.locate(x) == (tag, x.data_ptr() - info.base)
+    before = torch.cuda.mem_get_info()[0]
+    del x
+    torch.cuda.empty_cache()  # torch keeps a live pool's segments
+    assert pager.region_stats(tag).resident_bytes >= 64 * MIB
+    gpt.empty_cache(tag)  # drops the pool: torch frees the segment, the region unmaps it
+    assert pager.region_stats(tag).resident_bytes == 0
+    assert pager.region_stats(tag).buffers == 0
+    assert torch.cuda.mem_get_info()[0] - before >= 64 * MIB
+    with gpt.use(tag):  # a new pool
+        y = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
+    assert gpt.locate(y) is not None
+
+
+def test_disable_allocates_outside(tag: str) -> None:
+    with gpt.use(tag):
+        inside = torch.empty(1 << 20, device="cuda")
+        with gpt.disable():
+            outside = torch.empty(1 << 20, device="cuda")
+        again = torch.empty(1 << 20, device="cuda")
+    assert gpt.locate(inside) is not None and gpt.locate(again) is not None
+    assert gpt.locate(outside) is None
+    assert gpt.current_tag(torch.cuda.current_device()) is None
+
+
+def test_graph_memory_lives_in_its_tag(new_tag: Callable[[], str]) -> None:
+    weights, graph_tag = new_tag(), new_tag()
+    with gpt.use(weights):
+        w = torch.randn(1 << 20, device="cuda")
+    static_in = torch.randn(1 << 20, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        (static_in * w).sum()  # warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    with gpt.graph(g, graph_tag):
+        out = (static_in * w + 1).sum()
+    where = gpt.locate(out)
+    assert where is not None and where[0] == graph_tag
+    g.replay()
+    want = out.clone()
+    gpt.release([weights, graph_tag])
+    gpt.resume([weights, graph_tag])
+    g.replay()
+    assert torch.equal(out, want)
+
+
+def test_pager_mediated_tensor_access(tag: str) -> None:
+    with gpt.use(tag):
+        x = torch.zeros(1 << 20, device="cuda")
+    gpt.write(x, torch.full((1 << 20,), 3.0))
+    assert float(gpt.read(x).sum()) == 3.0 * (1 << 20)
+    gpt.release(tag)
+    with pytest.raises(gpu_pager.NotResidentError) as e:
+        gpt.write(x, torch.ones(1 << 20))
+    assert e.value.tag == tag
+    with pytest.raises(gpu_pager.NotResidentError):
+        gpt.read(x)
+    gpt.resume(tag)
+    assert float(gpt.read(x).sum()) == 3.0 * (1 << 20)
+    with pytest.raises(ValueError):
+        gpt.read(torch.zeros(4, device="cuda"))
+
+
+def test_interpreter_exit_is_clean() -> None:
+    """Pools, segments and a released region at exit: no abort (torch once aborted with
+    "Trying to free a pointer not allocated here" when the allocator died first)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import torch, gpu_pager.torch as gpt
+        with gpt.use("a"):
+            x = torch.ones(8 << 20, device="cuda")
+        with gpt.use("b", "discard"):
+            y = torch.ones(8 << 20, device="cuda")
+        del y
+        gpt.release("b")
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    assert "Trying to free" not in done.stderr

@@ -32,9 +32,33 @@ def lib() -> ctypes.CDLL:
 
 
 def test_symbols_are_exported(lib: ctypes.CDLL) -> None:
-    for name in (gpt.MALLOC_SYMBOL, gpt.FREE_SYMBOL, gpt.USE_TAG_SYMBOL):
+    # The torch hooks and the whole C ABI (include/gpu_pager.h) come from the extension
+    # module itself: one copy of the library in the process.
+    for name in (
+        gpt.MALLOC_SYMBOL,
+        gpt.FREE_SYMBOL,
+        gpt.USE_TAG_SYMBOL,
+        "gpu_pager_release",
+        "gpu_pager_resume",
+        "gpu_pager_last_error",
+    ):
         assert ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
     assert gpt.library_path() == gpu_pager._native.__file__
+
+
+def test_c_calls_see_the_python_pager(lib: ctypes.CDLL, pager: gpu_pager.Pager, tag: str) -> None:
+    # A region made from Python is released through the C entry point of the same module.
+    pager.region(tag, "discard", 4 * MIB)
+    lib.gpu_pager_release.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(ctypes.c_char_p),
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+    ]
+    lib.gpu_pager_release.restype = ctypes.c_int
+    tags = (ctypes.c_char_p * 1)(tag.encode())
+    assert lib.gpu_pager_release(0, tags, 1, None) == 0
+    assert pager.info(tag).state == gpu_pager.State.RELEASED
 
 
 def test_malloc_and_free_in_the_tagged_region(
@@ -51,8 +75,9 @@ def test_malloc_and_free_in_the_tagged_region(
         for p in (a, b):
             assert info.base <= p < info.base + info.size and p % (2 * MIB) == 0
         assert pager.region_stats(tag).allocated_bytes == 6 * MIB
-        _, _, segments, segment_bytes = gpu_pager._native._torch_hook_state(0)
-        assert segments >= 2 and segment_bytes >= 6 * MIB
+        assert pager.region_stats(tag).buffers == 2
+        found = pager.buffer_containing(b + 1234)
+        assert found is not None and found[1] == 1234 and found[0].nbytes == 4 * MIB
         # The region is full: NULL (torch raises OutOfMemoryError), and the reason is kept.
         assert not lib.gpu_pager_torch_malloc(4 * MIB, 0, None)
         assert "no free range" in (gpt.last_error() or "")
@@ -63,17 +88,19 @@ def test_malloc_and_free_in_the_tagged_region(
         lib.gpu_pager_torch_free(b, 4 * MIB, 0, None)
         assert pager.region_stats(tag).allocated_bytes == 0
         lib.gpu_pager_torch_free(b, 4 * MIB, 0, None)  # unknown now: ignored, reported
-        assert "not a gpu_pager segment" in (gpt.last_error() or "")
+        assert "freed already" in (gpt.last_error() or "")
+        assert pager.buffer_containing(b) is None
     finally:
         gpt.use_tag(0, None)
     assert gpt.current_tag(0) is None
     assert not lib.gpu_pager_torch_malloc(2 * MIB, 0, None)
-    assert "no tag is set" in (gpt.last_error() or "")
+    assert "no current tag" in (gpt.last_error() or "")
 
 
-def test_use_tag_is_per_thread(tag: str) -> None:
+def test_use_tag_is_per_thread(pager: gpu_pager.Pager, tag: str) -> None:
     import threading
 
+    pager.region(tag, "discard", 2 * MIB)
     seen: list[str | None] = []
     gpt.use_tag(0, tag)
     try:
@@ -93,9 +120,11 @@ def test_region_entered_again_without_bytes(pager: gpu_pager.Pager, tag: str) ->
         gpt._ensure_region(pager, tag, "discard", None, False)
 
 
-def test_use_tag_refuses_a_negative_device() -> None:
+def test_use_tag_refuses_a_negative_device_and_an_unknown_tag() -> None:
     with pytest.raises(gpu_pager.InvalidArgumentError):
         gpt.use_tag(-1, "x")
+    with pytest.raises(gpu_pager.UnknownTagError):
+        gpt.use_tag(0, "no-such-region")
 
 
 def test_modules_import_without_torch() -> None:

@@ -24,10 +24,8 @@
 //! to its next `bind_to_thread`: each scope drains them first, so that they do not fail an
 //! unrelated call.
 
-use std::ffi::c_void;
 use std::fmt;
 use std::mem::ManuallyDrop;
-use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKernelArg, sys};
@@ -41,7 +39,9 @@ use super::{
 use crate::kernels::{self, KernelModule, abi};
 
 mod kv;
+mod pinned;
 pub use kv::RowsKernel;
+pub use pinned::{CudaPinned, HUGE_PAGE_BYTES, MIN_TOUCH_BYTES_PER_THREAD, PinOptions, PinTimings};
 
 /// Formats a driver error as `"<error name>: <error string>"`.
 fn describe(e: DriverError) -> String {
@@ -788,32 +788,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>> {
-        if bytes == 0 {
-            return Err(BackendError::Invalid {
-                op: "alloc_pinned",
-                reason: "0 bytes requested".to_owned(),
-            });
-        }
-        let _scope = self.dev.scope()?;
-        let mut p: *mut c_void = std::ptr::null_mut();
-        // SAFETY: `p` is a valid out-pointer.
-        check(unsafe { sys::cuMemHostAlloc(&mut p, bytes, sys::CU_MEMHOSTALLOC_PORTABLE) })
-            .map_err(|e| driver_err("cuMemHostAlloc", e))?;
-        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| BackendError::Driver {
-            op: "cuMemHostAlloc",
-            message: "returned a null pointer".to_owned(),
-        })?;
-        // Own it before anything else can fail, so that it is freed on every path.
-        let buffer = CudaHostBuffer {
-            ptr,
-            len: bytes,
-            dev: self.dev.clone(),
-        };
-        // The driver hands out fresh (zeroed) pages, but Rust may only read initialised
-        // memory, so initialise it explicitly (cheap next to pinning itself).
-        // SAFETY: `ptr` is valid for writes of `bytes` bytes and not yet shared.
-        unsafe { std::ptr::write_bytes(buffer.ptr.as_ptr(), 0, bytes) };
-        Ok(Box::new(buffer))
+        Ok(Box::new(self.pin(bytes, &PinOptions::default())?))
     }
 
     unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()> {
@@ -1095,60 +1070,6 @@ impl Drop for CudaMapping {
         if let Err(e) = check(unsafe { sys::cuMemUnmap(self.ptr, self.len) }) {
             let what = format_args!("{} bytes at {:#x}", self.len, self.ptr);
             dev.record("cuMemUnmap", what, e);
-        }
-        drop(scope);
-    }
-}
-
-/// Page-locked host memory from `cuMemHostAlloc` (portable to every context); dropping it
-/// calls `cuMemFreeHost`.
-pub struct CudaHostBuffer {
-    ptr: NonNull<u8>,
-    len: usize,
-    dev: Arc<Dev>,
-}
-
-// SAFETY: the buffer exclusively owns its allocation, which any thread may use or free;
-// shared references only read it and writes need `&mut self`.
-unsafe impl Send for CudaHostBuffer {}
-// SAFETY: see `Send`; `&CudaHostBuffer` hands out only `&[u8]`.
-unsafe impl Sync for CudaHostBuffer {}
-
-impl fmt::Debug for CudaHostBuffer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CudaHostBuffer")
-            .field("ptr", &self.ptr)
-            .field("len", &self.len)
-            .finish()
-    }
-}
-
-impl HostBuffer for CudaHostBuffer {
-    fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr` points to `len` bytes allocated by cuMemHostAlloc, initialised in
-        // `alloc_pinned` and owned by self until drop; no `&mut` exists while `&self` is
-        // borrowed.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-
-    fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`; `&mut self` makes this the only reference.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-
-    fn len(&self) -> usize {
-        self.len
-    }
-}
-
-impl Drop for CudaHostBuffer {
-    fn drop(&mut self) {
-        let scope = self.dev.scope_in_drop("pinned host memory");
-        // SAFETY: the pointer came from cuMemHostAlloc and is freed once, here; no slice of
-        // it outlives `self`.
-        if let Err(e) = check(unsafe { sys::cuMemFreeHost(self.ptr.as_ptr().cast()) }) {
-            let what = format_args!("{} bytes of pinned host memory", self.len);
-            self.dev.record("cuMemFreeHost", what, e);
         }
         drop(scope);
     }

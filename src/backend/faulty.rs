@@ -457,6 +457,7 @@ mod tests {
             faulty.clone(),
             PagerConfig {
                 chunk_bytes: MIB,
+                discard_chunk_bytes: MIB,
                 hash_chunk_bytes: 256 << 10,
                 skip_unchanged,
                 ..PagerConfig::default()

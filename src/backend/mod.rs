@@ -226,9 +226,10 @@ pub trait HostBuffer: Send + Sync + fmt::Debug {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// The address kernels use to read and write the buffer in place (zero-copy). With
-    /// unified addressing (every 64-bit CUDA platform) page-locked memory from
-    /// `cuMemHostAlloc` has the same address on the device as on the host.
+    /// The address kernels use to read and write the buffer in place (zero-copy). The CUDA
+    /// backend's buffers return what `cuMemHostGetDevicePointer` gives for their registration
+    /// (with unified addressing, on every 64-bit platform, the host address itself); this
+    /// default, the host address, is what the host backend's kernels use.
     fn device_ptr(&self) -> u64 {
         self.as_slice().as_ptr() as u64
     }
@@ -305,7 +306,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// finished. Release calls this before it unmaps anything.
     fn synchronize(&self) -> BackendResult<()>;
 
-    /// Allocates `bytes` of pinned host memory.
+    /// Allocates `bytes` of pinned host memory, reading as zeros. On CUDA: anonymous memory
+    /// touched on every core, then registered (see [`cuda::PinOptions`]).
     fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>>;
 
     /// Copies `src` to device address `dst` and waits for the copy to finish.

@@ -4,6 +4,7 @@
 //! times each move with criterion.
 //!
 //!     cargo bench --bench resume_latency
+//!     GPU_PAGER_BENCH_TABLE=0 cargo bench --bench resume_latency   # criterion only
 
 use std::time::{Duration, Instant};
 
@@ -21,17 +22,22 @@ fn resume_latency(c: &mut Criterion) {
         let free = backend.mem_info().map(|m| m.free).unwrap_or(0);
         BenchConfig {
             cold_release: false,
+            pinning: false,
             ..BenchConfig::design()
         }
         .fit(free)
     } else {
         BenchConfig::small()
     };
-    match bench::run(backend.clone(), &cfg, &mut |l| {
-        eprintln!("resume_latency: {l}")
-    }) {
-        Ok(table) => println!("{table}"),
-        Err(e) => panic!("resume_latency: the ratio table failed: {e}"),
+    // GPU_PAGER_BENCH_TABLE=0 skips the table (it is `gpu-pager bench`'s, minutes on a GPU)
+    // when only the criterion timings are wanted.
+    if std::env::var("GPU_PAGER_BENCH_TABLE").as_deref() != Ok("0") {
+        match bench::run(backend.clone(), &cfg, &mut |l| {
+            eprintln!("resume_latency: {l}")
+        }) {
+            Ok(table) => println!("{table}"),
+            Err(e) => panic!("resume_latency: the ratio table failed: {e}"),
+        }
     }
 
     let pager = Pager::with_config(

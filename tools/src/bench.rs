@@ -22,6 +22,7 @@ use gpu_pager::report::{gbps, ms};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, Result};
 
 mod marked;
+mod pinning;
 
 const GIB: usize = 1 << 30;
 const MIB: usize = 1 << 20;
@@ -39,8 +40,11 @@ pub struct BenchConfig {
     pub chunk_bytes: usize,
     /// Repetitions of each timed move (the median is reported, with min and max).
     pub repeats: usize,
-    /// Also time a first release without prepin (pins on the critical path; slow).
+    /// Also time a first release without prepin (pins on the critical path).
     pub cold_release: bool,
+    /// Also time pinning the weights' size by each method, a copy across two registrations,
+    /// and pinning overlapped with the copy (CUDA only; about a minute).
+    pub pinning: bool,
     /// Chunk sizes for the bare map/unmap sweep (empty: no sweep).
     pub sweep: Vec<usize>,
     /// Also cycle the weights in a growing region (created with 0 bytes, one mapping per
@@ -67,6 +71,7 @@ impl BenchConfig {
             chunk_bytes: gpu_pager::DEFAULT_CHUNK_BYTES,
             repeats: 5,
             cold_release: true,
+            pinning: true,
             sweep: Vec::new(),
             growing: true,
             alloc_sizes: vec![2 * MIB, 20 * MIB, 128 * MIB, GIB],
@@ -84,6 +89,7 @@ impl BenchConfig {
             chunk_bytes: 64 * MIB,
             repeats: 3,
             cold_release: false,
+            pinning: false,
             sweep: Vec::new(),
             growing: true,
             alloc_sizes: vec![2 * MIB, 20 * MIB],
@@ -559,64 +565,34 @@ pub fn run(
     pager.resume(&["weights"])?;
 
     if cfg.cold_release {
-        log("weights: first release without prepin (pins on the critical path)");
-        pager.region("weights_cold", cfg.weights_bytes, Policy::Preserve)?;
-        let cold = pager.alloc("weights_cold", cfg.weights_bytes)?;
-        pager.fill(&cold, 0x5A5A_5A5A)?;
-        let r = pager.release(&["weights_cold"])?;
-        rows.push(copy_row(
-            "first release, no prepin (pinning included)",
-            &[r.total],
-            r.copied(),
-            "D2H",
-            None,
-        ));
-        pager.remove("weights_cold")?;
+        pinning::first_release_rows(&pager, cfg, &link, repeats, log, &mut rows)?;
+    }
+    if cfg.pinning {
+        pinning::pin_rows(&backend, &pager, cfg.weights_bytes, &link, log, &mut rows)?;
     }
 
     log("kv_cache: release/resume alternated with the bare VMM loop");
     pager.region("kv_cache", cfg.kv_bytes, Policy::Discard)?;
-    let kv_size = pager.info("kv_cache")?.size;
+    let kv_info = pager.info("kv_cache")?;
+    let (kv_size, kv_chunk) = (kv_info.size, kv_info.chunk_bytes);
     let mut bare = Bare::new(backend.as_ref(), kv_size)?;
     let (mut rel, mut res, mut bmap, mut bunmap) = (vec![], vec![], vec![], vec![]);
     for _ in 0..repeats * 3 {
         rel.push(pager.release(&["kv_cache"])?.total);
-        let (m, u) = bare.cycle(backend.as_ref(), pager.config().chunk_bytes)?;
+        let (m, u) = bare.cycle(backend.as_ref(), kv_chunk)?;
         bmap.push(m);
         bunmap.push(u);
         res.push(pager.resume(&["kv_cache"])?.total);
     }
-    // torch_memory_saver's pattern: one handle per 2 GiB KV tensor (with the KV cache
-    // released, so that both fit).
+    // The KV cache stays released from here on, so that the rows below fit.
     pager.release(&["kv_cache"])?;
-    let (mut tmap, mut tunmap) = (vec![], vec![]);
-    for _ in 0..repeats {
-        let (m, u) = bare.cycle(backend.as_ref(), (2 * GIB).min(kv_size))?;
-        tmap.push(m);
-        tunmap.push(u);
-    }
-    let per_tensor = kv_size.div_ceil(2 * GIB);
-    rows.push(Row {
-        name: format!("bare map, {per_tensor} handles of 2 GiB (torch_memory_saver's pattern)"),
-        figure: Spread::of(&tmap),
-        limit: Spread::of(&bmap),
-        limit_name: "bare map in the pager's chunks".into(),
-        target: None,
-    });
-    rows.push(Row {
-        name: format!("bare unmap, {per_tensor} handles of 2 GiB"),
-        figure: Spread::of(&tunmap),
-        limit: Spread::of(&bunmap),
-        limit_name: "bare unmap in the pager's chunks".into(),
-        target: None,
-    });
     if bare.retries > 0 {
         log(&format!(
             "kv_cache: the bare loop waited {} times for memory unmapped just before",
             bare.retries
         ));
     }
-    let chunks = kv_size.div_ceil(pager.config().chunk_bytes);
+    let chunks = kv_size.div_ceil(kv_chunk);
     rows.push(Row {
         name: format!("release KV {:.0} GiB", kv_size as f64 / GIB as f64),
         figure: Spread::of(&rel),
@@ -631,6 +607,8 @@ pub fn run(
         limit_name: format!("bare create+map+set-access, {chunks} chunks"),
         target: Some(1.1),
     });
+    // The same 64 GiB as 1, 32 and 128 handles, pager and bare loop alternated.
+    pinning::kv_pattern_rows(&pager, kv_size, repeats, log, &mut rows)?;
 
     // The rows added for growing regions and the after-free sequence run last, so that
     // the trainer-like allocations cannot disturb the rows above (the KV cache stays

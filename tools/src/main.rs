@@ -87,9 +87,13 @@ struct BenchArgs {
     /// Repetitions of each timed move.
     #[arg(long, default_value_t = 5)]
     repeats: usize,
-    /// Skip the first release without prepin (it pins the whole backup: ~0.5 s per GiB).
+    /// Skip the first release without prepin (it pins the whole backup on the critical path).
     #[arg(long)]
     no_cold: bool,
+    /// Skip the pinning rows (each method pins the weights' size a few times: about a
+    /// minute on a GPU; nothing on the host backend).
+    #[arg(long)]
+    no_pinning: bool,
     /// Also sweep bare map/unmap over these chunk sizes in MiB (e.g. 2,64,256,512,1024,2048).
     #[arg(long, value_delimiter = ',')]
     sweep_mib: Vec<usize>,
@@ -443,6 +447,7 @@ fn bench(backend: Arc<dyn Backend>, a: &BenchArgs) -> Result<(), Error> {
     cfg.repeats = a.repeats;
     cfg.chunk_bytes = a.load.chunk_mib << 20;
     cfg.cold_release &= !a.no_cold;
+    cfg.pinning &= !a.no_pinning;
     cfg.sweep = a.sweep_mib.iter().map(|m| m << 20).collect();
     if on_gpu && a.load.weights_gib.is_none() && a.load.kv_gib.is_none() {
         let free = backend.mem_info().map(|m| m.free).unwrap_or(0);

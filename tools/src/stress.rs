@@ -414,6 +414,8 @@ pub fn run(
         device,
         PagerConfig {
             chunk_bytes: cfg.chunk_bytes,
+            // Discard regions in chunks too, so that injected map faults land mid-region.
+            discard_chunk_bytes: cfg.chunk_bytes,
             hash_chunk_bytes: cfg.hash_chunk_bytes,
             skip_unchanged: cfg.skip_unchanged,
             verify_restore: cfg.verify_restore,

@@ -12,18 +12,28 @@ torch_memory_saver``) on gpu_pager, for SGLang and the RL frameworks that drive 
     torch_memory_saver.resume("weights")
     torch_memory_saver.resume("kv_cache")
 
-Differences, all on the safe side: everything goes through torch's pluggable allocator
-(``hook_mode`` "preload" and "torch" behave the same; ``configure_subprocess`` does
-nothing); pausing or resuming twice does nothing instead of exiting the process; running
-out of memory on resume raises ``gpu_pager.OutOfMemoryError`` and loses nothing; a tag used
-with and without CPU backup gets two regions. ``enable_cpu_backup=True`` is
-``Policy.PRESERVE``, otherwise ``Policy.DISCARD`` (contents undefined after resume). Disk
-backup and ``get_cpu_backup`` are not supported (``NotImplementedError``).
+Differences, all on the safe side:
 
-Region sizes: torch_memory_saver does not know them, so regions are created growing
-(``bytes=None``), which needs growing regions in the core; until then set
-``region_bytes[tag]`` (or ``GPU_PAGER_REGION_BYTES``, e.g. ``"8G"``, for every tag)
-before the first ``region(tag)``.
+- Everything goes through torch's pluggable allocator (``hook_mode`` "preload" and
+  "torch" behave the same; ``configure_subprocess`` does nothing, no ``LD_PRELOAD``).
+- Pausing or resuming twice does nothing (torch_memory_saver exits the process).
+- Running out of memory on resume raises ``gpu_pager.OutOfMemoryError`` and loses nothing:
+  the tags stay paused with their backups, and a later ``resume`` succeeds
+  (torch_memory_saver exits the process).
+- A tag used with and without CPU backup gets two regions (``tag`` and ``tag.preserve`` or
+  ``tag.discard``).
+- ``enable_cpu_backup=True`` is ``Policy.PRESERVE`` (the pinned backup is kept between
+  cycles, as with ``retain_cpu_backup``), otherwise ``Policy.DISCARD`` (contents
+  undefined after resume).
+- ``cuda_graph`` works in both hook modes: the graph's memory comes from the tag's pool
+  (a ``pool`` handle passed in is not used: graphs captured in one tag share the tag's
+  pool, which is what a shared handle asks for).
+- Disk backup, ``memory_margin_bytes`` and ``get_cpu_backup`` are not supported
+  (``NotImplementedError``).
+
+Region sizes: regions grow with torch's segments, memory mapped under live segments only.
+``region_bytes[tag]`` (or ``GPU_PAGER_REGION_BYTES``, e.g. ``"8G"``, for every tag) set
+before the first ``region(tag)`` makes a fixed region of that size instead.
 """
 
 from __future__ import annotations
@@ -64,7 +74,7 @@ class TorchMemorySaver:
         self._local = threading.local()
         self._hook_mode = "preload"
         self.region_bytes: dict[str, int] = {}
-        """Sizes of regions not yet created, by tag (until the core has growing regions)."""
+        """Sizes of fixed regions not yet created, by tag (default: growing regions)."""
         env = os.environ.get("GPU_PAGER_REGION_BYTES")
         self._default_bytes = _parse_bytes(env) if env else None
         self.retain_cpu_backup = True
@@ -148,16 +158,19 @@ class TorchMemorySaver:
         cpu_backup_backend: str | None = None,
     ) -> Iterator[None]:
         """``torch.cuda.graph`` whose captured allocations come from region ``tag``, so that
-        they can be paused. Without a graph, the same as ``region``."""
+        they can be paused (``pool`` is not used: see the module docs). Without a graph,
+        the same as ``region``."""
         if cuda_graph is None:
             with self.region(tag, enable_cpu_backup, cpu_backup_backend=cpu_backup_backend):
                 yield
             return
-        import torch
+        import gpu_pager.torch as gpt
 
-        with torch.cuda.graph(
-            cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode
-        ), self.region(tag, enable_cpu_backup, cpu_backup_backend=cpu_backup_backend):
+        name = self._region_tag(tag, enable_cpu_backup)
+        policy = Policy.PRESERVE if enable_cpu_backup else Policy.DISCARD
+        with gpt.graph(
+            cuda_graph, name, policy, stream=stream, capture_error_mode=capture_error_mode
+        ):
             yield
 
     @contextmanager
@@ -165,20 +178,10 @@ class TorchMemorySaver:
         """Allocations inside are ordinary torch memory (not pausable)."""
         if getattr(self._local, "depth", 0) == 0:
             raise AssertionError("disable() must be used inside region()")
-        import torch
-
         import gpu_pager.torch as gpt
 
-        index = int(torch.cuda.current_device())
-        previous = gpt.current_tag(index)
-        plain = torch.cuda.MemPool()
-        gpt.use_tag(index, None)
-        try:
-            with torch.cuda.use_mem_pool(plain):
-                yield
-        finally:
-            gpt.use_tag(index, previous)
-            del plain
+        with gpt.disable():
+            yield
 
     def pause(self, tag: str | None = None) -> None:
         """Releases region ``tag`` (``None``: every region); idempotent."""

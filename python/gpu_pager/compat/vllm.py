@@ -21,8 +21,8 @@ where vLLM promises nothing). Sleeping or waking twice does nothing; a wake-up t
 out of memory raises ``gpu_pager.OutOfMemoryError`` and leaves every tag asleep with its
 backup.
 
-Region sizes: set ``region_bytes[tag]`` before ``use_memory_pool(tag)`` until the core has
-growing regions (``bytes=None`` is asked for otherwise).
+Region sizes: regions grow with torch's segments; ``region_bytes[tag]`` set before the
+first ``use_memory_pool(tag)`` makes a fixed region of that size instead.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class CuMemAllocator:
         self.policies: dict[str, Policy] = {"weights": Policy.PRESERVE}
         """The policy of each tag's region, read when the region is created."""
         self.region_bytes: dict[str, int] = {}
-        """Sizes of regions not yet created, by tag (until the core has growing regions)."""
+        """Sizes of fixed regions not yet created, by tag (default: growing regions)."""
         self.current_tag: str = CuMemAllocator.default_tag
         self._tags: list[str] = []
         self._device: int | None = None

@@ -1,0 +1,270 @@
+"""A real torch model through the multi-stage wake-up: a transformers Llama with random
+weights (0.3 GB and 3.4 GB), its static KV cache in its own tag and a decode step captured
+in a CUDA graph, through gpu_pager.torch and through both compat modules. Needs torch,
+transformers and a CUDA GPU (skipped otherwise, with the reason)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import pytest
+
+import gpu_pager
+
+torch: Any = pytest.importorskip("torch", reason="torch is not installed")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+pytest.importorskip("transformers", reason="transformers is not installed")
+
+import gpu_pager.torch as gpt  # noqa: E402
+from gpu_pager.compat.torch_memory_saver import TorchMemorySaver  # noqa: E402
+from gpu_pager.compat.vllm import CuMemAllocator  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from engine import Engine, Placement, trainer_pass  # noqa: E402
+
+MIB = 1 << 20
+CYCLES = 3
+
+
+def free_bytes() -> int:
+    torch.cuda.synchronize()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def assert_rose_by(before: int, released: int) -> None:
+    """Free device memory rose by what was released (within 64 MiB of driver noise)."""
+    rise = free_bytes() - before
+    assert abs(rise - released) <= 64 * MIB, f"free memory rose by {rise}, released {released}"
+
+
+@pytest.fixture
+def tags(new_tag: Callable[[], str]) -> dict[str, str]:
+    """Fresh tags for the engine's three kinds of memory. Regions of earlier tests stay
+    (torch never frees their segments), so each test uses new ones."""
+    return {"weights": new_tag(), "kv": new_tag(), "graph": new_tag()}
+
+
+def _check_cycle(engine: Engine, want: Any, addresses: dict[str, int]) -> None:
+    got = engine.step()
+    assert engine.addresses() == addresses, "a tensor moved"
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), "logits differ from the run before the release"
+
+
+def _cycles(
+    engine: Engine,
+    release_all: Callable[[], int],
+    resume_weights: Callable[[], None],
+    resume_rest: Callable[[], None],
+) -> None:
+    """The seed's multi-stage wake-up, CYCLES times: release everything (free memory rises
+    by what was released), the trainer allocates most of the GPU and frees it, resume the
+    weights, update them in place, resume the KV cache and the graph; then the logits are
+    bit-exact, no tensor moved and the graph replays."""
+    want = engine.step()
+    addresses = engine.addresses()
+    new_weights = engine.snapshot_parameters()
+    for _ in range(CYCLES):
+        before = free_bytes()
+        released = release_all()
+        assert released > engine.weight_bytes()
+        assert_rose_by(before, released)
+        trainer_pass()
+        resume_weights()
+        engine.update(new_weights)
+        resume_rest()
+        _check_cycle(engine, want, addresses)
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_llama_multi_stage_wake_up(size: str, tags: dict[str, str]) -> None:
+    w, kv, g = tags["weights"], tags["kv"], tags["graph"]
+    place = Placement(
+        weights=lambda: gpt.use(w),
+        kv=lambda: gpt.use(kv, "discard"),
+        graph=lambda cg: gpt.graph(cg, g),
+    )
+    engine = Engine(size, place)
+    for name, t in engine.tensors().items():
+        where = gpt.locate(t)
+        want = w if name.startswith(("param", "buffer")) else kv
+        assert where is not None and where[0] == want, name
+    assert gpt.locate(engine.logits) is not None and gpt.locate(engine.logits)[0] == g  # type: ignore[index]
+    assert gpt.locate(engine.token) is None  # ordinary torch memory
+
+    def release_all() -> int:
+        return gpt.release([kv, w, g]).bytes
+
+    def resume_weights() -> None:
+        gpt.resume(w)
+
+    def resume_rest() -> None:
+        gpt.resume([kv, g])
+
+    _cycles(engine, release_all, resume_weights, resume_rest)
+
+
+def test_skipped_stage_is_an_error_not_a_fault(tags: dict[str, str]) -> None:
+    w, kv, g = tags["weights"], tags["kv"], tags["graph"]
+    engine = Engine(
+        "small",
+        Placement(
+            weights=lambda: gpt.use(w),
+            kv=lambda: gpt.use(kv, "discard"),
+            graph=lambda cg: gpt.graph(cg, g),
+        ),
+    )
+    want = engine.step()
+    addresses = engine.addresses()
+    new = engine.snapshot_parameters()
+    gpt.release([kv, w, g])
+    gpt.resume([kv, g])  # the weights' resume is skipped (verl PR 2365's path)
+    param = engine.parameters()[0]
+    with pytest.raises(gpu_pager.NotResidentError) as e:
+        gpt.write(param, new[0].cuda())  # the update, through the pager
+    assert e.value.tag == w
+    with pytest.raises(gpu_pager.NotResidentError):
+        gpt.read(engine.model.model.rotary_emb.inv_freq)
+    with pytest.raises(gpu_pager.NotResidentError):
+        gpt.lease(w)
+    # Nothing was lost: resume and go on.
+    gpt.resume(w)
+    for p, v in zip(engine.parameters(), new):
+        gpt.write(p, v)
+    assert torch.equal(gpt.read(param), new[0])
+    with gpt.lease([w, kv, g]):  # kernels run while the tags are leased
+        with pytest.raises(gpu_pager.BusyError):
+            gpt.release(w)
+        _check_cycle(engine, want, addresses)
+
+
+def test_raw_kernel_on_a_released_tag_faults() -> None:
+    """Documented, not prevented: a raw kernel on a released tag's tensor touches unmapped
+    memory and CUDA reports it (in a subprocess: the context is unusable afterwards)."""
+    code = textwrap.dedent(
+        """
+        import torch, gpu_pager.torch as gpt
+        with gpt.use("raw", "discard"):
+            x = torch.ones(1 << 20, device="cuda")
+        gpt.release("raw")
+        try:
+            x.add_(1)
+            torch.cuda.synchronize()
+            print("no fault")
+        except Exception as e:
+            print("fault:", e)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert "fault:" in out and "illegal" in out.lower(), out
+
+
+def test_torch_memory_saver_compat_scenario(tags: dict[str, str]) -> None:
+    """The same scenario written against torch_memory_saver's API."""
+    tms = TorchMemorySaver()
+    w, kv, g = tags["weights"], tags["kv"], tags["graph"]
+    engine = Engine(
+        "small",
+        Placement(
+            weights=lambda: tms.region(w, enable_cpu_backup=True),
+            kv=lambda: tms.region(kv),
+            graph=lambda cg: tms.cuda_graph(cg, tag=g),
+        ),
+    )
+
+    def release_all() -> int:
+        p = gpt.pager()
+        before = p.stats().resident_bytes
+        tms.pause(kv)
+        tms.pause(w)
+        tms.pause(g)
+        tms.pause(w)  # twice: nothing (torch_memory_saver exits here)
+        return before - p.stats().resident_bytes
+
+    def resume_rest() -> None:
+        tms.resume(kv)
+        tms.resume(g)
+        tms.resume(g)  # twice: nothing
+
+    _cycles(engine, release_all, lambda: tms.resume(w), resume_rest)
+
+
+def test_vllm_compat_scenario(tags: dict[str, str]) -> None:
+    """The same scenario written against vLLM's CuMemAllocator (level-1 sleep: the weights
+    are offloaded, the KV cache discarded; vLLM keeps its graphs' memory)."""
+    alloc = CuMemAllocator()
+    w, kv = tags["weights"], tags["kv"]
+    alloc.policies[w] = gpu_pager.Policy.PRESERVE
+
+    def pool(tag: str) -> AbstractContextManager[Any]:
+        return alloc.use_memory_pool(tag=tag)
+
+    engine = Engine(
+        "small",
+        Placement(weights=lambda: pool(w), kv=lambda: pool(kv), graph=lambda cg: torch.cuda.graph(cg)),
+    )
+    assert alloc.get_current_usage() >= engine.weight_bytes()
+
+    def release_all() -> int:
+        p = gpt.pager()
+        before = p.stats().resident_bytes
+        alloc.sleep(offload_tags=(w,))
+        alloc.sleep(offload_tags=(w,))  # twice: nothing
+        return before - p.stats().resident_bytes
+
+    _cycles(
+        engine,
+        release_all,
+        lambda: alloc.wake_up(tags=[w]),
+        lambda: alloc.wake_up(tags=[kv]),
+    )
+
+
+def test_two_processes_share_the_gpu() -> None:
+    """Two engines in two processes on one GPU, each with its own pager, cycling at the
+    same time: neither disturbs the other."""
+    script = os.path.join(os.path.dirname(__file__), "engine.py")
+    env = dict(os.environ, GPU_PAGER_TRAINER_FRACTION="0.2")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, "small", "5"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+        assert out.count("logits bit-exact True, addresses unchanged True") == 5, out
+
+
+def test_torchrun_one_rank_per_gpu() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs for one rank per GPU; this machine has {torch.cuda.device_count()}")
+    script = os.path.join(os.path.dirname(__file__), "engine.py")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={torch.cuda.device_count()}",
+            script,
+            "small",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

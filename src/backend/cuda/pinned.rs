@@ -1,0 +1,747 @@
+//! Pinned host memory by registration: anonymous memory, first touched on every core, then
+//! page-locked with `cuMemHostRegister`.
+//!
+//! `cuMemHostAlloc` faults, zeroes and locks its pages on one thread inside the driver: about
+//! 0.44 s per GiB on the H200 host, 7–10 s for a 16 GiB backup on the first release of a
+//! region without `prepin`. Registering memory the process has already touched is the
+//! cheaper half (measured there: 4 GiB in 0.15 s, against 1.2–1.4 s for memory not touched
+//! yet), and touching parallelises. So [`CudaBackend::pin`]:
+//!
+//! 1. maps anonymous private memory (`mmap`), aligned to [`HUGE_PAGE_BYTES`], and asks for
+//!    transparent huge pages (`madvise(MADV_HUGEPAGE)`; refused or not, it goes on) and for
+//!    the mapping to stay out of forked children (`MADV_DONTFORK`: a child of a process with
+//!    pinned pages would otherwise get copies of all of them at fork);
+//! 2. first-touches it on up to `available_parallelism` threads (`MADV_POPULATE_WRITE`, or a
+//!    write per page where the kernel lacks it), at least [`MIN_TOUCH_BYTES_PER_THREAD`]
+//!    each, so that a small buffer is touched on the calling thread without spawning;
+//! 3. registers it with `CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP`: one
+//!    registration by default, or pieces registered one after another or on parallel threads
+//!    ([`PinOptions::piece_bytes`], for the benchmark that decides whether pieces pay);
+//! 4. takes the device address kernels use (zero-copy) from `cuMemHostGetDevicePointer`.
+//!
+//! The contents are initialised: anonymous memory reads as zeros from the moment it is
+//! mapped (the kernel zero-fills every page it backs it with), and the touch backs every page.
+//!
+//! Dropping a [`CudaPinned`] unregisters each registration, then unmaps the memory; failures
+//! go to the backend's [`DeferredErrors`].
+//!
+//! **Pieces.** A buffer registered in several pieces is one contiguous range of host
+//! addresses, but the driver does not document a copy whose host range spans two
+//! registrations as valid. [`crate::backend::Backend::alloc_pinned`] therefore registers one
+//! piece; a caller of [`CudaBackend::pin`] with pieces must keep each copy inside one of
+//! [`CudaPinned::registrations`].
+
+use std::ffi::c_void;
+use std::fmt;
+use std::num::NonZeroUsize;
+use std::ops::Range;
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys;
+
+use super::{CudaBackend, Dev, check, driver_err};
+use crate::backend::host::page_size;
+use crate::backend::{BackendError, BackendResult, DeferredErrors, HostBuffer};
+
+/// The size of a transparent huge page on x86-64 (and of the pages an arm64 kernel with
+/// 4 KiB base pages uses): the alignment of the memory [`CudaBackend::pin`] maps, and the
+/// unit touching threads and registration pieces are cut in.
+pub const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// The fewest bytes one touching thread is given: a buffer of less than twice this is
+/// touched on the calling thread. Spawning a thread costs some 20–50 µs, touching 8 MiB
+/// about 0.8 ms on one core (4 GiB took 0.42 s on the H200 host), so a helper pays for
+/// itself many times; a growing region's 291 buffers of ~55 MiB get 6 threads each.
+pub const MIN_TOUCH_BYTES_PER_THREAD: usize = 8 << 20;
+
+/// How [`CudaBackend::pin`] makes pinned host memory. The default is what
+/// [`crate::backend::Backend::alloc_pinned`] uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PinOptions {
+    /// Threads that first-touch the memory; 0: `std::thread::available_parallelism`. Each
+    /// gets at least [`MIN_TOUCH_BYTES_PER_THREAD`] bytes, so fewer run on small buffers.
+    pub touch_threads: usize,
+    /// Touch with `madvise(MADV_POPULATE_WRITE)` (one call per thread) instead of a write
+    /// per page; a kernel without it (before Linux 5.14) gets the writes anyway.
+    pub populate: bool,
+    /// Ask for transparent huge pages (`madvise(MADV_HUGEPAGE)`); ignored where the kernel
+    /// refuses.
+    pub huge_pages: bool,
+    /// Bytes per `cuMemHostRegister` call, rounded up to [`HUGE_PAGE_BYTES`]; 0 (or at least
+    /// the size): one registration.
+    pub piece_bytes: usize,
+    /// Register the pieces on parallel threads (as many as touch), not one after another.
+    pub parallel_register: bool,
+}
+
+impl Default for PinOptions {
+    fn default() -> Self {
+        PinOptions {
+            touch_threads: 0,
+            populate: true,
+            huge_pages: true,
+            piece_bytes: 0,
+            parallel_register: false,
+        }
+    }
+}
+
+/// What pinning one buffer took, step by step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PinTimings {
+    /// `mmap` and `madvise`.
+    pub map: Duration,
+    /// First touch of every page.
+    pub touch: Duration,
+    /// `cuMemHostRegister` (all pieces) and `cuMemHostGetDevicePointer`; in
+    /// [`CudaBackend::pin_from_device`], registering and enqueueing the copies.
+    pub register: Duration,
+    /// [`CudaBackend::pin_from_device`]: waiting for the copies after the last piece was
+    /// registered (zero for [`CudaBackend::pin`]).
+    pub wait: Duration,
+    /// Threads that touched (1: the calling thread alone).
+    pub touch_threads: usize,
+    /// Registrations.
+    pub pieces: usize,
+}
+
+impl PinTimings {
+    /// The whole pinning (and, from [`CudaBackend::pin_from_device`], copying).
+    pub fn total(&self) -> Duration {
+        self.map + self.touch + self.register + self.wait
+    }
+}
+
+/// Anonymous private memory from `mmap`, `len` bytes at `ptr` (aligned as asked) inside a
+/// mapping of `mapped` bytes at `raw`; unmapped on drop.
+struct AnonMemory {
+    raw: NonNull<u8>,
+    mapped: usize,
+    ptr: NonNull<u8>,
+    len: usize,
+    errors: Arc<DeferredErrors>,
+}
+
+// SAFETY: the mapping is owned by this value alone; `&AnonMemory` hands out nothing mutable.
+unsafe impl Send for AnonMemory {}
+// SAFETY: as above.
+unsafe impl Sync for AnonMemory {}
+
+impl AnonMemory {
+    /// Maps `bytes` (> 0) rounded up to the page size, or with `huge`, from one huge page up,
+    /// to [`HUGE_PAGE_BYTES`] and aligned to it (mapping one huge page more and using the
+    /// aligned part).
+    fn map(bytes: usize, huge: bool, errors: Arc<DeferredErrors>) -> BackendResult<AnonMemory> {
+        let page = page_size();
+        let huge = huge && bytes >= HUGE_PAGE_BYTES;
+        let align = if huge {
+            HUGE_PAGE_BYTES.max(page)
+        } else {
+            page
+        };
+        let too_large = || BackendError::Invalid {
+            op: "alloc_pinned",
+            reason: format!("{bytes} bytes of pinned memory cannot be mapped"),
+        };
+        let len = bytes
+            .checked_next_multiple_of(align)
+            .ok_or_else(too_large)?;
+        let mapped = len.checked_add(align - page).ok_or_else(too_large)?;
+        // SAFETY: a new private anonymous mapping at an address the kernel picks; nothing
+        // else is affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                mapped,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(BackendError::Os {
+                op: "mmap",
+                error: std::io::Error::last_os_error(),
+            });
+        }
+        let raw = NonNull::new(p.cast::<u8>()).ok_or_else(|| BackendError::Os {
+            op: "mmap",
+            error: std::io::Error::other("returned a null pointer"),
+        })?;
+        let skip = (p as usize).next_multiple_of(align) - p as usize;
+        // `skip < align` and `mapped = len + align - page`, with `p` page-aligned: the
+        // aligned `len` bytes lie inside the mapping.
+        let ptr = NonNull::new(raw.as_ptr().wrapping_add(skip)).unwrap_or(raw);
+        let mem = AnonMemory {
+            raw,
+            mapped,
+            ptr,
+            len,
+            errors,
+        };
+        if huge {
+            mem.advise(libc::MADV_HUGEPAGE);
+        }
+        mem.advise(libc::MADV_DONTFORK);
+        Ok(mem)
+    }
+
+    /// `madvise(advice)` over the usable bytes; a refusal changes nothing that matters.
+    fn advise(&self, advice: libc::c_int) {
+        // SAFETY: the range is inside this live mapping; advice only changes how the kernel
+        // backs it, never its contents (HUGEPAGE, DONTFORK).
+        let _ = unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, advice) };
+    }
+
+    /// The usable bytes.
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr .. ptr + len` lies inside the live private anonymous mapping, which
+        // reads as zeros until written (initialised) and is reachable only through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AnonMemory {
+    fn drop(&mut self) {
+        // SAFETY: exactly this mapping was created by `map`, is unmapped once, here, and no
+        // slice of it outlives `self`.
+        if unsafe { libc::munmap(self.raw.as_ptr().cast(), self.mapped) } != 0 {
+            let e = std::io::Error::last_os_error();
+            self.errors.record(format!(
+                "munmap of {} bytes of pinned host memory failed: {e}",
+                self.mapped
+            ));
+        }
+    }
+}
+
+/// Threads to touch `len` bytes with: `requested` (0: the machine's parallelism), at most one
+/// per [`MIN_TOUCH_BYTES_PER_THREAD`], at least one.
+fn touch_threads(len: usize, requested: usize) -> usize {
+    let cores = if requested == 0 {
+        std::thread::available_parallelism().map_or(1, NonZeroUsize::get)
+    } else {
+        requested
+    };
+    cores.min(len / MIN_TOUCH_BYTES_PER_THREAD).max(1)
+}
+
+/// `0 .. len` cut into consecutive ranges of `piece` bytes (rounded up to
+/// [`HUGE_PAGE_BYTES`]), the last one shorter; one range when `piece` is 0 or covers `len`.
+fn pieces(len: usize, piece: usize) -> Vec<Range<usize>> {
+    let piece = piece.checked_next_multiple_of(HUGE_PAGE_BYTES).unwrap_or(0);
+    if piece == 0 || piece >= len {
+        return std::iter::once(0..len).collect();
+    }
+    (0..len)
+        .step_by(piece)
+        .map(|s| s..s.saturating_add(piece).min(len))
+        .collect()
+}
+
+/// Backs every page of `part` (page-aligned) with memory: `MADV_POPULATE_WRITE` when
+/// `populate` and the kernel has it, else a write of 0 (what the page reads as already) at
+/// each page.
+fn touch_part(part: &mut [u8], populate: bool, page: usize) {
+    if populate && !part.is_empty() {
+        // SAFETY: `part` is a page-aligned range of a live private anonymous mapping that
+        // this thread borrows mutably; populating only backs it with (zero-filled) pages.
+        if unsafe {
+            libc::madvise(
+                part.as_mut_ptr().cast(),
+                part.len(),
+                libc::MADV_POPULATE_WRITE,
+            )
+        } == 0
+        {
+            return;
+        }
+    }
+    for i in (0..part.len()).step_by(page) {
+        part[i] = 0;
+    }
+}
+
+/// Runs `work` on the calling thread and on up to `threads - 1` scoped helper threads, all
+/// taking their items from one queue until it is empty. A helper that cannot be spawned
+/// leaves its share to the others; a helper that panics is joined and ignored (its items
+/// then count as not done: the callers' `work` records what it finished as it goes).
+fn on_threads<T: Send>(threads: usize, items: Vec<T>, work: impl Fn(T) + Sync) {
+    let queue = Mutex::new(items);
+    let next = || queue.lock().unwrap_or_else(|p| p.into_inner()).pop();
+    let drain = || {
+        while let Some(item) = next() {
+            work(item);
+        }
+    };
+    std::thread::scope(|s| {
+        let drain = &drain;
+        let helpers: Vec<_> = (1..threads)
+            .filter_map(|_| {
+                std::thread::Builder::new()
+                    .name("gpu-pager-pin".to_owned())
+                    .spawn_scoped(s, drain)
+                    .ok()
+            })
+            .collect();
+        drain();
+        for h in helpers {
+            let _ = h.join();
+        }
+    });
+}
+
+/// First-touches `mem` (page-aligned) on `threads` threads (1: the calling thread alone),
+/// in parts of whole huge pages so that no huge page is faulted by two threads, four parts
+/// per thread so that a slow thread holds the others up less.
+fn touch(mem: &mut [u8], threads: usize, populate: bool) {
+    let page = page_size();
+    if threads <= 1 || mem.len() <= HUGE_PAGE_BYTES {
+        touch_part(mem, populate, page);
+        return;
+    }
+    let part = mem
+        .len()
+        .div_ceil(threads * 4)
+        .next_multiple_of(HUGE_PAGE_BYTES);
+    let parts: Vec<&mut [u8]> = mem.chunks_mut(part).collect();
+    // A touch cannot panic (its indices stay inside its part); were a helper to, its pages
+    // would be backed by the registration instead: slower, never wrong.
+    on_threads(threads, parts, |p| touch_part(p, populate, page));
+}
+
+/// Page-locked host memory: anonymous memory registered with the driver in one or more
+/// pieces ([`CudaBackend::pin`]). Dropping it unregisters every piece, then unmaps it.
+pub struct CudaPinned {
+    /// Registered ranges, as offsets from `mem.ptr`, unregistered in `Drop::drop`.
+    regs: Vec<Range<usize>>,
+    /// What kernels use for `mem.ptr` (`cuMemHostGetDevicePointer`).
+    device_ptr: u64,
+    /// Bytes asked for (the mapping may be longer).
+    len: usize,
+    timings: PinTimings,
+    /// Dropped after `Drop::drop` has unregistered it.
+    mem: AnonMemory,
+    dev: Arc<Dev>,
+}
+
+// SAFETY: the buffer exclusively owns its memory, which any thread may use or free (the
+// driver calls in `Drop` enter the context first); shared references only read it.
+unsafe impl Send for CudaPinned {}
+// SAFETY: see `Send`; `&CudaPinned` hands out only `&[u8]`.
+unsafe impl Sync for CudaPinned {}
+
+impl fmt::Debug for CudaPinned {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaPinned")
+            .field("ptr", &self.mem.ptr)
+            .field("len", &self.len)
+            .field("device_ptr", &format_args!("{:#x}", self.device_ptr))
+            .field("registrations", &self.regs.len())
+            .finish()
+    }
+}
+
+impl CudaPinned {
+    /// What pinning this buffer took.
+    pub fn timings(&self) -> PinTimings {
+        self.timings
+    }
+
+    /// The registered ranges, as byte offsets into the buffer, in order and back to back
+    /// (the last may extend past [`HostBuffer::len`] to the end of the mapping). A copy's host
+    /// range must lie inside one of them.
+    pub fn registrations(&self) -> &[Range<usize>] {
+        &self.regs
+    }
+
+    /// Registers `pieces` (offsets into the memory) one after another on this thread.
+    fn register_serial(&mut self, pieces: &[Range<usize>]) -> BackendResult<()> {
+        let _scope = self.dev.scope()?;
+        let base = self.mem.ptr.as_ptr() as usize;
+        for r in pieces {
+            register(base + r.start, r.len())?;
+            self.regs.push(r.clone());
+        }
+        Ok(())
+    }
+
+    /// Registers `pieces` on up to `threads` threads (this one included). Every piece that
+    /// was registered is kept for `Drop`, also when another failed; a failure returns after
+    /// the others finished (no new piece starts once one failed).
+    fn register_parallel(&mut self, pieces: &[Range<usize>], threads: usize) -> BackendResult<()> {
+        let base = self.mem.ptr.as_ptr() as usize;
+        let dev: &Dev = &self.dev;
+        let done = Mutex::new(Vec::with_capacity(pieces.len()));
+        let failed: Mutex<Option<BackendError>> = Mutex::new(None);
+        on_threads(
+            threads.min(pieces.len()),
+            pieces.to_vec(),
+            |r: Range<usize>| {
+                let mut first = failed.lock().unwrap_or_else(|p| p.into_inner());
+                if first.is_some() {
+                    return;
+                }
+                drop(first);
+                let outcome = dev
+                    .scope()
+                    .and_then(|_scope| register(base + r.start, r.len()));
+                match outcome {
+                    Ok(()) => done.lock().unwrap_or_else(|p| p.into_inner()).push(r),
+                    Err(e) => {
+                        first = failed.lock().unwrap_or_else(|p| p.into_inner());
+                        first.get_or_insert(e);
+                    }
+                }
+            },
+        );
+        let mut done = done.into_inner().unwrap_or_else(|p| p.into_inner());
+        done.sort_by_key(|r| r.start);
+        self.regs = done;
+        match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The device address of the memory, checked to be one contiguous range over all
+    /// registrations (with unified addressing it is the host address itself).
+    fn lookup_device_ptr(&self) -> BackendResult<u64> {
+        let _scope = self.dev.scope()?;
+        let base = self.mem.ptr.as_ptr() as usize;
+        let mut first = 0u64;
+        for (k, r) in self.regs.iter().enumerate() {
+            let mut d: sys::CUdeviceptr = 0;
+            // SAFETY: `d` is a valid out-pointer; `base + r.start` starts a registration
+            // made by this buffer.
+            check(unsafe {
+                sys::cuMemHostGetDevicePointer_v2(&mut d, (base + r.start) as *mut c_void, 0)
+            })
+            .map_err(|e| driver_err("cuMemHostGetDevicePointer", e))?;
+            if k == 0 {
+                first = d;
+            } else if d != first + r.start as u64 {
+                return Err(BackendError::Invalid {
+                    op: "alloc_pinned",
+                    reason: format!(
+                        "the device addresses of the registrations are not contiguous (piece \
+                         {k} at {d:#x}, expected {:#x}); register in one piece",
+                        first + r.start as u64
+                    ),
+                });
+            }
+        }
+        Ok(first)
+    }
+}
+
+/// `cuMemHostRegister` of `len` bytes at `addr`, portable to every context and mapped for
+/// the device. The caller holds a context scope.
+fn register(addr: usize, len: usize) -> BackendResult<()> {
+    let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+    // SAFETY: `addr .. addr + len` lies inside a live anonymous mapping owned by the
+    // `CudaPinned` being built, and overlaps none of its other registrations.
+    check(unsafe { sys::cuMemHostRegister_v2(addr as *mut c_void, len, flags) })
+        .map_err(|e| driver_err("cuMemHostRegister", e))
+}
+
+impl HostBuffer for CudaPinned {
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr .. ptr + len` lies inside the live mapping owned by `self`; it is
+        // initialised (anonymous memory reads as zeros until written); no `&mut` exists
+        // while `&self` is borrowed.
+        unsafe { std::slice::from_raw_parts(self.mem.ptr.as_ptr(), self.len) }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.mem.ptr.as_ptr(), self.len) }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn device_ptr(&self) -> u64 {
+        self.device_ptr
+    }
+}
+
+impl Drop for CudaPinned {
+    fn drop(&mut self) {
+        let scope = self.dev.scope_in_drop("pinned host memory");
+        let base = self.mem.ptr.as_ptr() as usize;
+        for r in self.regs.drain(..) {
+            let at = (base + r.start) as *mut c_void;
+            // SAFETY: `at` starts a registration this buffer made and nothing else
+            // unregisters; no slice of the buffer outlives `self`, and the owner waited for
+            // every copy using it.
+            let unregistered = check(unsafe { sys::cuMemHostUnregister(at) });
+            if let Err(e) = unregistered {
+                let what = format_args!("{} bytes of pinned host memory", r.len());
+                self.dev.record("cuMemHostUnregister", what, e);
+            }
+        }
+        drop(scope);
+        // `mem` is unmapped when the fields drop, after this.
+    }
+}
+
+impl CudaBackend {
+    /// Pins `bytes` of host memory as `opts` says (see the module documentation); the
+    /// contents read as zeros. [`crate::backend::Backend::alloc_pinned`] is
+    /// `pin(bytes, &PinOptions::default())`: one registration, touched on every core.
+    ///
+    /// Errors: [`BackendError::Invalid`] for 0 bytes; [`BackendError::Os`] when the memory
+    /// cannot be mapped; [`BackendError::Driver`] when the driver refuses to register it.
+    /// Nothing stays mapped or registered after an error.
+    pub fn pin(&self, bytes: usize, opts: &PinOptions) -> BackendResult<CudaPinned> {
+        let (mut pinned, pieces) = self.map_and_touch(bytes, opts)?;
+        // On any error below, dropping `pinned` unregisters what was registered and unmaps.
+        let t = Instant::now();
+        if opts.parallel_register && pieces.len() > 1 {
+            pinned.register_parallel(&pieces, pinned.timings.touch_threads)?;
+        } else {
+            pinned.register_serial(&pieces)?;
+        }
+        pinned.device_ptr = pinned.lookup_device_ptr()?;
+        pinned.timings.register = t.elapsed();
+        Ok(pinned)
+    }
+
+    /// Pins `bytes` as [`CudaBackend::pin`] does and fills them with a copy of device memory
+    /// at `src`, overlapping the two: the pieces ([`PinOptions::piece_bytes`]) are registered
+    /// one after another on this thread (`parallel_register` is ignored), and each piece's
+    /// copy is enqueued on the backend's device→host stream as soon as it is registered, so
+    /// that registering the later pieces runs while the earlier ones copy. A first backup in
+    /// one pass; every copy stays inside one registration. Waits for the copies before it
+    /// returns, also on error. [`PinTimings::register`] is the registering and enqueueing,
+    /// [`PinTimings::wait`] the wait for the copies after the last piece.
+    ///
+    /// # Safety
+    /// `src .. src + bytes` must be mapped device memory of this context, not written until
+    /// the call returns.
+    pub unsafe fn pin_from_device(
+        &self,
+        bytes: usize,
+        opts: &PinOptions,
+        src: u64,
+    ) -> BackendResult<CudaPinned> {
+        let (mut pinned, pieces) = self.map_and_touch(bytes, opts)?;
+        let scope = self.dev.scope()?;
+        let base = pinned.mem.ptr.as_ptr() as usize;
+        let stream = self.d2h.cu_stream();
+        let t = Instant::now();
+        let mut enqueued = Ok(());
+        for r in &pieces {
+            if let Err(e) = register(base + r.start, r.len()) {
+                enqueued = Err(e);
+                break;
+            }
+            pinned.regs.push(r.clone());
+            let n = r.end.min(bytes).saturating_sub(r.start);
+            if n == 0 {
+                continue;
+            }
+            // SAFETY: the destination is `n` bytes of the piece just registered, inside the
+            // buffer; the source is inside `src .. src + bytes` (the caller's contract). The
+            // buffer is neither read nor freed before the stream is synchronized below.
+            let copied = check(unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    (base + r.start) as *mut c_void,
+                    src + r.start as u64,
+                    n,
+                    stream,
+                )
+            });
+            if let Err(e) = copied {
+                enqueued = Err(driver_err("cuMemcpyDtoHAsync", e));
+                break;
+            }
+        }
+        pinned.timings.register = t.elapsed();
+        let t = Instant::now();
+        if let Err(e) = self.d2h.synchronize() {
+            // A copy may still be writing the buffer: leak it rather than unmap it under the
+            // copy engine.
+            self.dev.errors.record(format!(
+                "pin_from_device: waiting for the copies failed ({}); {} bytes of pinned host                  memory are leaked",
+                super::describe(e),
+                pinned.mem.len
+            ));
+            drop(scope);
+            std::mem::forget(pinned);
+            return Err(BackendError::Driver {
+                op: "cuStreamSynchronize",
+                message: "waiting for the copies into fresh pinned memory failed".to_owned(),
+            });
+        }
+        pinned.timings.wait = t.elapsed();
+        drop(scope);
+        enqueued?;
+        pinned.device_ptr = pinned.lookup_device_ptr()?;
+        Ok(pinned)
+    }
+
+    /// The steps before registration: maps `bytes` (> 0, else `Invalid`) and touches them;
+    /// returns the buffer, nothing registered yet, and the pieces to register.
+    fn map_and_touch(
+        &self,
+        bytes: usize,
+        opts: &PinOptions,
+    ) -> BackendResult<(CudaPinned, Vec<Range<usize>>)> {
+        if bytes == 0 {
+            return Err(BackendError::Invalid {
+                op: "alloc_pinned",
+                reason: "0 bytes requested".to_owned(),
+            });
+        }
+        let t = Instant::now();
+        let mut mem = AnonMemory::map(bytes, opts.huge_pages, self.dev.errors.clone())?;
+        let map = t.elapsed();
+        let threads = touch_threads(mem.len, opts.touch_threads);
+        let t = Instant::now();
+        touch(mem.as_mut_slice(), threads, opts.populate);
+        let touched = t.elapsed();
+        let pieces = pieces(mem.len, opts.piece_bytes);
+        let pinned = CudaPinned {
+            regs: Vec::with_capacity(pieces.len()),
+            device_ptr: 0,
+            len: bytes,
+            timings: PinTimings {
+                map,
+                touch: touched,
+                touch_threads: threads,
+                pieces: pieces.len(),
+                ..PinTimings::default()
+            },
+            mem,
+            dev: self.dev.clone(),
+        };
+        Ok((pinned, pieces))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn pieces_cover_the_range_back_to_back() {
+        let len = 10 * HUGE_PAGE_BYTES + 4096;
+        assert_eq!(pieces(len, 0), vec![0..len]);
+        assert_eq!(pieces(len, len), vec![0..len]);
+        assert_eq!(pieces(len, usize::MAX), vec![0..len]);
+        let p = pieces(len, 4 * HUGE_PAGE_BYTES);
+        assert_eq!(
+            p,
+            vec![
+                0..4 * HUGE_PAGE_BYTES,
+                4 * HUGE_PAGE_BYTES..8 * HUGE_PAGE_BYTES,
+                8 * HUGE_PAGE_BYTES..len
+            ]
+        );
+        // Rounded up to huge pages: 3 MiB pieces are 4 MiB.
+        let p = pieces(len, 3 * MIB);
+        assert!(p.iter().all(|r| r.start % HUGE_PAGE_BYTES == 0));
+        assert_eq!(p[0], 0..4 * MIB);
+        assert_eq!(p.last().map(|r| r.end), Some(len));
+        for w in p.windows(2) {
+            assert_eq!(w[0].end, w[1].start);
+        }
+        // Exact multiples leave no empty tail.
+        assert_eq!(pieces(8 * MIB, 2 * MIB).len(), 4);
+    }
+
+    #[test]
+    fn small_buffers_touch_on_the_calling_thread() {
+        assert_eq!(touch_threads(4096, 0), 1);
+        assert_eq!(touch_threads(2 * MIN_TOUCH_BYTES_PER_THREAD - 1, 16), 1);
+        assert_eq!(touch_threads(2 * MIN_TOUCH_BYTES_PER_THREAD, 16), 2);
+        assert_eq!(touch_threads(55 * MIB, 16), 6);
+        assert_eq!(touch_threads(16 << 30, 16), 16);
+        assert_eq!(touch_threads(16 << 30, 1), 1);
+        let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
+        assert_eq!(touch_threads(1 << 40, 0), cores);
+    }
+
+    /// Pages of `mem` (page-aligned) that are not resident, from `mincore`.
+    fn missing_pages(mem: &mut [u8]) -> usize {
+        let page = page_size();
+        let mut vec = vec![0u8; mem.len().div_ceil(page)];
+        // SAFETY: `mem` is a page-aligned range of a live mapping; `vec` has one byte per
+        // page of it.
+        let rc = unsafe { libc::mincore(mem.as_mut_ptr().cast(), mem.len(), vec.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        vec.iter().filter(|&&v| v & 1 == 0).count()
+    }
+
+    #[test]
+    fn mapped_memory_is_aligned_zeroed_and_long_enough() {
+        let errors = Arc::new(DeferredErrors::new());
+        for (bytes, huge) in [(1, false), (4097, false), (1, true), (5 * MIB + 13, true)] {
+            let mut m = AnonMemory::map(bytes, huge, errors.clone()).expect("mmap");
+            // Huge-page alignment only from one huge page up.
+            let align = if huge && bytes >= HUGE_PAGE_BYTES {
+                HUGE_PAGE_BYTES
+            } else {
+                page_size()
+            };
+            assert_eq!(m.ptr.as_ptr() as usize % align, 0, "{bytes} {huge}");
+            assert_eq!(m.len % align, 0);
+            assert!(m.len >= bytes);
+            let start = m.raw.as_ptr() as usize;
+            assert!(m.ptr.as_ptr() as usize + m.len <= start + m.mapped);
+            let s = m.as_mut_slice();
+            assert!(s.iter().all(|&b| b == 0));
+            s[s.len() - 1] = 7;
+        }
+        assert_eq!(errors.total(), 0);
+    }
+
+    #[test]
+    fn touch_backs_every_page_on_threads_or_not() {
+        let errors = Arc::new(DeferredErrors::new());
+        for (threads, populate) in [(1, true), (1, false), (4, true), (4, false), (64, false)] {
+            let bytes = 48 * MIB + 4096;
+            let mut m = AnonMemory::map(bytes, true, errors.clone()).expect("mmap");
+            assert!(missing_pages(m.as_mut_slice()) > 0);
+            touch(m.as_mut_slice(), threads, populate);
+            assert_eq!(
+                missing_pages(m.as_mut_slice()),
+                0,
+                "{threads} threads, populate {populate}"
+            );
+            assert!(
+                m.as_mut_slice().iter().all(|&b| b == 0),
+                "touching changed the contents"
+            );
+        }
+        assert_eq!(errors.total(), 0);
+    }
+
+    #[test]
+    fn on_threads_does_every_item_once_and_one_thread_is_the_caller() {
+        let here = std::thread::current().id();
+        let seen = Mutex::new(Vec::new());
+        on_threads(1, (0..50).collect(), |i: usize| {
+            seen.lock().unwrap().push((i, std::thread::current().id()))
+        });
+        let seen = seen.into_inner().unwrap();
+        assert_eq!(seen.len(), 50);
+        assert!(seen.iter().all(|&(_, id)| id == here));
+
+        let seen = Mutex::new(Vec::new());
+        on_threads(4, (0..1000).collect(), |i: usize| {
+            seen.lock().unwrap().push(i)
+        });
+        let mut seen = seen.into_inner().unwrap();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..1000).collect::<Vec<_>>());
+    }
+}

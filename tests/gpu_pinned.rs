@@ -1,0 +1,409 @@
+//! Pinned host memory by registration (`CudaBackend::pin`, behind `alloc_pinned`) and fixed
+//! `Discard` regions in their own chunk size (`PagerConfig::discard_chunk_bytes`), on a GPU.
+//!
+//! Every test is `#[ignore = "needs a CUDA GPU"]` and fails (never passes) without one.
+//! Run on the H200 with `bash .gpu/on-device gpu-tests` (see ../shared/gpu/README.md).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Rng, assert_bytes_eq, free_bytes, gpu, gpu_lock, scale};
+
+use gpu_pager::backend::cuda::{CudaBackend, PinOptions};
+use gpu_pager::backend::{Backend, HostBuffer};
+use gpu_pager::kv::{CacheView, DeviceSpan, KvDtype, KvLayout, KvOp, KvOrder, reference};
+use gpu_pager::{Pager, PagerConfig, Policy};
+
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+
+/// Registered in pieces of `piece_bytes`, on parallel threads or one after another.
+fn pieces(piece_bytes: usize, parallel_register: bool) -> PinOptions {
+    PinOptions {
+        piece_bytes,
+        parallel_register,
+        ..PinOptions::default()
+    }
+}
+
+/// Byte `i` of a region filled with the 32-bit `pattern` (see `Backend::fill`).
+fn pattern_byte(pattern: u32, i: usize) -> u8 {
+    pattern.to_le_bytes()[i % 4]
+}
+
+/// Fresh pinned buffers of odd sizes read as zeros and round-trip bit-exact through device
+/// memory at an odd address; a `Preserve` region without `prepin` (its first release pins
+/// through `alloc_pinned`), fixed and growing, restores bit-exact.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn registered_buffers_of_odd_sizes_round_trip_bit_exact() {
+    let _lock = gpu_lock();
+    let b = gpu();
+    let pager = Pager::new(b.clone());
+    let mut rng = Rng::seeded("registered_buffers_of_odd_sizes_round_trip_bit_exact");
+    let largest = 96 * MIB / scale() + 13;
+    pager
+        .region("dev", largest + 2 * MIB, Policy::Discard)
+        .unwrap();
+    let dev = pager.alloc("dev", largest + 64).unwrap();
+    let at = pager.ptr(&dev).unwrap() + 7;
+    let poison = 0xDEAD_BEEFu32;
+    for bytes in [1, 4097, 2 * MIB + 13, 40 * MIB / scale() + 4095, largest] {
+        let mut src = b.alloc_pinned(bytes).expect("alloc_pinned");
+        assert_eq!(src.len(), bytes);
+        assert!(
+            src.as_slice().iter().all(|&x| x == 0),
+            "{bytes}: not zeroed"
+        );
+        rng.fill(src.as_mut_slice());
+        pager.fill(&dev, poison).unwrap();
+        // SAFETY: `at .. at + bytes` lies inside the live `dev` buffer.
+        unsafe { b.copy_to_device(at, src.as_slice()) }.expect("copy_to_device");
+        let mut back = b.alloc_pinned(bytes).expect("alloc_pinned");
+        back.as_mut_slice().fill(0xA5);
+        // SAFETY: as above.
+        unsafe { b.copy_to_host(back.as_mut_slice(), at) }.expect("copy_to_host");
+        assert_bytes_eq(&format!("{bytes} bytes"), back.as_slice(), src.as_slice());
+        // Nothing past the end was written.
+        let mut after = [0u8; 1];
+        pager.read(&dev, 7 + bytes, &mut after).unwrap();
+        assert_eq!(
+            after[0],
+            pattern_byte(poison, 7 + bytes),
+            "{bytes}: overran"
+        );
+    }
+    pager.remove("dev").unwrap();
+
+    // A fixed Preserve region, no prepin: the first release pins the backup.
+    let size = 64 * MIB / scale() + 3 * MIB;
+    pager.region("w", size, Policy::Preserve).unwrap();
+    let w = pager.alloc("w", size - 5).unwrap();
+    let data = rng.bytes(w.len());
+    pager.write(&w, 0, &data).unwrap();
+    let r = pager.release(&["w"]).unwrap();
+    assert!(r.copied() >= data.len());
+    let stats = pager.stats();
+    let backup = stats.region("w").map(|s| s.backup_bytes).unwrap_or(0);
+    assert!(backup >= size, "backup of {backup} bytes for {size}");
+    pager.resume(&["w"]).unwrap();
+    let mut back = vec![0u8; w.len()];
+    pager.read(&w, 0, &mut back).unwrap();
+    assert_bytes_eq("fixed region", &back, &data);
+
+    // A growing one: one backup per buffer, each pinned at the buffer's size.
+    pager.region("g", 0, Policy::Preserve).unwrap();
+    let lens = [13, 3 * MIB + 1, 17 * MIB / scale() + 4095, 2 * MIB];
+    let bufs: Vec<_> = lens.iter().map(|&n| pager.alloc("g", n).unwrap()).collect();
+    let datas: Vec<Vec<u8>> = lens.iter().map(|&n| rng.bytes(n)).collect();
+    for (buf, d) in bufs.iter().zip(&datas) {
+        pager.write(buf, 0, d).unwrap();
+    }
+    pager.release(&["g"]).unwrap();
+    let g = b.info().granularity;
+    let want: usize = lens.iter().map(|n| n.next_multiple_of(g)).sum();
+    let stats = pager.stats();
+    let backup = stats.region("g").map(|s| s.backup_bytes).unwrap_or(0);
+    assert_eq!(
+        backup, want,
+        "one backup per buffer, at the buffer's mapped size"
+    );
+    pager.resume(&["g"]).unwrap();
+    for (buf, d) in bufs.iter().zip(&datas) {
+        let mut back = vec![0u8; d.len()];
+        pager.read(buf, 0, &mut back).unwrap();
+        assert_bytes_eq(&format!("growing buffer of {}", d.len()), &back, d);
+    }
+    drop(pager);
+    assert_eq!(
+        b.deferred_errors().total(),
+        0,
+        "{:?}",
+        b.deferred_errors().take()
+    );
+}
+
+/// The device address of a registered buffer is the driver's (`cuMemHostGetDevicePointer`
+/// at each registration's start), and the KV swap kernels read and write the buffer through
+/// it (zero-copy) over its whole length: one registration, and 2 MiB pieces registered
+/// serially and in parallel (a kernel's accesses may cross registrations; copies may not).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kernels_use_registered_memory_through_its_device_pointer() {
+    let _lock = gpu_lock();
+    let b = gpu();
+    let pager = Pager::new(b.clone());
+    let mut rng = Rng::seeded("kernels_use_registered_memory_through_its_device_pointer");
+    let layout = KvLayout::new(1, 8, 128, 16, KvDtype::Bf16, KvOrder::Nhd).unwrap(); // 64 KiB
+    let bpb = layout.bytes_per_block() as usize;
+    let blocks = (48 * MIB / scale() / bpb).max(64) as u32; // crosses several 2 MiB pieces
+    let cache_bytes = blocks as usize * bpb;
+    pager.region("cache", cache_bytes, Policy::Discard).unwrap();
+    let cache = pager.alloc("cache", cache_bytes).unwrap();
+    let view = CacheView {
+        layout,
+        base: pager.ptr(&cache).unwrap(),
+        blocks,
+    };
+    b.context().bind_to_thread().expect("bind the context");
+    for (what, opts) in [
+        ("one registration", PinOptions::default()),
+        ("2 MiB pieces, serial", pieces(2 * MIB, false)),
+        ("2 MiB pieces, parallel", pieces(2 * MIB, true)),
+    ] {
+        let bytes = cache_bytes + 40; // an odd tail past the blocks
+        let mut host = b.pin(bytes, &opts).expect("pin");
+        let regs = host.registrations().to_vec();
+        if opts.piece_bytes == 0 {
+            assert_eq!(regs.len(), 1, "{what}");
+        } else {
+            assert!(regs.len() >= 2, "{what}: {} registrations", regs.len());
+        }
+        assert_eq!(regs[0].start, 0);
+        assert!(regs.last().is_some_and(|r| r.end >= bytes));
+        let base = host.as_slice().as_ptr() as usize;
+        for r in &regs {
+            let mut d: cudarc::driver::sys::CUdeviceptr = 0;
+            // SAFETY: `d` is a valid out-pointer; `base + r.start` starts a live registration.
+            let rc = unsafe {
+                cudarc::driver::sys::cuMemHostGetDevicePointer_v2(
+                    &mut d,
+                    (base + r.start) as *mut std::ffi::c_void,
+                    0,
+                )
+            };
+            assert_eq!(
+                rc,
+                cudarc::driver::sys::CUresult::CUDA_SUCCESS,
+                "{what}: cuMemHostGetDevicePointer"
+            );
+            assert_eq!(d, host.device_ptr() + r.start as u64, "{what}");
+        }
+        eprintln!(
+            "{what}: host {base:#x}, device {:#x}, {:?}",
+            host.device_ptr(),
+            host.timings()
+        );
+        let span = DeviceSpan {
+            addr: host.device_ptr(),
+            len: host.len(),
+        };
+
+        // swap_in: the kernel reads every block of the pinned buffer, in a random order.
+        rng.fill(host.as_mut_slice());
+        pager.fill(&cache, 0x0BAD_F00D).unwrap();
+        let mut mirror = vec![0u8; cache_bytes];
+        pager.read(&cache, 0, &mut mirror).unwrap();
+        let mut order: Vec<u32> = (0..blocks).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+        }
+        let op = KvOp::SwapIn {
+            cache: view,
+            blocks: &order,
+            host: span,
+        };
+        // SAFETY: the cache buffer and the pinned buffer are live for the synchronous call.
+        unsafe { b.kv_kernels().kv(&op) }.expect("swap_in");
+        reference::swap_in(&mut mirror, &layout, &order, host.as_slice()).unwrap();
+        let mut got = vec![0u8; cache_bytes];
+        pager.read(&cache, 0, &mut got).unwrap();
+        assert_bytes_eq(&format!("{what}: swap_in"), &got, &mirror);
+
+        // swap_out: the kernel writes every block into the poisoned pinned buffer.
+        host.as_mut_slice().fill(0xA5);
+        let mut want = host.as_slice().to_vec();
+        order.reverse();
+        let op = KvOp::SwapOut {
+            cache: view,
+            blocks: &order,
+            host: span,
+        };
+        // SAFETY: as above.
+        unsafe { b.kv_kernels().kv(&op) }.expect("swap_out");
+        reference::swap_out(&mirror, &layout, &order, &mut want).unwrap();
+        assert_bytes_eq(&format!("{what}: swap_out"), host.as_slice(), &want);
+    }
+    drop(pager);
+    assert_eq!(
+        b.deferred_errors().total(),
+        0,
+        "{:?}",
+        b.deferred_errors().take()
+    );
+}
+
+/// `pin_from_device` fills fresh pinned memory with a device range, piece by piece as each
+/// registers, bit-exact (odd size, one piece and many).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pin_from_device_copies_bit_exact() {
+    let _lock = gpu_lock();
+    let b = gpu();
+    let pager = Pager::new(b.clone());
+    let mut rng = Rng::seeded("pin_from_device_copies_bit_exact");
+    let bytes = 40 * MIB / scale() + 13;
+    pager.region("src", bytes, Policy::Discard).unwrap();
+    let src = pager.alloc("src", bytes).unwrap();
+    let data = rng.bytes(bytes);
+    pager.write(&src, 0, &data).unwrap();
+    let at = pager.ptr(&src).unwrap();
+    for opts in [PinOptions::default(), pieces(2 * MIB, false)] {
+        // SAFETY: `at .. at + bytes` is the live `src` buffer, not written meanwhile.
+        let host = unsafe { b.pin_from_device(bytes, &opts, at) }.expect("pin_from_device");
+        assert_eq!(host.len(), bytes);
+        let want_pieces = if opts.piece_bytes == 0 { 1 } else { 2 };
+        assert!(host.registrations().len() >= want_pieces);
+        assert_bytes_eq(
+            &format!("{} registrations", host.registrations().len()),
+            host.as_slice(),
+            &data,
+        );
+        eprintln!("{:?}", host.timings());
+    }
+    drop(pager);
+    assert_eq!(
+        b.deferred_errors().total(),
+        0,
+        "{:?}",
+        b.deferred_errors().take()
+    );
+}
+
+/// A `/proc/self/status` value in bytes (0 when the kernel does not report it).
+fn status_bytes(key: &str) -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse::<usize>().ok())
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// Pinning and dropping 100 times (and 10 times in parallel-registered pieces) leaves the
+/// process's resident, locked and pinned memory where it was, with no deferred error.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pinning_100_times_returns_the_memory() {
+    let _lock = gpu_lock();
+    let b = gpu();
+    let bytes = 64 * MIB / scale() + 13;
+    drop(b.alloc_pinned(bytes).expect("warm-up"));
+    let before = ["VmRSS", "VmLck", "VmPin"].map(status_bytes);
+    for i in 0..100 {
+        let mut p = b.alloc_pinned(bytes).expect("alloc_pinned");
+        p.as_mut_slice()[i * 4099 % bytes] = 1;
+        drop(p);
+    }
+    for _ in 0..10 {
+        drop(b.pin(bytes, &pieces(8 * MIB, true)).expect("pin in pieces"));
+    }
+    let after = ["VmRSS", "VmLck", "VmPin"].map(status_bytes);
+    eprintln!("VmRSS, VmLck, VmPin before {before:?}, after {after:?}");
+    // One leaked buffer at full scale would exceed the slack; 100 leaked at any scale would.
+    let slack = (bytes / 2).max(8 * MIB);
+    for (k, key) in ["VmRSS", "VmLck", "VmPin"].iter().enumerate() {
+        assert!(
+            after[k] <= before[k] + slack,
+            "{key} grew from {} to {} bytes over 110 pin/unpin cycles of {bytes} bytes",
+            before[k],
+            after[k]
+        );
+    }
+    assert_eq!(
+        b.deferred_errors().total(),
+        0,
+        "{:?}",
+        b.deferred_errors().take()
+    );
+}
+
+/// Free device memory, waiting up to 5 s for it to reach `at_least` (memory unmapped a moment
+/// ago is not always counted free at once).
+fn free_at_least(b: &CudaBackend, at_least: usize) -> usize {
+    let t = Instant::now();
+    loop {
+        let free = free_bytes(b);
+        if free >= at_least || t.elapsed() > Duration::from_secs(5) {
+            return free;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Fixed `Discard` and `DiscardZeroed` regions in `discard_chunk_bytes` chunks (several, and
+/// one handle for the whole region): contents usable, zeroed where asked, addresses kept,
+/// and the free device memory rises by the region's size on release.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn discard_regions_in_discard_chunks_map_and_give_memory_back() {
+    let _lock = gpu_lock();
+    let b = gpu();
+    let g = b.info().granularity;
+    let size = (4 * GIB / scale()).next_multiple_of(g) + g; // whole chunks and a short one
+    let probe = 4 * MIB;
+    for discard in [GIB / scale(), usize::MAX] {
+        let pager = Pager::with_config(
+            b.clone(),
+            PagerConfig {
+                discard_chunk_bytes: discard,
+                ..PagerConfig::default()
+            },
+        );
+        let chunk = pager.config().discard_chunk_bytes.min(size);
+        for policy in [Policy::Discard, Policy::DiscardZeroed] {
+            let what = format!("{policy:?}, {chunk}-byte chunks");
+            let info = pager.region("kv", size, policy).unwrap();
+            assert_eq!(info.chunk_bytes, chunk, "{what}");
+            let buf = pager.alloc("kv", size).unwrap();
+            let check_ends = |pattern: Option<u32>, when: &str| {
+                for offset in [0, size - probe] {
+                    let mut got = vec![0xA5u8; probe];
+                    pager.read(&buf, offset, &mut got).unwrap();
+                    let ok = got
+                        .iter()
+                        .enumerate()
+                        .all(|(i, &x)| x == pattern.map_or(0, |p| pattern_byte(p, offset + i)));
+                    assert!(ok, "{what}, {when}: wrong bytes at offset {offset}");
+                }
+            };
+            if policy == Policy::DiscardZeroed {
+                check_ends(None, "created");
+            }
+            pager.fill(&buf, 0x1357_9BDF).unwrap();
+            check_ends(Some(0x1357_9BDF), "filled");
+
+            b.synchronize().unwrap();
+            let before = free_bytes(&b);
+            pager.release(&["kv"]).unwrap();
+            let released = free_at_least(&b, before + size);
+            assert!(
+                released >= before + size,
+                "{what}: releasing {size} bytes freed only {}",
+                released.saturating_sub(before)
+            );
+
+            pager.resume(&["kv"]).unwrap();
+            assert_eq!(pager.info("kv").unwrap().base, info.base, "{what}");
+            let resumed = free_bytes(&b);
+            assert!(
+                resumed + size <= released + 64 * MIB,
+                "{what}: resuming {size} bytes took only {}",
+                released.saturating_sub(resumed)
+            );
+            if policy == Policy::DiscardZeroed {
+                check_ends(None, "resumed");
+            }
+            pager.fill(&buf, 0x2468_ACE0).unwrap();
+            check_ends(Some(0x2468_ACE0), "filled after resume");
+            pager.remove("kv").unwrap();
+        }
+    }
+    assert_eq!(
+        b.deferred_errors().total(),
+        0,
+        "{:?}",
+        b.deferred_errors().take()
+    );
+}

@@ -145,6 +145,11 @@ typedef struct gpu_pager_stats {
   uint64_t buffers;
   // Live leases.
   uint64_t leases;
+  // Bytes of live buffers marked overwritten by the next update
+  // (`gpu_pager_set_overwritten`), which releases do not save.
+  uint64_t marked_bytes;
+  // Bytes the pinned backups validly hold: while released, what a resume restores.
+  uint64_t held_bytes;
 } gpu_pager_stats;
 
 #ifdef __cplusplus
@@ -236,6 +241,28 @@ gpu_pager_code gpu_pager_write(int device, uint64_t dst, const void *src, size_t
 // # Safety
 // `dst` is NULL (an error) or writable for `bytes` bytes.
 gpu_pager_code gpu_pager_read(int device, uint64_t src, void *dst, size_t bytes);
+
+// Marks (`on`) or unmarks the device bytes `ptr .. ptr + len` of device `device` as
+// **overwritten by the next update**: the caller promises to write every marked byte after
+// the next resume before reading it (a weight update that overwrites the parameters). The
+// range must lie inside one live buffer (from `gpu_pager_alloc` or
+// `gpu_pager_torch_malloc`, e.g. one tensor inside a torch segment); it may start anywhere
+// in it. Works whether the region is resident or released.
+//
+// A release of a `GPU_PAGER_PRESERVE` region then neither hashes nor copies the marked
+// bytes, and the resume after it restores only what that release saved: marked bytes come
+// back mapped and writable at the same addresses with undefined contents (old values or
+// anything else), every unmarked byte bit-exact. A run of marked bytes shorter than 1 MiB
+// between two saved spans may be copied along (one copy costs less than two). Marks stay
+// across cycles until cleared with `on == false` or the buffer is freed (a new buffer starts
+// unmarked); clearing makes the next release save those bytes again. A mark set while the
+// region is released takes effect at the next release. Marks on `GPU_PAGER_DISCARD` and
+// `GPU_PAGER_DISCARD_ZEROED` regions are accepted and change nothing.
+//
+// Errors: `GPU_PAGER_ERROR_INVALID_SIZE` for `len == 0`; `GPU_PAGER_ERROR_INVALID_ARGUMENT`
+// when `ptr` is not inside a live buffer of this device; `GPU_PAGER_ERROR_OUT_OF_RANGE`
+// when the range runs past the end of that buffer (nothing is marked).
+gpu_pager_code gpu_pager_set_overwritten(int device, uint64_t ptr, size_t len, bool on);
 
 // Gives the physical memory of the `n_tags` regions `tags` of device `device` back to the
 // device: waits for outstanding device work, copies `GPU_PAGER_PRESERVE` regions to their

@@ -43,6 +43,7 @@ pub mod kv;
 mod mapped;
 mod pager;
 pub mod pump;
+mod ranges;
 mod region;
 pub mod registry;
 pub mod report;
@@ -51,8 +52,8 @@ mod suballoc;
 
 pub use error::{Error, ErrorCode, Result};
 pub use pager::{
-    Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, DEFAULT_DISCARD_CHUNK_BYTES, Lease, Pager,
-    PagerConfig, Stats,
+    Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, DEFAULT_COPY_GAP_BYTES,
+    DEFAULT_DISCARD_CHUNK_BYTES, Lease, Pager, PagerConfig, Stats,
 };
 pub use pump::CopyRoute;
 pub use region::{Policy, RegionInfo, RegionOptions, RegionStats, State, chunk_sizes};

@@ -24,6 +24,7 @@ use crate::backup::{Backup, Saved};
 use crate::error::{Error, Result};
 use crate::mapped::{Mapped, pieces};
 use crate::pump::{Pump, Sink};
+use crate::ranges::{RangeSet, bridge};
 use crate::report::{RegionReport, Report};
 use crate::suballoc::SubAllocator;
 
@@ -113,6 +114,13 @@ pub struct RegionStats {
     pub buffers: usize,
     /// Pinned host backup held, in bytes.
     pub backup_bytes: usize,
+    /// Bytes the backup validly holds: while released, exactly what a resume restores.
+    pub held_bytes: usize,
+    /// Bytes of live buffers marked overwritten by the next update
+    /// ([`crate::Pager::set_overwritten`]): a release neither hashes nor copies them. In a
+    /// growing region a mark that reaches a buffer's end also covers the buffer's padding up
+    /// to the granularity.
+    pub marked_bytes: usize,
     /// Live leases.
     pub leases: usize,
     /// The last release that changed this region.
@@ -145,6 +153,9 @@ pub(crate) struct Region {
     /// Pinned host copies by region offset, kept across cycles once allocated: one at 0
     /// for a fixed region, one per buffer for a growing one.
     backups: BTreeMap<usize, Backup>,
+    /// Bytes of live buffers marked overwritten by the next update (region offsets): a
+    /// release does not save them. Cleared where a buffer is freed.
+    marks: RangeSet,
     pub state: State,
     /// After `resume_on`: the restore copies still in flight on the caller's stream.
     pending: Option<std::sync::Arc<dyn Fence>>,
@@ -237,6 +248,7 @@ impl Region {
             mapped: Mapped::default(),
             reservation,
             backups: BTreeMap::new(),
+            marks: RangeSet::default(),
             state: State::Released,
             pending: None,
             alloc: SubAllocator::new(shape.size),
@@ -253,7 +265,7 @@ impl Region {
         }
         region.state = State::Resident;
         if options.prepin && policy == Policy::Preserve && !shape.growing {
-            region.ensure_backup(backend)?;
+            region.pin(backend, 0, shape.size)?;
         }
         Ok(region)
     }
@@ -295,6 +307,8 @@ impl Region {
             allocated_bytes: self.alloc.allocated_bytes(),
             buffers: self.alloc.count(),
             backup_bytes: self.backup_bytes(),
+            held_bytes: self.backups.values().map(Backup::held_bytes).sum(),
+            marked_bytes: self.marks.bytes(),
             leases: self.leases,
             last_release: self.last_release.clone(),
             last_resume: self.last_resume.clone(),
@@ -526,12 +540,19 @@ impl Region {
         Ok(())
     }
 
+    /// Forgets everything kept for the buffer at `offset .. offset + len` (its allocation)
+    /// once it is freed: its marks (a new buffer there starts unmarked).
+    pub fn forget_buffer(&mut self, offset: usize, len: usize) {
+        self.marks.remove(offset..offset + len);
+    }
+
     /// Maps the region and sends the restore of its backups to `sink`, overlapping the two:
     /// each range to map (the whole region, or each buffer of a growing one) is mapped in
     /// groups of doubling size (1, 2, 4, … pieces, one backend call each), and each group's
     /// copies are pushed before the next group is mapped (a pump starts them at once and
-    /// keeps feeding them on every push). Without `overlap`, one group per range: map it,
-    /// then copy. The region stays borrowed by the sink until the copies have finished (a
+    /// keeps feeding them on every push). Without `overlap`, or with nothing to restore in
+    /// the range (marked overwritten at the release), one group per range: map it, then
+    /// copy. The region stays borrowed by the sink until the copies have finished (a
     /// pump's scope waits for them; a stream sink's caller keeps a fence). On failure what
     /// this call mapped stays mapped: the caller unmaps it once the copies are over (after
     /// the pump's scope returns, or a synchronize). Returns (time spent mapping, bytes sent).
@@ -557,7 +578,8 @@ impl Region {
         let (mut map_time, mut copied) = (Duration::ZERO, 0);
         for range in wanted {
             let sizes = pieces(&range, *chunk_bytes);
-            let first_group = if overlap { 1 } else { sizes.len() };
+            let restores = restores_into(backups, &range);
+            let first_group = if overlap && restores { 1 } else { sizes.len() };
             let (mut first, mut group, mut offset) = (0, first_group, range.start);
             while first < sizes.len() {
                 let last = (first + group).min(sizes.len());
@@ -569,11 +591,13 @@ impl Region {
                 map_time += t.elapsed();
                 let maps = maps.map_err(|e| map_error(tag, backend, e, "resume"))?;
                 mapped.insert(offset, maps);
-                // SAFETY: the span was just mapped, and the caller unmaps nothing before the
-                // copies are over (see above); release synchronizes before it writes the
-                // backup again, and the backups are borrowed for `'h`.
-                copied +=
-                    unsafe { restore_range(backups, base, tag, offset..offset + bytes, sink) }?;
+                if restores {
+                    // SAFETY: the span was just mapped, and the caller unmaps nothing before
+                    // the copies are over (see above); release synchronizes before it writes
+                    // the backup again, and the backups are borrowed for `'h`.
+                    copied +=
+                        unsafe { restore_range(backups, base, tag, offset..offset + bytes, sink) }?;
+                }
                 offset += bytes;
                 first = last;
                 group *= 2;
@@ -589,10 +613,10 @@ impl Region {
             // held bytes lie inside the mapping they were saved from.
             let bad = unsafe { backup.verify(backend, self.base() + start as u64, hash_chunk) }
                 .map_err(|e| Error::backend(&self.tag, "verifying restored contents", e))?;
-            if let Some(chunk) = bad {
+            if let Some(offset) = bad {
                 return Err(Error::Corrupted {
                     tag: self.tag.clone(),
-                    offset: start + chunk * Backup::hash_chunk(backup.held(), hash_chunk),
+                    offset: start + offset,
                 });
             }
         }
@@ -623,47 +647,80 @@ impl Region {
         self.backups.values().map(Backup::bytes).sum()
     }
 
-    /// The ranges a release saves: the live prefix of a fixed region, each live buffer of
-    /// a growing one.
-    fn saved_ranges(&self) -> Vec<Range<usize>> {
+    /// What a release saves, per backup: (the backup's region offset, the extent of the
+    /// device range it covers, the byte ranges to save from that offset). A fixed region
+    /// has one backup over the whole region, a growing one one per live buffer. The bytes
+    /// to save are the live buffers' bytes less the marked ones; a gap of fewer than `gap`
+    /// bytes between two such spans (marked bytes, or free space between buffers) is saved
+    /// too, as one copy costs less than two.
+    fn save_plan(&self, gap: usize) -> Vec<(usize, usize, Vec<Range<usize>>)> {
         if self.growing {
             self.extents()
+                .into_iter()
+                .map(|e| {
+                    let want = self.marks.gaps(&e);
+                    let local = want.into_iter().map(|r| r.start - e.start..r.end - e.start);
+                    (e.start, e.len(), bridge(local.collect(), gap))
+                })
+                .collect()
         } else {
-            std::iter::once(0..self.alloc.high_water()).collect()
+            let want = self
+                .alloc
+                .live()
+                .flat_map(|a| self.marks.gaps(&(a.offset..a.offset + a.len)))
+                .collect();
+            vec![(0, self.size(), bridge(want, gap))]
         }
     }
 
-    /// Allocates the pinned backups that are missing (one of the region's size for a fixed
-    /// region; one per live buffer for a growing one, dropping those of freed buffers).
-    /// Returns the time it took.
-    pub fn ensure_backup(&mut self, backend: &dyn Backend) -> Result<Duration> {
-        let mut pinning = Duration::ZERO;
-        let wanted: Vec<Range<usize>> = if self.growing {
-            self.extents()
-        } else {
-            std::iter::once(0..self.size()).collect()
-        };
+    /// Pins the backup at region offset `start` for `len` bytes unless pinned. Returns the
+    /// time it took.
+    fn pin(&mut self, backend: &dyn Backend, start: usize, len: usize) -> Result<Duration> {
+        self.backups
+            .entry(start)
+            .or_default()
+            .ensure(backend, len)
+            .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e))
+    }
+
+    /// Allocates the pinned backups that a release with copy gap `gap` needs and that are
+    /// missing: one of the region's size for a fixed region with something to save; one per
+    /// live buffer with something to save for a growing one (a buffer marked whole needs
+    /// none). Drops the backups of freed buffers. Returns the time it took.
+    pub fn ensure_backup(&mut self, backend: &dyn Backend, gap: usize) -> Result<Duration> {
+        let plan = self.save_plan(gap);
         // Keep the backups of live buffers (pinned at their size or not yet pinned); drop
         // those of buffers freed or reallocated at another size.
         self.backups.retain(|start, b| {
-            wanted
-                .iter()
-                .any(|w| w.start == *start && (b.bytes() == 0 || b.bytes() >= w.len()))
+            plan.iter()
+                .any(|(s, len, _)| s == start && (b.bytes() == 0 || b.bytes() >= *len))
         });
-        for w in wanted {
-            pinning += self
-                .backups
-                .entry(w.start)
-                .or_default()
-                .ensure(backend, w.len())
-                .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e))?;
+        let mut pinning = Duration::ZERO;
+        for (start, len, want) in plan {
+            if !want.is_empty() {
+                pinning += self.pin(backend, start, len)?;
+            }
         }
         Ok(pinning)
     }
 
+    /// Marks (`on`) or unmarks region bytes `range` as overwritten by the next update.
+    pub fn set_marks(&mut self, range: Range<usize>, on: bool) {
+        if on {
+            self.marks.insert(range);
+        } else {
+            self.marks.remove(range);
+        }
+    }
+
+    /// The marked parts of region bytes `range`.
+    pub fn marks_within(&self, range: &Range<usize>) -> Vec<Range<usize>> {
+        self.marks.within(range)
+    }
+
     /// Frees the pinned backups. Refused while released (they hold the contents).
     pub fn free_backup(&mut self) -> Result<usize> {
-        if !self.is_resident() && self.backups.values().any(|b| b.held() > 0) {
+        if !self.is_resident() && self.backups.values().any(Backup::holds_any) {
             return Err(Error::BackupInUse {
                 tag: self.tag.clone(),
             });
@@ -673,40 +730,57 @@ impl Region {
         Ok(freed)
     }
 
-    /// Pushes the copies of the live contents of a resident Preserve region into its
-    /// backups (which must exist, see `ensure_backup`) into `pump`, only the changed hash
-    /// chunks when `skip_unchanged`. The backups hold the new contents once the caller
-    /// calls [`Region::commit_saves`] after the pump's scope succeeded. Does not change
-    /// state.
+    /// Pushes the copies of the live, unmarked contents of a resident Preserve region into
+    /// its backups (see `save_plan`; `ensure_backup` with the same `gap` must have pinned
+    /// them) into `pump`, only the changed hash chunks when `skip_unchanged`. Each backup
+    /// validly holds exactly what this save wanted of it once the caller calls
+    /// [`Region::commit_saves`] after the pump's scope succeeded. Does not change state.
     pub fn save<'h>(
         &'h mut self,
         backend: &dyn Backend,
         skip_unchanged: bool,
         hash_chunk: usize,
+        gap: usize,
         pump: &mut Pump<'_, 'h>,
     ) -> Result<Saved> {
         let base = self.base();
-        let ends: BTreeMap<usize, usize> = self
-            .saved_ranges()
+        let mut plan: BTreeMap<usize, (usize, Vec<Range<usize>>)> = self
+            .save_plan(gap)
             .into_iter()
-            .map(|r| (r.start, r.end))
+            .map(|(start, len, want)| (start, (len, want)))
             .collect();
+        if let Some((start, _)) = plan
+            .iter()
+            .find(|(start, (_, want))| !want.is_empty() && !self.backups.contains_key(start))
+        {
+            return Err(Error::backend(
+                &self.tag,
+                "copying contents to the host backup",
+                BackendError::Invalid {
+                    op: "save",
+                    reason: format!("internal: no backup pinned at offset {start}"),
+                },
+            ));
+        }
         let Region { backups, tag, .. } = self;
         let mut out = Saved::default();
+        // Every backup at once (each lent to the pump for `'h`): those the plan does not
+        // name (freed buffers) are left alone.
         for (&start, backup) in backups.iter_mut() {
-            let Some(&end) = ends.get(&start) else {
+            let Some((len, want)) = plan.remove(&start) else {
                 continue;
             };
-            // SAFETY: the region is resident, so its saved ranges (the live prefix, or live
-            // buffers, all mapped) are mapped, and the pager holds its lock after a
-            // synchronize until the pump's scope has returned, so nothing unmaps or writes
-            // them meanwhile (engine kernels launched later are the caller's contract, as
-            // for any raw pointer); the pump runs on `backend`.
+            // SAFETY: the region is resident, so the backup's device range (the whole fixed
+            // region, or a live buffer of a growing one) is mapped, and the pager holds its
+            // lock after a synchronize until the pump's scope has returned, so nothing
+            // unmaps or writes it meanwhile (engine kernels launched later are the caller's
+            // contract, as for any raw pointer); the pump runs on `backend`.
             let saved = unsafe {
                 backup.save(
                     backend,
                     base + start as u64,
-                    end - start,
+                    len,
+                    &want,
                     skip_unchanged,
                     hash_chunk,
                     pump,
@@ -779,13 +853,31 @@ unsafe fn restore_range<'h>(
     range: Range<usize>,
     sink: &mut Sink<'_, '_, 'h>,
 ) -> Result<usize> {
-    let Some((&start, backup)) = backups.range(..=range.start).next_back() else {
+    let Some((start, backup)) = backup_at(backups, range.start) else {
         return Ok(0);
     };
     let local = range.start - start..range.end - start;
     // SAFETY: as this function's contract.
     unsafe { backup.restore(base + start as u64, &[local], sink) }
         .map_err(|e| Error::backend(tag, "restoring contents from the backup", e))
+}
+
+/// The backup (of `backups`, by region offset) whose device range holds region byte `at`,
+/// and its offset.
+fn backup_at(backups: &BTreeMap<usize, Backup>, at: usize) -> Option<(usize, &Backup)> {
+    backups
+        .range(..=at)
+        .next_back()
+        .filter(|(start, b)| at < *start + b.extent())
+        .map(|(&start, b)| (start, b))
+}
+
+/// Whether a backup validly holds any byte of region range `range` (a resume restores
+/// something there).
+fn restores_into(backups: &BTreeMap<usize, Backup>, range: &Range<usize>) -> bool {
+    backup_at(backups, range.start).is_some_and(|(start, b)| {
+        b.holds_within(&(range.start - start..range.end.saturating_sub(start)))
+    })
 }
 
 /// Records the per-region entries of a report on the regions (for stats).

@@ -134,14 +134,6 @@ impl SubAllocator {
         })
     }
 
-    /// End of the highest live allocation (0 when none): the prefix that holds data.
-    pub fn high_water(&self) -> usize {
-        self.live
-            .iter()
-            .next_back()
-            .map_or(0, |(&off, &(len, _))| off + len)
-    }
-
     /// Bytes in live allocations.
     pub fn allocated_bytes(&self) -> usize {
         self.size - self.free_bytes
@@ -210,7 +202,6 @@ mod tests {
         let x = a.alloc(100, 256, 1).unwrap();
         let y = a.alloc(100, 256, 2).unwrap();
         assert_eq!((x.offset, y.offset), (0, 256));
-        assert_eq!(a.high_water(), 356);
         a.free(0, 1).unwrap();
         assert_eq!(a.free(0, 1), Err(AllocError::Stale));
         assert_eq!(a.free(256, 99), Err(AllocError::Stale));

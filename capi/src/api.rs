@@ -291,6 +291,56 @@ pub unsafe extern "C" fn gpu_pager_read(
     })
 }
 
+/// Marks (`on`) or unmarks the device bytes `ptr .. ptr + len` of device `device` as
+/// **overwritten by the next update**: the caller promises to write every marked byte after
+/// the next resume before reading it (a weight update that overwrites the parameters). The
+/// range must lie inside one live buffer (from `gpu_pager_alloc` or
+/// `gpu_pager_torch_malloc`, e.g. one tensor inside a torch segment); it may start anywhere
+/// in it. Works whether the region is resident or released.
+///
+/// A release of a `GPU_PAGER_PRESERVE` region then neither hashes nor copies the marked
+/// bytes, and the resume after it restores only what that release saved: marked bytes come
+/// back mapped and writable at the same addresses with undefined contents (old values or
+/// anything else), every unmarked byte bit-exact. A run of marked bytes shorter than 1 MiB
+/// between two saved spans may be copied along (one copy costs less than two). Marks stay
+/// across cycles until cleared with `on == false` or the buffer is freed (a new buffer starts
+/// unmarked); clearing makes the next release save those bytes again. A mark set while the
+/// region is released takes effect at the next release. Marks on `GPU_PAGER_DISCARD` and
+/// `GPU_PAGER_DISCARD_ZEROED` regions are accepted and change nothing.
+///
+/// Errors: `GPU_PAGER_ERROR_INVALID_SIZE` for `len == 0`; `GPU_PAGER_ERROR_INVALID_ARGUMENT`
+/// when `ptr` is not inside a live buffer of this device; `GPU_PAGER_ERROR_OUT_OF_RANGE`
+/// when the range runs past the end of that buffer (nothing is marked).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpu_pager_set_overwritten(
+    device: c_int,
+    ptr: u64,
+    len: usize,
+    on: bool,
+) -> gpu_pager_code {
+    call("gpu_pager_set_overwritten", || {
+        if len == 0 {
+            return Err(Error::InvalidSize {
+                tag: "*".to_owned(),
+                reason: "gpu_pager_set_overwritten of 0 bytes; pass the length of the range \
+                         to mark (a tensor's bytes)"
+                    .to_owned(),
+            });
+        }
+        let d = boundary::device(device)?;
+        let pager = pager(device)?;
+        let (buf, offset) = buffer_containing(&pager, d, ptr)?;
+        let end = offset.checked_add(len).ok_or_else(|| Error::OutOfRange {
+            tag: buf.tag().to_owned(),
+            what: "buffer",
+            offset,
+            len,
+            size: buf.len(),
+        })?;
+        pager.set_overwritten(&buf, offset..end, on)
+    })
+}
+
 fn zero_copy(name: &str) -> Error {
     Error::InvalidSize {
         tag: "*".to_owned(),

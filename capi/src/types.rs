@@ -189,6 +189,11 @@ pub struct gpu_pager_stats {
     pub buffers: u64,
     /// Live leases.
     pub leases: u64,
+    /// Bytes of live buffers marked overwritten by the next update
+    /// (`gpu_pager_set_overwritten`), which releases do not save.
+    pub marked_bytes: u64,
+    /// Bytes the pinned backups validly hold: while released, what a resume restores.
+    pub held_bytes: u64,
 }
 
 impl From<&Stats> for gpu_pager_stats {
@@ -203,6 +208,8 @@ impl From<&Stats> for gpu_pager_stats {
             regions: s.regions.len() as u64,
             buffers: sum(|r| r.buffers),
             leases: sum(|r| r.leases),
+            marked_bytes: sum(|r| r.marked_bytes),
+            held_bytes: sum(|r| r.held_bytes),
         }
     }
 }

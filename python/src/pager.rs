@@ -215,6 +215,65 @@ impl PyPager {
         Ok(PyBytes::new(py, &out))
     }
 
+    /// Marks (``on=True``) or unmarks bytes ``offset .. offset + length`` of the buffer
+    /// (``length=None``: to the buffer's end) as **overwritten by the next update**: you
+    /// promise to write every marked byte after the next resume before reading it, as a
+    /// weight update does to the parameters. Mark one tensor inside a torch segment by its
+    /// offset and size.
+    ///
+    /// A release of a ``PRESERVE`` region neither hashes nor copies the bytes marked at that
+    /// moment, and the resume after it restores exactly what that release saved: marked
+    /// bytes come back mapped and writable at the same addresses with undefined contents
+    /// (their old values or anything else); every unmarked byte comes back bit-exact. A run
+    /// of marked bytes shorter than 1 MiB between two saved spans may be copied along (one
+    /// copy costs less than two). Marks stay across cycles until cleared (``on=False``) or
+    /// the buffer is freed (a new buffer starts unmarked); clearing one makes the next
+    /// release save those bytes again. A mark set while the region is released takes effect
+    /// at the next release. Marks on ``DISCARD`` regions are accepted and change nothing.
+    ///
+    /// ``OutOfRangeError`` unless the range lies inside the buffer; ``StaleBufferError``
+    /// for a freed buffer.
+    #[pyo3(signature = (buf, on = true, offset = None, length = None))]
+    fn set_overwritten(
+        &self,
+        py: Python<'_>,
+        buf: PyRef<'_, Buffer>,
+        on: bool,
+        offset: Option<&Bound<'_, PyAny>>,
+        length: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        self.check_device(py, &buf)?;
+        let offset = offset.map_or(Ok(0), |o| args::size(o, "offset"))?;
+        let length = length.map(|l| args::size(l, "length")).transpose()?;
+        let (p, b) = (&self.inner, &buf.inner);
+        run(py, || {
+            let end = match length {
+                Some(n) => offset.checked_add(n),
+                None => Some(b.len().max(offset)),
+            };
+            let Some(end) = end else {
+                return Err(gpu_pager::Error::OutOfRange {
+                    tag: b.tag().to_owned(),
+                    what: "buffer",
+                    offset,
+                    len: length.unwrap_or(0),
+                    size: b.len(),
+                });
+            };
+            p.set_overwritten(b, offset..end, on)
+        })
+    }
+
+    /// The byte ranges of the buffer marked overwritten by the next update, as
+    /// ``(start, end)`` offsets from the buffer's start, in order, merged where they touch
+    /// (see ``set_overwritten``).
+    fn overwritten(&self, py: Python<'_>, buf: PyRef<'_, Buffer>) -> PyResult<Vec<(usize, usize)>> {
+        self.check_device(py, &buf)?;
+        let (p, b) = (&self.inner, &buf.inner);
+        let ranges = run(py, || p.overwritten(b))?;
+        Ok(ranges.into_iter().map(|r| (r.start, r.end)).collect())
+    }
+
     /// Gives the physical memory of ``tags`` (a str or a sequence of str) back to the
     /// device: waits for outstanding device work, copies ``PRESERVE`` regions to their
     /// pinned backups, unmaps. All or nothing (``BusyError`` if one is leased). Regions

@@ -418,6 +418,11 @@ pub struct RegionStats {
     pub buffers: usize,
     /// Pinned host backup held, in bytes.
     pub backup_bytes: usize,
+    /// Bytes the backup validly holds: while released, what a resume restores.
+    pub held_bytes: usize,
+    /// Bytes of live buffers marked overwritten by the next update (see
+    /// ``Pager.set_overwritten``), which a release does not save.
+    pub marked_bytes: usize,
     /// Live leases.
     pub leases: usize,
     /// The last release that changed this region, if any.
@@ -435,6 +440,8 @@ impl From<gpu_pager::RegionStats> for RegionStats {
             allocated_bytes: s.allocated_bytes,
             buffers: s.buffers,
             backup_bytes: s.backup_bytes,
+            held_bytes: s.held_bytes,
+            marked_bytes: s.marked_bytes,
             leases: s.leases,
             last_release: s.last_release.as_ref().map(RegionReport::from),
             last_resume: s.last_resume.as_ref().map(RegionReport::from),

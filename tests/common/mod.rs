@@ -121,3 +121,19 @@ pub fn free_bytes(b: &gpu_pager::backend::cuda::CudaBackend) -> usize {
     use gpu_pager::backend::Backend;
     b.mem_info().expect("cuMemGetInfo").free
 }
+
+/// The runs of `true` in `mask`, as ranges (what `Pager::overwritten` returns for a model's
+/// per-byte marks).
+pub fn runs_of(mask: &[bool]) -> Vec<std::ops::Range<usize>> {
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+    for (i, &m) in mask.iter().enumerate() {
+        if !m {
+            continue;
+        }
+        match out.last_mut() {
+            Some(r) if r.end == i => r.end = i + 1,
+            _ => out.push(i..i + 1),
+        }
+    }
+    out
+}

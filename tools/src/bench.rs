@@ -21,6 +21,7 @@ use gpu_pager::chunk_sizes;
 use gpu_pager::report::{gbps, ms};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, Result};
 
+mod marked;
 mod pinning;
 mod routes;
 
@@ -60,6 +61,9 @@ pub struct BenchConfig {
     /// release by route (settled and right after a free), and a release and a resume of
     /// two tags at once.
     pub routes: bool,
+    /// Also time update-aware release: the weights marked overwritten (all, half), and the
+    /// RL wake-up with them (see `bench/marked.rs`).
+    pub marked: bool,
 }
 
 impl BenchConfig {
@@ -78,6 +82,7 @@ impl BenchConfig {
             alloc_sizes: vec![2 * MIB, 20 * MIB, 128 * MIB, GIB],
             after_free: true,
             routes: true,
+            marked: true,
         }
     }
 
@@ -96,6 +101,7 @@ impl BenchConfig {
             alloc_sizes: vec![2 * MIB, 20 * MIB],
             after_free: true,
             routes: true,
+            marked: true,
         }
     }
 
@@ -696,6 +702,9 @@ pub fn run(
     }
     if cfg.routes {
         routes::rows(&pager, cfg, &link, &bufs, log, &mut rows)?;
+    }
+    if cfg.marked {
+        marked::rows(&pager, cfg, &link, &bufs, repeats, log, &mut rows)?;
     }
 
     let mut sweep = Vec::new();

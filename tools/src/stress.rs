@@ -253,6 +253,11 @@ pub struct OpCounts {
     /// Steps on the paged KV cache (`kv_paged`): sequences written, forked, swapped,
     /// checked, freed; trims; release/resume cycles of the cache.
     pub paged_kv_steps: u64,
+    /// Overwritten marks set or cleared by owners on their buffers.
+    pub marks: u64,
+    /// Marked `Preserve` buffers skipped by a release and rewritten by their owner (their
+    /// contents undefined, not checked; the rewrite is).
+    pub marked_rewrites: u64,
 }
 
 impl fmt::Display for OpCounts {
@@ -261,7 +266,8 @@ impl fmt::Display for OpCounts {
             f,
             "releases {} (busy {}), resumes {} (waited out a hog {}), allocs {} (full {}), \
              frees {}, fills {} + {} raw, host writes {}, KV steps {}, paged KV steps {}, leases \
-             {} (lost races {}), verifies {}, read-backs {}, hogs {}, backups freed {}",
+             {} (lost races {}), verifies {}, read-backs {}, hogs {}, backups freed {}, marks {} \
+             (skipped and rewritten {})",
             self.releases,
             self.busy,
             self.resumes,
@@ -279,7 +285,9 @@ impl fmt::Display for OpCounts {
             self.verifies,
             self.readbacks,
             self.hogs,
-            self.free_backups
+            self.free_backups,
+            self.marks,
+            self.marked_rewrites
         )
     }
 }

@@ -40,6 +40,8 @@ fn short_run_with_faults_is_clean_and_recovers_every_fault() {
         s.ops.verifies > 0 && s.ops.readbacks > 0 && s.ops.kv_ops > 0,
         "{s}"
     );
+    // Owners marked buffers overwritten, and releases skipped some of them.
+    assert!(s.ops.marks > 0 && s.ops.marked_rewrites > 0, "{s}");
 }
 
 #[test]

@@ -44,9 +44,11 @@ pub(crate) enum Op {
     FreeBackup,
     LeaseRace,
     Paged,
+    Mark,
+    MarkedRewrite,
 }
 
-const OPS: usize = 18;
+const OPS: usize = 20;
 
 /// Counters, the error list, and the run's clock.
 #[derive(Debug)]
@@ -172,6 +174,8 @@ impl Shared {
             free_backups: n(Op::FreeBackup),
             lease_races: n(Op::LeaseRace),
             paged_kv_steps: n(Op::Paged),
+            marks: n(Op::Mark),
+            marked_rewrites: n(Op::MarkedRewrite),
         }
     }
 }

@@ -7,6 +7,7 @@
 
 use std::time::{Duration, Instant};
 
+mod marks;
 mod paged;
 pub(crate) use paged::{
     IO_TAG, MAX_SEQ_TOKENS, MAX_TOKENS, PAGED_TAG, PagedIo, TOKEN, layout as paged_layout,
@@ -35,6 +36,10 @@ pub(crate) struct Owned {
     pub content: Content,
     /// Allocation order within the owner (orders the buffer against its owner's resumes).
     seq: u64,
+    /// The tag's release count when `content` was last written (read under the lease).
+    written_at: u64,
+    /// The owner's overwritten marks on the buffer (see `marks`).
+    marked: marks::Marked,
 }
 
 fn tag_names(set: &[usize]) -> Vec<&'static str> {
@@ -153,7 +158,8 @@ impl<'a> Worker<'a> {
             610..660 => self.kv_op(),
             660..710 => self.paged_op(),
             710..760 => self.lease_hold(),
-            760..860 => self.verify_random(),
+            760..830 => self.verify_random(),
+            830..860 => self.mark_own(),
             860..940 => self.readback_random(),
             940..945 => self.free_backup_random(),
             // Both restore paths (overlapped with mapping, or map then copy) get exercised.
@@ -304,6 +310,9 @@ impl<'a> Worker<'a> {
     }
 
     fn verify_buffer(&mut self, k: usize, fresh: Option<u64>) {
+        if self.settle_marked(k) {
+            return;
+        }
         let vchunk = self.cfg.verify_chunk_bytes;
         let o = &self.owned[k];
         let (t, buf) = (o.tag, o.buf.clone());
@@ -392,6 +401,7 @@ impl<'a> Worker<'a> {
 
     /// Reads `len` bytes at `offset` of owned buffer `k` back and compares them.
     fn readback(&mut self, k: usize, offset: usize, len: usize) {
+        self.settle_marked(k);
         let o = &self.owned[k];
         let Some(want) = o.content.window(offset, len) else {
             return;
@@ -500,6 +510,8 @@ impl<'a> Worker<'a> {
                     tag: t,
                     content: Content::Unknown,
                     seq: self.seq,
+                    written_at: 0,
+                    marked: marks::Marked::default(),
                 });
                 self.seq += 1;
             }
@@ -561,6 +573,7 @@ impl<'a> Worker<'a> {
             pattern,
             hashes: want,
         };
+        self.owned[k].written_at = self.releases_now(self.owned[k].tag);
     }
 
     /// The fill kernel at the buffer's raw device address, outside the pager.
@@ -604,6 +617,7 @@ impl<'a> Worker<'a> {
             }
             let hashes = reference::chunk_hash(&data, w.cfg.verify_chunk_bytes);
             w.owned[k].content = Content::Bytes { seed, hashes };
+            w.owned[k].written_at = w.releases_now(t);
             if check {
                 w.readback(k, 0, buf.len());
             }

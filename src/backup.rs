@@ -94,6 +94,21 @@ impl Backup {
         self.len
     }
 
+    /// Copies the backup's bytes `range` (from its start) into `out` (of `range.len()`
+    /// bytes) when the backup validly holds every one of them; returns whether it did.
+    pub fn read(&self, range: Range<usize>, out: &mut [u8]) -> bool {
+        if !crate::ranges::covers(&self.valid, &range) {
+            return false;
+        }
+        match self.buf.as_ref().and_then(|b| b.as_slice().get(range)) {
+            Some(src) if src.len() == out.len() => {
+                out.copy_from_slice(src);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Bytes of pinned memory held.
     pub fn bytes(&self) -> usize {
         self.buf.as_ref().map_or(0, |b| b.len())

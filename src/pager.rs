@@ -14,6 +14,7 @@ use crate::region::{Policy, Region, RegionInfo, RegionOptions, RegionStats, Shap
 use crate::report::{Move, Outcome, RegionReport, Report, Steps};
 use crate::suballoc::AllocError;
 
+mod backup_read;
 mod overwritten;
 
 /// Default physical chunk size: 512 MiB. Large chunks make mapping cheap (on the H200,

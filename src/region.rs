@@ -540,6 +540,13 @@ impl Region {
         Ok(())
     }
 
+    /// Copies region bytes `range` from the backup that validly holds all of them into
+    /// `out`; returns whether one did.
+    pub fn read_backup(&self, range: Range<usize>, out: &mut [u8]) -> bool {
+        backup_at(&self.backups, range.start)
+            .is_some_and(|(start, b)| b.read(range.start - start..range.end - start, out))
+    }
+
     /// Forgets everything kept for the buffer at `offset .. offset + len` (its allocation)
     /// once it is freed: its marks (a new buffer there starts unmarked).
     pub fn forget_buffer(&mut self, offset: usize, len: usize) {

@@ -284,6 +284,8 @@ class Pager:
         neither save nor restore them."""
     def overwritten(self, buf: Buffer) -> list[tuple[int, int]]:
         """The ``(start, end)`` byte ranges of ``buf`` marked overwritten."""
+    def read_backup(self, buf: Buffer, offset: int, n: int) -> bytes:
+        """``n`` bytes of a released buffer from its pinned host backup."""
     def release(self, tags: _Tags) -> Report: ...
     def resume(self, tags: _Tags) -> Report: ...
     def resume_on(self, tags: _Tags, stream: int | Any) -> Report:

@@ -80,6 +80,9 @@ __all__ = [
     "locate",
     "read",
     "write",
+    "mark_overwritten",
+    "mark_parameters",
+    "read_backup",
 ]
 
 MALLOC_SYMBOL = "gpu_pager_torch_malloc"
@@ -414,3 +417,62 @@ def read(tensor: Any) -> Any:
     p, tag = _checked(tensor)
     with p.lease([tag]):
         return tensor.detach().to("cpu")
+
+
+def _span(tensor: Any) -> tuple[Pager, Any, int, int]:
+    """The pager, buffer, offset in the buffer and length of ``tensor``'s bytes."""
+    if not tensor.is_contiguous():
+        raise ValueError("the tensor is not contiguous; mark or read its contiguous base")
+    if not tensor.is_cuda:
+        raise ValueError("the tensor is not a CUDA tensor")
+    p = Pager.for_device(int(tensor.device.index))
+    found = p.buffer_containing(int(tensor.data_ptr()))
+    if found is None:
+        raise ValueError(
+            "the tensor is not in a gpu_pager region (allocate it inside gpu_pager.torch.use())"
+        )
+    buf, offset = found
+    return p, buf, offset, int(tensor.numel()) * int(tensor.element_size())
+
+
+def mark_overwritten(tensors: Any, on: bool = True) -> int:
+    """Marks (``on=False``: unmarks) each tensor of ``tensors`` (a tensor or an iterable of
+    them) as **overwritten by the next weight update**: a release of its tag neither copies
+    it to the backup nor does the resume restore it (release and resume of a fully marked
+    tag only unmap and map). After the resume its contents are undefined until the update
+    writes it; tensors that are not marked (rotary caches, quantization scales) come back
+    bit-exact. Marks stay until cleared; marking a tensor of a ``discard`` tag does nothing.
+    Returns the bytes (un)marked. See ``Pager.set_overwritten``."""
+    torch = _torch()
+    items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    total = 0
+    for t in items:
+        p, buf, offset, n = _span(t.detach())
+        if n:
+            p.set_overwritten(buf, on, offset, n)
+        total += n
+    return total
+
+
+def mark_parameters(module: Any, on: bool = True) -> int:
+    """``mark_overwritten(module.parameters(), on)``: every parameter of a model whose
+    weights the trainer replaces after each resume; its buffers (``named_buffers``) stay
+    unmarked and survive bit-exact. Returns the bytes (un)marked."""
+    return mark_overwritten(list(module.parameters()), on)
+
+
+def read_backup(tensor: Any) -> Any | None:
+    """A CPU copy of ``tensor`` read from its tag's pinned host backup while the tag is
+    released (what the next resume restores), or ``None`` when there is no such copy: the
+    tag is resident, keeps no contents (``discard``), or the tensor was marked overwritten
+    at the release."""
+    torch = _torch()
+    p, buf, offset, n = _span(tensor.detach())
+    if p.info(buf.tag).state == _native.State.RESIDENT:
+        return None
+    try:
+        raw = p.read_backup(buf, offset, n)
+    except _native.InvalidArgumentError:
+        return None
+    out = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return out.view(tensor.dtype).reshape(tensor.shape)

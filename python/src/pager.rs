@@ -274,6 +274,39 @@ impl PyPager {
         Ok(ranges.into_iter().map(|r| (r.start, r.end)).collect())
     }
 
+    /// Reads ``n`` bytes of the buffer from ``offset`` out of its region's pinned host
+    /// backup while the region is released: what the last release saved and the next resume
+    /// restores, without mapping anything. ``InvalidArgumentError`` while the region is
+    /// resident (read the device instead) or for bytes the backup does not hold (a
+    /// ``DISCARD`` region, or bytes marked overwritten at the release).
+    fn read_backup<'py>(
+        &self,
+        py: Python<'py>,
+        buf: PyRef<'_, Buffer>,
+        offset: &Bound<'_, PyAny>,
+        n: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        self.check_device(py, &buf)?;
+        let offset = args::size(offset, "offset")?;
+        let n = args::size(n, "n")?;
+        let (p, b) = (&self.inner, &buf.inner);
+        let out = run(py, || {
+            if offset.checked_add(n).is_none_or(|end| end > b.len()) {
+                return Err(gpu_pager::Error::OutOfRange {
+                    tag: b.tag().to_owned(),
+                    what: "buffer",
+                    offset,
+                    len: n,
+                    size: b.len(),
+                });
+            }
+            let mut out = vec![0u8; n];
+            p.read_backup(b, offset, &mut out)?;
+            Ok(out)
+        })?;
+        Ok(PyBytes::new(py, &out))
+    }
+
     /// Gives the physical memory of ``tags`` (a str or a sequence of str) back to the
     /// device: waits for outstanding device work, copies ``PRESERVE`` regions to their
     /// pinned backups, unmaps. All or nothing (``BusyError`` if one is leased). Regions

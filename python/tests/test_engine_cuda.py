@@ -111,6 +111,42 @@ def test_llama_multi_stage_wake_up(size: str, tags: dict[str, str]) -> None:
     _cycles(engine, release_all, resume_weights, resume_rest)
 
 
+def test_update_aware_wake_up_keeps_the_buffers(tags: dict[str, str]) -> None:
+    """Every parameter marked overwritten: the release copies (almost) nothing, the resume
+    restores nothing, the update writes the parameters, and the rotary buffers, which are
+    not parameters, come back bit-exact: the logits match."""
+    w, kv, g = tags["weights"], tags["kv"], tags["graph"]
+    engine = Engine(
+        "small",
+        Placement(
+            weights=lambda: gpt.use(w),
+            kv=lambda: gpt.use(kv, "discard"),
+            graph=lambda cg: gpt.graph(cg, g),
+        ),
+    )
+    marked = gpt.mark_parameters(engine.model)
+    assert marked == engine.weight_bytes()
+    want = engine.step()
+    addresses = engine.addresses()
+    new = engine.snapshot_parameters()
+    inv_freq = engine.model.model.rotary_emb.inv_freq.detach().cpu()
+    for _ in range(CYCLES):
+        report = gpt.release([kv, w, g])
+        copied = report.region(w).copied  # type: ignore[union-attr]
+        assert copied < 8 * MIB, f"{copied} bytes copied with every parameter marked"
+        trainer_pass()
+        gpt.resume(w)
+        assert torch.equal(gpt.read(engine.model.model.rotary_emb.inv_freq), inv_freq)
+        engine.update(new)
+        gpt.resume([kv, g])
+        _check_cycle(engine, want, addresses)
+    gpt.mark_parameters(engine.model, on=False)
+    report = gpt.release(w)
+    assert report.region(w).copied >= engine.weight_bytes()  # type: ignore[union-attr]
+    gpt.resume(w)
+    _check_cycle(engine, want, addresses)
+
+
 def test_skipped_stage_is_an_error_not_a_fault(tags: dict[str, str]) -> None:
     w, kv, g = tags["weights"], tags["kv"], tags["graph"]
     engine = Engine(

@@ -323,3 +323,22 @@ def test_other_device_without_gpu(pager: gpu_pager.Pager) -> None:
     with pytest.raises(gpu_pager.BackendError) as e:
         gpu_pager.Pager.for_device(1)
     assert e.value.code == gpu_pager.BackendError.code
+
+
+def test_read_backup_while_released(pager: gpu_pager.Pager, tag: str) -> None:
+    pager.region(tag, "preserve", 4 << 20)
+    buf = pager.alloc(tag, 1 << 20)
+    data = bytes(range(256)) * 4096
+    pager.write(buf, 0, data)
+    with pytest.raises(gpu_pager.InvalidArgumentError):
+        pager.read_backup(buf, 0, 16)  # resident: read the device
+    pager.set_overwritten(buf, True, 512 << 10)  # the second half
+    pager.release(tag)
+    assert pager.read_backup(buf, 100, 1000) == data[100:1100]
+    with pytest.raises(gpu_pager.InvalidArgumentError) as e:
+        pager.read_backup(buf, 512 << 10, 16)  # marked at the release
+    assert e.value.tag == tag
+    with pytest.raises(gpu_pager.OutOfRangeError):
+        pager.read_backup(buf, (1 << 20) - 8, 16)
+    pager.resume(tag)
+    assert pager.read(buf, 0, 1000) == data[:1000]

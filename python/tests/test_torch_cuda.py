@@ -207,3 +207,35 @@ def test_interpreter_exit_is_clean() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
     assert "Trying to free" not in done.stderr
+
+
+def test_get_cpu_backup_while_paused(new_tag: Callable[[], str]) -> None:
+    tms = TorchMemorySaver()
+    w = new_tag()
+    with tms.region(w, enable_cpu_backup=True):
+        x = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    assert tms.get_cpu_backup(x) is None  # resident: no backup to read
+    tms.pause(w)
+    got = tms.get_cpu_backup(x)
+    assert got is not None and got.device.type == "cpu" and got.dtype == x.dtype
+    assert torch.equal(got, torch.arange(1 << 20, dtype=torch.float32))
+    tms.resume(w)
+    assert tms.get_cpu_backup(x) is None
+
+
+def test_marked_tensors_are_not_restored(tag: str) -> None:
+    with gpt.use(tag):
+        param = torch.full((4 << 20,), 1.0, device="cuda")  # 16 MiB
+        buffer = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    assert gpt.mark_overwritten(param) == 16 * MIB
+    found = gpt.pager().buffer_containing(buffer.data_ptr())
+    assert found is not None
+    report = gpt.release(tag)
+    # The buffer's segment is saved; of the parameter's, at most what shares a 1 MiB gap.
+    assert report.region(tag).copied <= found[0].nbytes + MIB  # type: ignore[union-attr]
+    assert gpt.read_backup(param) is None  # not in the backup
+    assert torch.equal(gpt.read_backup(buffer), torch.arange(1 << 20, dtype=torch.float32))
+    gpt.resume(tag)
+    assert torch.equal(gpt.read(buffer), torch.arange(1 << 20, dtype=torch.float32))
+    param.fill_(2.0)  # the update
+    assert float(param.sum()) == 2.0 * (4 << 20)

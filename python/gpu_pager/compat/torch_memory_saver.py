@@ -28,8 +28,9 @@ Differences, all on the safe side:
 - ``cuda_graph`` works in both hook modes: the graph's memory comes from the tag's pool
   (a ``pool`` handle passed in is not used: graphs captured in one tag share the tag's
   pool, which is what a shared handle asks for).
-- Disk backup, ``memory_margin_bytes`` and ``get_cpu_backup`` are not supported
-  (``NotImplementedError``).
+- ``get_cpu_backup`` always returns a copy (``zero_copy`` is not honoured: a view of the
+  backup could change under the caller at the next pause).
+- Disk backup and ``memory_margin_bytes`` are not supported (``NotImplementedError``).
 
 Region sizes: regions grow with torch's segments, memory mapped under live segments only.
 ``region_bytes[tag]`` (or ``GPU_PAGER_REGION_BYTES``, e.g. ``"8G"``, for every tag) set
@@ -201,8 +202,13 @@ class TorchMemorySaver:
             gpt.resume(names)
 
     def get_cpu_backup(self, x: Any, zero_copy: bool = False) -> Any:
-        """Not supported."""
-        raise NotImplementedError("gpu_pager does not expose its backups as tensors")
+        """A CPU tensor with ``x``'s contents from its region's pinned backup while the
+        region is paused, else ``None`` (as torch_memory_saver). Always a copy: with
+        ``zero_copy=True`` torch_memory_saver hands out a view of its backup, which the
+        next pause may overwrite under the caller; gpu_pager does not."""
+        import gpu_pager.torch as gpt
+
+        return gpt.read_backup(x)
 
     def set_disk_backup_dir(self, path: str) -> None:
         """Not supported: gpu_pager has no disk backup."""

@@ -97,6 +97,10 @@ struct BenchArgs {
     /// Also sweep bare map/unmap over these chunk sizes in MiB (e.g. 2,64,256,512,1024,2048).
     #[arg(long, value_delimiter = ',')]
     sweep_mib: Vec<usize>,
+    /// Skip these groups of rows (comma-separated): cold, pinning, growing, alloc,
+    /// after-free, routes, marked. The base rows (link, weights, KV) always run.
+    #[arg(long, value_delimiter = ',', value_parser = ["cold", "pinning", "growing", "alloc", "after-free", "routes", "marked"])]
+    skip: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -446,8 +450,16 @@ fn bench(backend: Arc<dyn Backend>, a: &BenchArgs) -> Result<(), Error> {
     cfg.weight_buffers = a.load.buffers;
     cfg.repeats = a.repeats;
     cfg.chunk_bytes = a.load.chunk_mib << 20;
-    cfg.cold_release &= !a.no_cold;
-    cfg.pinning &= !a.no_pinning;
+    let skip = |group: &str| a.skip.iter().any(|s| s == group);
+    cfg.cold_release &= !a.no_cold && !skip("cold");
+    cfg.pinning &= !a.no_pinning && !skip("pinning");
+    cfg.growing &= !skip("growing");
+    if skip("alloc") {
+        cfg.alloc_sizes.clear();
+    }
+    cfg.after_free &= !skip("after-free");
+    cfg.routes &= !skip("routes");
+    cfg.marked &= !skip("marked");
     cfg.sweep = a.sweep_mib.iter().map(|m| m << 20).collect();
     if on_gpu && a.load.weights_gib.is_none() && a.load.kv_gib.is_none() {
         let free = backend.mem_info().map(|m| m.free).unwrap_or(0);

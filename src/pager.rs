@@ -315,7 +315,11 @@ impl Pager {
         let g = backend.info().granularity.max(1);
         let chunk = round_chunk(config.chunk_bytes, g);
         let discard_chunk = round_chunk(config.discard_chunk_bytes, g);
-        let hash_chunk = config.hash_chunk_bytes.max(16).next_multiple_of(16);
+        let hash_chunk = config
+            .hash_chunk_bytes
+            .max(16)
+            .checked_next_multiple_of(16)
+            .unwrap_or(usize::MAX / 16 * 16);
         let copies = PumpConfig {
             route: config.restore_route,
             unit_bytes: config.copy_unit_bytes,

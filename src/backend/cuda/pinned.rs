@@ -568,7 +568,8 @@ impl CudaBackend {
             // A copy may still be writing the buffer: leak it rather than unmap it under the
             // copy engine.
             self.dev.errors.record(format!(
-                "pin_from_device: waiting for the copies failed ({}); {} bytes of pinned host                  memory are leaked",
+                "pin_from_device: waiting for the copies failed ({}); {} bytes of pinned host \
+                 memory are leaked",
                 super::describe(e),
                 pinned.mem.len
             ));

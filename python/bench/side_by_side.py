@@ -209,7 +209,11 @@ def main() -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f)
-        return 0
+        # Skip interpreter teardown: torch_memory_saver's exit handlers exit with status 1
+        # (after printing "only support interesting region"); the figures are written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     results = []
     for impl in ("gpu_pager", "torch_memory_saver"):
         out = f"/tmp/side_by_side_{impl}.json"

@@ -43,6 +43,10 @@ mode. gpu_pager's protections are the pager-mediated paths: ``read``/``write`` (
 ``Pager.read``/``Pager.write``) raise ``NotResidentError``, and ``lease(tags)`` keeps
 tags resident while kernels that use them may run (a release then raises ``BusyError``).
 
+**Never remove a region torch still has segments in** (``Pager.remove``): torch indexes
+its blocks by address, and a removed region's addresses can be handed to a new region.
+Let the tensors die and call ``empty_cache(tag)`` first (``stats`` then shows no buffers).
+
 torch is imported on first use, so that this module imports without it.
 """
 

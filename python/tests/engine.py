@@ -115,7 +115,11 @@ class Engine:
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill (eagerly; the KV cache is refilled) and one graph-replayed decode step:
-        both logits, on the host."""
+        both logits, on the host. The cache is zeroed first, as between two generations:
+        HF's static cache attends over all its positions with a mask, and after a resume of a
+        ``discard`` tag the masked positions hold whatever the memory held (NaN patterns
+        included, and 0 * NaN is NaN)."""
+        self.cache.reset()
         prompt_logits = self.prefill().float().cpu()
         self.graph.replay()
         torch.cuda.synchronize()

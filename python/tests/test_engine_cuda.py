@@ -5,6 +5,8 @@ transformers and a CUDA GPU (skipped otherwise, with the reason)."""
 
 from __future__ import annotations
 
+import itertools
+
 import os
 import subprocess
 import sys
@@ -30,6 +32,23 @@ sys.path.insert(0, os.path.dirname(__file__))
 from engine import Engine, Placement, trainer_pass  # noqa: E402
 
 MIB = 1 << 20
+
+
+_torch_names = itertools.count()
+
+
+@pytest.fixture
+def new_tag() -> Callable[[], str]:
+    """Fresh tags whose regions are never removed: torch keeps their segments in its
+    caching allocator, and a region removed under torch would free addresses that torch
+    still indexes its blocks by (a later region could get them)."""
+    return lambda: f"torch{next(_torch_names)}"
+
+
+@pytest.fixture
+def tag(new_tag: Callable[[], str]) -> str:
+    """One fresh tag (never removed)."""
+    return new_tag()
 CYCLES = 3
 
 
@@ -133,7 +152,9 @@ def test_update_aware_wake_up_keeps_the_buffers(tags: dict[str, str]) -> None:
     for _ in range(CYCLES):
         report = gpt.release([kv, w, g])
         copied = report.region(w).copied  # type: ignore[union-attr]
-        assert copied < 8 * MIB, f"{copied} bytes copied with every parameter marked"
+        # What is copied: the buffers, and the free space inside torch's segments (torch's
+        # free blocks are not marked: gpu_pager cannot see them).
+        assert copied < engine.weight_bytes() // 4, f"{copied} bytes copied, all marked"
         trainer_pass()
         gpt.resume(w)
         assert torch.equal(gpt.read(engine.model.model.rotary_emb.inv_freq), inv_freq)

@@ -21,6 +21,37 @@ pub struct PyPager {
 }
 
 impl PyPager {
+    /// `n` bytes of `buf` from `offset` by `read` (the device, or the backup), the range
+    /// checked first so that a bad one fails before the allocation.
+    fn read_with<'py>(
+        &self,
+        py: Python<'py>,
+        buf: &Buffer,
+        offset: &Bound<'_, PyAny>,
+        n: &Bound<'_, PyAny>,
+        read: fn(&gpu_pager::Pager, &gpu_pager::Buffer, usize, &mut [u8]) -> gpu_pager::Result<()>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        self.check_device(py, buf)?;
+        let offset = args::size(offset, "offset")?;
+        let n = args::size(n, "n")?;
+        let (p, b) = (&self.inner, &buf.inner);
+        let out = run(py, || {
+            if offset.checked_add(n).is_none_or(|end| end > b.len()) {
+                return Err(gpu_pager::Error::OutOfRange {
+                    tag: b.tag().to_owned(),
+                    what: "buffer",
+                    offset,
+                    len: n,
+                    size: b.len(),
+                });
+            }
+            let mut out = vec![0u8; n];
+            read(p, b, offset, &mut out)?;
+            Ok(out)
+        })?;
+        Ok(PyBytes::new(py, &out))
+    }
+
     /// A buffer of another device's pager is `InvalidArgumentError`.
     fn check_device(&self, py: Python<'_>, buf: &Buffer) -> PyResult<()> {
         if buf.device == self.device {
@@ -193,26 +224,7 @@ impl PyPager {
         offset: &Bound<'_, PyAny>,
         n: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        self.check_device(py, &buf)?;
-        let offset = args::size(offset, "offset")?;
-        let n = args::size(n, "n")?;
-        let (p, b) = (&self.inner, &buf.inner);
-        let out = run(py, || {
-            // Checked first, so that a bad range fails before the allocation.
-            if offset.checked_add(n).is_none_or(|end| end > b.len()) {
-                return Err(gpu_pager::Error::OutOfRange {
-                    tag: b.tag().to_owned(),
-                    what: "buffer",
-                    offset,
-                    len: n,
-                    size: b.len(),
-                });
-            }
-            let mut out = vec![0u8; n];
-            p.read(b, offset, &mut out)?;
-            Ok(out)
-        })?;
-        Ok(PyBytes::new(py, &out))
+        self.read_with(py, &buf, offset, n, gpu_pager::Pager::read)
     }
 
     /// Marks (``on=True``) or unmarks bytes ``offset .. offset + length`` of the buffer
@@ -286,25 +298,7 @@ impl PyPager {
         offset: &Bound<'_, PyAny>,
         n: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        self.check_device(py, &buf)?;
-        let offset = args::size(offset, "offset")?;
-        let n = args::size(n, "n")?;
-        let (p, b) = (&self.inner, &buf.inner);
-        let out = run(py, || {
-            if offset.checked_add(n).is_none_or(|end| end > b.len()) {
-                return Err(gpu_pager::Error::OutOfRange {
-                    tag: b.tag().to_owned(),
-                    what: "buffer",
-                    offset,
-                    len: n,
-                    size: b.len(),
-                });
-            }
-            let mut out = vec![0u8; n];
-            p.read_backup(b, offset, &mut out)?;
-            Ok(out)
-        })?;
-        Ok(PyBytes::new(py, &out))
+        self.read_with(py, &buf, offset, n, gpu_pager::Pager::read_backup)
     }
 
     /// Gives the physical memory of ``tags`` (a str or a sequence of str) back to the

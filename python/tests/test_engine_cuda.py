@@ -5,7 +5,6 @@ transformers and a CUDA GPU (skipped otherwise, with the reason)."""
 
 from __future__ import annotations
 
-import itertools
 
 import os
 import subprocess
@@ -25,6 +24,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("transformers", reason="transformers is not installed")
 
 import gpu_pager.torch as gpt  # noqa: E402
+from torch_tags import new_tag, tag  # noqa: E402, F401  (fixtures)
 from gpu_pager.compat.torch_memory_saver import TorchMemorySaver  # noqa: E402
 from gpu_pager.compat.vllm import CuMemAllocator  # noqa: E402
 
@@ -32,23 +32,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from engine import Engine, Placement, trainer_pass  # noqa: E402
 
 MIB = 1 << 20
-
-
-_torch_names = itertools.count()
-
-
-@pytest.fixture
-def new_tag() -> Callable[[], str]:
-    """Fresh tags whose regions are never removed: torch keeps their segments in its
-    caching allocator, and a region removed under torch would free addresses that torch
-    still indexes its blocks by (a later region could get them)."""
-    return lambda: f"torch{next(_torch_names)}"
-
-
-@pytest.fixture
-def tag(new_tag: Callable[[], str]) -> str:
-    """One fresh tag (never removed)."""
-    return new_tag()
 CYCLES = 3
 
 
@@ -68,6 +51,17 @@ def tags(new_tag: Callable[[], str]) -> dict[str, str]:
     """Fresh tags for the engine's three kinds of memory. Regions of earlier tests stay
     (torch never frees their segments), so each test uses new ones."""
     return {"weights": new_tag(), "kv": new_tag(), "graph": new_tag()}
+
+
+def gpt_placement(tags: dict[str, str]) -> Placement:
+    """The engine's memory in three gpu_pager.torch tags: weights (preserve), KV cache
+    (discard) and the decode graph (discard)."""
+    w, kv, g = tags["weights"], tags["kv"], tags["graph"]
+    return Placement(
+        weights=lambda: gpt.use(w),
+        kv=lambda: gpt.use(kv, "discard"),
+        graph=lambda cg: gpt.graph(cg, g),
+    )
 
 
 def _check_cycle(engine: Engine, want: Any, addresses: dict[str, int]) -> None:
@@ -105,12 +99,7 @@ def _cycles(
 @pytest.mark.parametrize("size", ["small", "large"])
 def test_llama_multi_stage_wake_up(size: str, tags: dict[str, str]) -> None:
     w, kv, g = tags["weights"], tags["kv"], tags["graph"]
-    place = Placement(
-        weights=lambda: gpt.use(w),
-        kv=lambda: gpt.use(kv, "discard"),
-        graph=lambda cg: gpt.graph(cg, g),
-    )
-    engine = Engine(size, place)
+    engine = Engine(size, gpt_placement(tags))
     for name, t in engine.tensors().items():
         where = gpt.locate(t)
         want = w if name.startswith(("param", "buffer")) else kv
@@ -137,11 +126,7 @@ def test_update_aware_wake_up_keeps_the_buffers(tags: dict[str, str]) -> None:
     w, kv, g = tags["weights"], tags["kv"], tags["graph"]
     engine = Engine(
         "small",
-        Placement(
-            weights=lambda: gpt.use(w),
-            kv=lambda: gpt.use(kv, "discard"),
-            graph=lambda cg: gpt.graph(cg, g),
-        ),
+        gpt_placement(tags),
     )
     marked = gpt.mark_parameters(engine.model)
     assert marked == engine.weight_bytes()
@@ -172,11 +157,7 @@ def test_skipped_stage_is_an_error_not_a_fault(tags: dict[str, str]) -> None:
     w, kv, g = tags["weights"], tags["kv"], tags["graph"]
     engine = Engine(
         "small",
-        Placement(
-            weights=lambda: gpt.use(w),
-            kv=lambda: gpt.use(kv, "discard"),
-            graph=lambda cg: gpt.graph(cg, g),
-        ),
+        gpt_placement(tags),
     )
     want = engine.step()
     addresses = engine.addresses()

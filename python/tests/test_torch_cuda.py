@@ -3,7 +3,6 @@ machine (torch 2.11, CUDA 13); see python-research notes for the torch facts rel
 
 from __future__ import annotations
 
-import itertools
 
 from collections.abc import Callable
 from typing import Any
@@ -17,27 +16,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
 
 import gpu_pager.torch as gpt  # noqa: E402
+from torch_tags import new_tag, tag  # noqa: E402, F401  (fixtures)
 from gpu_pager.compat.torch_memory_saver import TorchMemorySaver  # noqa: E402
 from gpu_pager.compat.vllm import CuMemAllocator  # noqa: E402
 
 MIB = 1 << 20
-
-
-_torch_names = itertools.count()
-
-
-@pytest.fixture
-def new_tag() -> Callable[[], str]:
-    """Fresh tags whose regions are never removed: torch keeps their segments in its
-    caching allocator, and a region removed under torch would free addresses that torch
-    still indexes its blocks by (a later region could get them)."""
-    return lambda: f"torch{next(_torch_names)}"
-
-
-@pytest.fixture
-def tag(new_tag: Callable[[], str]) -> str:
-    """One fresh tag (never removed)."""
-    return new_tag()
 
 
 def test_tensors_live_in_the_region_and_survive_a_cycle(new_tag: Callable[[], str]) -> None:

@@ -102,6 +102,8 @@ _allocator: Any = None
 # another), kept until empty_cache(tag) drops it, and past interpreter exit (_keep_forever).
 _pools: dict[tuple[str, int], Any] = {}
 _lib: ctypes.CDLL | None = None
+# disable()'s pool of torch's own allocator, per device, kept for the process.
+_plain_pools: dict[int, Any] = {}
 
 
 def _torch() -> Any:
@@ -212,24 +214,40 @@ def pool(tag: str, device: Any = None) -> Any:
 
 
 def empty_cache(tags: str | Iterable[str] | None = None, device: Any = None) -> None:
-    """Gives the unused torch segments of ``tags`` (default: every tag) on ``device`` back:
-    drops the tags' pools (a new one starts at the next ``use``) and empties torch's cache.
-    Segments of live tensors stay until the tensors die and ``empty_cache`` runs again; a
-    CUDA graph captured into a tag keeps the pool's memory while the graph lives. In a
-    growing region a freed segment's memory returns to the device at once."""
+    """Gives the torch segments of ``tags`` (default: every tag) on ``device`` back: drops
+    the tags' pools (a new one starts at the next ``use``) and empties torch's cache. In a
+    growing region a freed segment's memory returns to the device at once. Raises
+    ``BusyError`` (nothing dropped) while tensors still live in one of the pools: torch
+    aborts the process when a pool with live tensors is destroyed. A CUDA graph captured
+    into a tag keeps the pool's memory while the graph lives."""
     torch = _torch()
     index = _index(device)
     wanted = None if tags is None else set(_tags(tags))
+    torch.cuda.synchronize(index)
     with _lock:
-        dropped = [
-            _pools.pop(key)
-            for key in list(_pools)
-            if key[1] == index and (wanted is None or key[0] in wanted)
-        ]
+        keys = [k for k in _pools if k[1] == index and (wanted is None or k[0] in wanted)]
+        # torch 2.11 aborts the process when a pool is destroyed while tensors live in it:
+        # refuse (nothing dropped) while any block of the pools is still allocated.
+        for key in keys:
+            live = [
+                b
+                for seg in _pools[key].snapshot(include_traces=False)
+                for b in seg.get("blocks", [])
+                if b.get("state", "active_allocated") != "inactive"
+            ]
+            if live:
+                err = _native.BusyError(
+                    f"gpu_pager.torch.empty_cache({key[0]!r}): {len(live)} tensors still live "
+                    f"in the tag's torch pool ({sum(b.get('size', 0) for b in live)} bytes); "
+                    "delete them (and CUDA graphs captured into the tag) first"
+                )
+                err.tag = key[0]
+                err.code = dict((n, c) for c, n in _native.error_codes())["Busy"]
+                raise err
+        dropped = [_pools.pop(key) for key in keys]
     for p in dropped:
         _let_go(p)
     del dropped
-    torch.cuda.synchronize(index)
     torch.cuda.empty_cache()
 
 
@@ -311,20 +329,26 @@ region = use
 
 @contextmanager
 def disable(device: Any = None) -> Iterator[None]:
-    """Tensors allocated by this thread inside the block are ordinary torch memory (a
-    private pool of torch's own allocator), outside every region, even inside ``use``.
-    The pool is dropped on exit; its memory goes back to torch as its tensors die."""
+    """Tensors allocated by this thread inside the block are ordinary torch memory (one
+    private pool of torch's own allocator per device, kept for the process), outside every
+    region, even inside ``use``. The pool is never dropped: torch 2.11 aborts the process
+    when a pool is destroyed while tensors still live in it."""
     torch = _torch()
     index = _index(device)
     previous = current_tag(index)
-    plain = torch.cuda.MemPool()
+    with _lock:
+        plain = _plain_pools.get(index)
+        if plain is None:
+            with torch.cuda.device(index):
+                plain = torch.cuda.MemPool()
+            _keep_forever(plain)
+            _plain_pools[index] = plain
     use_tag(index, None)
     try:
         with torch.cuda.use_mem_pool(plain, device=index):
             yield
     finally:
         use_tag(index, previous)
-        del plain
 
 
 @contextmanager
@@ -410,7 +434,7 @@ def write(tensor: Any, value: Any) -> None:
     finished. Returns when the copy is done."""
     torch = _torch()
     p, tag = _checked(tensor)
-    with p.lease([tag]):
+    with p.lease([tag]), torch.no_grad():  # parameters are leaves that require grad
         tensor.copy_(value)
         torch.cuda.current_stream(tensor.device).synchronize()
 

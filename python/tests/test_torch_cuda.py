@@ -241,3 +241,21 @@ def test_marked_tensors_are_not_restored(tag: str) -> None:
     assert torch.equal(gpt.read(buffer), torch.arange(1 << 20, dtype=torch.float32))
     param.fill_(2.0)  # the update
     assert float(param.sum()) == 2.0 * (4 << 20)
+
+
+def test_empty_cache_refuses_while_tensors_live(tag: str) -> None:
+    with gpt.use(tag):
+        x = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
+    with pytest.raises(gpu_pager.BusyError) as e:
+        gpt.empty_cache(tag)  # dropping the pool now would abort the process
+    assert e.value.tag == tag
+    del x
+    gpt.empty_cache(tag)
+    assert gpt.pager().region_stats(tag).buffers == 0
+
+
+def test_parameters_are_written_through_the_pager(tag: str) -> None:
+    with gpt.use(tag):
+        lin = torch.nn.Linear(64, 64, device="cuda")
+    gpt.write(lin.weight, torch.ones(64, 64))  # a leaf that requires grad
+    assert float(gpt.read(lin.weight).sum()) == 64 * 64

@@ -41,15 +41,16 @@ pub const DEFAULT_COPY_GAP_BYTES: usize = 1 << 20;
 pub struct PagerConfig {
     /// Physical chunk size in bytes; rounded up to the backend's granularity and to a power
     /// of two. A region smaller than a chunk is one chunk of its own (rounded) size.
-    /// [`RegionOptions::chunk_bytes`] overrides it per region. Fixed (not elastic, not
-    /// growing) `Discard` and `DiscardZeroed` regions use `discard_chunk_bytes` instead.
+    /// [`RegionOptions::chunk_bytes`] overrides it per region. `Discard` and
+    /// `DiscardZeroed` regions that are not elastic use `discard_chunk_bytes` instead.
     pub chunk_bytes: usize,
-    /// Physical chunk size of fixed `Discard` and `DiscardZeroed` regions (a KV cache
-    /// mapped whole), rounded as `chunk_bytes` (default [`DEFAULT_DISCARD_CHUNK_BYTES`]).
-    /// Their resume maps without copying anything, so it is as fast as the driver maps the
-    /// fewest handles; `usize::MAX` maps each such region as one handle.
-    /// [`RegionOptions::chunk_bytes`] overrides it per region. Elastic regions (mapped and
-    /// trimmed chunk by chunk) and growing ones keep `chunk_bytes`.
+    /// Physical chunk size of `Discard` and `DiscardZeroed` regions that are not elastic (a
+    /// KV cache mapped whole, or a growing one holding torch's KV segments: the largest
+    /// piece one buffer is mapped in), rounded as `chunk_bytes` (default
+    /// [`DEFAULT_DISCARD_CHUNK_BYTES`]). Their resume maps without copying anything, so it
+    /// is as fast as the driver maps the fewest handles; `usize::MAX` maps each such region
+    /// (or buffer) as one handle. [`RegionOptions::chunk_bytes`] overrides it per region.
+    /// Elastic regions (mapped and trimmed chunk by chunk) keep `chunk_bytes`.
     pub discard_chunk_bytes: usize,
     /// On release, hash `Preserve` contents and copy only the hash chunks that changed since
     /// the last backup or restore (default on).
@@ -547,9 +548,10 @@ impl Pager {
                 differs: differs.join(" and "),
             });
         }
-        // A fixed Discard region has nothing to copy while it maps: as few handles as the
-        // driver maps fastest. Everything else maps and copies (or backs) chunk by chunk.
-        let default_chunk = if policy != Policy::Preserve && !options.elastic && !growing {
+        // A Discard region that is mapped whole (fixed) or buffer by buffer (growing: a
+        // torch KV cache's segments) has nothing to copy while it maps: as few handles as
+        // the driver maps fastest. Everything else maps and copies (or backs) chunk by chunk.
+        let default_chunk = if policy != Policy::Preserve && !options.elastic {
             self.config.discard_chunk_bytes
         } else {
             self.config.chunk_bytes

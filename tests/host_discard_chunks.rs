@@ -62,7 +62,7 @@ fn the_setting_is_rounded_like_chunk_bytes() {
 }
 
 #[test]
-fn fixed_discard_regions_map_in_discard_chunks_everything_else_in_chunk_bytes() {
+fn discard_regions_map_in_discard_chunks_everything_else_in_chunk_bytes() {
     let (host, faulty, pager) = setup(4 * MIB);
     let size = 10 * MIB + 64 * KIB; // 2 whole chunks and a short one
     let cases: [(&str, Policy, RegionOptions, usize, u64); 6] = [
@@ -127,13 +127,19 @@ fn fixed_discard_regions_map_in_discard_chunks_everything_else_in_chunk_bytes() 
         .expect("elastic");
     pager.back("kv_elastic", 0..1).expect("back");
     assert_eq!(host.used_bytes(), MIB);
-    // A growing Discard region maps each buffer in pieces of at most `chunk_bytes`.
+    // A growing Discard region (torch's KV segments) maps each buffer in pieces of at most
+    // the discard chunk: a 3 MiB buffer is one 4 MiB-chunk piece, not three 1 MiB ones.
     let grow = pager
         .region("kv_grow", 0, Policy::Discard)
         .expect("growing");
-    assert_eq!(grow.chunk_bytes, MIB);
+    assert_eq!(grow.chunk_bytes, 4 * MIB);
     pager.alloc("kv_grow", 3 * MIB).expect("alloc");
-    assert_eq!(handles_released(&pager, &faulty, "kv_grow"), 3);
+    assert_eq!(handles_released(&pager, &faulty, "kv_grow"), 1);
+    // A growing Preserve region keeps `chunk_bytes` (its restore overlaps piece by piece).
+    let grow_w = pager
+        .region("w_grow", 0, Policy::Preserve)
+        .expect("growing preserve");
+    assert_eq!(grow_w.chunk_bytes, MIB);
 }
 
 #[test]

@@ -60,7 +60,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from gpu_pager import _native
-from gpu_pager._native import Lease, Pager, Policy, RegionInfo, Report
+from gpu_pager._native import Buffer, Lease, Pager, Policy, RegionInfo, Report
 
 __all__ = [
     "MALLOC_SYMBOL",
@@ -405,26 +405,43 @@ def lease(tags: str | Iterable[str], device: Any = None) -> Lease:
     return Pager.for_device(_index(device)).lease(_tags(tags))
 
 
-def locate(tensor: Any) -> tuple[str, int] | None:
-    """The tag of the region holding ``tensor``'s storage and its offset in the region, or
-    ``None`` when the tensor is ordinary torch memory."""
+def _find(tensor: Any) -> tuple[Pager, Buffer, int] | None:
+    """The pager, buffer and offset in the buffer of ``tensor``'s first byte, or ``None``
+    when the tensor is not in a region."""
     if not tensor.is_cuda:
         return None
     p = Pager.for_device(int(tensor.device.index))
     found = p.buffer_containing(int(tensor.data_ptr()))
+    return None if found is None else (p, found[0], found[1])
+
+
+def locate(tensor: Any) -> tuple[str, int] | None:
+    """The tag of the region holding ``tensor``'s storage and its offset in the region, or
+    ``None`` when the tensor is ordinary torch memory."""
+    found = _find(tensor)
     if found is None:
         return None
-    buf, offset = found
+    _, buf, offset = found
     return buf.tag, buf.offset + offset
 
 
-def _checked(tensor: Any) -> tuple[Pager, str]:
-    where = locate(tensor)
-    if where is None:
+def _held(tensor: Any) -> tuple[Pager, Buffer, int]:
+    """``_find``, or a ``ValueError`` when the tensor is not in a region."""
+    found = _find(tensor)
+    if found is None:
         raise ValueError(
             "the tensor is not in a gpu_pager region (allocate it inside gpu_pager.torch.use())"
         )
-    return Pager.for_device(int(tensor.device.index)), where[0]
+    return found
+
+
+def _span(tensor: Any) -> tuple[Pager, Buffer, int, int]:
+    """The pager, buffer, offset in the buffer and length of ``tensor``'s bytes (a
+    contiguous tensor in a region)."""
+    if not tensor.is_contiguous():
+        raise ValueError("the tensor is not contiguous; use its contiguous base")
+    p, buf, offset = _held(tensor)
+    return p, buf, offset, int(tensor.numel()) * int(tensor.element_size())
 
 
 def write(tensor: Any, value: Any) -> None:
@@ -433,8 +450,8 @@ def write(tensor: Any, value: Any) -> None:
     ``NotResidentError`` instead of faulting, and no release can start until the copy has
     finished. Returns when the copy is done."""
     torch = _torch()
-    p, tag = _checked(tensor)
-    with p.lease([tag]), torch.no_grad():  # parameters are leaves that require grad
+    p, buf, _ = _held(tensor)
+    with p.lease([buf.tag]), torch.no_grad():  # parameters are leaves that require grad
         tensor.copy_(value)
         torch.cuda.current_stream(tensor.device).synchronize()
 
@@ -442,25 +459,9 @@ def write(tensor: Any, value: Any) -> None:
 def read(tensor: Any) -> Any:
     """A CPU copy of ``tensor``, read through the pager (``NotResidentError`` if its tag is
     released)."""
-    p, tag = _checked(tensor)
-    with p.lease([tag]):
+    p, buf, _ = _held(tensor)
+    with p.lease([buf.tag]):
         return tensor.detach().to("cpu")
-
-
-def _span(tensor: Any) -> tuple[Pager, Any, int, int]:
-    """The pager, buffer, offset in the buffer and length of ``tensor``'s bytes."""
-    if not tensor.is_contiguous():
-        raise ValueError("the tensor is not contiguous; mark or read its contiguous base")
-    if not tensor.is_cuda:
-        raise ValueError("the tensor is not a CUDA tensor")
-    p = Pager.for_device(int(tensor.device.index))
-    found = p.buffer_containing(int(tensor.data_ptr()))
-    if found is None:
-        raise ValueError(
-            "the tensor is not in a gpu_pager region (allocate it inside gpu_pager.torch.use())"
-        )
-    buf, offset = found
-    return p, buf, offset, int(tensor.numel()) * int(tensor.element_size())
 
 
 def mark_overwritten(tensors: Any, on: bool = True) -> int:

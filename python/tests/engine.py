@@ -155,6 +155,19 @@ class Engine:
         return sum(t.numel() * t.element_size() for t in self.parameters())
 
 
+def gpt_placement(tags: dict[str, str]) -> Placement:
+    """The engine's memory in three gpu_pager.torch tags: ``tags["weights"]`` (preserve),
+    ``tags["kv"]`` (discard) and ``tags["graph"]`` (discard, the decode graph's pool)."""
+    import gpu_pager.torch as gpt
+
+    w, kv, g = tags["weights"], tags["kv"], tags["graph"]
+    return Placement(
+        weights=lambda: gpt.use(w),
+        kv=lambda: gpt.use(kv, "discard"),
+        graph=lambda cg: gpt.graph(cg, g),
+    )
+
+
 def trainer_pass(margin: int = 4 << 30) -> None:
     """What the trainer does between release and resume: allocates most of the free memory
     (all but ``margin``, or the fraction ``GPU_PAGER_TRAINER_FRACTION`` of it when set:
@@ -184,12 +197,8 @@ def _main(argv: list[str]) -> int:
 
     size, cycles = argv[0], int(argv[1])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # torchrun: a GPU per rank
-    place = Placement(
-        weights=lambda: gpt.use("weights"),
-        kv=lambda: gpt.use("kv_cache", "discard"),
-        graph=lambda g: gpt.graph(g, "cuda_graph"),
-    )
-    engine = Engine(size, place)
+    tags = {"weights": "weights", "kv": "kv_cache", "graph": "cuda_graph"}
+    engine = Engine(size, gpt_placement(tags))
     want = engine.step()
     addresses = engine.addresses()
     for cycle in range(cycles):

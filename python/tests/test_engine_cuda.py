@@ -29,7 +29,7 @@ from gpu_pager.compat.torch_memory_saver import TorchMemorySaver  # noqa: E402
 from gpu_pager.compat.vllm import CuMemAllocator  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine import Engine, Placement, trainer_pass  # noqa: E402
+from engine import Engine, Placement, gpt_placement, trainer_pass  # noqa: E402
 
 MIB = 1 << 20
 CYCLES = 3
@@ -51,17 +51,6 @@ def tags(new_tag: Callable[[], str]) -> dict[str, str]:
     """Fresh tags for the engine's three kinds of memory. Regions of earlier tests stay
     (torch never frees their segments), so each test uses new ones."""
     return {"weights": new_tag(), "kv": new_tag(), "graph": new_tag()}
-
-
-def gpt_placement(tags: dict[str, str]) -> Placement:
-    """The engine's memory in three gpu_pager.torch tags: weights (preserve), KV cache
-    (discard) and the decode graph (discard)."""
-    w, kv, g = tags["weights"], tags["kv"], tags["graph"]
-    return Placement(
-        weights=lambda: gpt.use(w),
-        kv=lambda: gpt.use(kv, "discard"),
-        graph=lambda cg: gpt.graph(cg, g),
-    )
 
 
 def _check_cycle(engine: Engine, want: Any, addresses: dict[str, int]) -> None:

@@ -90,10 +90,6 @@ struct BenchArgs {
     /// Skip the first release without prepin (it pins the whole backup on the critical path).
     #[arg(long)]
     no_cold: bool,
-    /// Skip the pinning rows (each method pins the weights' size a few times: about a
-    /// minute on a GPU; nothing on the host backend).
-    #[arg(long)]
-    no_pinning: bool,
     /// Also sweep bare map/unmap over these chunk sizes in MiB (e.g. 2,64,256,512,1024,2048).
     #[arg(long, value_delimiter = ',')]
     sweep_mib: Vec<usize>,
@@ -452,7 +448,7 @@ fn bench(backend: Arc<dyn Backend>, a: &BenchArgs) -> Result<(), Error> {
     cfg.chunk_bytes = a.load.chunk_mib << 20;
     let skip = |group: &str| a.skip.iter().any(|s| s == group);
     cfg.cold_release &= !a.no_cold && !skip("cold");
-    cfg.pinning &= !a.no_pinning && !skip("pinning");
+    cfg.pinning &= !skip("pinning");
     cfg.growing &= !skip("growing");
     if skip("alloc") {
         cfg.alloc_sizes.clear();

@@ -106,14 +106,16 @@ class TorchMemorySaver:
     def memory_margin_bytes(self, value: int) -> None:
         raise NotImplementedError("gpu_pager does not keep a memory margin")
 
-    def _region_tag(self, tag: str, backup: bool) -> str:
+    def _region_tag(self, tag: str, backup: bool) -> tuple[str, Policy]:
+        """The region that holds ``tag`` with or without CPU backup, and its policy."""
+        policy = Policy.PRESERVE if backup else Policy.DISCARD
         with self._lock:
             name = self._regions.get((tag, backup))
             if name is None:
                 other = self._regions.get((tag, not backup))
                 name = tag if other is None else f"{tag}.{'preserve' if backup else 'discard'}"
                 self._regions[(tag, backup)] = name
-            return name
+            return name, policy
 
     def _names(self, tag: str | None) -> list[str]:
         with self._lock:
@@ -136,8 +138,7 @@ class TorchMemorySaver:
             raise ValueError(f"cpu_backup_backend must be 'pinned' or 'mmap', not {cpu_backup_backend!r}")
         import gpu_pager.torch as gpt
 
-        name = self._region_tag(tag, enable_cpu_backup)
-        policy = Policy.PRESERVE if enable_cpu_backup else Policy.DISCARD
+        name, policy = self._region_tag(tag, enable_cpu_backup)
         size = self.region_bytes.get(tag, self._default_bytes)
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
@@ -167,8 +168,7 @@ class TorchMemorySaver:
             return
         import gpu_pager.torch as gpt
 
-        name = self._region_tag(tag, enable_cpu_backup)
-        policy = Policy.PRESERVE if enable_cpu_backup else Policy.DISCARD
+        name, policy = self._region_tag(tag, enable_cpu_backup)
         with gpt.graph(
             cuda_graph, name, policy, stream=stream, capture_error_mode=capture_error_mode
         ):

@@ -461,6 +461,7 @@ mod tests {
         let (saved, _) = crate::pump::scope(
             b,
             crate::pump::PumpConfig::default(),
+            &crate::pump::Traffic::default(),
             // SAFETY: the caller's contract.
             |p| unsafe { backup.save(b, base, len, want, skip, chunk, p) },
             |e| e,
@@ -483,6 +484,7 @@ mod tests {
         crate::pump::scope(
             b,
             crate::pump::PumpConfig::default(),
+            &crate::pump::Traffic::default(),
             |p| {
                 let mut sink = Sink::Pump(p);
                 // SAFETY: the caller's contract.

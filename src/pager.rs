@@ -258,6 +258,9 @@ pub struct Pager {
     overlap_restore: AtomicBool,
     restore_route: AtomicU8,
     save_route: AtomicU8,
+    /// The copies in flight on this device's link, per direction, over every call's pump
+    /// (an adaptive restore stays off the copy kernel while a release copies out).
+    traffic: pump::Traffic,
 }
 
 impl std::fmt::Debug for Pager {
@@ -343,6 +346,7 @@ impl Pager {
             overlap_restore: AtomicBool::new(config.overlap_restore),
             restore_route: AtomicU8::new(route_code(config.restore_route)),
             save_route: AtomicU8::new(route_code(config.save_route)),
+            traffic: pump::Traffic::default(),
         }
     }
 
@@ -917,6 +921,7 @@ impl Pager {
             let ((), pumped) = pump::scope(
                 backend,
                 self.pump_config(&self.save_route),
+                &self.traffic,
                 |p| {
                     for (i, r) in regions.iter_mut().enumerate() {
                         if saving[i] {
@@ -1042,6 +1047,7 @@ impl Pager {
                     let ((), pumped) = pump::scope(
                         backend,
                         self.pump_config(&self.restore_route),
+                        &self.traffic,
                         |p| {
                             let sink = &mut Sink::Pump(p);
                             map_and_restore_all(

@@ -116,7 +116,7 @@ impl BenchConfig {
         self.weights_bytes + cold + self.kv_bytes + self.link_bytes()
     }
 
-    fn link_bytes(&self) -> usize {
+    pub(crate) fn link_bytes(&self) -> usize {
         self.weights_bytes.min(4 * GIB)
     }
 

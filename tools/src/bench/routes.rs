@@ -6,7 +6,7 @@
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use gpu_pager::backend::{Backend, BackendKind, Direction, HostBuffer, Mover};
+use gpu_pager::backend::{Backend, BackendKind, Direction, HostBuffer, Mover, RawCopy};
 use gpu_pager::pump::{self, Pinned, PinnedMut, PumpConfig, PumpStats};
 use gpu_pager::report::gbps;
 use gpu_pager::{Buffer, CopyRoute, Error, Pager, Policy, RegionOptions, Report, Result};
@@ -254,6 +254,7 @@ fn pump_whole(
     pump::scope(
         backend,
         config,
+        &pump::Traffic::default(),
         |p| match direction {
             // SAFETY: `dev .. dev + host.len()` is the live, resident bench_movers buffer,
             // which nothing else touches meanwhile; `host` is this backend's pinned memory.
@@ -281,7 +282,10 @@ fn both_directions_rows(
     log: &mut dyn FnMut(&str),
     rows: &mut Vec<Row>,
 ) -> Result<()> {
-    log("both directions at once: release the weights while another tag resumes");
+    log("both directions at once: the bare copies, then release the weights while another tag resumes");
+    if let Some(row) = bare_duplex_row(pager, cfg, link, repeats)? {
+        rows.push(row);
+    }
     pager.region_with(
         "weights_y",
         cfg.weights_bytes,
@@ -377,4 +381,72 @@ fn both_directions_rows(
     }
     pager.remove("weights_y")?;
     Ok(())
+}
+
+/// The hardware's own duplex: a host→device and a device→host copy of the link probe's size
+/// each, on the copy engine on two streams at once, against one direction's link for the
+/// bytes of both (what the pager's both-directions rows can hope for). `None` on the host
+/// backend (no streams).
+fn bare_duplex_row(
+    pager: &Pager,
+    cfg: &BenchConfig,
+    link: &Link,
+    repeats: usize,
+) -> Result<Option<Row>> {
+    let b = pager.backend().as_ref();
+    let Some((s1, s2)) = crate::bench::streams::two(b)? else {
+        return Ok(None);
+    };
+    let bytes = cfg.link_bytes();
+    let tag = "bench_duplex";
+    let err = |op: &'static str| move |e| Error::backend(tag, op, e);
+    pager.region(tag, 2 * bytes, Policy::Discard)?;
+    let bufs = (pager.alloc(tag, bytes)?, pager.alloc(tag, bytes)?);
+    let (to_dev, from_dev) = (pager.ptr(&bufs.0)?, pager.ptr(&bufs.1)?);
+    let src = b.alloc_pinned(bytes).map_err(err("pinning"))?;
+    let mut dst = b.alloc_pinned(bytes).map_err(err("pinning"))?;
+    let mut samples = Vec::with_capacity(repeats);
+    for _ in 0..repeats.max(1) {
+        let up = RawCopy {
+            direction: Direction::ToDevice,
+            host: src.as_slice().as_ptr() as u64,
+            host_device: src.device_ptr(),
+            device: to_dev,
+            bytes,
+        };
+        let down = RawCopy {
+            direction: Direction::ToHost,
+            host: dst.as_mut_slice().as_mut_ptr() as u64,
+            host_device: dst.device_ptr(),
+            device: from_dev,
+            bytes,
+        };
+        let t = Instant::now();
+        // SAFETY: both device ranges are live buffers of the resident bench_duplex region;
+        // the host buffers are this backend's pinned memory, alive and not otherwise used
+        // until both streams are synchronized below.
+        unsafe { b.copy_on(&up, Mover::CopyEngine, s1.raw()) }.map_err(err("copy"))?;
+        // SAFETY: as above.
+        unsafe { b.copy_on(&down, Mover::CopyEngine, s2.raw()) }.map_err(err("copy"))?;
+        s1.sync()?;
+        s2.sync()?;
+        samples.push(t.elapsed());
+    }
+    drop((src, dst));
+    pager.remove(tag)?;
+    let one_way = Duration::from_secs_f64(2.0 * bytes as f64 / (link.h2d_gbps * 1e9));
+    Ok(Some(Row {
+        name: format!(
+            "bare: {} host→device and {} device→host at once, copy engine, two streams",
+            size_name(bytes),
+            size_name(bytes)
+        ),
+        figure: Spread::of(&samples),
+        limit: Spread::of(&[one_way]),
+        limit_name: format!(
+            "{:.2} GiB / H2D (one direction): the link's own duplex factor",
+            2.0 * bytes as f64 / GIB as f64
+        ),
+        target: None,
+    }))
 }

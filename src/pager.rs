@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -75,11 +75,12 @@ pub struct PagerConfig {
     /// [`CopyRoute::Engine`]). Also switchable with [`Pager::set_save_route`].
     pub save_route: CopyRoute,
     /// Bytes per unit of a pumped copy (default [`pump::DEFAULT_UNIT_BYTES`], 64 MiB; rounded
-    /// up to a multiple of [`pump::MIN_UNIT_BYTES`]).
+    /// up to a multiple of [`pump::MIN_UNIT_BYTES`]). Also switchable with
+    /// [`Pager::set_copy_units`].
     pub copy_unit_bytes: usize,
     /// Units queued per mover at most (default [`pump::DEFAULT_DEPTH`], 2). A call has at
     /// most twice this many units in flight, which is all that a concurrent release of
-    /// another tag waits for.
+    /// another tag waits for. Also switchable with [`Pager::set_copy_units`].
     pub copy_depth: usize,
     /// The mover [`Pager::resume_on`] enqueues its restore with on the caller's stream
     /// (default [`Mover::CopyEngine`]; [`Mover::CopyKernel`] launches the copy kernel there).
@@ -258,6 +259,9 @@ pub struct Pager {
     overlap_restore: AtomicBool,
     restore_route: AtomicU8,
     save_route: AtomicU8,
+    /// [`PagerConfig::copy_unit_bytes`] and [`PagerConfig::copy_depth`] as they are now.
+    copy_unit: AtomicUsize,
+    copy_depth: AtomicUsize,
     /// The copies in flight on this device's link, per direction, over every call's pump
     /// (an adaptive restore stays off the copy kernel while a release copies out).
     traffic: pump::Traffic,
@@ -346,6 +350,8 @@ impl Pager {
             overlap_restore: AtomicBool::new(config.overlap_restore),
             restore_route: AtomicU8::new(route_code(config.restore_route)),
             save_route: AtomicU8::new(route_code(config.save_route)),
+            copy_unit: AtomicUsize::new(copies.unit_bytes),
+            copy_depth: AtomicUsize::new(copies.depth),
             traffic: pump::Traffic::default(),
         }
     }
@@ -366,12 +372,25 @@ impl Pager {
         self.save_route.store(route_code(route), Ordering::Relaxed);
     }
 
+    /// Switches [`PagerConfig::copy_unit_bytes`] and [`PagerConfig::copy_depth`] for later
+    /// calls (normalized as at creation: the unit rounded up to 4 KiB, the depth at least 1).
+    pub fn set_copy_units(&self, unit_bytes: usize, depth: usize) {
+        let c = PumpConfig {
+            route: CopyRoute::Adaptive,
+            unit_bytes,
+            depth,
+        }
+        .normalized();
+        self.copy_unit.store(c.unit_bytes, Ordering::Relaxed);
+        self.copy_depth.store(c.depth, Ordering::Relaxed);
+    }
+
     /// The pump settings of a copy on `route`.
     fn pump_config(&self, route: &AtomicU8) -> PumpConfig {
         PumpConfig {
             route: route_of(route.load(Ordering::Relaxed)),
-            unit_bytes: self.config.copy_unit_bytes,
-            depth: self.config.copy_depth,
+            unit_bytes: self.copy_unit.load(Ordering::Relaxed),
+            depth: self.copy_depth.load(Ordering::Relaxed),
         }
     }
 
@@ -391,6 +410,8 @@ impl Pager {
             overlap_restore: self.overlap_restore.load(Ordering::Relaxed),
             restore_route: route_of(self.restore_route.load(Ordering::Relaxed)),
             save_route: route_of(self.save_route.load(Ordering::Relaxed)),
+            copy_unit_bytes: self.copy_unit.load(Ordering::Relaxed),
+            copy_depth: self.copy_depth.load(Ordering::Relaxed),
             ..self.config
         }
     }

@@ -162,9 +162,10 @@ impl Traffic {
 
     fn sub(&self, direction: Direction) {
         // Never below zero: every `sub` follows its own `add`.
-        let _ = self.units[slot(direction)].fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-            Some(n.saturating_sub(1))
-        });
+        let _ =
+            self.units[slot(direction)].fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some(n.saturating_sub(1))
+            });
     }
 }
 
@@ -599,9 +600,7 @@ impl<'h> Pump<'_, 'h> {
             .traffic
             .in_flight(back)
             .saturating_sub(self.own[slot(back)]);
-        !(self.config.route == CopyRoute::Adaptive
-            && mover == Mover::CopyKernel
-            && others_back > 0)
+        !(self.config.route == CopyRoute::Adaptive && mover == Mover::CopyKernel && others_back > 0)
     }
 
     /// The mover that takes the next unit (going `direction`): an allowed one with a free

@@ -272,3 +272,35 @@ fn releases_and_resumes_of_two_tags_from_two_threads_stay_bit_exact() {
         t.join().expect("a thread failed");
     }
 }
+
+#[test]
+fn the_copy_units_are_switchable_and_moves_stay_bit_exact() {
+    let backend = host(64 * MIB);
+    let pager = pager(backend.clone(), CopyRoute::Adaptive);
+    pager.region("weights", 4 * MIB, Policy::Preserve).unwrap();
+    let bufs: Vec<Buffer> = (0..3)
+        .map(|i| pager.alloc("weights", 300_007 + i * 91_001).unwrap())
+        .collect();
+    let want = write_all(&pager, &bufs, 7);
+    for (unit, depth) in [(3 * KIB, 0), (128 * KIB, 4), (8 * MIB, 1)] {
+        pager.set_copy_units(unit, depth);
+        let c = pager.config();
+        // Normalized as at creation: 4 KiB multiples, at least one unit queued.
+        assert_eq!(c.copy_unit_bytes, unit.next_multiple_of(4 * KIB));
+        assert_eq!(c.copy_depth, depth.max(1));
+        let what = format!("units of {unit} × {depth}");
+        let r = pager.release(&["weights"]).unwrap();
+        assert!(r.copied() > 0 || unit != 3 * KIB, "{what}");
+        let r = pager.resume(&["weights"]).unwrap();
+        // Each restored span is cut into units of the new size: at least the bytes over
+        // the unit, at most one partial unit more per span (one span per buffer at most).
+        let units: usize = r.copies.units.iter().sum();
+        let u = c.copy_unit_bytes;
+        assert!(
+            r.copied().div_ceil(u) <= units && units <= r.copied() / u + bufs.len(),
+            "{what}: {units} units for {} bytes",
+            r.copied()
+        );
+        check_all(&pager, &bufs, &want, &what);
+    }
+}

@@ -153,9 +153,69 @@ pub(super) fn rows(
     pager.set_restore_route(defaults.restore_route);
     pager.set_save_route(defaults.save_route);
 
+    shape_rows(pager, link, settle, repeats, log, rows)?;
+
     both_directions_rows(pager, cfg, link, bufs, settle, repeats, log, rows)?;
     pager.set_restore_route(defaults.restore_route);
     pager.set_save_route(defaults.save_route);
+    Ok(())
+}
+
+/// The copy units' size and depth (`Pager::set_copy_units`) against the resume of the
+/// weights right after a trainer's free (kernel and adaptive routes) and settled
+/// (adaptive): does another shape carry the kernel closer to the link?
+fn shape_rows(
+    pager: &Pager,
+    link: &Link,
+    settle: Duration,
+    repeats: usize,
+    log: &mut dyn FnMut(&str),
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    const MIB: usize = 1 << 20;
+    let defaults = pager.config();
+    log("copy shapes: unit size and depth against the resume right after a trainer's free");
+    for (unit, depth) in [(64 * MIB, 2), (256 * MIB, 2), (64 * MIB, 4), (16 * MIB, 8)] {
+        pager.set_copy_units(unit, depth);
+        for (route, after_free) in [
+            (CopyRoute::Kernel, true),
+            (CopyRoute::Adaptive, true),
+            (CopyRoute::Adaptive, false),
+        ] {
+            pager.set_restore_route(route);
+            let (mut samples, mut restored) = (vec![], 0);
+            for _ in 0..repeats {
+                pager.release(&["weights"])?;
+                if after_free {
+                    trainer_step(pager.backend().as_ref(), 2 * GIB)?;
+                } else {
+                    std::thread::sleep(settle);
+                }
+                let r = pager.resume(&["weights"])?;
+                samples.push(r.total);
+                restored = r.copied();
+            }
+            let when = if after_free {
+                "right after a trainer's free"
+            } else {
+                "1 s after the release"
+            };
+            rows.push(Row {
+                name: format!(
+                    "resume weights, {route}, {when}, units of {} MiB × {depth} per mover",
+                    unit / MIB
+                ),
+                figure: Spread::of(&samples),
+                limit: Spread::of(&[Duration::from_secs_f64(
+                    restored as f64 / (link.h2d_gbps * 1e9),
+                )]),
+                limit_name: format!("{:.2} GiB / H2D", restored as f64 / GIB as f64),
+                target: None,
+            });
+        }
+    }
+    pager.set_copy_units(defaults.copy_unit_bytes, defaults.copy_depth);
+    pager.set_restore_route(defaults.restore_route);
     Ok(())
 }
 
@@ -282,7 +342,9 @@ fn both_directions_rows(
     log: &mut dyn FnMut(&str),
     rows: &mut Vec<Row>,
 ) -> Result<()> {
-    log("both directions at once: the bare copies, then release the weights while another tag resumes");
+    log(
+        "both directions at once: the bare copies, then release the weights while another tag resumes",
+    );
     if let Some(row) = bare_duplex_row(pager, cfg, link, repeats)? {
         rows.push(row);
     }

@@ -165,7 +165,7 @@ impl Backup {
         let all = 0..kernels::chunk_count(size, chunk);
         // SAFETY: the caller's contract; the device is unchanged since the copy.
         let hashes = unsafe { hash_chunks(backend, base, size, chunk, all) }?;
-        self.valid = vec![0..size];
+        self.valid = std::iter::once(0..size).collect();
         self.hashes = Some(hashes);
         Ok((pinned, t.elapsed()))
     }

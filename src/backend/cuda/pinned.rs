@@ -64,8 +64,8 @@ pub const MIN_TOUCH_BYTES_PER_THREAD: usize = 8 << 20;
 /// pipeline cannot hide grows with the piece: the first piece's touch and the last piece's
 /// copy (from the rates measured on the H200 host, touching ~0.03 s/GiB on all cores and
 /// copying at ~55 GB/s: some 15 ms and 10 ms at 512 MiB); what each piece adds (one
-/// registration call, one copy call) is small next to that. The bench's `pin_rows` compare
-/// 512 MiB and 2 GiB pieces.
+/// registration call, one copy call) is small next to that. Not measured yet: the bench's
+/// `pin_rows` compare pieces of 256 MiB to 2 GiB.
 pub const FIRST_BACKUP_PIECE_BYTES: usize = 512 << 20;
 
 /// How [`CudaBackend::pin`] makes pinned host memory. The default is what
@@ -641,7 +641,7 @@ impl CudaBackend {
         let (enqueued, held) = std::thread::scope(|s| {
             let helper = std::thread::Builder::new()
                 .name("gpu-pager-pin".to_owned())
-                .spawn_scoped(s, &toucher);
+                .spawn_scoped(s, toucher);
             if helper.is_err() {
                 // No helper: touch every piece here first (no overlap, still correct).
                 let t = Instant::now();

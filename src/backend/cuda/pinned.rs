@@ -100,27 +100,36 @@ impl Default for PinOptions {
     }
 }
 
-/// What pinning one buffer took, step by step.
+/// What pinning one buffer took, step by step. From [`CudaBackend::pin`] the steps run one
+/// after another; from [`CudaBackend::pin_from_device`] touching, registering and copying
+/// overlap, and each step is the calling thread's time in it, so that the steps still add up
+/// to the call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PinTimings {
     /// `mmap` and `madvise`.
     pub map: Duration,
-    /// First touch of every page.
+    /// First touch of every page; in [`CudaBackend::pin_from_device`], the time spent
+    /// waiting for the helper thread's touched pieces (the first one's touch, and any piece
+    /// the registering caught up with): the touch not hidden.
     pub touch: Duration,
     /// `cuMemHostRegister` (all pieces) and `cuMemHostGetDevicePointer`; in
-    /// [`CudaBackend::pin_from_device`], registering and enqueueing the copies.
+    /// [`CudaBackend::pin_from_device`], registering each piece and enqueueing its copy
+    /// (while later pieces are touched and earlier ones copy), and the pointer lookup.
     pub register: Duration,
     /// [`CudaBackend::pin_from_device`]: waiting for the copies after the last piece was
-    /// registered (zero for [`CudaBackend::pin`]).
+    /// enqueued (zero for [`CudaBackend::pin`]).
     pub wait: Duration,
-    /// Threads that touched (1: the calling thread alone).
+    /// Threads that touched (1: the calling thread alone); in
+    /// [`CudaBackend::pin_from_device`], the threads touching one piece (the helper and its
+    /// own helpers).
     pub touch_threads: usize,
     /// Registrations.
     pub pieces: usize,
 }
 
 impl PinTimings {
-    /// The whole pinning (and, from [`CudaBackend::pin_from_device`], copying).
+    /// The whole pinning (and, from [`CudaBackend::pin_from_device`], copying): the call's
+    /// time but for a few bookkeeping steps.
     pub fn total(&self) -> Duration {
         self.map + self.touch + self.register + self.wait
     }

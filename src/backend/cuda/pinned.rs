@@ -469,6 +469,82 @@ fn register(addr: usize, len: usize) -> BackendResult<()> {
         .map_err(|e| driver_err("cuMemHostRegister", e))
 }
 
+/// The pipeline of [`CudaBackend::pin_from_device`] over `parts` (piece ranges and their
+/// bytes, in order): a scoped helper thread touches the parts in order (each on
+/// `touch_threads(len, helpers)` threads) and sends each touched part to this thread, which
+/// runs `step` on it (registering it and enqueueing its copy) while the helper touches the
+/// next. Stops at the first error of `step` (or a part that does not come, should the helper
+/// panic); the helper finishes its current part and is joined before this returns. Where no
+/// helper can be spawned, this thread touches everything first. Adds the waits for touched
+/// parts to `timings.touch` and the steps to `timings.register`. Returns the first error
+/// and the parts handed to `step` (which the caller keeps borrowed until their copies are
+/// done).
+fn pipeline<'a>(
+    parts: Vec<(Range<usize>, &'a mut [u8])>,
+    helpers: usize,
+    populate: bool,
+    timings: &mut PinTimings,
+    mut step: impl FnMut(&Range<usize>, &mut [u8]) -> BackendResult<()>,
+) -> (BackendResult<()>, Vec<&'a mut [u8]>) {
+    let count = parts.len();
+    let (tx, rx) = std::sync::mpsc::channel::<(Range<usize>, &'a mut [u8])>();
+    // The helper's work, taken once: by the helper, or by this thread if none spawns.
+    let job = Mutex::new(Some((parts, tx)));
+    let toucher = || {
+        let taken = job.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some((parts, tx)) = taken {
+            for (r, part) in parts {
+                touch(part, touch_threads(part.len(), helpers), populate);
+                if tx.send((r, part)).is_err() {
+                    break; // the receiver stopped taking parts: an error
+                }
+            }
+        }
+    };
+    let out = std::thread::scope(|s| {
+        let helper = std::thread::Builder::new()
+            .name("gpu-pager-pin".to_owned())
+            .spawn_scoped(s, toucher);
+        if helper.is_err() {
+            // No helper: touch every part here first (no overlap, still correct).
+            let t = Instant::now();
+            toucher();
+            timings.touch += t.elapsed();
+        }
+        let mut held: Vec<&'a mut [u8]> = Vec::with_capacity(count);
+        let mut outcome = Ok(());
+        for _ in 0..count {
+            let t = Instant::now();
+            let received = rx.recv();
+            timings.touch += t.elapsed();
+            let Ok((r, part)) = received else {
+                outcome = Err(BackendError::Invalid {
+                    op: "pin_from_device",
+                    reason: "internal: the touching thread stopped early".to_owned(),
+                });
+                break;
+            };
+            let t = Instant::now();
+            let stepped = step(&r, part);
+            timings.register += t.elapsed();
+            held.push(part);
+            if let Err(e) = stepped {
+                outcome = Err(e);
+                break;
+            }
+        }
+        // Dropping the receiver stops the helper after its current part (on error).
+        drop(rx);
+        if let Ok(h) = helper {
+            // A helper that panicked touched less: the `recv` above reported it.
+            let _ = h.join();
+        }
+        (outcome, held)
+    });
+    drop(job);
+    out
+}
+
 /// Registers `part` (piece `r` of a buffer of `bytes` usable bytes), notes it in `regs` (to be
 /// unregistered on drop), and enqueues the copy of its usable bytes from device
 /// `src + r.start` on `stream`; nothing is enqueued when the registration fails. The caller
@@ -626,80 +702,19 @@ impl CudaBackend {
         // Each piece's bytes, borrowed mutably from the mapping: the helper touches a piece,
         // then hands its borrow to this thread, which keeps it until the copies are waited
         // for below (the copy engine writes into it meanwhile).
-        let mut parts: Vec<(usize, &mut [u8])> = Vec::with_capacity(pieces.len());
+        let mut parts: Vec<(Range<usize>, &mut [u8])> = Vec::with_capacity(pieces.len());
         let mut rest = mem.as_mut_slice();
         for r in &pieces {
             let (part, tail) = rest.split_at_mut(r.len().min(rest.len()));
-            parts.push((r.start, part));
+            parts.push((r.clone(), part));
             rest = tail;
         }
-        let (tx, rx) = std::sync::mpsc::channel::<(usize, &mut [u8])>();
-        // The helper's work, taken once: by the helper, or by this thread if none spawns.
-        let job = Mutex::new(Some((parts, tx)));
-        let toucher = || {
-            let taken = job.lock().unwrap_or_else(|p| p.into_inner()).take();
-            if let Some((parts, tx)) = taken {
-                for (start, part) in parts {
-                    touch(part, touch_threads(part.len(), helpers), populate);
-                    if tx.send((start, part)).is_err() {
-                        break; // this thread stopped taking pieces: an error
-                    }
-                }
-            }
-        };
-        let (enqueued, held) = std::thread::scope(|s| {
-            let helper = std::thread::Builder::new()
-                .name("gpu-pager-pin".to_owned())
-                .spawn_scoped(s, toucher);
-            if helper.is_err() {
-                // No helper: touch every piece here first (no overlap, still correct).
-                let t = Instant::now();
-                toucher();
-                timings.touch += t.elapsed();
-            }
-            let mut held: Vec<&mut [u8]> = Vec::with_capacity(pieces.len());
-            let mut enqueued = Ok(());
-            for r in &pieces {
-                let t = Instant::now();
-                let received = rx.recv();
-                timings.touch += t.elapsed();
-                let t = Instant::now();
-                let step = match received {
-                    Ok((start, part)) if start == r.start && part.len() == r.len() => {
-                        // SAFETY: `src .. src + bytes` is mapped and unwritten (the caller's
-                        // contract); `part` is piece `r` of this buffer, touched, exclusively
-                        // borrowed here and kept in `held` until the copies are waited for.
-                        let step = unsafe { register_and_copy(part, r, bytes, src, stream, regs) };
-                        held.push(part);
-                        step
-                    }
-                    Ok((start, _)) => Err(BackendError::Invalid {
-                        op: "pin_from_device",
-                        reason: format!(
-                            "internal: piece at {start} handed over where {} was due",
-                            r.start
-                        ),
-                    }),
-                    Err(_) => Err(BackendError::Invalid {
-                        op: "pin_from_device",
-                        reason: "internal: the touching thread stopped early".to_owned(),
-                    }),
-                };
-                timings.register += t.elapsed();
-                if let Err(e) = step {
-                    enqueued = Err(e);
-                    break;
-                }
-            }
-            // Dropping the receiver stops the helper after its current piece (on error).
-            drop(rx);
-            if let Ok(h) = helper {
-                // A helper that panicked touched less: the recv above reported it.
-                let _ = h.join();
-            }
-            (enqueued, held)
+        let (enqueued, held) = pipeline(parts, helpers, populate, timings, |r, part| {
+            // SAFETY: `src .. src + bytes` is mapped and unwritten (the caller's contract);
+            // `part` is piece `r` of this buffer, touched, borrowed exclusively by this
+            // thread and kept (in `held`) until the copies are waited for below.
+            unsafe { register_and_copy(part, r, bytes, src, stream, regs) }
         });
-        drop(job);
         let t = Instant::now();
         let synced = self.d2h.synchronize();
         timings.wait = t.elapsed();
@@ -891,6 +906,83 @@ mod tests {
                 "touching changed the contents"
             );
         }
+        assert_eq!(errors.total(), 0);
+    }
+
+    /// `mem` cut into `pieces(len, piece)`, as `pin_from_device` cuts it.
+    fn parts(mem: &mut AnonMemory, piece: usize) -> Vec<(Range<usize>, &mut [u8])> {
+        let ranges = pieces(mem.len, piece);
+        let mut rest = mem.as_mut_slice();
+        let mut out = Vec::new();
+        for r in ranges {
+            let (part, tail) = rest.split_at_mut(r.len());
+            out.push((r, part));
+            rest = tail;
+        }
+        out
+    }
+
+    #[test]
+    fn the_pipeline_hands_over_every_piece_touched_in_order_on_the_calling_thread() {
+        let errors = Arc::new(DeferredErrors::new());
+        let here = std::thread::current().id();
+        for (helpers, populate, piece) in [(3, true, 8 * MIB), (1, false, 6 * MIB), (2, true, 0)] {
+            let bytes = 48 * MIB + 4096;
+            let mut m = AnonMemory::map(bytes, true, errors.clone()).expect("mmap");
+            let len = m.len;
+            let want = pieces(len, piece);
+            let mut seen = Vec::new();
+            let mut timings = PinTimings::default();
+            let (outcome, held) = pipeline(
+                parts(&mut m, piece),
+                helpers,
+                populate,
+                &mut timings,
+                |r, part| {
+                    assert_eq!(std::thread::current().id(), here);
+                    assert_eq!(part.len(), r.len());
+                    assert_eq!(missing_pages(part), 0, "piece {r:?} handed over untouched");
+                    part[0] = 1; // this thread may write it: it holds the borrow
+                    seen.push(r.clone());
+                    Ok(())
+                },
+            );
+            assert!(outcome.is_ok());
+            assert_eq!(seen, want, "{helpers} helpers, piece {piece}");
+            assert_eq!(held.len(), want.len());
+            assert!(held.iter().all(|p| p[0] == 1));
+            drop(held);
+            assert_eq!(missing_pages(m.as_mut_slice()), 0);
+        }
+        assert_eq!(errors.total(), 0);
+    }
+
+    #[test]
+    fn the_pipeline_stops_at_the_first_failed_step_and_joins_its_helper() {
+        let errors = Arc::new(DeferredErrors::new());
+        let mut m = AnonMemory::map(40 * MIB, true, errors.clone()).expect("mmap");
+        let mut calls = 0;
+        let mut timings = PinTimings::default();
+        let (outcome, held) = pipeline(parts(&mut m, 4 * MIB), 2, true, &mut timings, |r, _| {
+            calls += 1;
+            if r.start == 8 * MIB {
+                Err(BackendError::Injected { op: "register" })
+            } else {
+                Ok(())
+            }
+        });
+        assert!(matches!(
+            outcome,
+            Err(BackendError::Injected { op: "register" })
+        ));
+        assert_eq!(calls, 3, "no step after the failed one");
+        assert_eq!(
+            held.len(),
+            3,
+            "the failed piece is held too (it may be registered)"
+        );
+        drop(held);
+        drop(m);
         assert_eq!(errors.total(), 0);
     }
 

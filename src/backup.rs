@@ -128,6 +128,48 @@ impl Backup {
         Ok(t.elapsed())
     }
 
+    /// Pins `size` bytes filled with device `base .. base + size` in one step
+    /// ([`Backend::alloc_pinned_from_device`]) if nothing is pinned yet, and seeds the backup
+    /// as a save of all of them with hashes would: it validly holds `0..size`, with the hash
+    /// of every hash chunk (`hash_chunk`, on the grid of [`Backup::save`] for a device range
+    /// of `size` bytes). A save with `skip_unchanged` that follows before the device changes
+    /// then copies nothing, and holds what it wants from then on (bytes it does not want,
+    /// such as marked ones, drop out). Returns the time pinning and copying took, and the
+    /// time hashing took (both zero when something was pinned already). On a hash failure
+    /// the buffer is kept but holds nothing (the next save copies everything).
+    ///
+    /// # Safety
+    /// `base .. base + size` must be mapped device memory of `backend`, not written until
+    /// the call returns.
+    pub unsafe fn ensure_from_device(
+        &mut self,
+        backend: &dyn Backend,
+        base: u64,
+        size: usize,
+        hash_chunk: usize,
+    ) -> Result<(Duration, Duration), BackendError> {
+        if self.buf.is_some() {
+            return Ok((Duration::ZERO, Duration::ZERO));
+        }
+        let t = Instant::now();
+        // SAFETY: the caller's contract.
+        let buf = unsafe { backend.alloc_pinned_from_device(size, base) }?;
+        let pinned = t.elapsed();
+        self.buf = Some(buf);
+        self.valid.clear();
+        self.hashes = None;
+        self.staged = None;
+        self.len = size;
+        let t = Instant::now();
+        let chunk = Self::hash_chunk(size, hash_chunk);
+        let all = 0..kernels::chunk_count(size, chunk);
+        // SAFETY: the caller's contract; the device is unchanged since the copy.
+        let hashes = unsafe { hash_chunks(backend, base, size, chunk, all) }?;
+        self.valid = std::iter::once(0..size).collect();
+        self.hashes = Some(hashes);
+        Ok((pinned, t.elapsed()))
+    }
+
     /// The hash-chunk size for `len` bytes: `chunk`, or larger when `len` would need more
     /// hashes than one kernel launch computes.
     pub fn hash_chunk(len: usize, chunk: usize) -> usize {
@@ -190,18 +232,8 @@ impl Backup {
         let parts = by_chunk(&want, chunk);
         let t = Instant::now();
         let new = if skip_unchanged {
-            let mut of = vec![None; kernels::chunk_count(len, chunk)];
-            let touched = crate::runs::runs(parts.iter().map(|(k, _)| *k));
-            for run in touched {
-                let bytes = run.start * chunk..(run.end * chunk).min(len);
-                // SAFETY: the caller guarantees the range is mapped.
-                let h =
-                    unsafe { backend.chunk_hash(base + bytes.start as u64, bytes.len(), chunk) }?;
-                for (k, h) in run.zip(h) {
-                    of[k] = Some(h);
-                }
-            }
-            Some(Hashes { chunk, of })
+            // SAFETY: the caller guarantees the range is mapped.
+            Some(unsafe { hash_chunks(backend, base, len, chunk, parts.iter().map(|(k, _)| *k)) }?)
         } else {
             None
         };
@@ -338,6 +370,33 @@ impl Backup {
         }
         Ok(None)
     }
+}
+
+/// The hashes of device `base .. base + len` on the grid of `chunk` bytes, for the chunks
+/// `chunks` (ascending indices; each hashed once, consecutive ones in one launch) and `None`
+/// for the others: what [`Backup::save`] stores and compares.
+///
+/// # Safety
+/// The named chunks of `base .. base + len` are mapped device memory of `backend`.
+unsafe fn hash_chunks(
+    backend: &dyn Backend,
+    base: u64,
+    len: usize,
+    chunk: usize,
+    chunks: impl Iterator<Item = usize>,
+) -> Result<Hashes, BackendError> {
+    let mut of = vec![None; kernels::chunk_count(len, chunk)];
+    for run in crate::runs::runs(chunks) {
+        let bytes = run.start * chunk..(run.end * chunk).min(len);
+        // SAFETY: the caller guarantees the range is mapped.
+        let h = unsafe { backend.chunk_hash(base + bytes.start as u64, bytes.len(), chunk) }?;
+        for (k, h) in run.zip(h) {
+            if let Some(slot) = of.get_mut(k) {
+                *slot = Some(h);
+            }
+        }
+    }
+    Ok(Hashes { chunk, of })
 }
 
 /// Pushes the copies of device `base + r` into `dst[r]` for each of `ranges` (sorted,

@@ -92,6 +92,16 @@ pub struct PagerConfig {
     /// allow. 0 copies exactly the unmarked bytes of live buffers. Default
     /// [`DEFAULT_COPY_GAP_BYTES`].
     pub copy_gap_bytes: usize,
+    /// On the first release of a fixed `Preserve` region without a backup (no `prepin`), with
+    /// `skip_unchanged` on: pin the backup and copy the whole region into it in one pass,
+    /// piece by piece ([`crate::backend::Backend::alloc_pinned_from_device`]; on CUDA the
+    /// pinning of later pieces overlaps the copy of earlier ones), then hash it, so that the
+    /// save that follows copies nothing (default on). That release's report counts the copy
+    /// in [`crate::report::Steps::pin`] and its bytes in
+    /// [`crate::report::RegionReport::copied`]. Off: pin, then save through the pump (only
+    /// the unmarked bytes of live buffers). Growing regions always pin, then save. Also
+    /// switchable with [`Pager::set_first_save_overlap`].
+    pub first_save_overlap: bool,
 }
 
 impl Default for PagerConfig {
@@ -109,6 +119,7 @@ impl Default for PagerConfig {
             copy_depth: pump::DEFAULT_DEPTH,
             stream_mover: Mover::CopyEngine,
             copy_gap_bytes: DEFAULT_COPY_GAP_BYTES,
+            first_save_overlap: true,
         }
     }
 }
@@ -265,6 +276,7 @@ pub struct Pager {
     /// The copies in flight on this device's link, per direction, over every call's pump
     /// (an adaptive restore stays off the copy kernel while a release copies out).
     traffic: pump::Traffic,
+    first_save_overlap: AtomicBool,
 }
 
 impl std::fmt::Debug for Pager {
@@ -353,6 +365,7 @@ impl Pager {
             copy_unit: AtomicUsize::new(copies.unit_bytes),
             copy_depth: AtomicUsize::new(copies.depth),
             traffic: pump::Traffic::default(),
+            first_save_overlap: AtomicBool::new(config.first_save_overlap),
         }
     }
 
@@ -385,6 +398,11 @@ impl Pager {
         self.copy_depth.store(c.depth, Ordering::Relaxed);
     }
 
+    /// Switches [`PagerConfig::first_save_overlap`] for later releases.
+    pub fn set_first_save_overlap(&self, on: bool) {
+        self.first_save_overlap.store(on, Ordering::Relaxed);
+    }
+
     /// The pump settings of a copy on `route`.
     fn pump_config(&self, route: &AtomicU8) -> PumpConfig {
         PumpConfig {
@@ -412,6 +430,7 @@ impl Pager {
             save_route: route_of(self.save_route.load(Ordering::Relaxed)),
             copy_unit_bytes: self.copy_unit.load(Ordering::Relaxed),
             copy_depth: self.copy_depth.load(Ordering::Relaxed),
+            first_save_overlap: self.first_save_overlap.load(Ordering::Relaxed),
             ..self.config
         }
     }
@@ -926,10 +945,20 @@ impl Pager {
             .map(|r| r.is_resident() && r.policy == Policy::Preserve)
             .collect();
         let backend = self.backend.as_ref();
+        // Bytes copied into first backups while they were pinned (first_save_overlap).
+        let mut seeded = vec![0usize; regions.len()];
+        let overlap_first =
+            self.config.skip_unchanged && self.first_save_overlap.load(Ordering::Relaxed);
         // Pins and copies first, for every region: a failure leaves everything resident.
         for (i, r) in regions.iter_mut().enumerate() {
             if saving[i] {
-                steps[i].pin = r.ensure_backup(backend, self.config.copy_gap_bytes)?;
+                let gap = self.config.copy_gap_bytes;
+                if overlap_first {
+                    let (pin, hash, copied) =
+                        r.first_backup_from_device(backend, gap, self.config.hash_chunk_bytes)?;
+                    (steps[i].pin, steps[i].hash, seeded[i]) = (pin, hash, copied);
+                }
+                steps[i].pin += r.ensure_backup(backend, gap)?;
             }
         }
         let mut copies = PumpStats::default();
@@ -947,7 +976,7 @@ impl Pager {
                     for (i, r) in regions.iter_mut().enumerate() {
                         if saving[i] {
                             saved[i] = r.save(backend, skip, hash_chunk, gap, p)?;
-                            steps[i].hash = saved[i].hash;
+                            steps[i].hash += saved[i].hash;
                         }
                     }
                     Ok(())
@@ -956,7 +985,7 @@ impl Pager {
             )?;
             // The copy time: the call's copying less its hashing, by each region's share of
             // the bytes.
-            let hashing: Duration = steps.iter().map(|s| s.hash).sum();
+            let hashing: Duration = saved.iter().map(|s| s.hash).sum();
             charge(
                 &mut steps,
                 &saved.iter().map(|s| s.copied).collect::<Vec<_>>(),
@@ -982,7 +1011,7 @@ impl Pager {
                 tag: r.tag.clone(),
                 outcome: Outcome::Done,
                 bytes,
-                copied: saved[i].copied,
+                copied: saved[i].copied + seeded[i],
                 steps: steps[i],
             });
         }

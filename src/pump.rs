@@ -228,7 +228,45 @@ pub struct Pinned<'h> {
     host: u64,
     device: u64,
     len: usize,
+    regs: Regs,
     _borrow: PhantomData<&'h [u8]>,
+}
+
+/// Where the registrations of a borrowed buffer's bytes end ([`HostBuffer::piece_bytes`]):
+/// pieces of `piece` bytes from the buffer's start (0: one registration), the first borrowed
+/// byte `phase` bytes into its piece. A copy never crosses a piece's end.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Regs {
+    piece: usize,
+    phase: usize,
+}
+
+impl Regs {
+    fn of(buf: &dyn HostBuffer) -> Self {
+        Regs {
+            piece: buf.piece_bytes(),
+            phase: 0,
+        }
+    }
+
+    /// The same, `n` bytes further on.
+    fn advanced(self, n: usize) -> Self {
+        match self.piece {
+            0 => self,
+            p => Regs {
+                piece: p,
+                phase: ((self.phase as u128 + n as u128) % p as u128) as usize,
+            },
+        }
+    }
+
+    /// Bytes from the first borrowed byte to the end of its piece (`usize::MAX`: no end).
+    fn room(self) -> usize {
+        match self.piece {
+            0 => usize::MAX,
+            p => p - self.phase,
+        }
+    }
 }
 
 impl<'h> Pinned<'h> {
@@ -239,6 +277,7 @@ impl<'h> Pinned<'h> {
             host: bytes.as_ptr() as u64,
             device: buf.device_ptr(),
             len: bytes.len(),
+            regs: Regs::of(buf),
             _borrow: PhantomData,
         }
     }
@@ -259,6 +298,7 @@ impl<'h> Pinned<'h> {
             host: self.host + range.start as u64,
             device: self.device + range.start as u64,
             len: range.len(),
+            regs: self.regs.advanced(range.start),
             _borrow: PhantomData,
         })
     }
@@ -271,6 +311,7 @@ pub struct PinnedMut<'h> {
     host: u64,
     device: u64,
     len: usize,
+    regs: Regs,
     _borrow: PhantomData<&'h mut [u8]>,
 }
 
@@ -278,11 +319,13 @@ impl<'h> PinnedMut<'h> {
     /// All of `buf`.
     pub fn new(buf: &'h mut dyn HostBuffer) -> Self {
         let device = buf.device_ptr();
+        let regs = Regs::of(buf);
         let bytes = buf.as_mut_slice();
         PinnedMut {
             host: bytes.as_mut_ptr() as u64,
             device,
             len: bytes.len(),
+            regs,
             _borrow: PhantomData,
         }
     }
@@ -304,6 +347,7 @@ impl<'h> PinnedMut<'h> {
                 host: self.host + mid as u64,
                 device: self.device + mid as u64,
                 len: self.len - mid,
+                regs: self.regs.advanced(mid),
                 _borrow: PhantomData,
             };
             (PinnedMut { len: mid, ..self }, tail)
@@ -457,7 +501,14 @@ impl<'h> Pump<'_, 'h> {
     /// `src` is memory from that backend's [`Backend::alloc_pinned`], and does not overlap
     /// the destination.
     pub unsafe fn push_to_device(&mut self, src: Pinned<'h>, dst: u64) -> BackendResult<()> {
-        self.push(Direction::ToDevice, src.host, src.device, dst, src.len)
+        self.push(
+            Direction::ToDevice,
+            src.host,
+            src.device,
+            dst,
+            src.len,
+            src.regs,
+        )
     }
 
     /// Queues a copy of device address `src` into `dst` and starts what fits, without
@@ -468,7 +519,14 @@ impl<'h> Pump<'_, 'h> {
     /// mapped, and that nothing writes, until the pump's [`scope`] returns; `dst` is memory
     /// from that backend's [`Backend::alloc_pinned`].
     pub unsafe fn push_to_host(&mut self, src: u64, dst: PinnedMut<'h>) -> BackendResult<()> {
-        self.push(Direction::ToHost, dst.host, dst.device, src, dst.len)
+        self.push(
+            Direction::ToHost,
+            dst.host,
+            dst.device,
+            src,
+            dst.len,
+            dst.regs,
+        )
     }
 
     /// Retires finished units and starts queued ones on free slots, without blocking. Call it
@@ -488,7 +546,8 @@ impl<'h> Pump<'_, 'h> {
         self.config
     }
 
-    /// Cuts a copy into units, queues them and feeds.
+    /// Cuts a copy into units (none crossing the end of a registration of the host buffer),
+    /// queues them and feeds.
     fn push(
         &mut self,
         direction: Direction,
@@ -496,6 +555,7 @@ impl<'h> Pump<'_, 'h> {
         host_device: u64,
         device: u64,
         len: usize,
+        regs: Regs,
     ) -> BackendResult<()> {
         if self.failed {
             return Err(self.take_failure().err().unwrap_or_else(stopped));
@@ -503,7 +563,7 @@ impl<'h> Pump<'_, 'h> {
         let unit = self.config.unit_bytes;
         let mut at = 0usize;
         while at < len {
-            let bytes = (len - at).min(unit);
+            let bytes = (len - at).min(unit).min(regs.advanced(at).room());
             let off = at as u64;
             self.queue.push_back(RawCopy {
                 direction,
@@ -754,15 +814,23 @@ impl<'h> Sink<'_, '_, 'h> {
                 stream,
                 mover,
             } => {
-                let copy = RawCopy {
-                    direction: Direction::ToDevice,
-                    host: src.host,
-                    host_device: src.device,
-                    device: dst,
-                    bytes: src.len,
-                };
-                // SAFETY: forwarded from the caller.
-                unsafe { backend.copy_on(&copy, *mover, *stream) }
+                // One copy per registration of the host bytes.
+                let mut at = 0usize;
+                while at < src.len {
+                    let bytes = (src.len - at).min(src.regs.advanced(at).room());
+                    let off = at as u64;
+                    let copy = RawCopy {
+                        direction: Direction::ToDevice,
+                        host: src.host + off,
+                        host_device: src.device + off,
+                        device: dst + off,
+                        bytes,
+                    };
+                    // SAFETY: forwarded from the caller; `copy` is a part of `src`.
+                    unsafe { backend.copy_on(&copy, *mover, *stream) }?;
+                    at += bytes;
+                }
+                Ok(())
             }
         }
     }
@@ -936,6 +1004,90 @@ mod tests {
         assert_eq!(stats.units, [6, 0]);
         assert_eq!(c.in_flight, [0, 0]);
         assert!(c.max_in_flight[0] <= 2);
+    }
+
+    /// A host buffer registered in pieces of `piece` bytes, as `alloc_pinned_from_device`
+    /// makes them on CUDA.
+    #[derive(Debug)]
+    struct InPieces {
+        bytes: Vec<u8>,
+        piece: usize,
+    }
+
+    impl HostBuffer for InPieces {
+        fn as_slice(&self) -> &[u8] {
+            &self.bytes
+        }
+        fn as_mut_slice(&mut self) -> &mut [u8] {
+            &mut self.bytes
+        }
+        fn piece_bytes(&self) -> usize {
+            self.piece
+        }
+    }
+
+    #[test]
+    fn no_unit_crosses_a_registration_of_the_host_buffer() {
+        let piece = 3 * MIB / 2 + 4096;
+        let mut buf = InPieces {
+            bytes: vec![0; 5 * MIB + 123],
+            piece,
+        };
+        let start = buf.as_slice().as_ptr() as u64;
+        let len = buf.len();
+        let crosses = |u: &RawCopy| {
+            let (a, b) = (u.host - start, u.host - start + u.bytes as u64 - 1);
+            a / piece as u64 != b / piece as u64
+        };
+        // Restores of parts starting at odd offsets, then a save of a part.
+        let script = Script {
+            cost: [3, 3],
+            ..Script::default()
+        };
+        let stats = restore(&script, config(CopyRoute::Adaptive), &buf, 700_001).unwrap();
+        assert_eq!(stats.total_bytes(), len);
+        let mut at = start;
+        for (_, u) in &script.state.lock().unwrap().starts {
+            assert!(!crosses(u), "{u:?} crosses a registration");
+            assert_eq!(u.host, at, "the units cover the buffer in order");
+            at += u.bytes as u64;
+        }
+        let script = Script::default();
+        let part = 100_000..len - 77;
+        run(
+            &script,
+            config(CopyRoute::Engine),
+            &script.traffic,
+            |p| {
+                let dst = PinnedMut::new(&mut buf).get(part.clone()).unwrap();
+                // SAFETY: the scripted movers touch no memory.
+                unsafe { p.push_to_host(0x1000_0000, dst) }
+            },
+            |e| e,
+        )
+        .unwrap();
+        let c = script.state.lock().unwrap();
+        assert!(c.starts.iter().all(|(_, u)| !crosses(u)));
+        assert_eq!(
+            c.starts.iter().map(|(_, u)| u.bytes).sum::<usize>(),
+            part.len()
+        );
+        // A stream sink cuts its copy at the same boundaries.
+        let host = HostBackend::new(HostConfig::default());
+        let mut sink = Sink::Stream {
+            backend: &host,
+            stream: RawStream(0),
+            mover: Mover::CopyEngine,
+        };
+        let mut dev = vec![0u8; len];
+        buf.bytes
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = i as u8);
+        // SAFETY: `dev` is host memory standing in for the device on the host backend,
+        // which copies at once; the ranges do not overlap.
+        unsafe { sink.push_to_device(Pinned::new(&buf), dev.as_mut_ptr() as u64) }.unwrap();
+        assert!(dev == buf.bytes);
     }
 
     #[test]

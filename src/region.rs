@@ -711,6 +711,40 @@ impl Region {
         Ok(pinning)
     }
 
+    /// A fixed resident `Preserve` region's first backup, pinned and filled in one pass
+    /// ([`Backup::ensure_from_device`]: the whole region copied while it pins, then hashed),
+    /// when it has none yet and a release with copy gap `gap` has something to save; the
+    /// save that follows (with `skip_unchanged`, the same `hash_chunk`) then copies nothing.
+    /// Anything else (a growing region, a backup already pinned, nothing to save) is left to
+    /// [`Region::ensure_backup`]. Returns the time pinning and copying took, and the time
+    /// hashing took, and the bytes copied.
+    pub fn first_backup_from_device(
+        &mut self,
+        backend: &dyn Backend,
+        gap: usize,
+        hash_chunk: usize,
+    ) -> Result<(Duration, Duration, usize)> {
+        let none = (Duration::ZERO, Duration::ZERO, 0);
+        if self.growing || self.policy != Policy::Preserve || !self.is_resident() {
+            return Ok(none);
+        }
+        let Some((start, len, want)) = self.save_plan(gap).into_iter().next() else {
+            return Ok(none);
+        };
+        if want.is_empty() || self.backups.get(&start).is_some_and(|b| b.bytes() > 0) {
+            return Ok(none);
+        }
+        let base = self.base() + start as u64;
+        let backup = self.backups.entry(start).or_default();
+        // SAFETY: the region is fixed and resident, so `base .. base + len` (the whole
+        // region) is mapped; the pager holds its lock after a synchronize until the release
+        // returns, so nothing unmaps or writes it meanwhile (engine kernels launched later
+        // are the caller's contract, as for any raw pointer).
+        let (pin, hash) = unsafe { backup.ensure_from_device(backend, base, len, hash_chunk) }
+            .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e))?;
+        Ok((pin, hash, len))
+    }
+
     /// Marks (`on`) or unmarks region bytes `range` as overwritten by the next update.
     pub fn set_marks(&mut self, range: Range<usize>, on: bool) {
         if on {

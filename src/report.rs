@@ -27,7 +27,11 @@ pub enum Outcome {
 /// Time spent in each step for one region.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Steps {
-    /// Allocating the pinned host backup (first release only, unless prepinned).
+    /// Allocating the pinned host backup (first release only, unless prepinned). For the
+    /// first release of a fixed region with [`crate::PagerConfig::first_save_overlap`], this
+    /// includes copying the whole region into the backup (the copy overlaps the pinning);
+    /// that release's `copy` is then only what the save after it copied (nothing, unless
+    /// the device changed in between).
     pub pin: Duration,
     /// Copying contents (device→host on release, host→device on resume). On resume, the
     /// part of the copy not hidden behind mapping.
@@ -58,7 +62,9 @@ pub struct RegionReport {
     pub outcome: Outcome,
     /// Physical bytes mapped (resume) or unmapped (release).
     pub bytes: usize,
-    /// Bytes copied between device and host.
+    /// Bytes copied between device and host: by the pump, and, on a first release with
+    /// [`crate::PagerConfig::first_save_overlap`], while pinning (the whole region, timed in
+    /// [`Steps::pin`]; [`Report::copies`] counts the pump's bytes only).
     pub copied: usize,
     /// Time per step.
     pub steps: Steps,

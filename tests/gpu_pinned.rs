@@ -271,6 +271,192 @@ fn pin_from_device_copies_bit_exact() {
     );
 }
 
+/// The pipelined `pin_from_device` (a helper touching piece k+1 while piece k registers and
+/// piece k-1 copies) over odd sizes and piece sizes: no pieces, pieces smaller than the
+/// buffer (a multiple of it and not), a piece size that is not a multiple of 2 MiB, a piece
+/// larger than the buffer; one touching thread and all, with and without
+/// `MADV_POPULATE_WRITE`. Bit-exact against the device source (random, at an odd address),
+/// the registrations back to back over the whole mapping, `piece_bytes` as registered, and
+/// the buffer usable by the pump afterwards (a restore from it through the pager's copy
+/// routes is bit-exact).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pipelined_pin_from_device_odd_sizes_and_pieces_bit_exact() {
+    let _lock = gpu_lock();
+    let b = gpu();
+    let pager = Pager::new(b.clone());
+    let mut rng = Rng::seeded("pipelined_pin_from_device_odd_sizes_and_pieces_bit_exact");
+    let largest = 96 * MIB / scale() + 13;
+    pager
+        .region("src", largest + 2 * MIB, Policy::Discard)
+        .unwrap();
+    let src = pager.alloc("src", largest + 64).unwrap();
+    let data = rng.bytes(largest);
+    pager.write(&src, 7, &data).unwrap();
+    let at = pager.ptr(&src).unwrap() + 7;
+    let sizes = [
+        1,
+        4097,
+        2 * MIB + 13,
+        8 * MIB,
+        40 * MIB / scale() + 4095,
+        largest,
+    ];
+    let opts = [
+        PinOptions::default(),
+        pieces(2 * MIB, false),
+        pieces(3 * MIB, false), // rounded up to 4 MiB
+        pieces(8 * MIB, false),
+        pieces(usize::MAX / 2, false),
+        PinOptions {
+            touch_threads: 1,
+            populate: false,
+            ..pieces(4 * MIB, false)
+        },
+        PinOptions {
+            touch_threads: 3,
+            huge_pages: false,
+            ..pieces(2 * MIB, false)
+        },
+    ];
+    for &bytes in &sizes {
+        for o in &opts {
+            let what = format!("{bytes} bytes, {o:?}");
+            // SAFETY: `at .. at + bytes` lies inside the live `src` buffer, not written
+            // meanwhile.
+            let host = unsafe { b.pin_from_device(bytes, o, at) }.expect(&what);
+            assert_eq!(host.len(), bytes, "{what}");
+            assert_bytes_eq(&what, host.as_slice(), &data[..bytes]);
+            let regs = host.registrations();
+            assert_eq!(regs.first().map(|r| r.start), Some(0), "{what}");
+            assert!(regs.last().is_some_and(|r| r.end >= bytes), "{what}");
+            for w in regs.windows(2) {
+                assert_eq!(w[0].end, w[1].start, "{what}: back to back");
+            }
+            let piece = o.piece_bytes.checked_next_multiple_of(2 * MIB).unwrap_or(0);
+            let mapped = regs.last().map_or(0, |r| r.end);
+            let want = if piece == 0 || piece >= mapped {
+                1
+            } else {
+                mapped.div_ceil(piece)
+            };
+            assert_eq!(regs.len(), want, "{what}: registrations");
+            assert_eq!(host.timings().pieces, want, "{what}");
+            let reported = if want > 1 { piece } else { 0 };
+            assert_eq!(host.piece_bytes(), reported, "{what}");
+            assert!(regs[..regs.len() - 1].iter().all(|r| r.len() == piece));
+            let t = host.timings();
+            assert!(t.touch_threads >= 1, "{what}: {t:?}");
+            if bytes == largest && o == &opts[1] {
+                eprintln!("{what}: {t:?}");
+            }
+        }
+    }
+    pager.remove("src").unwrap();
+    drop(pager);
+    assert_eq!(
+        b.deferred_errors().total(),
+        0,
+        "{:?}",
+        b.deferred_errors().take()
+    );
+}
+
+/// A fixed `Preserve` region's first release without `prepin` (`first_save_overlap`, the
+/// default): the backup is pinned and filled in one pass (`alloc_pinned_from_device`, in
+/// 512 MiB pieces at full scale: three here, the last short) and the save copies nothing;
+/// the resume (adaptive route: the copy engine and the copy kernel read the backup across its
+/// registrations, cut at their ends), a `resume_on` a stream, and a cycle after a change are
+/// bit-exact; a marked buffer is not restored. With the switch off, the same through the
+/// pump.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn first_release_without_prepin_pins_in_one_pass_and_restores_bit_exact() {
+    use gpu_pager::backend::RawStream;
+    let _lock = gpu_lock();
+    let b = gpu();
+    let mut rng = Rng::seeded("first_release_without_prepin_pins_in_one_pass");
+    let size = GIB / scale() + 3 * MIB;
+    for overlap in [true, false] {
+        let pager = Pager::with_config(
+            b.clone(),
+            PagerConfig {
+                verify_restore: true,
+                copy_gap_bytes: 0, // save exactly the unmarked bytes
+                first_save_overlap: overlap,
+                ..PagerConfig::default()
+            },
+        );
+        let info = pager.region("w", size, Policy::Preserve).unwrap();
+        let lens = [size / 3 + 13, 7 * MIB / scale() + 1, size / 2 - 4097];
+        let mut bufs: Vec<_> = lens
+            .iter()
+            .map(|&n| {
+                let buf = pager.alloc("w", n).unwrap();
+                let d = rng.bytes(n);
+                pager.write(&buf, 0, &d).unwrap();
+                (buf, d)
+            })
+            .collect();
+        pager.mark_overwritten(&bufs[1].0).unwrap();
+        let unmarked = lens[0] + lens[2];
+        let what = format!("first_save_overlap {overlap}");
+
+        let r = pager.release(&["w"]).unwrap();
+        eprintln!("{what}: {r}");
+        let w = r.region("w").unwrap();
+        if overlap {
+            assert_eq!(
+                w.copied, info.size,
+                "{what}: the whole region while pinning"
+            );
+            assert_eq!(r.copies.total_bytes(), 0, "{what}: the save copied nothing");
+        } else {
+            assert!(w.copied >= unmarked, "{what}");
+            assert_eq!(r.copies.total_bytes(), w.copied, "{what}");
+        }
+        let stats = pager.region_stats("w").unwrap();
+        assert_eq!(
+            stats.held_bytes, unmarked,
+            "{what}: the marked buffer dropped out"
+        );
+        let r = pager.resume(&["w"]).unwrap();
+        assert_eq!(r.region("w").unwrap().copied, unmarked, "{what}");
+        let check = |bufs: &[(gpu_pager::Buffer, Vec<u8>)], when: &str| {
+            for (i, (buf, d)) in bufs.iter().enumerate() {
+                if i == 1 {
+                    continue; // marked: undefined after a resume
+                }
+                let mut back = vec![0u8; d.len()];
+                pager.read(buf, 0, &mut back).unwrap();
+                assert_bytes_eq(&format!("{what}, {when}, buffer {i}"), &back, d);
+            }
+        };
+        check(&bufs, "resumed");
+
+        // resume_on a stream: its copies are cut at the registrations too.
+        let r = pager.release(&["w"]).unwrap();
+        assert_eq!(r.region("w").unwrap().copied, 0, "{what}: unchanged");
+        pager.resume_on(&["w"], RawStream(0)).unwrap();
+        b.synchronize().unwrap();
+        check(&bufs, "resume_on");
+
+        // A change, then a cycle: only the changed chunks are copied.
+        let fresh = rng.bytes(3 * MIB);
+        pager.write(&bufs[2].0, 5 * MIB / scale(), &fresh).unwrap();
+        let at = 5 * MIB / scale();
+        bufs[2].1[at..at + 3 * MIB].copy_from_slice(&fresh);
+        let r = pager.release(&["w"]).unwrap();
+        let copied = r.region("w").unwrap().copied;
+        // At most the two 32 MiB hash chunks the change touches.
+        assert!(copied > 0 && copied <= 64 * MIB, "{what}: {copied}");
+        pager.resume(&["w"]).unwrap();
+        check(&bufs, "after a change");
+        pager.remove("w").unwrap();
+        assert!(pager.take_deferred_errors().is_empty(), "{what}");
+    }
+}
+
 /// A `/proc/self/status` value in bytes (0 when the kernel does not report it).
 fn status_bytes(key: &str) -> usize {
     let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");

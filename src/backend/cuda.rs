@@ -44,6 +44,7 @@ mod copy;
 mod kv;
 mod pinned;
 pub use kv::RowsKernel;
+pub use pinned::FIRST_BACKUP_PIECE_BYTES;
 pub use pinned::{CudaPinned, HUGE_PAGE_BYTES, MIN_TOUCH_BYTES_PER_THREAD, PinOptions, PinTimings};
 
 /// Formats a driver error as `"<error name>: <error string>"`.
@@ -869,6 +870,22 @@ impl Backend for CudaBackend {
         self.d2h
             .synchronize()
             .map_err(|e| driver_err("cuStreamSynchronize", e))
+    }
+
+    unsafe fn alloc_pinned_from_device(
+        &self,
+        bytes: usize,
+        src: u64,
+    ) -> BackendResult<Box<dyn HostBuffer>> {
+        let opts = PinOptions {
+            piece_bytes: FIRST_BACKUP_PIECE_BYTES,
+            ..PinOptions::default()
+        };
+        // SAFETY: forwarded from the caller (mapped device memory of this context, not
+        // written until this returns).
+        Ok(Box::new(unsafe {
+            self.pin_from_device(bytes, &opts, src)
+        }?))
     }
 
     unsafe fn copy_unit(&self, copy: &RawCopy, mover: Mover) -> BackendResult<Box<dyn Fence>> {

@@ -42,7 +42,9 @@ pub enum FaultPoint {
     /// [`Backend::copy_to_host`] (reads), and each device→host unit of
     /// [`Backend::copy_unit`] and [`Backend::copy_on`] (backups).
     CopyToHost,
-    /// [`Backend::alloc_pinned`] (the first release of a `Preserve` region).
+    /// [`Backend::alloc_pinned`] (the first release of a `Preserve` region, also through
+    /// [`Backend::alloc_pinned_from_device`], whose default this wrapper keeps: a pinning
+    /// fault there, or a [`FaultPoint::CopyToHost`] fault in its copy).
     AllocPinned,
 }
 

@@ -233,6 +233,14 @@ pub trait HostBuffer: Send + Sync + fmt::Debug {
     fn device_ptr(&self) -> u64 {
         self.as_slice().as_ptr() as u64
     }
+    /// The buffer is registered with the driver in pieces of this many bytes from its start
+    /// (the last one shorter); 0 (the default): as one. A copy between the device and the
+    /// buffer must stay inside one piece (the driver does not document a copy across two
+    /// registrations as valid): [`crate::pump`] cuts its copies at these boundaries.
+    /// Multi-piece buffers come from [`Backend::alloc_pinned_from_device`].
+    fn piece_bytes(&self) -> usize {
+        0
+    }
 }
 
 #[cfg(feature = "testing")]
@@ -389,6 +397,28 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// # Safety
     /// `src .. src + dst.len()` must be mapped device memory of this backend.
     unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> BackendResult<()>;
+
+    /// Allocates `bytes` of pinned host memory as [`Backend::alloc_pinned`] does, filled with
+    /// a copy of device memory at `src`: a region's first backup in one step. The default
+    /// pins, then copies (`alloc_pinned`, then `copy_to_host`); the CUDA backend overlaps the
+    /// two ([`cuda::CudaBackend::pin_from_device`] in pieces of
+    /// [`cuda::FIRST_BACKUP_PIECE_BYTES`]: the buffer may be registered in pieces, see
+    /// [`HostBuffer::piece_bytes`]). Nothing is left allocated on error.
+    ///
+    /// # Safety
+    /// `src .. src + bytes` must be mapped device memory of this backend, not written until
+    /// the call returns.
+    unsafe fn alloc_pinned_from_device(
+        &self,
+        bytes: usize,
+        src: u64,
+    ) -> BackendResult<Box<dyn HostBuffer>> {
+        let mut buf = self.alloc_pinned(bytes)?;
+        // SAFETY: `src .. src + bytes` is mapped device memory of this backend (the
+        // caller's contract) and the buffer holds `bytes` bytes.
+        unsafe { self.copy_to_host(buf.as_mut_slice(), src) }?;
+        Ok(buf)
+    }
 
     /// Enqueues `copy` with `mover` on the backend's own stream for that mover and the copy's
     /// direction (four streams: copy engine and copy kernel, each way, so that copies of

@@ -29,7 +29,10 @@
 //! addresses, but the driver does not document a copy whose host range spans two
 //! registrations as valid. [`crate::backend::Backend::alloc_pinned`] therefore registers one
 //! piece; a caller of [`CudaBackend::pin`] with pieces must keep each copy inside one of
-//! [`CudaPinned::registrations`].
+//! [`CudaPinned::registrations`]. [`CudaBackend::pin_from_device`] (a region's first backup,
+//! through [`crate::backend::Backend::alloc_pinned_from_device`]) registers in pieces so that
+//! touching, registering and copying overlap; such a buffer reports its piece size in
+//! [`HostBuffer::piece_bytes`], and [`crate::pump`] cuts every later copy at those ends.
 
 use std::ffi::c_void;
 use std::fmt;
@@ -55,6 +58,15 @@ pub const HUGE_PAGE_BYTES: usize = 2 << 20;
 /// about 0.8 ms on one core (4 GiB took 0.42 s on the H200 host), so a helper pays for
 /// itself many times; a growing region's 291 buffers of ~55 MiB get 6 threads each.
 pub const MIN_TOUCH_BYTES_PER_THREAD: usize = 8 << 20;
+
+/// Piece size of the pager's first backups ([`crate::backend::Backend::alloc_pinned_from_device`]
+/// through [`CudaBackend::pin_from_device`]): 512 MiB, 32 pieces for 16 GiB. What the
+/// pipeline cannot hide grows with the piece: the first piece's touch and the last piece's
+/// copy (from the rates measured on the H200 host, touching ~0.03 s/GiB on all cores and
+/// copying at ~55 GB/s: some 15 ms and 10 ms at 512 MiB); what each piece adds (one
+/// registration call, one copy call) is small next to that. Not measured yet: the bench's
+/// `pin_rows` compare pieces of 256 MiB to 2 GiB.
+pub const FIRST_BACKUP_PIECE_BYTES: usize = 512 << 20;
 
 /// How [`CudaBackend::pin`] makes pinned host memory. The default is what
 /// [`crate::backend::Backend::alloc_pinned`] uses.
@@ -88,27 +100,36 @@ impl Default for PinOptions {
     }
 }
 
-/// What pinning one buffer took, step by step.
+/// What pinning one buffer took, step by step. From [`CudaBackend::pin`] the steps run one
+/// after another; from [`CudaBackend::pin_from_device`] touching, registering and copying
+/// overlap, and each step is the calling thread's time in it, so that the steps still add up
+/// to the call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PinTimings {
     /// `mmap` and `madvise`.
     pub map: Duration,
-    /// First touch of every page.
+    /// First touch of every page; in [`CudaBackend::pin_from_device`], the time spent
+    /// waiting for the helper thread's touched pieces (the first one's touch, and any piece
+    /// the registering caught up with): the touch not hidden.
     pub touch: Duration,
     /// `cuMemHostRegister` (all pieces) and `cuMemHostGetDevicePointer`; in
-    /// [`CudaBackend::pin_from_device`], registering and enqueueing the copies.
+    /// [`CudaBackend::pin_from_device`], registering each piece and enqueueing its copy
+    /// (while later pieces are touched and earlier ones copy), and the pointer lookup.
     pub register: Duration,
     /// [`CudaBackend::pin_from_device`]: waiting for the copies after the last piece was
-    /// registered (zero for [`CudaBackend::pin`]).
+    /// enqueued (zero for [`CudaBackend::pin`]).
     pub wait: Duration,
-    /// Threads that touched (1: the calling thread alone).
+    /// Threads that touched (1: the calling thread alone); in
+    /// [`CudaBackend::pin_from_device`], the threads touching one piece (the helper and its
+    /// own helpers).
     pub touch_threads: usize,
     /// Registrations.
     pub pieces: usize,
 }
 
 impl PinTimings {
-    /// The whole pinning (and, from [`CudaBackend::pin_from_device`], copying).
+    /// The whole pinning (and, from [`CudaBackend::pin_from_device`], copying): the call's
+    /// time but for a few bookkeeping steps.
     pub fn total(&self) -> Duration {
         self.map + self.touch + self.register + self.wait
     }
@@ -448,6 +469,115 @@ fn register(addr: usize, len: usize) -> BackendResult<()> {
         .map_err(|e| driver_err("cuMemHostRegister", e))
 }
 
+/// The pipeline of [`CudaBackend::pin_from_device`] over `parts` (piece ranges and their
+/// bytes, in order): a scoped helper thread touches the parts in order (each on
+/// `touch_threads(len, helpers)` threads) and sends each touched part to this thread, which
+/// runs `step` on it (registering it and enqueueing its copy) while the helper touches the
+/// next. Stops at the first error of `step` (or a part that does not come, should the helper
+/// panic); the helper finishes its current part and is joined before this returns. Where no
+/// helper can be spawned, this thread touches everything first. Adds the waits for touched
+/// parts to `timings.touch` and the steps to `timings.register`. Returns the first error
+/// and the parts handed to `step` (which the caller keeps borrowed until their copies are
+/// done).
+fn pipeline<'a>(
+    parts: Vec<(Range<usize>, &'a mut [u8])>,
+    helpers: usize,
+    populate: bool,
+    timings: &mut PinTimings,
+    mut step: impl FnMut(&Range<usize>, &mut [u8]) -> BackendResult<()>,
+) -> (BackendResult<()>, Vec<&'a mut [u8]>) {
+    let count = parts.len();
+    let (tx, rx) = std::sync::mpsc::channel::<(Range<usize>, &'a mut [u8])>();
+    // The helper's work, taken once: by the helper, or by this thread if none spawns.
+    let job = Mutex::new(Some((parts, tx)));
+    let toucher = || {
+        let taken = job.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some((parts, tx)) = taken {
+            for (r, part) in parts {
+                touch(part, touch_threads(part.len(), helpers), populate);
+                if tx.send((r, part)).is_err() {
+                    break; // the receiver stopped taking parts: an error
+                }
+            }
+        }
+    };
+    let out = std::thread::scope(|s| {
+        let helper = std::thread::Builder::new()
+            .name("gpu-pager-pin".to_owned())
+            .spawn_scoped(s, toucher);
+        if helper.is_err() {
+            // No helper: touch every part here first (no overlap, still correct).
+            let t = Instant::now();
+            toucher();
+            timings.touch += t.elapsed();
+        }
+        let mut held: Vec<&'a mut [u8]> = Vec::with_capacity(count);
+        let mut outcome = Ok(());
+        for _ in 0..count {
+            let t = Instant::now();
+            let received = rx.recv();
+            timings.touch += t.elapsed();
+            let Ok((r, part)) = received else {
+                outcome = Err(BackendError::Invalid {
+                    op: "pin_from_device",
+                    reason: "internal: the touching thread stopped early".to_owned(),
+                });
+                break;
+            };
+            let t = Instant::now();
+            let stepped = step(&r, part);
+            timings.register += t.elapsed();
+            held.push(part);
+            if let Err(e) = stepped {
+                outcome = Err(e);
+                break;
+            }
+        }
+        // Dropping the receiver stops the helper after its current part (on error).
+        drop(rx);
+        if let Ok(h) = helper {
+            // A helper that panicked touched less: the `recv` above reported it.
+            let _ = h.join();
+        }
+        (outcome, held)
+    });
+    drop(job);
+    out
+}
+
+/// Registers `part` (piece `r` of a buffer of `bytes` usable bytes), notes it in `regs` (to be
+/// unregistered on drop), and enqueues the copy of its usable bytes from device
+/// `src + r.start` on `stream`; nothing is enqueued when the registration fails. The caller
+/// holds a context scope.
+///
+/// # Safety
+/// `part` is piece `r` of a live mapping that the caller borrows exclusively until `stream`
+/// has run the copy, registered nowhere else; `src + r.start ..` for the usable bytes is
+/// mapped device memory of the context, not written until then; `stream` is a live stream
+/// of the context.
+unsafe fn register_and_copy(
+    part: &mut [u8],
+    r: &Range<usize>,
+    bytes: usize,
+    src: u64,
+    stream: sys::CUstream,
+    regs: &mut Vec<Range<usize>>,
+) -> BackendResult<()> {
+    register(part.as_mut_ptr() as usize, part.len())?;
+    regs.push(r.clone());
+    let n = r.end.min(bytes).saturating_sub(r.start).min(part.len());
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: the destination is the first `n` bytes of `part`, just registered; the source
+    // is mapped and unwritten, and `part` stays borrowed until the stream has run the copy
+    // (the caller's contract).
+    check(unsafe {
+        sys::cuMemcpyDtoHAsync_v2(part.as_mut_ptr().cast(), src + r.start as u64, n, stream)
+    })
+    .map_err(|e| driver_err("cuMemcpyDtoHAsync", e))
+}
+
 impl HostBuffer for CudaPinned {
     fn as_slice(&self) -> &[u8] {
         // SAFETY: `ptr .. ptr + len` lies inside the live mapping owned by `self`; it is
@@ -467,6 +597,13 @@ impl HostBuffer for CudaPinned {
 
     fn device_ptr(&self) -> u64 {
         self.device_ptr
+    }
+
+    fn piece_bytes(&self) -> usize {
+        match self.regs.as_slice() {
+            [first, _, ..] => first.len(),
+            _ => 0,
+        }
     }
 }
 
@@ -513,13 +650,27 @@ impl CudaBackend {
     }
 
     /// Pins `bytes` as [`CudaBackend::pin`] does and fills them with a copy of device memory
-    /// at `src`, overlapping the two: the pieces ([`PinOptions::piece_bytes`]) are registered
-    /// one after another on this thread (`parallel_register` is ignored), and each piece's
-    /// copy is enqueued on the backend's device→host stream as soon as it is registered, so
-    /// that registering the later pieces runs while the earlier ones copy. A first backup in
-    /// one pass; every copy stays inside one registration. Waits for the copies before it
-    /// returns, also on error. [`PinTimings::register`] is the registering and enqueueing,
-    /// [`PinTimings::wait`] the wait for the copies after the last piece.
+    /// at `src`, as a three-stage pipeline over the pieces ([`PinOptions::piece_bytes`]; 0:
+    /// one piece, nothing overlaps; the pager's first backups use
+    /// [`FIRST_BACKUP_PIECE_BYTES`]): a scoped helper thread first-touches the pieces in order
+    /// (on `touch_threads` threads, 0: all cores but one) and hands each finished piece to
+    /// this thread through a channel; this thread registers each piece it receives and
+    /// enqueues its copy on the backend's device→host stream at once. So piece k+1 is
+    /// touched while piece k registers and piece k-1 copies. `parallel_register` is ignored.
+    /// Every copy stays inside one registration. Waits for the copies before it returns,
+    /// also on error; when that wait fails, the buffer is leaked rather than unmapped under
+    /// a copy that may still run (recorded in the backend's [`DeferredErrors`]).
+    ///
+    /// [`CudaPinned::timings`] are this thread's wall time, step by step (they add up to the
+    /// call): [`PinTimings::touch`] the time it waited for touched pieces (the touch not
+    /// hidden behind registering: at least the first piece's), [`PinTimings::register`]
+    /// registering and enqueueing the copies (and the device-pointer lookup),
+    /// [`PinTimings::wait`] waiting for the copies after the last piece was enqueued.
+    /// [`PinTimings::touch_threads`] is the threads touching one piece.
+    ///
+    /// Errors: as [`CudaBackend::pin`], and [`BackendError::Driver`] when a copy cannot be
+    /// enqueued or fails. Nothing stays mapped or registered after an error (but for the
+    /// leak above).
     ///
     /// # Safety
     /// `src .. src + bytes` must be mapped device memory of this context, not written until
@@ -530,41 +681,45 @@ impl CudaBackend {
         opts: &PinOptions,
         src: u64,
     ) -> BackendResult<CudaPinned> {
-        let (mut pinned, pieces) = self.map_and_touch(bytes, opts)?;
+        let mut pinned = self.map_only(bytes, opts)?;
         let scope = self.dev.scope()?;
-        let base = pinned.mem.ptr.as_ptr() as usize;
+        let pieces = pieces(pinned.mem.len, opts.piece_bytes);
+        let helpers = if opts.touch_threads == 0 {
+            let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
+            cores.saturating_sub(1).max(1)
+        } else {
+            opts.touch_threads
+        };
+        pinned.timings.pieces = pieces.len();
+        pinned.timings.touch_threads = pieces
+            .first()
+            .map_or(1, |r| touch_threads(r.len(), helpers));
         let stream = self.d2h.cu_stream();
-        let t = Instant::now();
-        let mut enqueued = Ok(());
+        let populate = opts.populate;
+        let CudaPinned {
+            mem, regs, timings, ..
+        } = &mut pinned;
+        // Each piece's bytes, borrowed mutably from the mapping: the helper touches a piece,
+        // then hands its borrow to this thread, which keeps it until the copies are waited
+        // for below (the copy engine writes into it meanwhile).
+        let mut parts: Vec<(Range<usize>, &mut [u8])> = Vec::with_capacity(pieces.len());
+        let mut rest = mem.as_mut_slice();
         for r in &pieces {
-            if let Err(e) = register(base + r.start, r.len()) {
-                enqueued = Err(e);
-                break;
-            }
-            pinned.regs.push(r.clone());
-            let n = r.end.min(bytes).saturating_sub(r.start);
-            if n == 0 {
-                continue;
-            }
-            // SAFETY: the destination is `n` bytes of the piece just registered, inside the
-            // buffer; the source is inside `src .. src + bytes` (the caller's contract). The
-            // buffer is neither read nor freed before the stream is synchronized below.
-            let copied = check(unsafe {
-                sys::cuMemcpyDtoHAsync_v2(
-                    (base + r.start) as *mut c_void,
-                    src + r.start as u64,
-                    n,
-                    stream,
-                )
-            });
-            if let Err(e) = copied {
-                enqueued = Err(driver_err("cuMemcpyDtoHAsync", e));
-                break;
-            }
+            let (part, tail) = rest.split_at_mut(r.len().min(rest.len()));
+            parts.push((r.clone(), part));
+            rest = tail;
         }
-        pinned.timings.register = t.elapsed();
+        let (enqueued, held) = pipeline(parts, helpers, populate, timings, |r, part| {
+            // SAFETY: `src .. src + bytes` is mapped and unwritten (the caller's contract);
+            // `part` is piece `r` of this buffer, touched, borrowed exclusively by this
+            // thread and kept (in `held`) until the copies are waited for below.
+            unsafe { register_and_copy(part, r, bytes, src, stream, regs) }
+        });
         let t = Instant::now();
-        if let Err(e) = self.d2h.synchronize() {
+        let synced = self.d2h.synchronize();
+        timings.wait = t.elapsed();
+        drop(held);
+        if let Err(e) = synced {
             // A copy may still be writing the buffer: leak it rather than unmap it under the
             // copy engine.
             self.dev.errors.record(format!(
@@ -580,11 +735,39 @@ impl CudaBackend {
                 message: "waiting for the copies into fresh pinned memory failed".to_owned(),
             });
         }
-        pinned.timings.wait = t.elapsed();
         drop(scope);
+        // On error, dropping `pinned` unregisters the pieces registered and unmaps.
         enqueued?;
+        let t = Instant::now();
         pinned.device_ptr = pinned.lookup_device_ptr()?;
+        pinned.timings.register += t.elapsed();
         Ok(pinned)
+    }
+
+    /// Maps `bytes` (> 0, else `Invalid`) for [`CudaBackend::pin`]: a buffer with nothing
+    /// touched or registered yet.
+    fn map_only(&self, bytes: usize, opts: &PinOptions) -> BackendResult<CudaPinned> {
+        if bytes == 0 {
+            return Err(BackendError::Invalid {
+                op: "alloc_pinned",
+                reason: "0 bytes requested".to_owned(),
+            });
+        }
+        let t = Instant::now();
+        let mem = AnonMemory::map(bytes, opts.huge_pages, self.dev.errors.clone())?;
+        Ok(CudaPinned {
+            regs: Vec::new(),
+            device_ptr: 0,
+            len: bytes,
+            timings: PinTimings {
+                map: t.elapsed(),
+                touch_threads: 1,
+                pieces: 0,
+                ..PinTimings::default()
+            },
+            mem,
+            dev: self.dev.clone(),
+        })
     }
 
     /// The steps before registration: maps `bytes` (> 0, else `Invalid`) and touches them;
@@ -723,6 +906,83 @@ mod tests {
                 "touching changed the contents"
             );
         }
+        assert_eq!(errors.total(), 0);
+    }
+
+    /// `mem` cut into `pieces(len, piece)`, as `pin_from_device` cuts it.
+    fn parts(mem: &mut AnonMemory, piece: usize) -> Vec<(Range<usize>, &mut [u8])> {
+        let ranges = pieces(mem.len, piece);
+        let mut rest = mem.as_mut_slice();
+        let mut out = Vec::new();
+        for r in ranges {
+            let (part, tail) = rest.split_at_mut(r.len());
+            out.push((r, part));
+            rest = tail;
+        }
+        out
+    }
+
+    #[test]
+    fn the_pipeline_hands_over_every_piece_touched_in_order_on_the_calling_thread() {
+        let errors = Arc::new(DeferredErrors::new());
+        let here = std::thread::current().id();
+        for (helpers, populate, piece) in [(3, true, 8 * MIB), (1, false, 6 * MIB), (2, true, 0)] {
+            let bytes = 48 * MIB + 4096;
+            let mut m = AnonMemory::map(bytes, true, errors.clone()).expect("mmap");
+            let len = m.len;
+            let want = pieces(len, piece);
+            let mut seen = Vec::new();
+            let mut timings = PinTimings::default();
+            let (outcome, held) = pipeline(
+                parts(&mut m, piece),
+                helpers,
+                populate,
+                &mut timings,
+                |r, part| {
+                    assert_eq!(std::thread::current().id(), here);
+                    assert_eq!(part.len(), r.len());
+                    assert_eq!(missing_pages(part), 0, "piece {r:?} handed over untouched");
+                    part[0] = 1; // this thread may write it: it holds the borrow
+                    seen.push(r.clone());
+                    Ok(())
+                },
+            );
+            assert!(outcome.is_ok());
+            assert_eq!(seen, want, "{helpers} helpers, piece {piece}");
+            assert_eq!(held.len(), want.len());
+            assert!(held.iter().all(|p| p[0] == 1));
+            drop(held);
+            assert_eq!(missing_pages(m.as_mut_slice()), 0);
+        }
+        assert_eq!(errors.total(), 0);
+    }
+
+    #[test]
+    fn the_pipeline_stops_at_the_first_failed_step_and_joins_its_helper() {
+        let errors = Arc::new(DeferredErrors::new());
+        let mut m = AnonMemory::map(40 * MIB, true, errors.clone()).expect("mmap");
+        let mut calls = 0;
+        let mut timings = PinTimings::default();
+        let (outcome, held) = pipeline(parts(&mut m, 4 * MIB), 2, true, &mut timings, |r, _| {
+            calls += 1;
+            if r.start == 8 * MIB {
+                Err(BackendError::Injected { op: "register" })
+            } else {
+                Ok(())
+            }
+        });
+        assert!(matches!(
+            outcome,
+            Err(BackendError::Injected { op: "register" })
+        ));
+        assert_eq!(calls, 3, "no step after the failed one");
+        assert_eq!(
+            held.len(),
+            3,
+            "the failed piece is held too (it may be registered)"
+        );
+        drop(held);
+        drop(m);
         assert_eq!(errors.total(), 0);
     }
 

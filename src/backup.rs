@@ -115,17 +115,29 @@ impl Backup {
         self.buf.as_ref().map_or(0, |b| b.len())
     }
 
+    /// Whether the buffer is pinned.
+    pub fn is_pinned(&self) -> bool {
+        self.buf.is_some()
+    }
+
     /// Pins `size` bytes if nothing is pinned yet. Returns the time it took.
     pub fn ensure(&mut self, backend: &dyn Backend, size: usize) -> Result<Duration, BackendError> {
         if self.buf.is_some() {
             return Ok(Duration::ZERO);
         }
         let t = Instant::now();
-        self.buf = Some(backend.alloc_pinned(size)?);
+        self.adopt(backend.alloc_pinned(size)?);
+        Ok(t.elapsed())
+    }
+
+    /// Takes `buf` (pinned elsewhere, e.g. in a batch with other backups:
+    /// [`Backend::alloc_pinned_many`]) as the backup's buffer, in place of any it had; the
+    /// backup then holds nothing.
+    pub fn adopt(&mut self, buf: Box<dyn HostBuffer>) {
+        self.buf = Some(buf);
         self.valid.clear();
         self.hashes = None;
         self.staged = None;
-        Ok(t.elapsed())
     }
 
     /// The hash-chunk size for `len` bytes: `chunk`, or larger when `len` would need more

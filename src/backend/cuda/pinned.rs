@@ -25,6 +25,16 @@
 //! Dropping a [`CudaPinned`] unregisters each registration, then unmaps the memory; failures
 //! go to the backend's [`DeferredErrors`].
 //!
+//! **Batches.** [`CudaBackend::pin_many`] (behind
+//! [`crate::backend::Backend::alloc_pinned_many`]: a growing region's first release pins the
+//! backups of all its buffers at once) maps one range for the whole batch, each buffer's size
+//! rounded up to [`HUGE_PAGE_BYTES`], and touches it once on all threads; then registers each
+//! buffer's slice on its own, one after another on the calling thread (one registration per
+//! buffer, so that no copy spans two). The buffers share the mapping (an `Arc`): dropping
+//! one unregisters its slice and gives its physical pages back with `madvise(MADV_DONTNEED)`
+//! (unmapping a sub-range would leave a hole a later `mmap` could take, under the final
+//! `munmap`); the last one to drop unmaps the whole range.
+//!
 //! **Pieces.** A buffer registered in several pieces is one contiguous range of host
 //! addresses, but the driver does not document a copy whose host range spans two
 //! registrations as valid. [`crate::backend::Backend::alloc_pinned`] therefore registers one
@@ -44,6 +54,8 @@ use cudarc::driver::sys;
 use super::{CudaBackend, Dev, check, driver_err};
 use crate::backend::host::page_size;
 use crate::backend::{BackendError, BackendResult, DeferredErrors, HostBuffer};
+
+mod batch;
 
 /// The size of a transparent huge page on x86-64 (and of the pages an arm64 kernel with
 /// 4 KiB base pages uses): the alignment of the memory [`CudaBackend::pin`] maps, and the
@@ -88,7 +100,9 @@ impl Default for PinOptions {
     }
 }
 
-/// What pinning one buffer took, step by step.
+/// What pinning one buffer took, step by step. A buffer of a batch
+/// ([`CudaBackend::pin_many`]) carries the whole batch's: the same on each of its buffers,
+/// not to be added up over them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PinTimings {
     /// `mmap` and `madvise`.
@@ -103,7 +117,7 @@ pub struct PinTimings {
     pub wait: Duration,
     /// Threads that touched (1: the calling thread alone).
     pub touch_threads: usize,
-    /// Registrations.
+    /// Registrations (of a batch: all of its buffers', one each).
     pub pieces: usize,
 }
 
@@ -115,7 +129,8 @@ impl PinTimings {
 }
 
 /// Anonymous private memory from `mmap`, `len` bytes at `ptr` (aligned as asked) inside a
-/// mapping of `mapped` bytes at `raw`; unmapped on drop.
+/// mapping of `mapped` bytes at `raw`; unmapped on drop. Shared (`Arc`) by the buffers of a
+/// batch, each of which uses its own disjoint slice.
 struct AnonMemory {
     raw: NonNull<u8>,
     mapped: usize,
@@ -124,7 +139,8 @@ struct AnonMemory {
     errors: Arc<DeferredErrors>,
 }
 
-// SAFETY: the mapping is owned by this value alone; `&AnonMemory` hands out nothing mutable.
+// SAFETY: the mapping is owned by this value alone (unmapped once, by its drop); `&AnonMemory`
+// hands out nothing mutable (the buffers sharing it each write only their own slice).
 unsafe impl Send for AnonMemory {}
 // SAFETY: as above.
 unsafe impl Sync for AnonMemory {}
@@ -194,6 +210,32 @@ impl AnonMemory {
         // SAFETY: the range is inside this live mapping; advice only changes how the kernel
         // backs it, never its contents (HUGEPAGE, DONTFORK).
         let _ = unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, advice) };
+    }
+
+    /// Gives the physical pages of usable bytes `range` back (`madvise(MADV_DONTNEED)`):
+    /// they read as zeros from then on, backed again when next touched. The range stays
+    /// mapped (no hole for a later `mmap`).
+    ///
+    /// # Safety
+    /// Nobody uses bytes `range` (no reference, no registration, no copy in flight).
+    unsafe fn discard(&self, range: Range<usize>) -> std::io::Result<()> {
+        if range.is_empty() {
+            return Ok(());
+        }
+        if range.end > self.len {
+            return Err(std::io::Error::other(format!(
+                "{range:?} lies outside the {} usable bytes",
+                self.len
+            )));
+        }
+        let at = self.ptr.as_ptr().wrapping_add(range.start);
+        // SAFETY: `at .. at + range.len()` lies inside this live mapping (checked above) and
+        // is used by nobody (the caller's contract), so dropping its contents harms no one.
+        let rc = unsafe { libc::madvise(at.cast(), range.len(), libc::MADV_DONTNEED) };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
     }
 
     /// The usable bytes.
@@ -314,22 +356,30 @@ fn touch(mem: &mut [u8], threads: usize, populate: bool) {
 }
 
 /// Page-locked host memory: anonymous memory registered with the driver in one or more
-/// pieces ([`CudaBackend::pin`]). Dropping it unregisters every piece, then unmaps it.
+/// pieces ([`CudaBackend::pin`]), or one buffer of a batch ([`CudaBackend::pin_many`]): a
+/// slice of a mapping shared with the batch's other buffers, registered on its own.
+/// Dropping it unregisters every piece, then unmaps the memory, or, while other buffers of
+/// its batch live, gives its slice's pages back (`MADV_DONTNEED`).
 pub struct CudaPinned {
-    /// Registered ranges, as offsets from `mem.ptr`, unregistered in `Drop::drop`.
+    /// Registered ranges, as offsets from the buffer's start, unregistered in `Drop::drop`.
     regs: Vec<Range<usize>>,
-    /// What kernels use for `mem.ptr` (`cuMemHostGetDevicePointer`).
+    /// What kernels use for the buffer's start (`cuMemHostGetDevicePointer`).
     device_ptr: u64,
-    /// Bytes asked for (the mapping may be longer).
+    /// Bytes asked for (the slice may be longer).
     len: usize,
     timings: PinTimings,
-    /// Dropped after `Drop::drop` has unregistered it.
-    mem: AnonMemory,
+    /// The buffer's start, as an offset into `mem`'s usable bytes (0 unless in a batch).
+    offset: usize,
+    /// Bytes of `mem` from `offset` that are this buffer's (at least `len`).
+    span: usize,
+    /// Unmapped after `Drop::drop` has unregistered the last buffer sharing it.
+    mem: Arc<AnonMemory>,
     dev: Arc<Dev>,
 }
 
-// SAFETY: the buffer exclusively owns its memory, which any thread may use or free (the
-// driver calls in `Drop` enter the context first); shared references only read it.
+// SAFETY: the buffer exclusively owns its slice of the memory (the mapping is shared only
+// by buffers of disjoint slices), which any thread may use or free (the driver calls in
+// `Drop` enter the context first); shared references only read it.
 unsafe impl Send for CudaPinned {}
 // SAFETY: see `Send`; `&CudaPinned` hands out only `&[u8]`.
 unsafe impl Sync for CudaPinned {}
@@ -337,7 +387,7 @@ unsafe impl Sync for CudaPinned {}
 impl fmt::Debug for CudaPinned {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CudaPinned")
-            .field("ptr", &self.mem.ptr)
+            .field("ptr", &self.base())
             .field("len", &self.len)
             .field("device_ptr", &format_args!("{:#x}", self.device_ptr))
             .field("registrations", &self.regs.len())
@@ -352,16 +402,22 @@ impl CudaPinned {
     }
 
     /// The registered ranges, as byte offsets into the buffer, in order and back to back
-    /// (the last may extend past [`HostBuffer::len`] to the end of the mapping). A copy's host
-    /// range must lie inside one of them.
+    /// (the last may extend past [`HostBuffer::len`] to the end of the mapping, or of the
+    /// buffer's slice of a batch). A copy's host range must lie inside one of them.
     pub fn registrations(&self) -> &[Range<usize>] {
         &self.regs
     }
 
-    /// Registers `pieces` (offsets into the memory) one after another on this thread.
+    /// The buffer's first byte.
+    fn base(&self) -> *mut u8 {
+        // `offset + span <= mem.len`: the result lies inside the mapping.
+        self.mem.ptr.as_ptr().wrapping_add(self.offset)
+    }
+
+    /// Registers `pieces` (offsets into the buffer) one after another on this thread.
     fn register_serial(&mut self, pieces: &[Range<usize>]) -> BackendResult<()> {
         let _scope = self.dev.scope()?;
-        let base = self.mem.ptr.as_ptr() as usize;
+        let base = self.base() as usize;
         for r in pieces {
             register(base + r.start, r.len())?;
             self.regs.push(r.clone());
@@ -373,7 +429,7 @@ impl CudaPinned {
     /// was registered is kept for `Drop`, also when another failed; a failure returns after
     /// the others finished (no new piece starts once one failed).
     fn register_parallel(&mut self, pieces: &[Range<usize>], threads: usize) -> BackendResult<()> {
-        let base = self.mem.ptr.as_ptr() as usize;
+        let base = self.base() as usize;
         let dev: &Dev = &self.dev;
         let done = Mutex::new(Vec::with_capacity(pieces.len()));
         let failed: Mutex<Option<BackendError>> = Mutex::new(None);
@@ -411,7 +467,7 @@ impl CudaPinned {
     /// registrations (with unified addressing it is the host address itself).
     fn lookup_device_ptr(&self) -> BackendResult<u64> {
         let _scope = self.dev.scope()?;
-        let base = self.mem.ptr.as_ptr() as usize;
+        let base = self.base() as usize;
         let mut first = 0u64;
         for (k, r) in self.regs.iter().enumerate() {
             let mut d: sys::CUdeviceptr = 0;
@@ -450,15 +506,15 @@ fn register(addr: usize, len: usize) -> BackendResult<()> {
 
 impl HostBuffer for CudaPinned {
     fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr .. ptr + len` lies inside the live mapping owned by `self`; it is
-        // initialised (anonymous memory reads as zeros until written); no `&mut` exists
-        // while `&self` is borrowed.
-        unsafe { std::slice::from_raw_parts(self.mem.ptr.as_ptr(), self.len) }
+        // SAFETY: `base .. base + len` lies inside this buffer's slice of the live mapping
+        // (which `self` holds), touched by no other buffer; it is initialised (anonymous
+        // memory reads as zeros until written); no `&mut` exists while `&self` is borrowed.
+        unsafe { std::slice::from_raw_parts(self.base(), self.len) }
     }
 
     fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`; `&mut self` makes this the only reference.
-        unsafe { std::slice::from_raw_parts_mut(self.mem.ptr.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.base(), self.len) }
     }
 
     fn len(&self) -> usize {
@@ -473,7 +529,8 @@ impl HostBuffer for CudaPinned {
 impl Drop for CudaPinned {
     fn drop(&mut self) {
         let scope = self.dev.scope_in_drop("pinned host memory");
-        let base = self.mem.ptr.as_ptr() as usize;
+        let base = self.base() as usize;
+        let mut all_unregistered = true;
         for r in self.regs.drain(..) {
             let at = (base + r.start) as *mut c_void;
             // SAFETY: `at` starts a registration this buffer made and nothing else
@@ -481,12 +538,28 @@ impl Drop for CudaPinned {
             // every copy using it.
             let unregistered = check(unsafe { sys::cuMemHostUnregister(at) });
             if let Err(e) = unregistered {
+                all_unregistered = false;
                 let what = format_args!("{} bytes of pinned host memory", r.len());
                 self.dev.record("cuMemHostUnregister", what, e);
             }
         }
         drop(scope);
-        // `mem` is unmapped when the fields drop, after this.
+        // The last buffer of a mapping unmaps it when the fields drop, after this. One of a
+        // batch whose mapping others still use gives its pages back now (not while the driver
+        // may still hold them: then they wait for the unmap).
+        if all_unregistered && Arc::strong_count(&self.mem) > 1 {
+            let slice = self.offset..self.offset + self.span;
+            // SAFETY: `slice` is this buffer's part of the mapping, no longer registered, and
+            // used by nobody: no reference into the buffer outlives `self`, the owner waited
+            // for every copy using it, and the batch's other buffers use other slices.
+            if let Err(e) = unsafe { self.mem.discard(slice) } {
+                self.dev.errors.record(format!(
+                    "madvise(MADV_DONTNEED) of {} bytes of pinned host memory failed (they stay \
+                     until the rest of their batch is dropped): {e}",
+                    self.span
+                ));
+            }
+        }
     }
 }
 
@@ -612,6 +685,8 @@ impl CudaBackend {
             regs: Vec::with_capacity(pieces.len()),
             device_ptr: 0,
             len: bytes,
+            offset: 0,
+            span: mem.len,
             timings: PinTimings {
                 map,
                 touch: touched,
@@ -619,7 +694,7 @@ impl CudaBackend {
                 pieces: pieces.len(),
                 ..PinTimings::default()
             },
-            mem,
+            mem: Arc::new(mem),
             dev: self.dev.clone(),
         };
         Ok((pinned, pieces))

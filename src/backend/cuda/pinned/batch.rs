@@ -1,0 +1,183 @@
+//! Pinning many buffers in one batch ([`CudaBackend::pin_many`]): one mapping, one touch on
+//! every core, one registration per buffer (see the parent module's "Batches").
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{AnonMemory, CudaPinned, HUGE_PAGE_BYTES, PinOptions, PinTimings, touch, touch_threads};
+use crate::backend::cuda::CudaBackend;
+use crate::backend::{BackendError, BackendResult};
+
+/// Where each buffer of a batch of `sizes` lies in the batch's mapping: back to back, each
+/// its size rounded up to [`HUGE_PAGE_BYTES`] (so that freeing one never splits a huge page
+/// of another). Returns the slices and their total.
+///
+/// Errors ([`BackendError::Invalid`]): a size of 0, or a total that overflows `usize`.
+pub(super) fn slices(sizes: &[usize]) -> BackendResult<(Vec<Range<usize>>, usize)> {
+    let invalid = |reason: String| BackendError::Invalid {
+        op: "alloc_pinned_many",
+        reason,
+    };
+    let mut out = Vec::with_capacity(sizes.len());
+    let mut total = 0usize;
+    for (k, &n) in sizes.iter().enumerate() {
+        if n == 0 {
+            return Err(invalid(format!("0 bytes requested for buffer {k}")));
+        }
+        let end = n
+            .checked_next_multiple_of(HUGE_PAGE_BYTES)
+            .and_then(|span| total.checked_add(span))
+            .ok_or_else(|| invalid(format!("{sizes:?} bytes of pinned memory overflow")))?;
+        out.push(total..end);
+        total = end;
+    }
+    Ok((out, total))
+}
+
+impl CudaBackend {
+    /// Pins one buffer per entry of `sizes` (each at least one byte), reading as zeros, in
+    /// one batch: one mapping of their sizes each rounded up to [`HUGE_PAGE_BYTES`], touched
+    /// once as [`CudaBackend::pin`] touches (`opts`' `touch_threads`, `populate` and
+    /// `huge_pages`), then each buffer's slice registered with its own `cuMemHostRegister`,
+    /// one after another on this thread (`piece_bytes` and `parallel_register` are
+    /// ignored), and its device address taken from that registration. Each buffer may be
+    /// dropped on its own, in any order (see the module documentation). Every buffer
+    /// carries the batch's [`PinTimings`]. No sizes: no buffers.
+    ///
+    /// All or nothing: on error every registration made is undone and the memory unmapped.
+    /// Errors: [`BackendError::Invalid`] for a size of 0; [`BackendError::Os`] when the
+    /// memory cannot be mapped; [`BackendError::Driver`] when the driver refuses to register
+    /// a slice.
+    pub fn pin_many(&self, sizes: &[usize], opts: &PinOptions) -> BackendResult<Vec<CudaPinned>> {
+        let (slices, total) = slices(sizes)?;
+        if slices.is_empty() {
+            return Ok(Vec::new());
+        }
+        let t = Instant::now();
+        let mut mem = AnonMemory::map(total, opts.huge_pages, self.dev.errors.clone())?;
+        let map = t.elapsed();
+        let threads = touch_threads(mem.len, opts.touch_threads);
+        let t = Instant::now();
+        touch(mem.as_mut_slice(), threads, opts.populate);
+        let touched = t.elapsed();
+        // `mem.len >= total`: every slice lies inside the usable bytes.
+        let mem = Arc::new(mem);
+        let t = Instant::now();
+        let mut out: Vec<CudaPinned> = Vec::with_capacity(slices.len());
+        {
+            // One scope for the whole loop (the buffers' own calls then find the context
+            // current). On any error, dropping `out` (and the buffer being built)
+            // unregisters what was registered, and the last to drop unmaps the memory.
+            let _scope = self.dev.scope()?;
+            for (&len, slice) in sizes.iter().zip(&slices) {
+                let mut p = CudaPinned {
+                    regs: Vec::with_capacity(1),
+                    device_ptr: 0,
+                    len,
+                    timings: PinTimings::default(),
+                    offset: slice.start,
+                    span: slice.len(),
+                    mem: mem.clone(),
+                    dev: self.dev.clone(),
+                };
+                p.register_serial(std::slice::from_ref(&(0..slice.len())))?;
+                p.device_ptr = p.lookup_device_ptr()?;
+                out.push(p);
+            }
+        }
+        let timings = PinTimings {
+            map,
+            touch: touched,
+            register: t.elapsed(),
+            wait: Duration::ZERO,
+            touch_threads: threads,
+            pieces: out.len(),
+        };
+        for p in &mut out {
+            p.timings = timings;
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::DeferredErrors;
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn slices_lie_back_to_back_on_huge_page_boundaries() {
+        let (s, total) = slices(&[1, 2 * MIB, 2 * MIB + 1, 55 * MIB + 13]).unwrap();
+        assert_eq!(
+            s,
+            vec![
+                0..2 * MIB,
+                2 * MIB..4 * MIB,
+                4 * MIB..8 * MIB,
+                8 * MIB..64 * MIB
+            ]
+        );
+        assert_eq!(total, 64 * MIB);
+        assert_eq!(slices(&[]).unwrap(), (vec![], 0));
+        assert!(matches!(
+            slices(&[5, 0, 7]),
+            Err(BackendError::Invalid {
+                op: "alloc_pinned_many",
+                ..
+            })
+        ));
+        assert!(matches!(
+            slices(&[usize::MAX / 2, usize::MAX / 2, 3]),
+            Err(BackendError::Invalid { .. })
+        ));
+        assert!(matches!(
+            slices(&[usize::MAX]),
+            Err(BackendError::Invalid { .. })
+        ));
+    }
+
+    /// Resident pages of usable bytes `range` of `mem`, from `mincore`.
+    fn resident(mem: &AnonMemory, range: Range<usize>) -> usize {
+        let page = crate::backend::host::page_size();
+        let mut vec = vec![0u8; range.len().div_ceil(page)];
+        let at = mem.ptr.as_ptr().wrapping_add(range.start);
+        // SAFETY: `at .. at + range.len()` is a page-aligned range of the live mapping;
+        // `vec` has one byte per page of it.
+        let rc = unsafe { libc::mincore(at.cast(), range.len(), vec.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        vec.iter().filter(|&&v| v & 1 == 1).count()
+    }
+
+    /// What dropping one buffer of a batch does to the shared mapping: its slice's pages go
+    /// back (and read as zeros), its neighbours keep theirs and their contents.
+    #[test]
+    fn discarding_a_slice_returns_its_pages_and_spares_the_others() {
+        let errors = Arc::new(DeferredErrors::new());
+        let (s, total) = slices(&[3 * MIB, 5 * MIB + 1, 2 * MIB]).unwrap();
+        let mut mem = AnonMemory::map(total, true, errors.clone()).expect("mmap");
+        touch(mem.as_mut_slice(), 2, true);
+        let page = crate::backend::host::page_size();
+        let pages = |r: &Range<usize>| r.len() / page;
+        for r in &s {
+            assert_eq!(resident(&mem, r.clone()), pages(r));
+            mem.as_mut_slice()[r.clone()].fill(0x5A);
+        }
+        // SAFETY: nothing else uses the middle slice.
+        unsafe { mem.discard(s[1].clone()) }.expect("madvise");
+        assert_eq!(resident(&mem, s[1].clone()), 0, "pages given back");
+        for k in [0, 2] {
+            assert_eq!(resident(&mem, s[k].clone()), pages(&s[k]), "slice {k}");
+            assert!(mem.as_mut_slice()[s[k].clone()].iter().all(|&b| b == 0x5A));
+        }
+        assert!(mem.as_mut_slice()[s[1].clone()].iter().all(|&b| b == 0));
+        // SAFETY: outside the usable bytes: refused before any call.
+        assert!(unsafe { mem.discard(total..total + page) }.is_err());
+        // SAFETY: empty.
+        unsafe { mem.discard(0..0) }.expect("nothing to do");
+        drop(mem);
+        assert_eq!(errors.total(), 0);
+    }
+}

@@ -72,7 +72,9 @@ fn a_growing_regions_first_release_pins_its_backups_in_one_batch() {
     }
     // A buffer marked overwritten whole needs no backup, and is not in the batch.
     let marked = pager.alloc("g", 3 * MIB).unwrap();
-    pager.set_overwritten(&marked, 0..marked.len(), true).unwrap();
+    pager
+        .set_overwritten(&marked, 0..marked.len(), true)
+        .unwrap();
 
     let rep = pager.release(&["g", "fixed"]).unwrap();
     assert_eq!(faulty.pin_batches(), 1, "one batch for the growing region");
@@ -80,7 +82,10 @@ fn a_growing_regions_first_release_pins_its_backups_in_one_batch() {
     let want = extents(bufs.iter().map(|(b, _)| b.len()));
     assert_eq!(backup_bytes(&pager, "g"), want, "one backup per buffer");
     let pin = rep.region("g").unwrap().steps.pin;
-    assert!(pin > std::time::Duration::ZERO, "the report carries the pinning");
+    assert!(
+        pin > std::time::Duration::ZERO,
+        "the report carries the pinning"
+    );
     pager.resume(&["g", "fixed"]).unwrap();
     check_all(&pager, &bufs, "first cycle");
     assert_eq!(read(&pager, &f), f_data);
@@ -88,7 +93,10 @@ fn a_growing_regions_first_release_pins_its_backups_in_one_batch() {
     // Pinned backups are kept: the next release pins nothing.
     let rep = pager.release(&["g"]).unwrap();
     assert_eq!(faulty.pin_batches(), 1);
-    assert_eq!(rep.region("g").unwrap().steps.pin, std::time::Duration::ZERO);
+    assert_eq!(
+        rep.region("g").unwrap().steps.pin,
+        std::time::Duration::ZERO
+    );
     pager.resume(&["g"]).unwrap();
     check_all(&pager, &bufs, "second cycle");
 
@@ -144,7 +152,11 @@ fn an_injected_pinning_fault_pins_none_of_the_batch() {
         assert_eq!(faulty.injected().alloc_pinned, attempt as u64 + 1);
         assert_eq!(faulty.pin_batches(), attempt as u64 + 1);
         assert_eq!(pager.info("g").unwrap().state, State::Resident);
-        assert_eq!(backup_bytes(&pager, "g"), 0, "nothing of the batch stays pinned");
+        assert_eq!(
+            backup_bytes(&pager, "g"),
+            0,
+            "nothing of the batch stays pinned"
+        );
         check_all(&pager, &bufs, "after the failed release");
     }
     // The fault is spent: the same release now succeeds and cycles bit-exact.
@@ -171,7 +183,10 @@ fn the_default_batch_gives_one_zeroed_buffer_per_size() {
     let mut bufs = host.alloc_pinned_many(&sizes).unwrap();
     assert_eq!(bufs.iter().map(|b| b.len()).collect::<Vec<_>>(), sizes);
     for (k, b) in bufs.iter_mut().enumerate() {
-        assert!(b.as_slice().iter().all(|&x| x == 0), "buffer {k} not zeroed");
+        assert!(
+            b.as_slice().iter().all(|&x| x == 0),
+            "buffer {k} not zeroed"
+        );
         b.as_mut_slice().fill(k as u8 + 1);
     }
     // Dropping one leaves the others whole.

@@ -2,10 +2,13 @@
 //! every core, one registration per buffer (see the parent module's "Batches").
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{AnonMemory, CudaPinned, HUGE_PAGE_BYTES, PinOptions, PinTimings, touch, touch_threads};
+use super::{
+    AnonMemory, CudaPinned, HUGE_PAGE_BYTES, PinOptions, PinTimings, on_threads, touch,
+    touch_threads,
+};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{BackendError, BackendResult};
 
@@ -39,11 +42,13 @@ impl CudaBackend {
     /// Pins one buffer per entry of `sizes` (each at least one byte), reading as zeros, in
     /// one batch: one mapping of their sizes each rounded up to [`HUGE_PAGE_BYTES`], touched
     /// once as [`CudaBackend::pin`] touches (`opts`' `touch_threads`, `populate` and
-    /// `huge_pages`), then each buffer's slice registered with its own `cuMemHostRegister`,
-    /// one after another on this thread (`piece_bytes` and `parallel_register` are
-    /// ignored), and its device address taken from that registration. Each buffer may be
-    /// dropped on its own, in any order (see the module documentation). Every buffer
-    /// carries the batch's [`PinTimings`]. No sizes: no buffers.
+    /// `huge_pages`), then each buffer's slice registered with its own `cuMemHostRegister`
+    /// (`piece_bytes` is ignored): one after another on this thread, or with
+    /// `parallel_register` on as many threads as touched (each thread registers whole
+    /// buffers, disjoint ranges; the default is serial, for the benchmark to compare), and
+    /// its device address taken from that registration. Each buffer may be dropped on its
+    /// own, in any order (see the module documentation). Every buffer carries the batch's
+    /// [`PinTimings`]. No sizes: no buffers.
     ///
     /// All or nothing: on error every registration made is undone and the memory unmapped.
     /// Errors: [`BackendError::Invalid`] for a size of 0; [`BackendError::Os`] when the
@@ -64,26 +69,36 @@ impl CudaBackend {
         // `mem.len >= total`: every slice lies inside the usable bytes.
         let mem = Arc::new(mem);
         let t = Instant::now();
-        let mut out: Vec<CudaPinned> = Vec::with_capacity(slices.len());
-        {
-            // One scope for the whole loop (the buffers' own calls then find the context
-            // current). On any error, dropping `out` (and the buffer being built)
-            // unregisters what was registered, and the last to drop unmaps the memory.
+        // Nothing registered yet. On any error below, dropping `out` unregisters what was
+        // registered, and the last buffer to drop unmaps the memory.
+        let mut out: Vec<CudaPinned> = sizes
+            .iter()
+            .zip(&slices)
+            .map(|(&len, slice)| CudaPinned {
+                regs: Vec::with_capacity(1),
+                device_ptr: 0,
+                len,
+                timings: PinTimings::default(),
+                offset: slice.start,
+                span: slice.len(),
+                mem: mem.clone(),
+                dev: self.dev.clone(),
+            })
+            .collect();
+        if opts.parallel_register && out.len() > 1 {
+            register_each_parallel(&mut out, threads)?;
+        } else {
+            // One scope for the whole loop: the buffers' own scopes then find the context
+            // current.
             let _scope = self.dev.scope()?;
-            for (&len, slice) in sizes.iter().zip(&slices) {
-                let mut p = CudaPinned {
-                    regs: Vec::with_capacity(1),
-                    device_ptr: 0,
-                    len,
-                    timings: PinTimings::default(),
-                    offset: slice.start,
-                    span: slice.len(),
-                    mem: mem.clone(),
-                    dev: self.dev.clone(),
-                };
-                p.register_serial(std::slice::from_ref(&(0..slice.len())))?;
+            for p in &mut out {
+                p.register_whole()?;
+            }
+        }
+        {
+            let _scope = self.dev.scope()?;
+            for p in &mut out {
                 p.device_ptr = p.lookup_device_ptr()?;
-                out.push(p);
             }
         }
         let timings = PinTimings {
@@ -98,6 +113,38 @@ impl CudaBackend {
             p.timings = timings;
         }
         Ok(out)
+    }
+}
+
+impl CudaPinned {
+    /// Registers the buffer's whole slice, one registration.
+    fn register_whole(&mut self) -> BackendResult<()> {
+        let whole = 0..self.span;
+        self.register_serial(std::slice::from_ref(&whole))
+    }
+}
+
+/// Registers each of `bufs` whole on up to `threads` threads (this one included). A buffer
+/// that was registered keeps its registration for its `Drop`, also when another failed; a
+/// failure returns after the others finished (no new buffer starts once one failed).
+fn register_each_parallel(bufs: &mut [CudaPinned], threads: usize) -> BackendResult<()> {
+    let failed: Mutex<Option<BackendError>> = Mutex::new(None);
+    let first = || failed.lock().unwrap_or_else(|p| p.into_inner());
+    on_threads(
+        threads.min(bufs.len()),
+        bufs.iter_mut().collect(),
+        |p: &mut CudaPinned| {
+            if first().is_some() {
+                return;
+            }
+            if let Err(e) = p.register_whole() {
+                first().get_or_insert(e);
+            }
+        },
+    );
+    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
 }
 

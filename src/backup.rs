@@ -4,7 +4,9 @@
 //! cudaHostAlloc), so the buffer is allocated once —
 //! at the first release that has something to save, or when the region is created with
 //! `prepin` — and reused by every later cycle; freeing it is an explicit choice
-//! ([`crate::Pager::free_backup`]).
+//! ([`crate::Pager::free_backup`]). A growing region pins the missing backups of all its
+//! buffers in one batch ([`crate::backend::Backend::alloc_pinned_many`]) and hands each its
+//! buffer ([`Backup::adopt`]).
 //!
 //! A backup holds some byte ranges of the device range it covers — the live buffers' bytes
 //! that were not marked overwritten ([`crate::Pager::set_overwritten`]) at the last save —

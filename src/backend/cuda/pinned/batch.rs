@@ -142,10 +142,17 @@ fn register_each_parallel(bufs: &mut [CudaPinned], threads: usize) -> BackendRes
             }
         },
     );
-    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        Some(e) => Err(e),
-        None => Ok(()),
+    if let Some(e) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
     }
+    // A helper thread that panicked left its buffers unregistered (`on_threads`).
+    if bufs.iter().any(|p| p.regs.is_empty()) {
+        return Err(BackendError::Invalid {
+            op: "alloc_pinned_many",
+            reason: "a registering thread stopped before it registered its buffers".to_owned(),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

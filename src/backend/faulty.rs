@@ -45,8 +45,7 @@ pub enum FaultPoint {
     /// [`Backend::copy_to_host`] (reads), and each device→host unit of
     /// [`Backend::copy_unit`] and [`Backend::copy_on`] (backups).
     CopyToHost,
-    /// [`Backend::alloc_pinned`] (the first release of a `Preserve` region), and each buffer
-    /// of [`Backend::alloc_pinned_many`] (a growing one's).
+    /// [`Backend::alloc_pinned`] (the first release of a `Preserve` region).
     AllocPinned,
 }
 

@@ -29,11 +29,11 @@
 //! [`crate::backend::Backend::alloc_pinned_many`]: a growing region's first release pins the
 //! backups of all its buffers at once) maps one range for the whole batch, each buffer's size
 //! rounded up to [`HUGE_PAGE_BYTES`], and touches it once on all threads; then registers each
-//! buffer's slice on its own, one after another on the calling thread (one registration per
-//! buffer, so that no copy spans two). The buffers share the mapping (an `Arc`): dropping
-//! one unregisters its slice and gives its physical pages back with `madvise(MADV_DONTNEED)`
-//! (unmapping a sub-range would leave a hole a later `mmap` could take, under the final
-//! `munmap`); the last one to drop unmaps the whole range.
+//! buffer's slice on its own (one registration per buffer, so that no copy spans two). The
+//! buffers share the mapping: dropping one unregisters its slice and gives its physical
+//! pages back with `madvise(MADV_DONTNEED)` (unmapping a sub-range would leave a hole a
+//! later `mmap` could take, under the final `munmap`); the last one to drop unmaps the whole
+//! range.
 //!
 //! **Pieces.** A buffer registered in several pieces is one contiguous range of host
 //! addresses, but the driver does not document a copy whose host range spans two
@@ -129,18 +129,26 @@ impl PinTimings {
 }
 
 /// Anonymous private memory from `mmap`, `len` bytes at `ptr` (aligned as asked) inside a
-/// mapping of `mapped` bytes at `raw`; unmapped on drop. Shared (`Arc`) by the buffers of a
-/// batch, each of which uses its own disjoint slice.
+/// mapping of `mapped` bytes at `raw`; unmapped on drop. Or a slice of such memory
+/// ([`AnonMemory::split`]): `len` bytes at `ptr` inside the memory `of`, which is unmapped
+/// when its last slice drops; a slice dropped before then gives its pages back.
 struct AnonMemory {
     raw: NonNull<u8>,
     mapped: usize,
     ptr: NonNull<u8>,
     len: usize,
     errors: Arc<DeferredErrors>,
+    /// For a slice: the memory it is part of. `None`: this value owns the mapping.
+    of: Option<Arc<AnonMemory>>,
+    /// For a slice: give its pages back when it drops (cleared by an owner that could not
+    /// unregister them).
+    discard_on_drop: bool,
 }
 
-// SAFETY: the mapping is owned by this value alone (unmapped once, by its drop); `&AnonMemory`
-// hands out nothing mutable (the buffers sharing it each write only their own slice).
+// SAFETY: the bytes `ptr .. ptr + len` are this value's alone (the slices of one mapping are
+// disjoint, and memory that was split is only reachable through `&` in the slices' `Arc`);
+// the mapping is unmapped once, by the value that owns it; `&AnonMemory` hands out nothing
+// mutable.
 unsafe impl Send for AnonMemory {}
 // SAFETY: as above.
 unsafe impl Sync for AnonMemory {}
@@ -197,6 +205,8 @@ impl AnonMemory {
             ptr,
             len,
             errors,
+            of: None,
+            discard_on_drop: false,
         };
         if huge {
             mem.advise(libc::MADV_HUGEPAGE);
@@ -210,6 +220,33 @@ impl AnonMemory {
         // SAFETY: the range is inside this live mapping; advice only changes how the kernel
         // backs it, never its contents (HUGEPAGE, DONTFORK).
         let _ = unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, advice) };
+    }
+
+    /// Cuts the usable bytes into `slices` (offsets into them, disjoint), each an
+    /// [`AnonMemory`] of its own that gives its pages back when dropped while others live;
+    /// the last slice to drop unmaps the memory. `Invalid` (nothing changed but that the
+    /// memory is unmapped) when a slice lies outside the usable bytes.
+    fn split(self, slices: &[Range<usize>]) -> BackendResult<Vec<AnonMemory>> {
+        if let Some(r) = slices.iter().find(|r| r.start > r.end || r.end > self.len) {
+            return Err(BackendError::Invalid {
+                op: "alloc_pinned_many",
+                reason: format!("slice {r:?} of {} bytes", self.len),
+            });
+        }
+        let whole = Arc::new(self);
+        Ok(slices
+            .iter()
+            .map(|r| AnonMemory {
+                raw: whole.raw,
+                mapped: whole.mapped,
+                // Inside the usable bytes (checked above).
+                ptr: NonNull::new(whole.ptr.as_ptr().wrapping_add(r.start)).unwrap_or(whole.ptr),
+                len: r.len(),
+                errors: whole.errors.clone(),
+                of: Some(whole.clone()),
+                discard_on_drop: true,
+            })
+            .collect())
     }
 
     /// Gives the physical pages of usable bytes `range` back (`madvise(MADV_DONTNEED)`):
@@ -248,8 +285,25 @@ impl AnonMemory {
 
 impl Drop for AnonMemory {
     fn drop(&mut self) {
+        if let Some(whole) = &self.of {
+            // A slice: the memory it is part of is unmapped when its last slice drops (after
+            // this). Until then, give this slice's pages back.
+            if self.discard_on_drop && Arc::strong_count(whole) > 1 {
+                // SAFETY: the slice's bytes are used by nobody: no reference into them
+                // outlives `self`, and its owner unregistered them and waited for every
+                // copy using them (or cleared `discard_on_drop`).
+                if let Err(e) = unsafe { self.discard(0..self.len) } {
+                    self.errors.record(format!(
+                        "madvise(MADV_DONTNEED) of {} bytes of pinned host memory failed (they \
+                         stay until the rest of their batch is dropped): {e}",
+                        self.len
+                    ));
+                }
+            }
+            return;
+        }
         // SAFETY: exactly this mapping was created by `map`, is unmapped once, here, and no
-        // slice of it outlives `self`.
+        // slice of it outlives `self` (the slices of a split hold it).
         if unsafe { libc::munmap(self.raw.as_ptr().cast(), self.mapped) } != 0 {
             let e = std::io::Error::last_os_error();
             self.errors.record(format!(
@@ -356,30 +410,22 @@ fn touch(mem: &mut [u8], threads: usize, populate: bool) {
 }
 
 /// Page-locked host memory: anonymous memory registered with the driver in one or more
-/// pieces ([`CudaBackend::pin`]), or one buffer of a batch ([`CudaBackend::pin_many`]): a
-/// slice of a mapping shared with the batch's other buffers, registered on its own.
-/// Dropping it unregisters every piece, then unmaps the memory, or, while other buffers of
-/// its batch live, gives its slice's pages back (`MADV_DONTNEED`).
+/// pieces ([`CudaBackend::pin`]). Dropping it unregisters every piece, then unmaps it.
 pub struct CudaPinned {
-    /// Registered ranges, as offsets from the buffer's start, unregistered in `Drop::drop`.
+    /// Registered ranges, as offsets from `mem.ptr`, unregistered in `Drop::drop`.
     regs: Vec<Range<usize>>,
-    /// What kernels use for the buffer's start (`cuMemHostGetDevicePointer`).
+    /// What kernels use for `mem.ptr` (`cuMemHostGetDevicePointer`).
     device_ptr: u64,
-    /// Bytes asked for (the slice may be longer).
+    /// Bytes asked for (the mapping may be longer).
     len: usize,
     timings: PinTimings,
-    /// The buffer's start, as an offset into `mem`'s usable bytes (0 unless in a batch).
-    offset: usize,
-    /// Bytes of `mem` from `offset` that are this buffer's (at least `len`).
-    span: usize,
-    /// Unmapped after `Drop::drop` has unregistered the last buffer sharing it.
-    mem: Arc<AnonMemory>,
+    /// Dropped after `Drop::drop` has unregistered it.
+    mem: AnonMemory,
     dev: Arc<Dev>,
 }
 
-// SAFETY: the buffer exclusively owns its slice of the memory (the mapping is shared only
-// by buffers of disjoint slices), which any thread may use or free (the driver calls in
-// `Drop` enter the context first); shared references only read it.
+// SAFETY: the buffer exclusively owns its memory, which any thread may use or free (the
+// driver calls in `Drop` enter the context first); shared references only read it.
 unsafe impl Send for CudaPinned {}
 // SAFETY: see `Send`; `&CudaPinned` hands out only `&[u8]`.
 unsafe impl Sync for CudaPinned {}
@@ -387,7 +433,7 @@ unsafe impl Sync for CudaPinned {}
 impl fmt::Debug for CudaPinned {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CudaPinned")
-            .field("ptr", &self.base())
+            .field("ptr", &self.mem.ptr)
             .field("len", &self.len)
             .field("device_ptr", &format_args!("{:#x}", self.device_ptr))
             .field("registrations", &self.regs.len())
@@ -402,22 +448,16 @@ impl CudaPinned {
     }
 
     /// The registered ranges, as byte offsets into the buffer, in order and back to back
-    /// (the last may extend past [`HostBuffer::len`] to the end of the mapping, or of the
-    /// buffer's slice of a batch). A copy's host range must lie inside one of them.
+    /// (the last may extend past [`HostBuffer::len`] to the end of the mapping). A copy's host
+    /// range must lie inside one of them.
     pub fn registrations(&self) -> &[Range<usize>] {
         &self.regs
     }
 
-    /// The buffer's first byte.
-    fn base(&self) -> *mut u8 {
-        // `offset + span <= mem.len`: the result lies inside the mapping.
-        self.mem.ptr.as_ptr().wrapping_add(self.offset)
-    }
-
-    /// Registers `pieces` (offsets into the buffer) one after another on this thread.
+    /// Registers `pieces` (offsets into the memory) one after another on this thread.
     fn register_serial(&mut self, pieces: &[Range<usize>]) -> BackendResult<()> {
         let _scope = self.dev.scope()?;
-        let base = self.base() as usize;
+        let base = self.mem.ptr.as_ptr() as usize;
         for r in pieces {
             register(base + r.start, r.len())?;
             self.regs.push(r.clone());
@@ -429,7 +469,7 @@ impl CudaPinned {
     /// was registered is kept for `Drop`, also when another failed; a failure returns after
     /// the others finished (no new piece starts once one failed).
     fn register_parallel(&mut self, pieces: &[Range<usize>], threads: usize) -> BackendResult<()> {
-        let base = self.base() as usize;
+        let base = self.mem.ptr.as_ptr() as usize;
         let dev: &Dev = &self.dev;
         let done = Mutex::new(Vec::with_capacity(pieces.len()));
         let failed: Mutex<Option<BackendError>> = Mutex::new(None);
@@ -467,7 +507,7 @@ impl CudaPinned {
     /// registrations (with unified addressing it is the host address itself).
     fn lookup_device_ptr(&self) -> BackendResult<u64> {
         let _scope = self.dev.scope()?;
-        let base = self.base() as usize;
+        let base = self.mem.ptr.as_ptr() as usize;
         let mut first = 0u64;
         for (k, r) in self.regs.iter().enumerate() {
             let mut d: sys::CUdeviceptr = 0;
@@ -506,15 +546,15 @@ fn register(addr: usize, len: usize) -> BackendResult<()> {
 
 impl HostBuffer for CudaPinned {
     fn as_slice(&self) -> &[u8] {
-        // SAFETY: `base .. base + len` lies inside this buffer's slice of the live mapping
-        // (which `self` holds), touched by no other buffer; it is initialised (anonymous
-        // memory reads as zeros until written); no `&mut` exists while `&self` is borrowed.
-        unsafe { std::slice::from_raw_parts(self.base(), self.len) }
+        // SAFETY: `ptr .. ptr + len` lies inside the live mapping owned by `self`; it is
+        // initialised (anonymous memory reads as zeros until written); no `&mut` exists
+        // while `&self` is borrowed.
+        unsafe { std::slice::from_raw_parts(self.mem.ptr.as_ptr(), self.len) }
     }
 
     fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`; `&mut self` makes this the only reference.
-        unsafe { std::slice::from_raw_parts_mut(self.base(), self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.mem.ptr.as_ptr(), self.len) }
     }
 
     fn len(&self) -> usize {
@@ -529,8 +569,7 @@ impl HostBuffer for CudaPinned {
 impl Drop for CudaPinned {
     fn drop(&mut self) {
         let scope = self.dev.scope_in_drop("pinned host memory");
-        let base = self.base() as usize;
-        let mut all_unregistered = true;
+        let base = self.mem.ptr.as_ptr() as usize;
         for r in self.regs.drain(..) {
             let at = (base + r.start) as *mut c_void;
             // SAFETY: `at` starts a registration this buffer made and nothing else
@@ -538,28 +577,15 @@ impl Drop for CudaPinned {
             // every copy using it.
             let unregistered = check(unsafe { sys::cuMemHostUnregister(at) });
             if let Err(e) = unregistered {
-                all_unregistered = false;
+                // Still registered, maybe: the pages stay until the whole mapping goes.
+                self.mem.discard_on_drop = false;
                 let what = format_args!("{} bytes of pinned host memory", r.len());
                 self.dev.record("cuMemHostUnregister", what, e);
             }
         }
         drop(scope);
-        // The last buffer of a mapping unmaps it when the fields drop, after this. One of a
-        // batch whose mapping others still use gives its pages back now (not while the driver
-        // may still hold them: then they wait for the unmap).
-        if all_unregistered && Arc::strong_count(&self.mem) > 1 {
-            let slice = self.offset..self.offset + self.span;
-            // SAFETY: `slice` is this buffer's part of the mapping, no longer registered, and
-            // used by nobody: no reference into the buffer outlives `self`, the owner waited
-            // for every copy using it, and the batch's other buffers use other slices.
-            if let Err(e) = unsafe { self.mem.discard(slice) } {
-                self.dev.errors.record(format!(
-                    "madvise(MADV_DONTNEED) of {} bytes of pinned host memory failed (they stay \
-                     until the rest of their batch is dropped): {e}",
-                    self.span
-                ));
-            }
-        }
+        // `mem` is unmapped when the fields drop, after this (a slice of a batch: its pages
+        // given back, the mapping unmapped with the last slice).
     }
 }
 
@@ -685,8 +711,6 @@ impl CudaBackend {
             regs: Vec::with_capacity(pieces.len()),
             device_ptr: 0,
             len: bytes,
-            offset: 0,
-            span: mem.len,
             timings: PinTimings {
                 map,
                 touch: touched,
@@ -694,7 +718,7 @@ impl CudaBackend {
                 pieces: pieces.len(),
                 ..PinTimings::default()
             },
-            mem: Arc::new(mem),
+            mem,
             dev: self.dev.clone(),
         };
         Ok((pinned, pieces))

@@ -2,7 +2,7 @@
 //! every core, one registration per buffer (see the parent module's "Batches").
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{
@@ -66,22 +66,18 @@ impl CudaBackend {
         let t = Instant::now();
         touch(mem.as_mut_slice(), threads, opts.populate);
         let touched = t.elapsed();
-        // `mem.len >= total`: every slice lies inside the usable bytes.
-        let mem = Arc::new(mem);
         let t = Instant::now();
         // Nothing registered yet. On any error below, dropping `out` unregisters what was
         // registered, and the last buffer to drop unmaps the memory.
         let mut out: Vec<CudaPinned> = sizes
             .iter()
-            .zip(&slices)
-            .map(|(&len, slice)| CudaPinned {
+            .zip(mem.split(&slices)?)
+            .map(|(&len, mem)| CudaPinned {
                 regs: Vec::with_capacity(1),
                 device_ptr: 0,
                 len,
                 timings: PinTimings::default(),
-                offset: slice.start,
-                span: slice.len(),
-                mem: mem.clone(),
+                mem,
                 dev: self.dev.clone(),
             })
             .collect();
@@ -119,7 +115,7 @@ impl CudaBackend {
 impl CudaPinned {
     /// Registers the buffer's whole slice, one registration.
     fn register_whole(&mut self) -> BackendResult<()> {
-        let whole = 0..self.span;
+        let whole = 0..self.mem.len;
         self.register_serial(std::slice::from_ref(&whole))
     }
 }
@@ -157,6 +153,8 @@ fn register_each_parallel(bufs: &mut [CudaPinned], threads: usize) -> BackendRes
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
     use crate::backend::DeferredErrors;
 
@@ -193,45 +191,58 @@ mod tests {
         ));
     }
 
-    /// Resident pages of usable bytes `range` of `mem`, from `mincore`.
-    fn resident(mem: &AnonMemory, range: Range<usize>) -> usize {
+    /// Resident pages of `mem`'s usable bytes, from `mincore`.
+    fn resident(mem: &AnonMemory) -> usize {
         let page = crate::backend::host::page_size();
-        let mut vec = vec![0u8; range.len().div_ceil(page)];
-        let at = mem.ptr.as_ptr().wrapping_add(range.start);
-        // SAFETY: `at .. at + range.len()` is a page-aligned range of the live mapping;
-        // `vec` has one byte per page of it.
-        let rc = unsafe { libc::mincore(at.cast(), range.len(), vec.as_mut_ptr()) };
+        let mut vec = vec![0u8; mem.len.div_ceil(page)];
+        // SAFETY: `ptr .. ptr + len` is a page-aligned range of the live mapping; `vec` has
+        // one byte per page of it.
+        let rc = unsafe { libc::mincore(mem.ptr.as_ptr().cast(), mem.len, vec.as_mut_ptr()) };
         assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
         vec.iter().filter(|&&v| v & 1 == 1).count()
     }
 
-    /// What dropping one buffer of a batch does to the shared mapping: its slice's pages go
-    /// back (and read as zeros), its neighbours keep theirs and their contents.
+    /// A batch's memory cut into slices: each the bytes asked for; dropping one gives its
+    /// pages back while its bytes stay mapped, its neighbours keep their pages and contents.
     #[test]
-    fn discarding_a_slice_returns_its_pages_and_spares_the_others() {
+    fn a_dropped_slice_returns_its_pages_and_spares_the_others() {
         let errors = Arc::new(DeferredErrors::new());
         let (s, total) = slices(&[3 * MIB, 5 * MIB + 1, 2 * MIB]).unwrap();
+        let mem = AnonMemory::map(total, true, errors.clone()).expect("mmap");
+        let page = crate::backend::host::page_size();
+        assert!(
+            mem.split(std::slice::from_ref(&(0..total + 1))).is_err(),
+            "outside: refused"
+        );
+
         let mut mem = AnonMemory::map(total, true, errors.clone()).expect("mmap");
         touch(mem.as_mut_slice(), 2, true);
-        let page = crate::backend::host::page_size();
-        let pages = |r: &Range<usize>| r.len() / page;
-        for r in &s {
-            assert_eq!(resident(&mem, r.clone()), pages(r));
-            mem.as_mut_slice()[r.clone()].fill(0x5A);
+        let base2 = mem.ptr.as_ptr() as usize;
+        let mut parts = mem.split(&s).expect("split");
+        for (p, r) in parts.iter_mut().zip(&s) {
+            assert_eq!(p.ptr.as_ptr() as usize, base2 + r.start);
+            assert_eq!(p.len, r.len());
+            assert_eq!(resident(p), r.len() / page);
+            p.as_mut_slice().fill(0x5A);
         }
-        // SAFETY: nothing else uses the middle slice.
-        unsafe { mem.discard(s[1].clone()) }.expect("madvise");
-        assert_eq!(resident(&mem, s[1].clone()), 0, "pages given back");
-        for k in [0, 2] {
-            assert_eq!(resident(&mem, s[k].clone()), pages(&s[k]), "slice {k}");
-            assert!(mem.as_mut_slice()[s[k].clone()].iter().all(|&b| b == 0x5A));
+        // The middle slice's pages go back when it drops; its bytes stay mapped (checked
+        // through the first slice's `of`) and read as zeros.
+        let middle = parts.remove(1);
+        let (at, len) = (middle.ptr.as_ptr() as usize, middle.len);
+        drop(middle);
+        let whole = parts[0].of.clone().expect("a slice");
+        let mut view = vec![0u8; len.div_ceil(page)];
+        // SAFETY: `at .. at + len` lies inside the live mapping `whole`; `view` has one byte
+        // per page of it.
+        let rc = unsafe { libc::mincore(at as *mut libc::c_void, len, view.as_mut_ptr()) };
+        assert_eq!(rc, 0, "still mapped: {}", std::io::Error::last_os_error());
+        assert!(view.iter().all(|&v| v & 1 == 0), "pages given back");
+        drop(whole);
+        for (p, k) in parts.iter_mut().zip([0, 2]) {
+            assert_eq!(resident(p), s[k].len() / page, "slice {k}");
+            assert!(p.as_mut_slice().iter().all(|&b| b == 0x5A), "slice {k}");
         }
-        assert!(mem.as_mut_slice()[s[1].clone()].iter().all(|&b| b == 0));
-        // SAFETY: outside the usable bytes: refused before any call.
-        assert!(unsafe { mem.discard(total..total + page) }.is_err());
-        // SAFETY: empty.
-        unsafe { mem.discard(0..0) }.expect("nothing to do");
-        drop(mem);
+        drop(parts);
         assert_eq!(errors.total(), 0);
     }
 }

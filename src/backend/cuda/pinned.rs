@@ -100,9 +100,7 @@ impl Default for PinOptions {
     }
 }
 
-/// What pinning one buffer took, step by step. A buffer of a batch
-/// ([`CudaBackend::pin_many`]) carries the whole batch's: the same on each of its buffers,
-/// not to be added up over them.
+/// What pinning one buffer took, step by step.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PinTimings {
     /// `mmap` and `madvise`.
@@ -117,7 +115,7 @@ pub struct PinTimings {
     pub wait: Duration,
     /// Threads that touched (1: the calling thread alone).
     pub touch_threads: usize,
-    /// Registrations (of a batch: all of its buffers', one each).
+    /// Registrations.
     pub pieces: usize,
 }
 

@@ -47,8 +47,12 @@ impl CudaBackend {
     /// `parallel_register` on as many threads as touched (each thread registers whole
     /// buffers, disjoint ranges; the default is serial, for the benchmark to compare), and
     /// its device address taken from that registration. Each buffer may be dropped on its
-    /// own, in any order (see the module documentation). Every buffer carries the batch's
-    /// [`PinTimings`]. No sizes: no buffers.
+    /// own, in any order (see the module documentation). No sizes: no buffers.
+    ///
+    /// Every buffer carries the whole batch's [`PinTimings`] (the same on each, not to be
+    /// added up over them): the batch's `map`, `touch` and `touch_threads`, `register` for
+    /// all its registrations and device-address lookups, `pieces` its registrations (one
+    /// per buffer).
     ///
     /// All or nothing: on error every registration made is undone and the memory unmapped.
     /// Errors: [`BackendError::Invalid`] for a size of 0; [`BackendError::Os`] when the

@@ -220,16 +220,20 @@ impl AnonMemory {
         let _ = unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, advice) };
     }
 
-    /// Cuts the usable bytes into `slices` (offsets into them, disjoint), each an
-    /// [`AnonMemory`] of its own that gives its pages back when dropped while others live;
-    /// the last slice to drop unmaps the memory. `Invalid` (nothing changed but that the
-    /// memory is unmapped) when a slice lies outside the usable bytes.
+    /// Cuts the usable bytes into `slices` (offsets into them, in order and disjoint), each
+    /// an [`AnonMemory`] of its own that gives its pages back when dropped while others live;
+    /// the last slice to drop unmaps the memory. `Invalid` (the memory unmapped) when the
+    /// slices are out of order, overlap or reach past the usable bytes.
     fn split(self, slices: &[Range<usize>]) -> BackendResult<Vec<AnonMemory>> {
-        if let Some(r) = slices.iter().find(|r| r.start > r.end || r.end > self.len) {
-            return Err(BackendError::Invalid {
-                op: "alloc_pinned_many",
-                reason: format!("slice {r:?} of {} bytes", self.len),
-            });
+        let mut end = 0;
+        for r in slices {
+            if r.start < end || r.start > r.end || r.end > self.len {
+                return Err(BackendError::Invalid {
+                    op: "alloc_pinned_many",
+                    reason: format!("slice {r:?} of {} bytes, after {end}", self.len),
+                });
+            }
+            end = r.end;
         }
         let whole = Arc::new(self);
         Ok(slices

@@ -212,12 +212,18 @@ mod tests {
     fn a_dropped_slice_returns_its_pages_and_spares_the_others() {
         let errors = Arc::new(DeferredErrors::new());
         let (s, total) = slices(&[3 * MIB, 5 * MIB + 1, 2 * MIB]).unwrap();
-        let mem = AnonMemory::map(total, true, errors.clone()).expect("mmap");
         let page = crate::backend::host::page_size();
-        assert!(
-            mem.split(std::slice::from_ref(&(0..total + 1))).is_err(),
-            "outside: refused"
-        );
+        for bad in [
+            vec![0..MIB, MIB..total + 1],
+            vec![0..2 * MIB, MIB..3 * MIB],
+            vec![2 * MIB..4 * MIB, 0..2 * MIB],
+        ] {
+            let mem = AnonMemory::map(total, true, errors.clone()).expect("mmap");
+            assert!(
+                matches!(mem.split(&bad), Err(BackendError::Invalid { .. })),
+                "{bad:?}"
+            );
+        }
 
         let mut mem = AnonMemory::map(total, true, errors.clone()).expect("mmap");
         touch(mem.as_mut_slice(), 2, true);

@@ -4,7 +4,9 @@
 //! cudaHostAlloc), so the buffer is allocated once —
 //! at the first release that has something to save, or when the region is created with
 //! `prepin` — and reused by every later cycle; freeing it is an explicit choice
-//! ([`crate::Pager::free_backup`]).
+//! ([`crate::Pager::free_backup`]). A growing region pins the missing backups of all its
+//! buffers in one batch ([`crate::backend::Backend::alloc_pinned_many`]) and hands each its
+//! buffer ([`Backup::adopt`]).
 //!
 //! A backup holds some byte ranges of the device range it covers — the live buffers' bytes
 //! that were not marked overwritten ([`crate::Pager::set_overwritten`]) at the last save —
@@ -115,17 +117,29 @@ impl Backup {
         self.buf.as_ref().map_or(0, |b| b.len())
     }
 
+    /// Whether the buffer is pinned.
+    pub fn is_pinned(&self) -> bool {
+        self.buf.is_some()
+    }
+
     /// Pins `size` bytes if nothing is pinned yet. Returns the time it took.
     pub fn ensure(&mut self, backend: &dyn Backend, size: usize) -> Result<Duration, BackendError> {
         if self.buf.is_some() {
             return Ok(Duration::ZERO);
         }
         let t = Instant::now();
-        self.buf = Some(backend.alloc_pinned(size)?);
+        self.adopt(backend.alloc_pinned(size)?);
+        Ok(t.elapsed())
+    }
+
+    /// Takes `buf` (pinned elsewhere, e.g. in a batch with other backups:
+    /// [`Backend::alloc_pinned_many`]) as the backup's buffer, in place of any it had; the
+    /// backup then holds nothing.
+    pub fn adopt(&mut self, buf: Box<dyn HostBuffer>) {
+        self.buf = Some(buf);
         self.valid.clear();
         self.hashes = None;
         self.staged = None;
-        Ok(t.elapsed())
     }
 
     /// Pins `size` bytes filled with device `base .. base + size` in one step

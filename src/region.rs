@@ -693,7 +693,9 @@ impl Region {
     /// Allocates the pinned backups that a release with copy gap `gap` needs and that are
     /// missing: one of the region's size for a fixed region with something to save; one per
     /// live buffer with something to save for a growing one (a buffer marked whole needs
-    /// none). Drops the backups of freed buffers. Returns the time it took.
+    /// none), all pinned in one batch ([`Backend::alloc_pinned_many`]; all or nothing: on
+    /// failure none of them is pinned). Drops the backups of freed buffers. Returns the
+    /// time the pinning took.
     pub fn ensure_backup(&mut self, backend: &dyn Backend, gap: usize) -> Result<Duration> {
         let plan = self.save_plan(gap);
         // Keep the backups of live buffers (pinned at their size or not yet pinned); drop
@@ -702,13 +704,36 @@ impl Region {
             plan.iter()
                 .any(|(s, len, _)| s == start && (b.bytes() == 0 || b.bytes() >= *len))
         });
-        let mut pinning = Duration::ZERO;
-        for (start, len, want) in plan {
-            if !want.is_empty() {
-                pinning += self.pin(backend, start, len)?;
+        let missing: Vec<(usize, usize)> = plan
+            .into_iter()
+            .filter(|(start, _, want)| {
+                !want.is_empty() && !self.backups.get(start).is_some_and(Backup::is_pinned)
+            })
+            .map(|(start, len, _)| (start, len))
+            .collect();
+        match missing[..] {
+            [] => Ok(Duration::ZERO),
+            [(start, len)] if !self.growing => self.pin(backend, start, len),
+            _ => {
+                let t = Instant::now();
+                let sizes: Vec<usize> = missing.iter().map(|&(_, len)| len).collect();
+                let bufs = backend
+                    .alloc_pinned_many(&sizes)
+                    .map_err(|e| Error::backend(&self.tag, "pinning the host backups", e))?;
+                let pinning = t.elapsed();
+                if bufs.len() != sizes.len() {
+                    let e = BackendError::Invalid {
+                        op: "alloc_pinned_many",
+                        reason: format!("{} buffers for {} sizes", bufs.len(), sizes.len()),
+                    };
+                    return Err(Error::backend(&self.tag, "pinning the host backups", e));
+                }
+                for (&(start, _), buf) in missing.iter().zip(bufs) {
+                    self.backups.entry(start).or_default().adopt(buf);
+                }
+                Ok(pinning)
             }
         }
-        Ok(pinning)
     }
 
     /// A fixed resident `Preserve` region's first backup, pinned and filled in one pass

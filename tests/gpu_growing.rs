@@ -1,6 +1,6 @@
 //! Growing regions on a real GPU: 300 odd-sized buffers cycled bit-exact, memory really
 //! returned on release and on free, OOM on alloc and on resume rolled back against a real
-//! allocation.
+//! allocation, backups pinned in batches as buffers come and go.
 //!
 //! Every test is `#[ignore = "needs a CUDA GPU"]` and fails (never passes) without one.
 
@@ -172,4 +172,94 @@ fn gpu_growing_oom_on_alloc_and_resume_rolls_back() {
     let mut got = vec![0u8; data.len()];
     pager.read(&w, 77, &mut got).unwrap();
     assert_bytes_eq("weights after the retry", &got, &data);
+}
+
+/// A growing Preserve region of odd buffers whose backups are pinned in batches
+/// (`alloc_pinned_many`: one mapping, one registration per buffer): cycles bit-exact through
+/// the pump while buffers are freed (their backups, slices of a live batch, dropped) and
+/// allocated (pinned in a second batch) between cycles, and after the backups are freed
+/// and pinned again in one batch; no deferred error.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_growing_backups_pinned_in_batches_cycle_bit_exact() {
+    let _lock = gpu_lock();
+    let backend = gpu();
+    let g = backend.info().granularity;
+    let pager = Pager::new(backend.clone());
+    pager.region("w", 0, Policy::Preserve).unwrap();
+    let mut rng = Rng::seeded("gpu_growing_backups_pinned_in_batches_cycle_bit_exact");
+    let mut bufs: Vec<(Buffer, Vec<u8>)> = Vec::new();
+    let add = |pager: &Pager, rng: &mut Rng, bufs: &mut Vec<(Buffer, Vec<u8>)>, n: usize| {
+        for i in 0..n {
+            let len = 1 + rng.next_u64() as usize % (6 * MIB / scale()) + i * 4099;
+            let b = pager.alloc("w", len).unwrap();
+            let data = rng.bytes(len);
+            pager.write(&b, 0, &data).unwrap();
+            bufs.push((b, data));
+        }
+    };
+    let check = |pager: &Pager, bufs: &[(Buffer, Vec<u8>)], when: &str| {
+        for (k, (b, d)) in bufs.iter().enumerate() {
+            let mut got = vec![0u8; d.len()];
+            pager.read(b, 0, &mut got).unwrap();
+            assert_bytes_eq(&format!("{when}: buffer {k}"), &got, d);
+        }
+    };
+    let backups = |pager: &Pager| pager.region_stats("w").unwrap().backup_bytes;
+    let extents = |bufs: &[(Buffer, Vec<u8>)]| -> usize {
+        bufs.iter().map(|(b, _)| b.len().next_multiple_of(g)).sum()
+    };
+    add(&pager, &mut rng, &mut bufs, 40);
+
+    let rep = pager.release(&["w"]).unwrap();
+    eprintln!("first release: {:?}", rep.region("w").map(|r| r.steps));
+    assert_eq!(backups(&pager), extents(&bufs), "one backup per buffer");
+    pager.resume(&["w"]).unwrap();
+    check(&pager, &bufs, "first cycle");
+
+    for cycle in 0..2 {
+        // Free every third buffer (its backup, a slice of a live batch, goes), add new ones
+        // (pinned in a new batch at the next release), update a few.
+        let mut k = 0;
+        bufs.retain(|(b, _)| {
+            k += 1;
+            if k % 3 == 0 {
+                pager.free(b).unwrap();
+            }
+            k % 3 != 0
+        });
+        add(&pager, &mut rng, &mut bufs, 7);
+        for (b, d) in bufs.iter_mut().step_by(5) {
+            rng.fill(d);
+            pager.write(b, 0, d).unwrap();
+        }
+        pager.release(&["w"]).unwrap();
+        assert_eq!(backups(&pager), extents(&bufs), "cycle {cycle}");
+        pager.resume(&["w"]).unwrap();
+        check(&pager, &bufs, &format!("cycle {cycle}"));
+    }
+
+    // Nothing new: nothing pinned.
+    let rep = pager.release(&["w"]).unwrap();
+    assert_eq!(
+        rep.region("w").map(|r| r.steps.pin),
+        Some(std::time::Duration::ZERO)
+    );
+    pager.resume(&["w"]).unwrap();
+    check(&pager, &bufs, "without pinning");
+
+    // Backups freed: the next release pins them all again, in one batch.
+    pager.free_backup("w").unwrap();
+    assert_eq!(backups(&pager), 0);
+    pager.release(&["w"]).unwrap();
+    assert_eq!(backups(&pager), extents(&bufs));
+    pager.resume(&["w"]).unwrap();
+    check(&pager, &bufs, "after free_backup");
+    drop(pager);
+    assert_eq!(
+        backend.deferred_errors().total(),
+        0,
+        "{:?}",
+        backend.deferred_errors().take()
+    );
 }

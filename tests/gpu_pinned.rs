@@ -1,5 +1,6 @@
-//! Pinned host memory by registration (`CudaBackend::pin`, behind `alloc_pinned`) and fixed
-//! `Discard` regions in their own chunk size (`PagerConfig::discard_chunk_bytes`), on a GPU.
+//! Pinned host memory by registration (`CudaBackend::pin`, behind `alloc_pinned`; batches,
+//! `CudaBackend::pin_many`, behind `alloc_pinned_many`) and fixed `Discard` regions in their
+//! own chunk size (`PagerConfig::discard_chunk_bytes`), on a GPU.
 //!
 //! Every test is `#[ignore = "needs a CUDA GPU"]` and fails (never passes) without one.
 //! Run on the H200 with `bash .gpu/on-device gpu-tests` (see ../shared/gpu/README.md).
@@ -10,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use common::{Rng, assert_bytes_eq, free_bytes, gpu, gpu_lock, scale};
 
-use gpu_pager::backend::cuda::{CudaBackend, PinOptions};
-use gpu_pager::backend::{Backend, HostBuffer};
+use gpu_pager::backend::cuda::{CudaBackend, CudaPinned, HUGE_PAGE_BYTES, PinOptions};
+use gpu_pager::backend::{Backend, Direction, HostBuffer, Mover, RawCopy};
 use gpu_pager::kv::{CacheView, DeviceSpan, KvDtype, KvLayout, KvOp, KvOrder, reference};
 use gpu_pager::{Pager, PagerConfig, Policy};
 
@@ -585,6 +586,255 @@ fn discard_regions_in_discard_chunks_map_and_give_memory_back() {
             check_ends(Some(0x2468_ACE0), "filled after resume");
             pager.remove("kv").unwrap();
         }
+    }
+    assert_eq!(
+        b.deferred_errors().total(),
+        0,
+        "{:?}",
+        b.deferred_errors().take()
+    );
+}
+
+/// The device address `cuMemHostGetDevicePointer` gives for host address `at` (the start of
+/// a live registration).
+fn driver_device_ptr(at: *const u8) -> u64 {
+    let mut d: cudarc::driver::sys::CUdeviceptr = 0;
+    // SAFETY: `d` is a valid out-pointer; `at` starts a live registration (the caller's).
+    let rc = unsafe {
+        cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut d, at as *mut std::ffi::c_void, 0)
+    };
+    assert_eq!(
+        rc,
+        cudarc::driver::sys::CUresult::CUDA_SUCCESS,
+        "cuMemHostGetDevicePointer"
+    );
+    d
+}
+
+/// Copies `bytes` between pinned `host` (from its start) and device address `at` with
+/// `mover` (one unit of the pump) and waits.
+fn copy_unit(b: &CudaBackend, direction: Direction, host: &dyn HostBuffer, at: u64, mover: Mover) {
+    let copy = RawCopy {
+        direction,
+        host: host.as_slice().as_ptr() as u64,
+        host_device: host.device_ptr(),
+        device: at,
+        bytes: host.len(),
+    };
+    // SAFETY: `at .. at + len` lies inside a live device buffer and the host range is a live
+    // pinned buffer of `b`; neither is touched by anyone else until the fence passes.
+    let fence = unsafe { b.copy_unit(&copy, mover) }.expect("copy_unit");
+    fence.wait().expect("wait for the copy");
+}
+
+/// A batch of buffers of odd sizes (`pin_many` registering on parallel threads, and
+/// `alloc_pinned_many` through the trait, one after another):
+/// each reads as zeros, lies on its own huge-page-aligned slice with one registration whose
+/// device address is the driver's, the slices are disjoint, every buffer carries the batch's
+/// timings; each round-trips bit-exact through device memory at an odd address with
+/// `copy_to_device`/`copy_to_host` and with both movers of the pump (the copy kernel
+/// through the buffer's device address), touching neither its neighbours nor device bytes
+/// past its end.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pinned_batches_of_odd_sizes_are_disjoint_and_copy_bit_exact() {
+    let _lock = gpu_lock();
+    let b = gpu();
+    let pager = Pager::new(b.clone());
+    let mut rng = Rng::seeded("pinned_batches_of_odd_sizes_are_disjoint_and_copy_bit_exact");
+    let sizes = [
+        1,
+        4097,
+        2 * MIB,
+        2 * MIB + 13,
+        17 * MIB / scale() + 4095,
+        3,
+        40 * MIB / scale() + 1,
+    ];
+    let largest = sizes.iter().copied().max().unwrap_or(1);
+    pager
+        .region("dev", largest + 2 * MIB, Policy::Discard)
+        .unwrap();
+    let dev = pager.alloc("dev", largest + 64).unwrap();
+    let at = pager.ptr(&dev).unwrap() + 7;
+    let poison = 0xDEAD_BEEFu32;
+
+    // Registered on parallel threads here, one after another through the trait.
+    let parallel = PinOptions {
+        parallel_register: true,
+        ..PinOptions::default()
+    };
+    let mut src: Vec<CudaPinned> = b.pin_many(&sizes, &parallel).expect("pin_many");
+    let mut back: Vec<Box<dyn HostBuffer>> =
+        b.alloc_pinned_many(&sizes).expect("alloc_pinned_many");
+    assert_eq!((src.len(), back.len()), (sizes.len(), sizes.len()));
+    assert!(b.pin_many(&[], &PinOptions::default()).unwrap().is_empty());
+    let timings = src[0].timings();
+    assert_eq!(timings.pieces, sizes.len());
+    eprintln!("batch of {} buffers: {timings:?}", sizes.len());
+    let mut spans: Vec<(usize, usize)> = Vec::new();
+    for (k, p) in src.iter().enumerate() {
+        let span = sizes[k].next_multiple_of(HUGE_PAGE_BYTES);
+        assert_eq!(p.len(), sizes[k], "buffer {k}");
+        assert_eq!(p.timings(), timings, "buffer {k}: the batch's timings");
+        assert_eq!(
+            p.registrations(),
+            std::slice::from_ref(&(0..span)),
+            "buffer {k}"
+        );
+        let host = p.as_slice().as_ptr();
+        assert_eq!(host as usize % HUGE_PAGE_BYTES, 0, "buffer {k}: aligned");
+        assert_eq!(p.device_ptr(), driver_device_ptr(host), "buffer {k}");
+        assert!(
+            p.as_slice().iter().all(|&x| x == 0),
+            "buffer {k}: not zeroed"
+        );
+        spans.push((host as usize, span));
+    }
+    for (k, q) in back.iter().enumerate() {
+        assert_eq!(q.len(), sizes[k]);
+        assert!(q.as_slice().iter().all(|&x| x == 0), "back {k}: not zeroed");
+        let host = q.as_slice().as_ptr();
+        assert_eq!(q.device_ptr(), driver_device_ptr(host), "back {k}");
+        spans.push((host as usize, sizes[k].next_multiple_of(HUGE_PAGE_BYTES)));
+    }
+    spans.sort_unstable();
+    for w in spans.windows(2) {
+        assert!(w[0].0 + w[0].1 <= w[1].0, "slices overlap: {w:?}");
+    }
+
+    let datas: Vec<Vec<u8>> = sizes.iter().map(|&n| rng.bytes(n)).collect();
+    for (p, d) in src.iter_mut().zip(&datas) {
+        p.as_mut_slice().copy_from_slice(d);
+    }
+    let check_device = |k: usize, what: &str| {
+        let mut got = vec![0u8; sizes[k] + 1];
+        pager.read(&dev, 7, &mut got).unwrap();
+        assert_bytes_eq(what, &got[..sizes[k]], &datas[k]);
+        assert_eq!(
+            got[sizes[k]],
+            pattern_byte(poison, 7 + sizes[k]),
+            "{what}: overran"
+        );
+    };
+    for k in 0..sizes.len() {
+        // copy_to_device / copy_to_host (the copy engine, synchronous).
+        let what = format!("buffer {k} of {} bytes, copy_to_*", sizes[k]);
+        pager.fill(&dev, poison).unwrap();
+        // SAFETY: `at .. at + sizes[k]` lies inside the live `dev` buffer.
+        unsafe { b.copy_to_device(at, src[k].as_slice()) }.expect("copy_to_device");
+        check_device(k, &what);
+        back[k].as_mut_slice().fill(0xA5);
+        // SAFETY: as above.
+        unsafe { b.copy_to_host(back[k].as_mut_slice(), at) }.expect("copy_to_host");
+        assert_bytes_eq(&what, back[k].as_slice(), &datas[k]);
+        // Both movers of the pump, the copy kernel through the device addresses.
+        for mover in Mover::ALL {
+            let what = format!("buffer {k} of {} bytes, {mover}", sizes[k]);
+            pager.fill(&dev, poison).unwrap();
+            copy_unit(&b, Direction::ToDevice, &src[k], at, mover);
+            check_device(k, &what);
+            back[k].as_mut_slice().fill(0xA5);
+            copy_unit(&b, Direction::ToHost, back[k].as_ref(), at, mover);
+            assert_bytes_eq(&what, back[k].as_slice(), &datas[k]);
+        }
+    }
+    // No copy strayed into a neighbour.
+    for k in 0..sizes.len() {
+        assert_bytes_eq(
+            &format!("source {k} at the end"),
+            src[k].as_slice(),
+            &datas[k],
+        );
+        assert_bytes_eq(
+            &format!("back {k} at the end"),
+            back[k].as_slice(),
+            &datas[k],
+        );
+    }
+    // Dropping some buffers of a batch leaves the others' registrations and contents whole.
+    let mut survivors: Vec<(usize, CudaPinned)> = src.into_iter().enumerate().collect();
+    survivors.retain(|(k, _)| ![5, 0, 2].contains(k));
+    for (k, p) in &survivors {
+        let what = format!("buffer {k}, after others of its batch were dropped");
+        assert_bytes_eq(&what, p.as_slice(), &datas[*k]);
+        for mover in Mover::ALL {
+            pager.fill(&dev, poison).unwrap();
+            copy_unit(&b, Direction::ToDevice, p, at, mover);
+            check_device(*k, &what);
+        }
+    }
+    drop((survivors, back));
+    drop(pager);
+    assert_eq!(
+        b.deferred_errors().total(),
+        0,
+        "{:?}",
+        b.deferred_errors().take()
+    );
+}
+
+/// 50 batches (and 10 registered on parallel threads) pinned and dropped one buffer at a
+/// time, in a shuffled order, leave the process's resident, locked and pinned memory where
+/// it was, with no deferred error; and a dropped buffer's pages go back at once
+/// (`MADV_DONTNEED`), while the rest of its batch lives.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pinned_batches_dropped_one_by_one_return_the_memory() {
+    let _lock = gpu_lock();
+    let b = gpu();
+    let mut rng = Rng::seeded("pinned_batches_dropped_one_by_one_return_the_memory");
+    let big = (64 * MIB / scale()).max(16 * MIB) + 5;
+    let sizes = [3 * MIB + 1, big, 1, 5 * MIB / scale() + 4097, 2 * MIB, 7];
+    drop(b.alloc_pinned_many(&sizes).expect("warm-up"));
+    let before = ["VmRSS", "VmLck", "VmPin"].map(status_bytes);
+
+    // One buffer's pages go back while its batch lives.
+    let mut bufs = b.alloc_pinned_many(&sizes).expect("alloc_pinned_many");
+    let held = status_bytes("VmRSS");
+    drop(bufs.remove(1));
+    let dropped = status_bytes("VmRSS");
+    eprintln!("VmRSS with the batch {held}, after dropping {big} bytes of it {dropped}");
+    assert!(
+        dropped + big / 2 <= held,
+        "dropping a {big}-byte buffer of a live batch gave back only {} bytes",
+        held.saturating_sub(dropped)
+    );
+    drop(bufs);
+
+    for cycle in 0..50 {
+        let mut bufs = b.alloc_pinned_many(&sizes).expect("alloc_pinned_many");
+        for (k, p) in bufs.iter_mut().enumerate() {
+            let n = p.len();
+            p.as_mut_slice()[(cycle * 4099 + k) % n] = 1;
+        }
+        while !bufs.is_empty() {
+            let k = rng.next_u64() as usize % bufs.len();
+            drop(bufs.swap_remove(k));
+        }
+    }
+    let parallel = PinOptions {
+        parallel_register: true,
+        ..PinOptions::default()
+    };
+    for _ in 0..10 {
+        let mut bufs = b.pin_many(&sizes, &parallel).expect("pin_many");
+        while !bufs.is_empty() {
+            let k = rng.next_u64() as usize % bufs.len();
+            drop(bufs.swap_remove(k));
+        }
+    }
+    let after = ["VmRSS", "VmLck", "VmPin"].map(status_bytes);
+    eprintln!("VmRSS, VmLck, VmPin before {before:?}, after {after:?}");
+    // One leaked batch would exceed the slack; 50 leaked slices at any scale would.
+    let slack = (big / 2).max(8 * MIB);
+    for (k, key) in ["VmRSS", "VmLck", "VmPin"].iter().enumerate() {
+        assert!(
+            after[k] <= before[k] + slack,
+            "{key} grew from {} to {} bytes over 60 batches of {sizes:?} bytes",
+            before[k],
+            after[k]
+        );
     }
     assert_eq!(
         b.deferred_errors().total(),

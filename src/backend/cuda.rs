@@ -835,6 +835,15 @@ impl Backend for CudaBackend {
         Ok(Box::new(self.pin(bytes, &PinOptions::default())?))
     }
 
+    /// One mapping touched once, one registration per buffer ([`CudaBackend::pin_many`]).
+    fn alloc_pinned_many(&self, sizes: &[usize]) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
+        let pinned = self.pin_many(sizes, &PinOptions::default())?;
+        Ok(pinned
+            .into_iter()
+            .map(|p| Box::new(p) as Box<dyn HostBuffer>)
+            .collect())
+    }
+
     unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()> {
         if src.is_empty() {
             return Ok(());

@@ -6,7 +6,10 @@
 //! [`Backend::alloc_pinned`], it may return [`BackendError::Injected`] instead — **without**
 //! calling the wrapped backend, so a failed `map` maps nothing (it stays all or nothing) and
 //! a failed copy moves no byte (a pumped copy fails at that unit, after the units before it
-//! moved).
+//! moved). A batch of pinned buffers ([`Backend::alloc_pinned_many`]) meets the
+//! [`FaultPoint::AllocPinned`] decision once per buffer, in order, and fails whole at the
+//! first injected one, before the wrapped backend pins anything; otherwise the wrapped
+//! backend pins the batch (its own batch path).
 //!
 //! Two sources of faults:
 //! - a seeded [`FaultPlan`]: each call at a [`FaultPoint`] fails with the plan's probability.
@@ -149,6 +152,8 @@ pub struct FaultyBackend {
     injected: [AtomicU64; 4],
     /// Unmap failures still to inject, shared with the mappings handed out.
     unmap_faults: Arc<UnmapFaults>,
+    /// `alloc_pinned_many` calls seen, failed or not.
+    pin_batches: AtomicU64,
 }
 
 /// Armed and injected unmap failures ([`FaultyBackend::fail_next_unmap`]).
@@ -218,7 +223,14 @@ impl FaultyBackend {
             armed: Default::default(),
             injected: Default::default(),
             unmap_faults: Default::default(),
+            pin_batches: AtomicU64::new(0),
         }
+    }
+
+    /// [`Backend::alloc_pinned_many`] calls seen so far, failed or not (a growing region's
+    /// first release makes one).
+    pub fn pin_batches(&self) -> u64 {
+        self.pin_batches.load(Ordering::SeqCst)
     }
 
     /// Makes the next drop of a mapping handed out by this backend record an injected
@@ -373,6 +385,17 @@ impl Backend for FaultyBackend {
     fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>> {
         self.check(FaultPoint::AllocPinned, "alloc_pinned")?;
         self.inner.alloc_pinned(bytes)
+    }
+
+    /// One [`FaultPoint::AllocPinned`] decision per buffer, as many `alloc_pinned` calls
+    /// would meet, stopping at the first fault (the batch then fails whole, nothing pinned);
+    /// otherwise the wrapped backend's batch.
+    fn alloc_pinned_many(&self, sizes: &[usize]) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
+        self.pin_batches.fetch_add(1, Ordering::SeqCst);
+        for _ in sizes {
+            self.check(FaultPoint::AllocPinned, "alloc_pinned_many")?;
+        }
+        self.inner.alloc_pinned_many(sizes)
     }
 
     /// # Safety

@@ -383,6 +383,21 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// touched on every core, then registered (see [`cuda::PinOptions`]).
     fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>>;
 
+    /// Allocates one pinned buffer per entry of `sizes` (each as [`Backend::alloc_pinned`]
+    /// would: reading as zeros, at least one byte), in one batch where the backend can do
+    /// better than one call each: a growing region's first release pins the backups of all
+    /// its buffers with one call. The buffers are independent: each may be dropped on its
+    /// own, in any order. All or nothing: on error nothing allocated by this call stays
+    /// allocated. No sizes: no buffers.
+    ///
+    /// The default calls [`Backend::alloc_pinned`] once per size, in order, and drops the
+    /// buffers it got when one fails. The CUDA backend maps and touches the whole batch
+    /// at once and registers each buffer on its own ([`cuda::CudaBackend::pin_many`]).
+    fn alloc_pinned_many(&self, sizes: &[usize]) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
+        // Collecting into a `Result` stops at the first error and drops what it collected.
+        sizes.iter().map(|&n| self.alloc_pinned(n)).collect()
+    }
+
     /// Copies `src` (any host memory) to device address `dst` with the copy engine and waits
     /// for the copy to finish.
     ///

@@ -96,6 +96,9 @@ impl Backend for Broken {
     fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>> {
         self.inner.alloc_pinned(bytes)
     }
+    fn alloc_pinned_many(&self, sizes: &[usize]) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
+        self.inner.alloc_pinned_many(sizes)
+    }
     unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()> {
         // SAFETY: forwarded from the caller.
         unsafe { self.inner.copy_to_device(dst, src) }

@@ -386,11 +386,19 @@ impl Bare {
 
 /// Weight buffers in `tag`: sizes vary ±5% around an equal share, as a model's tensors do.
 fn weight_buffers(pager: &Pager, tag: &str, cfg: &BenchConfig) -> Result<Vec<Buffer>> {
-    let unit = cfg.weights_bytes / cfg.weight_buffers.max(1);
-    (0..cfg.weight_buffers)
+    weight_sizes(cfg.weights_bytes, cfg.weight_buffers)
+        .into_iter()
+        .map(|len| pager.alloc(tag, len))
+        .collect()
+}
+
+/// The sizes of [`weight_buffers`]: `buffers` odd sizes a little under `bytes / buffers`.
+fn weight_sizes(bytes: usize, buffers: usize) -> Vec<usize> {
+    let unit = bytes / buffers.max(1);
+    (0..buffers)
         .map(|i| {
-            let len = (unit - 4096 - (i * 7919) % (unit / 20).max(1)).max(16);
-            pager.alloc(tag, len)
+            unit.saturating_sub(4096 + (i * 7919) % (unit / 20).max(1))
+                .max(16)
         })
         .collect()
 }
@@ -575,7 +583,7 @@ pub fn run(
         pinning::first_release_rows(&pager, cfg, &link, repeats, log, &mut rows)?;
     }
     if cfg.pinning {
-        pinning::pin_rows(&backend, &pager, cfg.weights_bytes, &link, log, &mut rows)?;
+        pinning::pin_rows(&backend, &pager, cfg, &link, log, &mut rows)?;
     }
 
     log("kv_cache: release/resume alternated with the bare VMM loop");

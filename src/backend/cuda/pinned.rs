@@ -25,6 +25,16 @@
 //! Dropping a [`CudaPinned`] unregisters each registration, then unmaps the memory; failures
 //! go to the backend's [`DeferredErrors`].
 //!
+//! **Batches.** [`CudaBackend::pin_many`] (behind
+//! [`crate::backend::Backend::alloc_pinned_many`]: a growing region's first release pins the
+//! backups of all its buffers at once) maps one range for the whole batch, each buffer's size
+//! rounded up to [`HUGE_PAGE_BYTES`], and touches it once on all threads; then registers each
+//! buffer's slice on its own (one registration per buffer, so that no copy spans two). The
+//! buffers share the mapping: dropping one unregisters its slice and gives its physical
+//! pages back with `madvise(MADV_DONTNEED)` (unmapping a sub-range would leave a hole a
+//! later `mmap` could take, under the final `munmap`); the last one to drop unmaps the whole
+//! range.
+//!
 //! **Pieces.** A buffer registered in several pieces is one contiguous range of host
 //! addresses, but the driver does not document a copy whose host range spans two
 //! registrations as valid. [`crate::backend::Backend::alloc_pinned`] therefore registers one
@@ -47,6 +57,8 @@ use cudarc::driver::sys;
 use super::{CudaBackend, Dev, check, driver_err};
 use crate::backend::host::page_size;
 use crate::backend::{BackendError, BackendResult, DeferredErrors, HostBuffer};
+
+mod batch;
 
 /// The size of a transparent huge page on x86-64 (and of the pages an arm64 kernel with
 /// 4 KiB base pages uses): the alignment of the memory [`CudaBackend::pin`] maps, and the
@@ -136,16 +148,26 @@ impl PinTimings {
 }
 
 /// Anonymous private memory from `mmap`, `len` bytes at `ptr` (aligned as asked) inside a
-/// mapping of `mapped` bytes at `raw`; unmapped on drop.
+/// mapping of `mapped` bytes at `raw`; unmapped on drop. Or a slice of such memory
+/// ([`AnonMemory::split`]): `len` bytes at `ptr` inside the memory `of`, which is unmapped
+/// when its last slice drops; a slice dropped before then gives its pages back.
 struct AnonMemory {
     raw: NonNull<u8>,
     mapped: usize,
     ptr: NonNull<u8>,
     len: usize,
     errors: Arc<DeferredErrors>,
+    /// For a slice: the memory it is part of. `None`: this value owns the mapping.
+    of: Option<Arc<AnonMemory>>,
+    /// For a slice: give its pages back when it drops (cleared by an owner that could not
+    /// unregister them).
+    discard_on_drop: bool,
 }
 
-// SAFETY: the mapping is owned by this value alone; `&AnonMemory` hands out nothing mutable.
+// SAFETY: the bytes `ptr .. ptr + len` are this value's alone (the slices of one mapping are
+// disjoint, and memory that was split is only reachable through `&` in the slices' `Arc`);
+// the mapping is unmapped once, by the value that owns it; `&AnonMemory` hands out nothing
+// mutable.
 unsafe impl Send for AnonMemory {}
 // SAFETY: as above.
 unsafe impl Sync for AnonMemory {}
@@ -202,6 +224,8 @@ impl AnonMemory {
             ptr,
             len,
             errors,
+            of: None,
+            discard_on_drop: false,
         };
         if huge {
             mem.advise(libc::MADV_HUGEPAGE);
@@ -217,6 +241,63 @@ impl AnonMemory {
         let _ = unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, advice) };
     }
 
+    /// Cuts the usable bytes into `slices` (offsets into them, in order and disjoint), each
+    /// an [`AnonMemory`] of its own that gives its pages back when dropped while others live;
+    /// the last slice to drop unmaps the memory. `Invalid` (the memory unmapped) when the
+    /// slices are out of order, overlap or reach past the usable bytes.
+    fn split(self, slices: &[Range<usize>]) -> BackendResult<Vec<AnonMemory>> {
+        let mut end = 0;
+        for r in slices {
+            if r.start < end || r.start > r.end || r.end > self.len {
+                return Err(BackendError::Invalid {
+                    op: "alloc_pinned_many",
+                    reason: format!("slice {r:?} of {} bytes, after {end}", self.len),
+                });
+            }
+            end = r.end;
+        }
+        let whole = Arc::new(self);
+        Ok(slices
+            .iter()
+            .map(|r| AnonMemory {
+                raw: whole.raw,
+                mapped: whole.mapped,
+                // Inside the usable bytes (checked above).
+                ptr: NonNull::new(whole.ptr.as_ptr().wrapping_add(r.start)).unwrap_or(whole.ptr),
+                len: r.len(),
+                errors: whole.errors.clone(),
+                of: Some(whole.clone()),
+                discard_on_drop: true,
+            })
+            .collect())
+    }
+
+    /// Gives the physical pages of usable bytes `range` back (`madvise(MADV_DONTNEED)`):
+    /// they read as zeros from then on, backed again when next touched. The range stays
+    /// mapped (no hole for a later `mmap`).
+    ///
+    /// # Safety
+    /// Nobody uses bytes `range` (no reference, no registration, no copy in flight).
+    unsafe fn discard(&self, range: Range<usize>) -> std::io::Result<()> {
+        if range.is_empty() {
+            return Ok(());
+        }
+        if range.end > self.len {
+            return Err(std::io::Error::other(format!(
+                "{range:?} lies outside the {} usable bytes",
+                self.len
+            )));
+        }
+        let at = self.ptr.as_ptr().wrapping_add(range.start);
+        // SAFETY: `at .. at + range.len()` lies inside this live mapping (checked above) and
+        // is used by nobody (the caller's contract), so dropping its contents harms no one.
+        let rc = unsafe { libc::madvise(at.cast(), range.len(), libc::MADV_DONTNEED) };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// The usable bytes.
     fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: `ptr .. ptr + len` lies inside the live private anonymous mapping, which
@@ -227,8 +308,25 @@ impl AnonMemory {
 
 impl Drop for AnonMemory {
     fn drop(&mut self) {
+        if let Some(whole) = &self.of {
+            // A slice: the memory it is part of is unmapped when its last slice drops (after
+            // this). Until then, give this slice's pages back.
+            if self.discard_on_drop && Arc::strong_count(whole) > 1 {
+                // SAFETY: the slice's bytes are used by nobody: no reference into them
+                // outlives `self`, and its owner unregistered them and waited for every
+                // copy using them (or cleared `discard_on_drop`).
+                if let Err(e) = unsafe { self.discard(0..self.len) } {
+                    self.errors.record(format!(
+                        "madvise(MADV_DONTNEED) of {} bytes of pinned host memory failed (they \
+                         stay until the rest of their batch is dropped): {e}",
+                        self.len
+                    ));
+                }
+            }
+            return;
+        }
         // SAFETY: exactly this mapping was created by `map`, is unmapped once, here, and no
-        // slice of it outlives `self`.
+        // slice of it outlives `self` (the slices of a split hold it).
         if unsafe { libc::munmap(self.raw.as_ptr().cast(), self.mapped) } != 0 {
             let e = std::io::Error::last_os_error();
             self.errors.record(format!(
@@ -618,12 +716,15 @@ impl Drop for CudaPinned {
             // every copy using it.
             let unregistered = check(unsafe { sys::cuMemHostUnregister(at) });
             if let Err(e) = unregistered {
+                // Still registered, maybe: the pages stay until the whole mapping goes.
+                self.mem.discard_on_drop = false;
                 let what = format_args!("{} bytes of pinned host memory", r.len());
                 self.dev.record("cuMemHostUnregister", what, e);
             }
         }
         drop(scope);
-        // `mem` is unmapped when the fields drop, after this.
+        // `mem` is unmapped when the fields drop, after this (a slice of a batch: its pages
+        // given back, the mapping unmapped with the last slice).
     }
 }
 

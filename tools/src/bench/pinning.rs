@@ -9,7 +9,9 @@
 //!   zeroing (the old `alloc_pinned`), and anonymous memory touched and then registered: with
 //!   and without huge pages, touched by one thread or all, by `MADV_POPULATE_WRITE` or a
 //!   write per page, registered in one piece or in pieces (serially, on parallel threads) —
-//!   each against `cuMemHostAlloc` in the same run; a copy across two registrations (does the
+//!   each against `cuMemHostAlloc` in the same run; the growing region's backups pinned in one
+//!   batch (`pin_many`: one mapping, one registration per buffer, registered one after
+//!   another or on parallel threads); a copy across two registrations (does the
 //!   driver take it, and at what speed); and pinning overlapped with the copy
 //!   (`pin_from_device`) against pinning then copying.
 //! - [`kv_pattern_rows`]: releasing and resuming the KV cache as 1 handle, 32 handles and 128
@@ -23,7 +25,9 @@ use gpu_pager::backend::{Backend, BackendKind, HostBuffer};
 use gpu_pager::report::ms;
 use gpu_pager::{Error, Pager, Policy, RegionOptions, Result};
 
-use super::{Bare, BenchConfig, GIB, Link, MIB, Row, Spread, size_name, weight_buffers};
+use super::{
+    Bare, BenchConfig, GIB, Link, MIB, Row, Spread, size_name, weight_buffers, weight_sizes,
+};
 
 fn err(tag: &str, what: impl std::fmt::Display) -> Error {
     Error::InvalidArgument {
@@ -225,16 +229,18 @@ fn median_sample(samples: &[PinSample]) -> PinSample {
     s[s.len() / 2]
 }
 
-/// The pinning rows (CUDA only; nothing on the host backend). `bytes`: the weights' size.
-/// Needs `bytes` of free device memory for the overlap rows and 1 GiB for the probe.
+/// The pinning rows (CUDA only; nothing on the host backend), at the weights' size
+/// (`cfg.weights_bytes`, as `cfg.weight_buffers` buffers for the batch rows). Needs the
+/// weights' size of free device memory for the overlap rows and 1 GiB for the probe.
 pub(super) fn pin_rows(
     backend: &Arc<dyn Backend>,
     pager: &Pager,
-    bytes: usize,
+    cfg: &BenchConfig,
     link: &Link,
     log: &mut dyn FnMut(&str),
     rows: &mut Vec<Row>,
 ) -> Result<()> {
+    let bytes = cfg.weights_bytes;
     if backend.info().kind != BackendKind::Cuda {
         log("pinning rows: CUDA only, skipped on this backend");
         return Ok(());
@@ -351,8 +357,79 @@ pub(super) fn pin_rows(
             target: None,
         });
     }
+    batch_rows(&cuda, cfg, limit, log, rows)?;
     cross_registration_rows(&cuda, pager, log, rows)?;
     overlap_rows(&cuda, pager, bytes, link, log, rows)
+}
+
+/// The growing region's backups (`cfg.weight_buffers` buffers of the weights' sizes, each
+/// rounded up to the 2 MiB the region maps) pinned in one batch, as its first release pins
+/// them (`pin_many`, one registration per buffer), registered one after another (what
+/// `alloc_pinned_many` does) and on parallel threads; against `limit` (cuMemHostAlloc + zero
+/// of the same bytes, this run).
+fn batch_rows(
+    cuda: &CudaBackend,
+    cfg: &BenchConfig,
+    limit: Spread,
+    log: &mut dyn FnMut(&str),
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    let sizes: Vec<usize> = weight_sizes(cfg.weights_bytes, cfg.weight_buffers)
+        .into_iter()
+        .map(|n| n.next_multiple_of(2 * MIB))
+        .collect();
+    let bytes: usize = sizes.iter().sum();
+    let d = PinOptions::default();
+    for (what, opts) in [
+        ("registered one after another (alloc_pinned_many)", d),
+        (
+            "registered on parallel threads",
+            PinOptions {
+                parallel_register: true,
+                ..d
+            },
+        ),
+    ] {
+        log(&format!(
+            "pinning {} as {} buffers in one batch, {what}",
+            size_name(bytes),
+            sizes.len()
+        ));
+        let mut samples = Vec::new();
+        for _ in 0..2 {
+            let huge0 = anon_huge_bytes();
+            let t = Instant::now();
+            let bufs = cuda
+                .pin_many(&sizes, &opts)
+                .map_err(|e| Error::backend("bench_pin", "pinning a batch", e))?;
+            let wall = t.elapsed();
+            let huge = anon_huge_bytes().saturating_sub(huge0);
+            let steps = bufs.first().map(|p| p.timings()).unwrap_or_default();
+            drop(bufs);
+            samples.push(PinSample { wall, steps, huge });
+        }
+        let m = median_sample(&samples);
+        let s = m.steps;
+        rows.push(Row {
+            name: format!(
+                "pin {} as {} buffers in one batch, {what}: {:.2} GiB/s (touch {:.0} ms on {} \
+                 threads, register {:.0} ms, {} registrations; {:.1} GiB in huge pages)",
+                size_name(bytes),
+                sizes.len(),
+                gib_per_s(bytes, m.wall),
+                ms(s.touch),
+                s.touch_threads,
+                ms(s.register),
+                s.pieces,
+                gib(m.huge)
+            ),
+            figure: Spread::of(&samples.iter().map(|x| x.wall).collect::<Vec<_>>()),
+            limit,
+            limit_name: "cuMemHostAlloc + zero, weights' bytes".into(),
+            target: None,
+        });
+    }
+    Ok(())
 }
 
 /// Whether `host` holds the 32-bit `pattern` repeated from byte `phase` of it.

@@ -823,17 +823,19 @@ impl CudaBackend {
         if let Err(e) = synced {
             // A copy may still be writing the buffer: leak it rather than unmap it under the
             // copy engine.
+            let why = super::describe(e);
             self.dev.errors.record(format!(
-                "pin_from_device: waiting for the copies failed ({}); {} bytes of pinned host \
-                 memory are leaked",
-                super::describe(e),
+                "pin_from_device: waiting for the copies failed ({why}); {} bytes of pinned \
+                 host memory are leaked",
                 pinned.mem.len
             ));
             drop(scope);
             std::mem::forget(pinned);
+            // The first failure is the one to report (an enqueue that failed before).
+            enqueued?;
             return Err(BackendError::Driver {
                 op: "cuStreamSynchronize",
-                message: "waiting for the copies into fresh pinned memory failed".to_owned(),
+                message: format!("waiting for the copies into fresh pinned memory failed: {why}"),
             });
         }
         drop(scope);

@@ -28,6 +28,7 @@
 
 use std::fmt;
 use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKernelArg, sys};
@@ -362,6 +363,8 @@ pub struct CudaBackend {
     hash_scratch: Mutex<Option<DeviceScratch>>,
     /// Device copies of the index lists of [`KvKernels::kv`] calls.
     kv_scratch: Mutex<Option<DeviceScratch>>,
+    /// Piece size of first backups ([`Backend::alloc_pinned_from_device`]).
+    first_backup_piece: AtomicUsize,
 }
 
 impl fmt::Debug for CudaBackend {
@@ -482,6 +485,7 @@ impl CudaBackend {
             copy_functions: InScope::new(OnceLock::new(), &dev),
             hash_scratch: Mutex::new(None),
             kv_scratch: Mutex::new(None),
+            first_backup_piece: AtomicUsize::new(FIRST_BACKUP_PIECE_BYTES),
             dev: dev.clone(),
         };
         drop(restore);
@@ -708,6 +712,14 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
+    /// Sets the piece size of later first backups ([`Backend::alloc_pinned_from_device`],
+    /// default [`FIRST_BACKUP_PIECE_BYTES`]; rounded up to [`HUGE_PAGE_BYTES`] when
+    /// pinned, 0: one piece). For the benchmark's piece sweep and for tests that need many
+    /// pieces in a small buffer.
+    pub fn set_first_backup_piece_bytes(&self, bytes: usize) {
+        self.first_backup_piece.store(bytes, Ordering::Relaxed);
+    }
+
     /// A fresh event (timing disabled) as an unrecorded fence, which has passed until it is
     /// recorded. The caller holds a [`CtxScope`].
     fn new_fence(&self) -> BackendResult<CudaFence> {
@@ -887,7 +899,7 @@ impl Backend for CudaBackend {
         src: u64,
     ) -> BackendResult<Box<dyn HostBuffer>> {
         let opts = PinOptions {
-            piece_bytes: FIRST_BACKUP_PIECE_BYTES,
+            piece_bytes: self.first_backup_piece.load(Ordering::Relaxed),
             ..PinOptions::default()
         };
         // SAFETY: forwarded from the caller (mapped device memory of this context, not

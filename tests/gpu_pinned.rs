@@ -287,7 +287,8 @@ fn pipelined_pin_from_device_odd_sizes_and_pieces_bit_exact() {
     let b = gpu();
     let pager = Pager::new(b.clone());
     let mut rng = Rng::seeded("pipelined_pin_from_device_odd_sizes_and_pieces_bit_exact");
-    let largest = 96 * MIB / scale() + 13;
+    // At least the largest fixed size below, at any scale.
+    let largest = (96 * MIB / scale()).max(10 * MIB) + 13;
     pager
         .region("src", largest + 2 * MIB, Policy::Discard)
         .unwrap();
@@ -439,8 +440,12 @@ fn first_release_without_prepin_pins_in_one_pass_and_restores_bit_exact() {
         check(&bufs, "resumed");
 
         // resume_on a stream: its copies are cut at the registrations too.
+        // Unchanged but for the marked buffer, whose bytes came back undefined: the hash
+        // chunks (32 MiB) sharing bytes with it hash differently, so their unmarked parts are
+        // copied again; nothing else is.
         let r = pager.release(&["w"]).unwrap();
-        assert_eq!(r.region("w").unwrap().copied, 0, "{what}: unchanged");
+        let copied = r.region("w").unwrap().copied;
+        assert!(copied <= 2 * 32 * MIB, "{what}: unchanged, {copied}");
         pager.resume_on(&["w"], RawStream(0)).unwrap();
         b.synchronize().unwrap();
         check(&bufs, "resume_on");
@@ -452,8 +457,9 @@ fn first_release_without_prepin_pins_in_one_pass_and_restores_bit_exact() {
         bufs[2].1[at..at + 3 * MIB].copy_from_slice(&fresh);
         let r = pager.release(&["w"]).unwrap();
         let copied = r.region("w").unwrap().copied;
-        // At most the two 32 MiB hash chunks the change touches.
-        assert!(copied > 0 && copied <= 64 * MIB, "{what}: {copied}");
+        // At most the two 32 MiB hash chunks the change touches and the two next to the
+        // marked buffer.
+        assert!(copied > 0 && copied <= 4 * 32 * MIB, "{what}: {copied}");
         pager.resume(&["w"]).unwrap();
         check(&bufs, "after a change");
         pager.remove("w").unwrap();
@@ -667,6 +673,8 @@ fn pinned_batches_of_odd_sizes_are_disjoint_and_copy_bit_exact() {
         parallel_register: true,
         ..PinOptions::default()
     };
+    // `driver_device_ptr` calls the driver directly: it needs the context current here.
+    b.context().bind_to_thread().expect("bind the context");
     let mut src: Vec<CudaPinned> = b.pin_many(&sizes, &parallel).expect("pin_many");
     let mut back: Vec<Box<dyn HostBuffer>> =
         b.alloc_pinned_many(&sizes).expect("alloc_pinned_many");

@@ -66,6 +66,10 @@ fn compile(source: &Path, name: &str) -> PathBuf {
 fn run(exe: &Path, env: &[(&str, &str)]) -> String {
     let mut cmd = Command::new(exe);
     cmd.env_remove(HOST_CAPACITY_ENV);
+    // cargo puts target/<profile> on LD_LIBRARY_PATH, which outranks the program's runpath:
+    // a libgpu_pager.so left there by an older `cargo build` would be loaded instead of the
+    // one this test built.
+    cmd.env_remove("LD_LIBRARY_PATH");
     for (k, v) in env {
         cmd.env(k, v);
     }

@@ -74,7 +74,7 @@ pub struct PagerConfig {
     /// Which movers copy `Preserve` contents to the backup on release (default
     /// [`CopyRoute::Engine`]). Also switchable with [`Pager::set_save_route`].
     pub save_route: CopyRoute,
-    /// Bytes per unit of a pumped copy (default [`pump::DEFAULT_UNIT_BYTES`], 64 MiB; rounded
+    /// Bytes per unit of a pumped copy (default [`pump::DEFAULT_UNIT_BYTES`], 256 MiB; rounded
     /// up to a multiple of [`pump::MIN_UNIT_BYTES`]). Also switchable with
     /// [`Pager::set_copy_units`].
     pub copy_unit_bytes: usize,

@@ -5,7 +5,7 @@
 //! host→device at about half the link for a second, while the copy kernel (`gp_copy`, which
 //! reads the pinned host memory directly over the link) does not slow down; settled, the
 //! copy engine is the faster (BENCHMARKS.md, "H200, 2026-12-02, later run"). The pump cuts
-//! every copy into units ([`PumpConfig::unit_bytes`], default 64 MiB) and keeps at most
+//! every copy into units ([`PumpConfig::unit_bytes`], default 256 MiB) and keeps at most
 //! [`PumpConfig::depth`] units (default 2) queued on each mover's stream, each followed by a
 //! fence; whenever a mover has a free slot it gets the next unit. With
 //! [`CopyRoute::Adaptive`] both movers run side by side and whichever is faster takes more
@@ -52,9 +52,12 @@ use crate::backend::{
     RawCopy, RawStream,
 };
 
-/// Default unit size: 64 MiB (about 1.2 ms at 55 GB/s: long enough that a launch or an
-/// enqueue is noise, short enough that the last unit of the slower mover adds little).
-pub const DEFAULT_UNIT_BYTES: usize = 64 << 20;
+/// Default unit size: 256 MiB (about 5 ms at 55 GB/s). Measured on the H200 (BENCHMARKS.md,
+/// 2026-12-03, second run), the adaptive resume of 16 GiB took 1.07× the link 1 s after the
+/// release with 256 MiB units against 1.11× with 64 MiB, 1.09× with 64 MiB × 4 and 1.08×
+/// with 16 MiB × 8; right after a trainer's free all four shapes took 1.22–1.23×. A
+/// concurrent release of another tag waits for at most `2 × depth` units of this size.
+pub const DEFAULT_UNIT_BYTES: usize = 256 << 20;
 
 /// Default units queued per mover: 2 (one copying, one ready behind it, so that the mover
 /// never waits for the host's next poll).
@@ -115,7 +118,7 @@ pub struct PumpConfig {
 }
 
 impl Default for PumpConfig {
-    /// Adaptive, 64 MiB units, 2 per mover.
+    /// Adaptive, 256 MiB units, 2 per mover.
     fn default() -> Self {
         PumpConfig {
             route: CopyRoute::Adaptive,

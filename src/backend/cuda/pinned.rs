@@ -11,9 +11,10 @@
 //!    transparent huge pages (`madvise(MADV_HUGEPAGE)`; refused or not, it goes on) and for
 //!    the mapping to stay out of forked children (`MADV_DONTFORK`: a child of a process with
 //!    pinned pages would otherwise get copies of all of them at fork);
-//! 2. first-touches it on up to `available_parallelism` threads (`MADV_POPULATE_WRITE`, or a
-//!    write per page where the kernel lacks it), at least [`MIN_TOUCH_BYTES_PER_THREAD`]
-//!    each, so that a small buffer is touched on the calling thread without spawning;
+//! 2. first-touches it on up to `available_parallelism` threads (a write per page by default,
+//!    which measured faster than `MADV_POPULATE_WRITE`: see [`PinOptions::populate`]), at
+//!    least [`MIN_TOUCH_BYTES_PER_THREAD`] each, so that a small buffer is touched on the
+//!    calling thread without spawning;
 //! 3. registers it with `CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP`: one
 //!    registration by default, or pieces registered one after another or on parallel threads
 //!    ([`PinOptions::piece_bytes`], for the benchmark that decides whether pieces pay);
@@ -72,13 +73,12 @@ pub const HUGE_PAGE_BYTES: usize = 2 << 20;
 pub const MIN_TOUCH_BYTES_PER_THREAD: usize = 8 << 20;
 
 /// Piece size of the pager's first backups ([`crate::backend::Backend::alloc_pinned_from_device`]
-/// through [`CudaBackend::pin_from_device`]): 512 MiB, 32 pieces for 16 GiB. What the
-/// pipeline cannot hide grows with the piece: the first piece's touch and the last piece's
-/// copy (from the rates measured on the H200 host, touching ~0.03 s/GiB on all cores and
-/// copying at ~55 GB/s: some 15 ms and 10 ms at 512 MiB); what each piece adds (one
-/// registration call, one copy call) is small next to that. Not measured yet: the bench's
-/// `pin_rows` compare pieces of 256 MiB to 2 GiB.
-pub const FIRST_BACKUP_PIECE_BYTES: usize = 512 << 20;
+/// through [`CudaBackend::pin_from_device`]): 2 GiB, 8 pieces for 16 GiB. Measured on the
+/// H200 host (BENCHMARKS.md, 2026-12-03, second run), 16 GiB pinned and copied in one pass
+/// took 1.53 s in 256 MiB pieces, 1.38 s in 512 MiB, 1.13 s in 1 GiB and 1.07 s in 2 GiB:
+/// every piece's registration pays a fixed cost that the overlap does not hide, while the
+/// first piece's touch and the last piece's copy stay short next to the whole.
+pub const FIRST_BACKUP_PIECE_BYTES: usize = 2 << 30;
 
 /// How [`CudaBackend::pin`] makes pinned host memory. The default is what
 /// [`crate::backend::Backend::alloc_pinned`] uses.
@@ -88,7 +88,9 @@ pub struct PinOptions {
     /// gets at least [`MIN_TOUCH_BYTES_PER_THREAD`] bytes, so fewer run on small buffers.
     pub touch_threads: usize,
     /// Touch with `madvise(MADV_POPULATE_WRITE)` (one call per thread) instead of a write
-    /// per page; a kernel without it (before Linux 5.14) gets the writes anyway.
+    /// per page; a kernel without it (before Linux 5.14) gets the writes anyway. Off by
+    /// default: on the H200 host, 16 threads touched 16 GiB in 321 ms with a write per page
+    /// and in 776 ms with `MADV_POPULATE_WRITE` (same run, transparent huge pages both).
     pub populate: bool,
     /// Ask for transparent huge pages (`madvise(MADV_HUGEPAGE)`); ignored where the kernel
     /// refuses.
@@ -104,7 +106,7 @@ impl Default for PinOptions {
     fn default() -> Self {
         PinOptions {
             touch_threads: 0,
-            populate: true,
+            populate: false,
             huge_pages: true,
             piece_bytes: 0,
             parallel_register: false,

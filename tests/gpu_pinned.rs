@@ -9,7 +9,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Rng, assert_bytes_eq, free_bytes, gpu, gpu_lock, scale};
+use common::{Rng, assert_bytes_eq, assert_no_deferred_errors, free_bytes, gpu, gpu_lock, scale};
 
 use gpu_pager::backend::cuda::{CudaBackend, CudaPinned, HUGE_PAGE_BYTES, PinOptions};
 use gpu_pager::backend::{Backend, Direction, HostBuffer, Mover, RawCopy};
@@ -117,12 +117,7 @@ fn registered_buffers_of_odd_sizes_round_trip_bit_exact() {
         assert_bytes_eq(&format!("growing buffer of {}", d.len()), &back, d);
     }
     drop(pager);
-    assert_eq!(
-        b.deferred_errors().total(),
-        0,
-        "{:?}",
-        b.deferred_errors().take()
-    );
+    assert_no_deferred_errors(&b);
 }
 
 /// The device address of a registered buffer is the driver's (`cuMemHostGetDevicePointer`
@@ -227,12 +222,7 @@ fn kernels_use_registered_memory_through_its_device_pointer() {
         assert_bytes_eq(&format!("{what}: swap_out"), host.as_slice(), &want);
     }
     drop(pager);
-    assert_eq!(
-        b.deferred_errors().total(),
-        0,
-        "{:?}",
-        b.deferred_errors().take()
-    );
+    assert_no_deferred_errors(&b);
 }
 
 /// `pin_from_device` fills fresh pinned memory with a device range, piece by piece as each
@@ -264,12 +254,7 @@ fn pin_from_device_copies_bit_exact() {
         eprintln!("{:?}", host.timings());
     }
     drop(pager);
-    assert_eq!(
-        b.deferred_errors().total(),
-        0,
-        "{:?}",
-        b.deferred_errors().take()
-    );
+    assert_no_deferred_errors(&b);
 }
 
 /// The pipelined `pin_from_device` (a helper touching piece k+1 while piece k registers and
@@ -356,17 +341,12 @@ fn pipelined_pin_from_device_odd_sizes_and_pieces_bit_exact() {
     }
     pager.remove("src").unwrap();
     drop(pager);
-    assert_eq!(
-        b.deferred_errors().total(),
-        0,
-        "{:?}",
-        b.deferred_errors().take()
-    );
+    assert_no_deferred_errors(&b);
 }
 
 /// A fixed `Preserve` region's first release without `prepin` (`first_save_overlap`, the
-/// default): the backup is pinned and filled in one pass (`alloc_pinned_from_device`, in
-/// 512 MiB pieces at full scale: three here, the last short) and the save copies nothing;
+/// default): the backup is pinned and filled in one pass (`alloc_pinned_from_device`, here
+/// in 6 MiB pieces, the last short) and the save copies nothing;
 /// the resume (adaptive route: the copy engine and the copy kernel read the backup across its
 /// registrations, cut at their ends), a `resume_on` a stream, and a cycle after a change are
 /// bit-exact; a marked buffer is not restored. With the switch off, the same through the
@@ -507,12 +487,7 @@ fn pinning_100_times_returns_the_memory() {
             after[k]
         );
     }
-    assert_eq!(
-        b.deferred_errors().total(),
-        0,
-        "{:?}",
-        b.deferred_errors().take()
-    );
+    assert_no_deferred_errors(&b);
 }
 
 /// Free device memory, waiting up to 5 s for it to reach `at_least` (memory unmapped a moment
@@ -596,12 +571,7 @@ fn discard_regions_in_discard_chunks_map_and_give_memory_back() {
             pager.remove("kv").unwrap();
         }
     }
-    assert_eq!(
-        b.deferred_errors().total(),
-        0,
-        "{:?}",
-        b.deferred_errors().take()
-    );
+    assert_no_deferred_errors(&b);
 }
 
 /// The device address `cuMemHostGetDevicePointer` gives for host address `at` (the start of
@@ -777,12 +747,7 @@ fn pinned_batches_of_odd_sizes_are_disjoint_and_copy_bit_exact() {
     }
     drop((survivors, back));
     drop(pager);
-    assert_eq!(
-        b.deferred_errors().total(),
-        0,
-        "{:?}",
-        b.deferred_errors().take()
-    );
+    assert_no_deferred_errors(&b);
 }
 
 /// 50 batches (and 10 registered on parallel threads) pinned and dropped one buffer at a
@@ -847,10 +812,5 @@ fn pinned_batches_dropped_one_by_one_return_the_memory() {
             after[k]
         );
     }
-    assert_eq!(
-        b.deferred_errors().total(),
-        0,
-        "{:?}",
-        b.deferred_errors().take()
-    );
+    assert_no_deferred_errors(&b);
 }

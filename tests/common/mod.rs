@@ -116,6 +116,14 @@ pub fn gpu() -> std::sync::Arc<gpu_pager::backend::cuda::CudaBackend> {
     )
 }
 
+/// Fails with the backend's deferred errors (failures recorded off the call path: an
+/// unregister or unmap that failed in a drop) if there are any.
+pub fn assert_no_deferred_errors(b: &gpu_pager::backend::cuda::CudaBackend) {
+    use gpu_pager::backend::Backend;
+    let errors = b.deferred_errors();
+    assert_eq!(errors.total(), 0, "{:?}", errors.take());
+}
+
 /// Free device memory now.
 pub fn free_bytes(b: &gpu_pager::backend::cuda::CudaBackend) -> usize {
     use gpu_pager::backend::Backend;

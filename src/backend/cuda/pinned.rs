@@ -882,36 +882,22 @@ impl CudaBackend {
         bytes: usize,
         opts: &PinOptions,
     ) -> BackendResult<(CudaPinned, Vec<Range<usize>>)> {
-        if bytes == 0 {
-            return Err(BackendError::Invalid {
-                op: "alloc_pinned",
-                reason: "0 bytes requested".to_owned(),
-            });
-        }
-        let t = Instant::now();
-        let mut mem = AnonMemory::map(bytes, opts.huge_pages, self.dev.errors.clone())?;
-        let map = t.elapsed();
-        let threads = touch_threads(mem.len, opts.touch_threads);
-        let t = Instant::now();
-        touch(mem.as_mut_slice(), threads, opts.populate);
-        let touched = t.elapsed();
-        let pieces = pieces(mem.len, opts.piece_bytes);
-        let pinned = CudaPinned {
-            regs: Vec::with_capacity(pieces.len()),
-            device_ptr: 0,
-            len: bytes,
-            timings: PinTimings {
-                map,
-                touch: touched,
-                touch_threads: threads,
-                pieces: pieces.len(),
-                ..PinTimings::default()
-            },
-            mem,
-            dev: self.dev.clone(),
-        };
+        let mut pinned = self.map_only(bytes, opts)?;
+        (pinned.timings.touch, pinned.timings.touch_threads) = touch_timed(&mut pinned.mem, opts);
+        let pieces = pieces(pinned.mem.len, opts.piece_bytes);
+        pinned.timings.pieces = pieces.len();
+        pinned.regs.reserve(pieces.len());
         Ok((pinned, pieces))
     }
+}
+
+/// First-touches all of `mem` as `opts` says ([`touch_threads`], `populate`); returns the
+/// time it took and the threads that touched.
+fn touch_timed(mem: &mut AnonMemory, opts: &PinOptions) -> (Duration, usize) {
+    let threads = touch_threads(mem.len, opts.touch_threads);
+    let t = Instant::now();
+    touch(mem.as_mut_slice(), threads, opts.populate);
+    (t.elapsed(), threads)
 }
 
 #[cfg(test)]

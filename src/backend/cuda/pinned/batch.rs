@@ -6,8 +6,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{
-    AnonMemory, CudaPinned, HUGE_PAGE_BYTES, PinOptions, PinTimings, on_threads, touch,
-    touch_threads,
+    AnonMemory, CudaPinned, HUGE_PAGE_BYTES, PinOptions, PinTimings, on_threads, touch_timed,
 };
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{BackendError, BackendResult};
@@ -66,10 +65,7 @@ impl CudaBackend {
         let t = Instant::now();
         let mut mem = AnonMemory::map(total, opts.huge_pages, self.dev.errors.clone())?;
         let map = t.elapsed();
-        let threads = touch_threads(mem.len, opts.touch_threads);
-        let t = Instant::now();
-        touch(mem.as_mut_slice(), threads, opts.populate);
-        let touched = t.elapsed();
+        let (touched, threads) = touch_timed(&mut mem, opts);
         let t = Instant::now();
         // Nothing registered yet. On any error below, dropping `out` unregisters what was
         // registered, and the last buffer to drop unmaps the memory.
@@ -159,6 +155,7 @@ fn register_each_parallel(bufs: &mut [CudaPinned], threads: usize) -> BackendRes
 mod tests {
     use std::sync::Arc;
 
+    use super::super::touch;
     use super::*;
     use crate::backend::DeferredErrors;
 

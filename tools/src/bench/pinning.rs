@@ -337,25 +337,13 @@ pub(super) fn pin_rows(
         let samples = (0..*n)
             .map(|_| pin_once(&cuda, bytes, opts))
             .collect::<Result<Vec<_>>>()?;
-        let m = median_sample(&samples);
-        let s = m.steps;
-        rows.push(Row {
-            name: format!(
-                "pin {}: mmap + touch + register, {what}: {:.2} GiB/s (touch {:.0} ms on {} \
-                 threads, register {:.0} ms in {} pieces; {:.1} GiB in huge pages)",
-                size_name(bytes),
-                gib_per_s(bytes, m.wall),
-                ms(s.touch),
-                s.touch_threads,
-                ms(s.register),
-                s.pieces,
-                gib(m.huge)
-            ),
-            figure: Spread::of(&samples.iter().map(|x| x.wall).collect::<Vec<_>>()),
+        rows.push(pin_row(
+            format!("pin {}: mmap + touch + register, {what}", size_name(bytes)),
+            bytes,
+            &samples,
             limit,
-            limit_name: "cuMemHostAlloc + zero, same bytes".into(),
-            target: None,
-        });
+            "cuMemHostAlloc + zero, same bytes",
+        ));
     }
     batch_rows(&cuda, cfg, limit, log, rows)?;
     cross_registration_rows(&cuda, pager, log, rows)?;
@@ -408,28 +396,48 @@ fn batch_rows(
             drop(bufs);
             samples.push(PinSample { wall, steps, huge });
         }
-        let m = median_sample(&samples);
-        let s = m.steps;
-        rows.push(Row {
-            name: format!(
-                "pin {} as {} buffers in one batch, {what}: {:.2} GiB/s (touch {:.0} ms on {} \
-                 threads, register {:.0} ms, {} registrations; {:.1} GiB in huge pages)",
+        rows.push(pin_row(
+            format!(
+                "pin {} as {} buffers in one batch, {what}",
                 size_name(bytes),
-                sizes.len(),
-                gib_per_s(bytes, m.wall),
-                ms(s.touch),
-                s.touch_threads,
-                ms(s.register),
-                s.pieces,
-                gib(m.huge)
+                sizes.len()
             ),
-            figure: Spread::of(&samples.iter().map(|x| x.wall).collect::<Vec<_>>()),
+            bytes,
+            &samples,
             limit,
-            limit_name: "cuMemHostAlloc + zero, weights' bytes".into(),
-            target: None,
-        });
+            "cuMemHostAlloc + zero, weights' bytes",
+        ));
     }
     Ok(())
+}
+
+/// A pinning method's row: `what`, then the median sample's rate and steps, against
+/// `limit` (named `limit_name`).
+fn pin_row(
+    what: String,
+    bytes: usize,
+    samples: &[PinSample],
+    limit: Spread,
+    limit_name: &str,
+) -> Row {
+    let m = median_sample(samples);
+    let s = m.steps;
+    Row {
+        name: format!(
+            "{what}: {:.2} GiB/s (touch {:.0} ms on {} threads, register {:.0} ms, {} \
+             registrations; {:.1} GiB in huge pages)",
+            gib_per_s(bytes, m.wall),
+            ms(s.touch),
+            s.touch_threads,
+            ms(s.register),
+            s.pieces,
+            gib(m.huge)
+        ),
+        figure: Spread::of(&samples.iter().map(|x| x.wall).collect::<Vec<_>>()),
+        limit,
+        limit_name: limit_name.into(),
+        target: None,
+    }
 }
 
 /// Whether `host` holds the 32-bit `pattern` repeated from byte `phase` of it.

@@ -164,11 +164,8 @@ impl Traffic {
     }
 
     fn sub(&self, direction: Direction) {
-        // Never below zero: every `sub` follows its own `add`.
-        let _ =
-            self.units[slot(direction)].fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                Some(n.saturating_sub(1))
-            });
+        // Every `sub` follows its own `add` (a pump's `landed` follows its `launched`).
+        self.units[slot(direction)].fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -684,7 +681,7 @@ impl<'h> Pump<'_, 'h> {
 
     /// Counts a unit going `direction` as finished (or waited for).
     fn landed(&mut self, direction: Direction) {
-        self.own[slot(direction)] = self.own[slot(direction)].saturating_sub(1);
+        self.own[slot(direction)] -= 1;
         self.traffic.sub(direction);
     }
 

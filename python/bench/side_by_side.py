@@ -106,9 +106,12 @@ def run_one(impl: str, weights_bytes: int, kv_bytes: int, n_tensors: int, repeat
     def timed(f: Callable[[], Any]) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        f()
+        report = f()
         torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        if report is not None:  # gpu_pager's pause and resume say where the time went
+            _log(f"{impl}: {seconds * 1e3:.1f} ms; {report}")
+        return seconds
 
     def change() -> None:
         for w in weights:

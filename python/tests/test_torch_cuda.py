@@ -75,8 +75,11 @@ def test_torch_memory_saver_compat(new_tag: Callable[[], str]) -> None:
     with tms.region(kv_tag):
         k = torch.zeros(1 << 20, device="cuda")
     tms.pause(kv_tag)
-    tms.pause(w_tag)
-    tms.pause(w_tag)  # idempotent (torch_memory_saver exits here)
+    first = tms.pause(w_tag)
+    assert first is not None and first.copied >= 4 * MIB  # gpu_pager's report of the pause
+    again = tms.pause(w_tag)  # idempotent (torch_memory_saver exits here)
+    assert again is not None and again.copied == 0
+    assert tms.pause("no such tag") is None
     tms.resume(w_tag)
     assert float(w.sum()) == 7.0 * (1 << 20)
     tms.resume()

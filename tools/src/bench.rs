@@ -21,6 +21,7 @@ use gpu_pager::chunk_sizes;
 use gpu_pager::report::{gbps, ms};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, Result};
 
+mod kv_order;
 mod marked;
 mod pinning;
 mod routes;

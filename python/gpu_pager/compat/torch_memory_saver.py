@@ -17,6 +17,8 @@ Differences, all on the safe side:
 - Everything goes through torch's pluggable allocator (``hook_mode`` "preload" and
   "torch" behave the same; ``configure_subprocess`` does nothing, no ``LD_PRELOAD``).
 - Pausing or resuming twice does nothing (torch_memory_saver exits the process).
+- ``pause`` and ``resume`` return gpu_pager's ``Report`` (bytes copied, time per step)
+  instead of ``None``.
 - Running out of memory on resume raises ``gpu_pager.OutOfMemoryError`` and loses nothing:
   the tags stay paused with their backups, and a later ``resume`` succeeds
   (torch_memory_saver exits the process).
@@ -184,22 +186,27 @@ class TorchMemorySaver:
         with gpt.disable():
             yield
 
-    def pause(self, tag: str | None = None) -> None:
-        """Releases region ``tag`` (``None``: every region); idempotent."""
+    def pause(self, tag: str | None = None) -> gpu_pager.Report | None:
+        """Releases region ``tag`` (``None``: every region); idempotent. Returns gpu_pager's
+        ``Report`` of the release (what it copied and how long each step took), or ``None``
+        when no region has that tag (torch_memory_saver returns ``None`` always)."""
         names = self._names(tag)
-        if names:
-            import gpu_pager.torch as gpt
+        if not names:
+            return None
+        import gpu_pager.torch as gpt
 
-            gpt.release(names)
+        return gpt.release(names)
 
-    def resume(self, tag: str | None = None) -> None:
+    def resume(self, tag: str | None = None) -> gpu_pager.Report | None:
         """Resumes region ``tag`` (``None``: every region); idempotent. Raises
-        ``gpu_pager.OutOfMemoryError`` (nothing lost) if the memory is not free yet."""
+        ``gpu_pager.OutOfMemoryError`` (nothing lost) if the memory is not free yet. Returns
+        the ``Report`` of the resume, or ``None`` as ``pause`` does."""
         names = self._names(tag)
-        if names:
-            import gpu_pager.torch as gpt
+        if not names:
+            return None
+        import gpu_pager.torch as gpt
 
-            gpt.resume(names)
+        return gpt.resume(names)
 
     def get_cpu_backup(self, x: Any, zero_copy: bool = False) -> Any:
         """A CPU tensor with ``x``'s contents from its region's pinned backup while the

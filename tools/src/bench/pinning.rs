@@ -715,6 +715,17 @@ pub(super) fn kv_pattern_rows(
             unmap[k].push(u);
         }
     }
+    super::kv_order::rows(
+        pager,
+        backend.as_ref(),
+        &mut bare,
+        patterns[1].0,
+        chunks[1],
+        chunks[2],
+        (&name(1), &name(2)),
+        repeats,
+        rows,
+    )?;
     let gib_name = format!("{:.0} GiB", gib(kv_size));
     for k in 0..n {
         rows.push(Row {

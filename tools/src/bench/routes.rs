@@ -161,9 +161,14 @@ pub(super) fn rows(
     Ok(())
 }
 
-/// The copy units' size and depth (`Pager::set_copy_units`) against the resume of the
-/// weights right after a trainer's free (kernel and adaptive routes) and settled
-/// (adaptive): does another shape carry the kernel closer to the link?
+/// The resume of the weights right after a trainer's free (and settled) under candidate
+/// orders and shapes: mapping overlapped with the copies (the default: groups of doubling
+/// size, each group's copies pushed before the next maps) or the whole region mapped first
+/// (`Pager::set_overlap_restore(false)`), per route, and the copy units' size and depth
+/// (`Pager::set_copy_units`). Logs each candidate's map time, copy wait and mover split, so
+/// that the table says where the time went. Run C (BENCHMARKS.md, 2026-12-03, second
+/// session) swept 64 MiB × 2, 64 MiB × 4 and 16 MiB × 8 units overlapped: all within 1% of
+/// 256 MiB × 2, so only 256 MiB and 1 GiB units remain here.
 fn shape_rows(
     pager: &Pager,
     link: &Link,
@@ -174,46 +179,72 @@ fn shape_rows(
 ) -> Result<()> {
     const MIB: usize = 1 << 20;
     let defaults = pager.config();
-    log("copy shapes: unit size and depth against the resume right after a trainer's free");
-    for (unit, depth) in [(64 * MIB, 2), (256 * MIB, 2), (64 * MIB, 4), (16 * MIB, 8)] {
+    log("copy order and shape against the resume right after a trainer's free");
+    let after = true;
+    let candidates = [
+        // (overlap, unit, depth, route, right after a free)
+        (true, 256 * MIB, 2, CopyRoute::Kernel, after),
+        (true, 256 * MIB, 2, CopyRoute::Adaptive, after),
+        (true, 256 * MIB, 2, CopyRoute::Adaptive, !after),
+        (false, 256 * MIB, 2, CopyRoute::Kernel, after),
+        (false, 256 * MIB, 2, CopyRoute::Adaptive, after),
+        (false, 256 * MIB, 2, CopyRoute::Adaptive, !after),
+        (false, 256 * MIB, 2, CopyRoute::Engine, !after),
+        (false, 1024 * MIB, 2, CopyRoute::Kernel, after),
+        (false, 1024 * MIB, 2, CopyRoute::Adaptive, after),
+    ];
+    for (overlap, unit, depth, route, after_free) in candidates {
+        pager.set_overlap_restore(overlap);
         pager.set_copy_units(unit, depth);
-        for (route, after_free) in [
-            (CopyRoute::Kernel, true),
-            (CopyRoute::Adaptive, true),
-            (CopyRoute::Adaptive, false),
-        ] {
-            pager.set_restore_route(route);
-            let (mut samples, mut restored) = (vec![], 0);
-            for _ in 0..repeats {
-                pager.release(&["weights"])?;
-                if after_free {
-                    trainer_step(pager.backend().as_ref(), 2 * GIB)?;
-                } else {
-                    std::thread::sleep(settle);
-                }
-                let r = pager.resume(&["weights"])?;
-                samples.push(r.total);
-                restored = r.copied();
-            }
-            let when = if after_free {
-                "right after a trainer's free"
+        pager.set_restore_route(route);
+        let (mut samples, mut maps, mut waits) = (vec![], vec![], vec![]);
+        let (mut restored, mut split) = (0, PumpStats::default());
+        for _ in 0..repeats {
+            pager.release(&["weights"])?;
+            if after_free {
+                trainer_step(pager.backend().as_ref(), 2 * GIB)?;
             } else {
-                "1 s after the release"
-            };
-            rows.push(Row {
-                name: format!(
-                    "resume weights, {route}, {when}, units of {} MiB × {depth} per mover",
-                    unit / MIB
-                ),
-                figure: Spread::of(&samples),
-                limit: Spread::of(&[Duration::from_secs_f64(
-                    restored as f64 / (link.h2d_gbps * 1e9),
-                )]),
-                limit_name: format!("{:.2} GiB / H2D", restored as f64 / GIB as f64),
-                target: None,
-            });
+                std::thread::sleep(settle);
+            }
+            let r = pager.resume(&["weights"])?;
+            samples.push(r.total);
+            let steps = r.region("weights").map(|w| w.steps).unwrap_or_default();
+            maps.push(steps.map);
+            waits.push(steps.copy);
+            split.add(&r.copies);
+            restored = r.copied();
         }
+        let when = if after_free {
+            "right after a trainer's free"
+        } else {
+            "1 s after the release"
+        };
+        let order = if overlap {
+            "mapped while copying"
+        } else {
+            "mapped first"
+        };
+        let name = format!(
+            "resume weights, {route}, {when}, {order}, units of {} MiB × {depth}",
+            unit / MIB
+        );
+        log(&format!(
+            "{name}: map {:.1} ms, copy wait after mapping {:.1} ms (medians); {}",
+            gpu_pager::report::ms(Spread::of(&maps).median),
+            gpu_pager::report::ms(Spread::of(&waits).median),
+            mover_split(&split)
+        ));
+        rows.push(Row {
+            name,
+            figure: Spread::of(&samples),
+            limit: Spread::of(&[Duration::from_secs_f64(
+                restored as f64 / (link.h2d_gbps * 1e9),
+            )]),
+            limit_name: format!("{:.2} GiB / H2D", restored as f64 / GIB as f64),
+            target: None,
+        });
     }
+    pager.set_overlap_restore(defaults.overlap_restore);
     pager.set_copy_units(defaults.copy_unit_bytes, defaults.copy_depth);
     pager.set_restore_route(defaults.restore_route);
     Ok(())

@@ -6,8 +6,11 @@
 //! reads the pinned host memory directly over the link) does not slow down; settled, the
 //! copy engine is the faster (BENCHMARKS.md, "H200, 2026-12-02, later run"). The pump cuts
 //! every copy into units ([`PumpConfig::unit_bytes`], default 256 MiB) and keeps at most
-//! [`PumpConfig::depth`] units (default 2) queued on each mover's stream, each followed by a
-//! fence; whenever a mover has a free slot it gets the next unit. With
+//! [`PumpConfig::depth`] units' worth of bytes (default 2 × 256 MiB) queued on each mover's
+//! stream, each unit followed by a fence; whenever a mover has room it gets the next unit.
+//! Copies shorter than a unit (a growing region's buffers, the runs between marked buffers)
+//! are units of their own, several to a slot, so that the movers stay as busy as with whole
+//! units while the feeding thread maps or hashes. With
 //! [`CopyRoute::Adaptive`] both movers run side by side and whichever is faster takes more
 //! units; [`CopyRoute::Engine`] and [`CopyRoute::Kernel`] use one.
 //!
@@ -15,7 +18,7 @@
 //! [`Pump::poll`] starts what fits, without blocking, so a caller can interleave other work
 //! (a resume maps the next group of chunks while the last one copies); the end of the
 //! [`scope`] feeds the rest and waits, polling the fences with short sleeps. Because at most
-//! `2 × depth` units are ever in flight, another thread's device-wide synchronisation (a
+//! `2 × depth × unit_bytes` are ever in flight, another thread's device-wide synchronisation (a
 //! release of another tag) waits for those only, and its copies in the other direction run
 //! on the other direction's streams meanwhile.
 //!
@@ -56,15 +59,20 @@ use crate::backend::{
 /// 2026-12-03, second run), the adaptive resume of 16 GiB took 1.07× the link 1 s after the
 /// release with 256 MiB units against 1.11× with 64 MiB, 1.09× with 64 MiB × 4 and 1.08×
 /// with 16 MiB × 8; right after a trainer's free all four shapes took 1.22–1.23×. A
-/// concurrent release of another tag waits for at most `2 × depth` units of this size.
+/// concurrent release of another tag waits for at most `2 × depth` units' worth of bytes.
 pub const DEFAULT_UNIT_BYTES: usize = 256 << 20;
 
-/// Default units queued per mover: 2 (one copying, one ready behind it, so that the mover
-/// never waits for the host's next poll).
+/// Default slots per mover: 2 (a unit's worth copying, one ready behind it, so that the
+/// mover never waits for the host's next poll).
 pub const DEFAULT_DEPTH: usize = 2;
 
 /// Smallest unit: units are rounded up to a multiple of this.
 pub const MIN_UNIT_BYTES: usize = 4096;
+
+/// Units in flight per mover and per slot of [`PumpConfig::depth`] at most, when copies are
+/// shorter than a unit: 8 (a mover keeps `depth × unit_bytes` in flight, in at most
+/// `8 × depth` units, so that tiny copies do not pile up fences).
+pub const MAX_UNITS_PER_SLOT: usize = 8;
 
 /// How long the feeding thread sleeps when nothing finished and nothing could start.
 const POLL: Duration = Duration::from_micros(20);
@@ -113,7 +121,9 @@ pub struct PumpConfig {
     /// Bytes per unit (rounded up to a multiple of [`MIN_UNIT_BYTES`]; the last unit of a
     /// copy may be shorter).
     pub unit_bytes: usize,
-    /// Units queued per mover at most (at least 1).
+    /// Slots per mover (at least 1): a mover has at most `depth × unit_bytes` in flight
+    /// (`depth` whole units, or more units shorter than a unit, up to
+    /// `depth ×` [`MAX_UNITS_PER_SLOT`]).
     pub depth: usize,
 }
 
@@ -663,14 +673,24 @@ impl<'h> Pump<'_, 'h> {
         !(self.config.route == CopyRoute::Adaptive && mover == Mover::CopyKernel && others_back > 0)
     }
 
-    /// The mover that takes the next unit (going `direction`): an allowed one with a free
-    /// slot; with both free, the one with fewer units in flight (the copy engine on a tie).
-    fn free_mover(&self, direction: Direction) -> Option<Mover> {
-        let in_flight = |m: Mover| self.flight[m.index()].len();
+    /// The mover that takes the next unit (going `direction`, `bytes` long): an allowed one
+    /// with room for it; with both, the one with fewer bytes in flight (the copy engine on a
+    /// tie). A mover has room while its bytes in flight plus the unit's stay within
+    /// `depth × unit_bytes` and it has fewer than `depth ×` [`MAX_UNITS_PER_SLOT`] units in
+    /// flight: a slot is a unit's worth of bytes, so that copies shorter than a unit (the
+    /// buffers of a growing region, the runs between marked buffers) keep as much work
+    /// queued as whole units do.
+    fn free_mover(&self, direction: Direction, bytes: usize) -> Option<Mover> {
+        let depth = self.config.depth;
+        let busy = |m: Mover| -> usize { self.flight[m.index()].iter().map(|u| u.bytes).sum() };
+        let room = |m: Mover| {
+            self.flight[m.index()].len() < depth.saturating_mul(MAX_UNITS_PER_SLOT)
+                && busy(m).saturating_add(bytes) <= depth.saturating_mul(self.config.unit_bytes)
+        };
         Mover::ALL
             .into_iter()
-            .filter(|&m| self.allowed(m, direction) && in_flight(m) < self.config.depth)
-            .min_by_key(|&m| (in_flight(m), m.index()))
+            .filter(|&m| self.allowed(m, direction) && room(m))
+            .min_by_key(|&m| (busy(m), m.index()))
     }
 
     /// Counts a unit started going `direction`, here and in the link's traffic.
@@ -689,7 +709,7 @@ impl<'h> Pump<'_, 'h> {
     fn dispatch(&mut self) -> bool {
         let mut any = false;
         while let Some(next) = self.queue.front() {
-            let Some(mover) = self.free_mover(next.direction) else {
+            let Some(mover) = self.free_mover(next.direction, next.bytes) else {
                 break;
             };
             let Some(unit) = self.queue.pop_front() else {
@@ -865,6 +885,8 @@ mod tests {
         starts: Vec<(Mover, RawCopy)>,
         in_flight: [usize; 2],
         max_in_flight: [usize; 2],
+        in_flight_bytes: [usize; 2],
+        max_in_flight_bytes: [usize; 2],
         synced: usize,
     }
 
@@ -872,6 +894,7 @@ mod tests {
     struct ScriptFence {
         state: Arc<Mutex<Clock>>,
         mover: Mover,
+        bytes: usize,
         due: u64,
         broken: bool,
         done: AtomicBool,
@@ -881,6 +904,7 @@ mod tests {
         fn finish(&self, c: &mut Clock) {
             if !self.done.swap(true, Ordering::SeqCst) {
                 c.in_flight[self.mover.index()] -= 1;
+                c.in_flight_bytes[self.mover.index()] -= self.bytes;
             }
         }
     }
@@ -919,9 +943,12 @@ mod tests {
             c.last[m] = due;
             c.in_flight[m] += 1;
             c.max_in_flight[m] = c.max_in_flight[m].max(c.in_flight[m]);
+            c.in_flight_bytes[m] += copy.bytes;
+            c.max_in_flight_bytes[m] = c.max_in_flight_bytes[m].max(c.in_flight_bytes[m]);
             Ok(Box::new(ScriptFence {
                 state: self.state.clone(),
                 mover,
+                bytes: copy.bytes,
                 due,
                 broken: self.fail_fence == Some(n),
                 done: AtomicBool::new(false),
@@ -1112,6 +1139,28 @@ mod tests {
                 }
                 assert_eq!(c.in_flight, [0, 0]);
             }
+        }
+    }
+
+    #[test]
+    fn copies_shorter_than_a_unit_fill_the_slots_by_bytes() {
+        // 1 MiB units, depth 2: copies of 256 KiB (and odd ones) keep up to 2 MiB in flight
+        // per mover, in at most 2 × MAX_UNITS_PER_SLOT units; whole units still 2 at most.
+        for (piece, most_units) in [(256 << 10, 8), (100_000, 2 * MAX_UNITS_PER_SLOT), (MIB, 2)] {
+            let script = Script {
+                cost: [50, 50],
+                ..Script::default()
+            };
+            let buf = buffer(24 * MIB);
+            let cfg = config(CopyRoute::Engine);
+            let stats = restore(&script, cfg, buf.as_ref(), piece).unwrap();
+            let c = script.state.lock().unwrap();
+            let e = Mover::CopyEngine.index();
+            assert_eq!(stats.total_bytes(), 24 * MIB);
+            assert!(c.max_in_flight_bytes[e] <= 2 * MIB, "{piece}: {c:?}");
+            assert!(c.max_in_flight[e] <= most_units, "{piece}: {c:?}");
+            assert_eq!(c.max_in_flight[e], most_units, "{piece}: the slots filled");
+            assert_eq!((c.in_flight, c.in_flight_bytes), ([0, 0], [0, 0]));
         }
     }
 

@@ -233,3 +233,90 @@ fn growing_regions_refuse_what_does_not_apply_and_report_conflicts() {
     let s = pager.stats().to_string();
     assert!(s.contains("w"), "{s}");
 }
+
+/// A growing region's resume maps buffers that lie back to back in groups of doubling size
+/// (one `map` call, so one access change, per group, not per buffer), and a freed buffer's
+/// hole splits the groups; every buffer comes back bit-exact at its address with its own
+/// mapping (freeing one afterwards gives back exactly its granules).
+#[test]
+fn a_growing_region_resumes_back_to_back_buffers_in_few_map_calls() {
+    use gpu_pager::backend::faulty::{FaultPlan, FaultPoint, FaultyBackend};
+    let host = Arc::new(HostBackend::new(HostConfig {
+        capacity: 1 << 30,
+        granularity: G,
+    }));
+    let faulty = Arc::new(FaultyBackend::new(host.clone(), FaultPlan::none()));
+    let pager = Pager::with_config(
+        faulty.clone(),
+        PagerConfig {
+            chunk_bytes: 8 * MIB,
+            hash_chunk_bytes: MIB,
+            ..PagerConfig::default()
+        },
+    );
+    pager.region("w", 0, Policy::Preserve).unwrap();
+    let mut rng = Rng::seeded("back_to_back");
+    let mut bufs = Vec::new();
+    for i in 0..200 {
+        let len = 1 + (rng.next_u64() as usize % (3 * MIB)) + i;
+        let b = pager.alloc("w", len).unwrap();
+        let data = rng.bytes(len);
+        pager.write(&b, 0, &data).unwrap();
+        bufs.push((b, data));
+    }
+    let addrs: Vec<u64> = bufs.iter().map(|(b, _)| pager.ptr(b).unwrap()).collect();
+    let back_to_back = bufs.windows(2).all(|w| {
+        let end = pager.ptr(&w[0].0).unwrap() + (w[0].0.len().div_ceil(G) * G) as u64;
+        end == pager.ptr(&w[1].0).unwrap()
+    });
+    assert!(back_to_back, "the buffers lie back to back");
+    let check = |bufs: &[(Buffer, Vec<u8>)], when: &str| {
+        for (k, (b, data)) in bufs.iter().enumerate() {
+            assert_eq!(pager.ptr(b).unwrap(), addrs[k], "{when}: buffer {k} moved");
+            assert!(read(&pager, b) == *data, "{when}: buffer {k} differs");
+        }
+    };
+    for (overlap, most) in [(true, 12), (false, 1)] {
+        pager.set_overlap_restore(overlap);
+        pager.release(&["w"]).unwrap();
+        let before = faulty.calls(FaultPoint::Map);
+        pager.resume(&["w"]).unwrap();
+        let calls = faulty.calls(FaultPoint::Map) - before;
+        assert!(
+            (1..=most).contains(&calls),
+            "overlap {overlap}: 200 buffers in {calls} map calls"
+        );
+        check(&bufs, "after the resume");
+    }
+    // A hole in the middle: two runs.
+    pager.set_overlap_restore(false);
+    let (hole, _) = bufs.remove(100);
+    let used = host.used_bytes();
+    let hole_bytes = hole.len().div_ceil(G) * G;
+    pager.free(&hole).unwrap();
+    assert_eq!(
+        host.used_bytes(),
+        used - hole_bytes,
+        "the free gave back its granules"
+    );
+    let mut addrs = addrs;
+    addrs.remove(100);
+    pager.release(&["w"]).unwrap();
+    let before = faulty.calls(FaultPoint::Map);
+    pager.resume(&["w"]).unwrap();
+    assert_eq!(
+        faulty.calls(FaultPoint::Map) - before,
+        2,
+        "one call per run"
+    );
+    for (k, (b, data)) in bufs.iter().enumerate() {
+        assert_eq!(pager.ptr(b).unwrap(), addrs[k], "buffer {k} moved");
+        assert!(read(&pager, b) == *data, "buffer {k} differs");
+    }
+    // Each buffer kept its own mapping: freeing one gives back exactly its granules.
+    let (b, _) = bufs.remove(7);
+    let used = host.used_bytes();
+    let bytes = b.len().div_ceil(G) * G;
+    pager.free(&b).unwrap();
+    assert_eq!(host.used_bytes(), used - bytes);
+}

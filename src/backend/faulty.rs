@@ -233,6 +233,11 @@ impl FaultyBackend {
         self.pin_batches.load(Ordering::SeqCst)
     }
 
+    /// Calls seen so far at `point`, failed or not (e.g. [`FaultPoint::Map`]: `map` calls).
+    pub fn calls(&self, point: FaultPoint) -> u64 {
+        self.calls[point.index()].load(Ordering::SeqCst)
+    }
+
     /// Makes the next drop of a mapping handed out by this backend record an injected
     /// unmap failure in [`Backend::deferred_errors`] (the memory is still unmapped).
     /// Calling it `n` times arms `n` failures.

@@ -422,8 +422,8 @@ fn touch(mem: &mut [u8], threads: usize, populate: bool) {
     touch_each(vec![mem], threads, populate);
 }
 
-/// [`touch`] for several ranges (each page-aligned, and huge-page-aligned when the whole is
-/// more than one huge page) at once: their parts share one set of threads.
+/// [`touch`] for several ranges (each page-aligned; the slices of one batch) at once: their
+/// parts, cut from each range's start, share one set of threads.
 fn touch_each(mems: Vec<&mut [u8]>, threads: usize, populate: bool) {
     let page = page_size();
     let total: usize = mems.iter().map(|m| m.len()).sum();

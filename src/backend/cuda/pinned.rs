@@ -34,7 +34,13 @@
 //! buffers share the mapping: dropping one unregisters its slice and gives its physical
 //! pages back with `madvise(MADV_DONTNEED)` (unmapping a sub-range would leave a hole a
 //! later `mmap` could take, under the final `munmap`); the last one to drop unmaps the whole
-//! range.
+//! range. [`CudaBackend::pin_many_from_device`] (behind
+//! [`crate::backend::Backend::alloc_pinned_many_from_device`]: a growing region's first
+//! release with `first_save_overlap`) lays the batch out the same way and fills it from the
+//! device in the pipeline of [`CudaBackend::pin_from_device`] (below), over parts of whole
+//! buffers of about [`FIRST_BACKUP_PIECE_BYTES`]: a helper touches part k+1 while this
+//! thread registers each buffer of part k and enqueues its copy. A buffer is never split
+//! (one registration each, and no copy spans two).
 //!
 //! **Pieces.** A buffer registered in several pieces is one contiguous range of host
 //! addresses, but the driver does not document a copy whose host range spans two

@@ -5,8 +5,10 @@
 //! at the first release that has something to save, or when the region is created with
 //! `prepin` — and reused by every later cycle; freeing it is an explicit choice
 //! ([`crate::Pager::free_backup`]). A growing region pins the missing backups of all its
-//! buffers in one batch ([`crate::backend::Backend::alloc_pinned_many`]) and hands each its
-//! buffer ([`Backup::adopt`]).
+//! buffers in one batch ([`crate::backend::Backend::alloc_pinned_many`], or on its first
+//! release [`crate::backend::Backend::alloc_pinned_many_from_device`], filled as they are
+//! pinned) and hands each its buffer ([`Backup::adopt`], then [`Backup::seed_from_device`]
+//! for a filled one).
 //!
 //! A backup holds some byte ranges of the device range it covers — the live buffers' bytes
 //! that were not marked overwritten ([`crate::Pager::set_overwritten`]) at the last save —
@@ -169,11 +171,46 @@ impl Backup {
         // SAFETY: the caller's contract.
         let buf = unsafe { backend.alloc_pinned_from_device(size, base) }?;
         let pinned = t.elapsed();
-        self.buf = Some(buf);
+        self.adopt(buf);
+        // SAFETY: the caller's contract; the buffer holds a copy of the range, unchanged
+        // since.
+        let hashed = unsafe { self.seed_from_device(backend, base, size, hash_chunk) }?;
+        Ok((pinned, hashed))
+    }
+
+    /// Seeds a backup whose buffer (just adopted, e.g. from a batch pinned and filled at
+    /// once: [`Backend::alloc_pinned_many_from_device`]) holds a copy of the `size` device
+    /// bytes at `base`, as a save of all of them with hashes would
+    /// ([`Backup::ensure_from_device`]): it
+    /// validly holds `0..size`, with the hash of every hash chunk (`hash_chunk`, on the grid
+    /// of [`Backup::save`] for a device range of `size` bytes), so that a save with
+    /// `skip_unchanged` before the device changes copies nothing. Returns the time hashing
+    /// took. On a hash failure (or a buffer shorter than `size`: `Invalid`) it holds
+    /// nothing (the next save copies everything).
+    ///
+    /// # Safety
+    /// `base .. base + size` must be mapped device memory of `backend`, unchanged since it
+    /// was copied into the buffer, and not written until the call returns.
+    pub unsafe fn seed_from_device(
+        &mut self,
+        backend: &dyn Backend,
+        base: u64,
+        size: usize,
+        hash_chunk: usize,
+    ) -> Result<Duration, BackendError> {
         self.valid.clear();
         self.hashes = None;
         self.staged = None;
         self.len = size;
+        if self.bytes() < size {
+            return Err(BackendError::Invalid {
+                op: "seed_from_device",
+                reason: format!(
+                    "internal: a backup of {} bytes for {size} device bytes",
+                    self.bytes()
+                ),
+            });
+        }
         let t = Instant::now();
         let chunk = Self::hash_chunk(size, hash_chunk);
         let all = 0..kernels::chunk_count(size, chunk);
@@ -181,7 +218,7 @@ impl Backup {
         let hashes = unsafe { hash_chunks(backend, base, size, chunk, all) }?;
         self.valid = std::iter::once(0..size).collect();
         self.hashes = Some(hashes);
-        Ok((pinned, t.elapsed()))
+        Ok(t.elapsed())
     }
 
     /// The hash-chunk size for `len` bytes: `chunk`, or larger when `len` would need more

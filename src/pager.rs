@@ -92,15 +92,20 @@ pub struct PagerConfig {
     /// allow. 0 copies exactly the unmarked bytes of live buffers. Default
     /// [`DEFAULT_COPY_GAP_BYTES`].
     pub copy_gap_bytes: usize,
-    /// On the first release of a fixed `Preserve` region without a backup (no `prepin`), with
-    /// `skip_unchanged` on: pin the backup and copy the whole region into it in one pass,
-    /// piece by piece ([`crate::backend::Backend::alloc_pinned_from_device`]; on CUDA the
-    /// pinning of later pieces overlaps the copy of earlier ones), then hash it, so that the
-    /// save that follows copies nothing (default on). That release's report counts the copy
-    /// in [`crate::report::Steps::pin`] and its bytes in
-    /// [`crate::report::RegionReport::copied`]. Off: pin, then save through the pump (only
-    /// the unmarked bytes of live buffers). Growing regions always pin, then save. Also
-    /// switchable with [`Pager::set_first_save_overlap`].
+    /// On the first release of a `Preserve` region without a backup (no `prepin`), with
+    /// `skip_unchanged` on: pin the backup and copy into it in one pass, then hash it, so
+    /// that the save that follows copies nothing (default on). A fixed region's backup gets
+    /// the whole region, piece by piece
+    /// ([`crate::backend::Backend::alloc_pinned_from_device`]; on CUDA the pinning of later
+    /// pieces overlaps the copy of earlier ones); a growing region's missing backups (one per
+    /// live buffer with something to save; not those already pinned) get their buffers'
+    /// whole extents, in one batch ([`crate::backend::Backend::alloc_pinned_many_from_device`];
+    /// on CUDA the same overlap over parts of whole buffers). That release's report counts
+    /// the copy in [`crate::report::Steps::pin`], the hashing in
+    /// [`crate::report::Steps::hash`], and the bytes in
+    /// [`crate::report::RegionReport::copied`] (marked bytes of a partly marked buffer or
+    /// region included). Off: pin, then save through the pump (only the unmarked bytes of
+    /// live buffers). Also switchable with [`Pager::set_first_save_overlap`].
     pub first_save_overlap: bool,
 }
 

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use std::collections::BTreeMap;
 
-use crate::backend::{Backend, BackendError, DeferredErrors, Fence, Reservation};
+use crate::backend::{Backend, BackendError, DeferredErrors, DeviceRange, Fence, Reservation};
 use crate::backup::{Backup, Saved};
 use crate::error::{Error, Result};
 use crate::mapped::{Mapped, pieces};
@@ -723,6 +723,24 @@ impl Region {
             .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e))
     }
 
+    /// The backups that a release with copy gap `gap` needs and that are not pinned, as
+    /// (region offset, bytes of the device range they cover): see `save_plan`; a buffer
+    /// marked whole needs none. Drops the backups of buffers freed or reallocated at another
+    /// size first (keeping those of live buffers, pinned at their size or not yet pinned).
+    fn missing_backups(&mut self, gap: usize) -> Vec<(usize, usize)> {
+        let plan = self.save_plan(gap);
+        self.backups.retain(|start, b| {
+            plan.iter()
+                .any(|(s, len, _)| s == start && (b.bytes() == 0 || b.bytes() >= *len))
+        });
+        plan.into_iter()
+            .filter(|(start, _, want)| {
+                !want.is_empty() && !self.backups.get(start).is_some_and(Backup::is_pinned)
+            })
+            .map(|(start, len, _)| (start, len))
+            .collect()
+    }
+
     /// Allocates the pinned backups that a release with copy gap `gap` needs and that are
     /// missing: one of the region's size for a fixed region with something to save; one per
     /// live buffer with something to save for a growing one (a buffer marked whole needs
@@ -730,20 +748,7 @@ impl Region {
     /// failure none of them is pinned). Drops the backups of freed buffers. Returns the
     /// time the pinning took.
     pub fn ensure_backup(&mut self, backend: &dyn Backend, gap: usize) -> Result<Duration> {
-        let plan = self.save_plan(gap);
-        // Keep the backups of live buffers (pinned at their size or not yet pinned); drop
-        // those of buffers freed or reallocated at another size.
-        self.backups.retain(|start, b| {
-            plan.iter()
-                .any(|(s, len, _)| s == start && (b.bytes() == 0 || b.bytes() >= *len))
-        });
-        let missing: Vec<(usize, usize)> = plan
-            .into_iter()
-            .filter(|(start, _, want)| {
-                !want.is_empty() && !self.backups.get(start).is_some_and(Backup::is_pinned)
-            })
-            .map(|(start, len, _)| (start, len))
-            .collect();
+        let missing = self.missing_backups(gap);
         match missing[..] {
             [] => Ok(Duration::ZERO),
             [(start, len)] if !self.growing => self.pin(backend, start, len),
@@ -769,13 +774,18 @@ impl Region {
         }
     }
 
-    /// A fixed resident `Preserve` region's first backup, pinned and filled in one pass
-    /// ([`Backup::ensure_from_device`]: the whole region copied while it pins, then hashed),
-    /// when it has none yet and a release with copy gap `gap` has something to save; the
-    /// save that follows (with `skip_unchanged`, the same `hash_chunk`) then copies nothing.
-    /// Anything else (a growing region, a backup already pinned, nothing to save) is left to
-    /// [`Region::ensure_backup`]. Returns the time pinning and copying took, and the time
-    /// hashing took, and the bytes copied.
+    /// A resident `Preserve` region's first backups, pinned and filled in one pass when a
+    /// release with copy gap `gap` has something to save and they are not pinned yet, so
+    /// that the save that follows (with `skip_unchanged`, the same `hash_chunk`) copies
+    /// nothing: a fixed region's one backup ([`Backup::ensure_from_device`]: the whole region
+    /// copied while it pins, then hashed); a growing region's missing backups, one per live
+    /// buffer with something to save, in one batch
+    /// ([`Backend::alloc_pinned_many_from_device`]: each buffer's whole extent copied while
+    /// the batch pins; then each backup seeded with [`Backup::seed_from_device`]; all or
+    /// nothing: on failure none of them is pinned, but when hashing fails, after which the
+    /// backups stay pinned holding nothing). Backups already pinned are left to
+    /// [`Region::ensure_backup`] and the save. Returns the time pinning and copying took,
+    /// the time hashing took, and the bytes copied.
     pub fn first_backup_from_device(
         &mut self,
         backend: &dyn Backend,
@@ -783,8 +793,11 @@ impl Region {
         hash_chunk: usize,
     ) -> Result<(Duration, Duration, usize)> {
         let none = (Duration::ZERO, Duration::ZERO, 0);
-        if self.growing || self.policy != Policy::Preserve || !self.is_resident() {
+        if self.policy != Policy::Preserve || !self.is_resident() {
             return Ok(none);
+        }
+        if self.growing {
+            return self.first_backups_of_buffers(backend, gap, hash_chunk);
         }
         let Some((start, len, want)) = self.save_plan(gap).into_iter().next() else {
             return Ok(none);
@@ -801,6 +814,55 @@ impl Region {
         let (pin, hash) = unsafe { backup.ensure_from_device(backend, base, len, hash_chunk) }
             .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e))?;
         Ok((pin, hash, len))
+    }
+
+    /// [`Region::first_backup_from_device`] for a growing region: its missing backups in one
+    /// batch, filled as they are pinned, then seeded.
+    fn first_backups_of_buffers(
+        &mut self,
+        backend: &dyn Backend,
+        gap: usize,
+        hash_chunk: usize,
+    ) -> Result<(Duration, Duration, usize)> {
+        let missing = self.missing_backups(gap);
+        if missing.is_empty() {
+            return Ok((Duration::ZERO, Duration::ZERO, 0));
+        }
+        let base = self.base();
+        let ranges: Vec<DeviceRange> = missing
+            .iter()
+            .map(|&(start, len)| DeviceRange {
+                src: base + start as u64,
+                bytes: len,
+            })
+            .collect();
+        let pinning = |e| Error::backend(&self.tag, "pinning the host backups", e);
+        let t = Instant::now();
+        // SAFETY: the region is resident, so each live buffer's extent (`missing` names live
+        // buffers only) is mapped; the pager holds its lock after a synchronize until the
+        // release returns, so nothing unmaps or writes them meanwhile (engine kernels
+        // launched later are the caller's contract, as for any raw pointer).
+        let bufs = unsafe { backend.alloc_pinned_many_from_device(&ranges) }.map_err(pinning)?;
+        let pin = t.elapsed();
+        if bufs.len() != ranges.len() {
+            return Err(pinning(BackendError::Invalid {
+                op: "alloc_pinned_many_from_device",
+                reason: format!("{} buffers for {} ranges", bufs.len(), ranges.len()),
+            }));
+        }
+        // Every buffer is adopted before any is hashed: a failed hash leaves them all pinned.
+        for (&(start, _), buf) in missing.iter().zip(bufs) {
+            self.backups.entry(start).or_default().adopt(buf);
+        }
+        let (mut hash, mut copied) = (Duration::ZERO, 0);
+        for (&(start, _), r) in missing.iter().zip(&ranges) {
+            let backup = self.backups.entry(start).or_default();
+            // SAFETY: as above; the buffer was just filled with a copy of `r`, unchanged since.
+            hash += unsafe { backup.seed_from_device(backend, r.src, r.bytes, hash_chunk) }
+                .map_err(|e| Error::backend(&self.tag, "hashing the host backups", e))?;
+            copied += r.bytes;
+        }
+        Ok((pin, hash, copied))
     }
 
     /// Marks (`on`) or unmarks region bytes `range` as overwritten by the next update.

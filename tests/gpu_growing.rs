@@ -1,6 +1,7 @@
 //! Growing regions on a real GPU: 300 odd-sized buffers cycled bit-exact, memory really
 //! returned on release and on free, OOM on alloc and on resume rolled back against a real
-//! allocation, backups pinned in batches as buffers come and go.
+//! allocation, backups pinned in batches as buffers come and go, a first release that pins
+//! and copies them in one pass.
 //!
 //! Every test is `#[ignore = "needs a CUDA GPU"]` and fails (never passes) without one.
 
@@ -174,9 +175,9 @@ fn gpu_growing_oom_on_alloc_and_resume_rolls_back() {
     assert_bytes_eq("weights after the retry", &got, &data);
 }
 
-/// A growing Preserve region of odd buffers whose backups are pinned in batches
-/// (`alloc_pinned_many`: one mapping, one registration per buffer): cycles bit-exact through
-/// the pump while buffers are freed (their backups, slices of a live batch, dropped) and
+/// A growing Preserve region of odd buffers whose backups are pinned in batches (one mapping,
+/// one registration per buffer; with `first_save_overlap`, the default, filled as they are
+/// pinned: `alloc_pinned_many_from_device`): cycles bit-exact while buffers are freed (their backups, slices of a live batch, dropped) and
 /// allocated (pinned in a second batch) between cycles, and after the backups are freed
 /// and pinned again in one batch; no deferred error.
 #[test]
@@ -262,4 +263,119 @@ fn gpu_growing_backups_pinned_in_batches_cycle_bit_exact() {
         "{:?}",
         backend.deferred_errors().take()
     );
+}
+
+/// A growing Preserve region's first release without `prepin` on the GPU, with
+/// `first_save_overlap` (the default) and without: with it, the missing backups are pinned
+/// and filled in one batch (`alloc_pinned_many_from_device`, here in 6 MiB parts, so that
+/// parts hold several buffers and a larger buffer is a part of its own), the report counts
+/// every extent once and the pump moves nothing; without it, the pump copies everything.
+/// Either way: the resume (verified) and a `resume_on` a stream are bit-exact at unchanged
+/// addresses, an unchanged release copies nothing, new buffers are pinned and filled in a
+/// second batch while a changed old one goes through the pump, and after `free_backup` the
+/// whole region again in one batch; no deferred error.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_growing_first_release_pins_and_copies_in_one_pass_bit_exact() {
+    use gpu_pager::PagerConfig;
+    use gpu_pager::backend::RawStream;
+    let _lock = gpu_lock();
+    let backend = gpu();
+    backend.set_first_backup_piece_bytes(6 * MIB);
+    let g = backend.info().granularity;
+    let mut rng = Rng::seeded("gpu_growing_first_release_pins_and_copies_in_one_pass");
+    for overlap in [true, false] {
+        let what = format!("first_save_overlap {overlap}");
+        let pager = Pager::with_config(
+            backend.clone(),
+            PagerConfig {
+                verify_restore: true,
+                first_save_overlap: overlap,
+                ..PagerConfig::default()
+            },
+        );
+        pager.region("w", 0, Policy::Preserve).unwrap();
+        let add = |rng: &mut Rng, bufs: &mut Vec<(Buffer, Vec<u8>)>, lens: &[usize]| {
+            for &len in lens {
+                let b = pager.alloc("w", len).unwrap();
+                let data = rng.bytes(len);
+                pager.write(&b, 0, &data).unwrap();
+                bufs.push((b, data));
+            }
+        };
+        let check = |bufs: &[(Buffer, Vec<u8>)], when: &str| {
+            for (k, (b, d)) in bufs.iter().enumerate() {
+                let mut got = vec![0u8; d.len()];
+                pager.read(b, 0, &mut got).unwrap();
+                assert_bytes_eq(&format!("{what}, {when}: buffer {k}"), &got, d);
+            }
+        };
+        let extents = |bufs: &[(Buffer, Vec<u8>)]| -> usize {
+            bufs.iter().map(|(b, _)| b.len().next_multiple_of(g)).sum()
+        };
+        let mut bufs = Vec::new();
+        let mut lens = vec![1, 4097, 3 * MIB + 5, 13 * MIB + 1, 2 * MIB, 5];
+        lens.extend((0..24).map(|i| 1 + rng.next_u64() as usize % (5 * MIB / scale()) + i));
+        lens.push(40 * MIB / scale() + 4095);
+        add(&mut rng, &mut bufs, &lens);
+        let ptrs: Vec<u64> = bufs.iter().map(|(b, _)| pager.ptr(b).unwrap()).collect();
+        let all = extents(&bufs);
+
+        let r = pager.release(&["w"]).unwrap();
+        eprintln!("{what}: {r}");
+        let w = r.region("w").unwrap();
+        assert_eq!(w.copied, all, "{what}: every extent once");
+        let pumped = if overlap { 0 } else { all };
+        assert_eq!(r.copies.total_bytes(), pumped, "{what}");
+        let s = pager.region_stats("w").unwrap();
+        assert_eq!((s.backup_bytes, s.held_bytes), (all, all), "{what}");
+        let r = pager.resume(&["w"]).unwrap();
+        assert_eq!(r.region("w").unwrap().copied, all, "{what}");
+        for (k, (b, _)) in bufs.iter().enumerate() {
+            assert_eq!(pager.ptr(b).unwrap(), ptrs[k], "{what}: buffer {k} moved");
+        }
+        check(&bufs, "resumed");
+
+        // Unchanged: nothing copied; then a resume on a stream.
+        let r = pager.release(&["w"]).unwrap();
+        assert_eq!(r.region("w").unwrap().copied, 0, "{what}: unchanged");
+        pager.resume_on(&["w"], RawStream(0)).unwrap();
+        backend.synchronize().unwrap();
+        check(&bufs, "resume_on");
+
+        // Three new buffers (a second batch), one old one changed (through the pump).
+        let fresh = rng.bytes(bufs[3].1.len());
+        pager.write(&bufs[3].0, 0, &fresh).unwrap();
+        bufs[3].1 = fresh;
+        let old = bufs.len();
+        add(&mut rng, &mut bufs, &[7, 7 * MIB + 3, g]);
+        let new = extents(&bufs[old..]);
+        let r = pager.release(&["w"]).unwrap();
+        let copied = r.region("w").unwrap().copied;
+        assert!(copied >= new + bufs[3].1.len(), "{what}: {copied}");
+        if overlap {
+            assert_eq!(
+                r.copies.total_bytes(),
+                copied - new,
+                "{what}: old ones pumped"
+            );
+        } else {
+            assert_eq!(r.copies.total_bytes(), copied, "{what}");
+        }
+        pager.resume(&["w"]).unwrap();
+        check(&bufs, "after new buffers");
+
+        // Backups freed: all of them again, in one batch with the switch on.
+        pager.free_backup("w").unwrap();
+        let r = pager.release(&["w"]).unwrap();
+        assert_eq!(r.region("w").unwrap().copied, extents(&bufs), "{what}");
+        if overlap {
+            assert_eq!(r.copies.total_bytes(), 0, "{what}: after free_backup");
+        }
+        pager.resume(&["w"]).unwrap();
+        check(&bufs, "after free_backup");
+        pager.remove("w").unwrap();
+        assert!(pager.take_deferred_errors().is_empty(), "{what}");
+    }
+    assert_eq!(backend.deferred_errors().total(), 0);
 }

@@ -814,3 +814,142 @@ fn pinned_batches_dropped_one_by_one_return_the_memory() {
     }
     assert_no_deferred_errors(&b);
 }
+
+/// A batch of odd sizes pinned and filled from the device in one pipeline
+/// (`pin_many_from_device`, and `alloc_pinned_many_from_device` through the trait in 6 MiB
+/// parts): grouped into no parts, 6 MiB parts (several buffers each, a larger buffer alone),
+/// 2 MiB parts (every buffer alone) and 3 MiB parts (rounded up to 4); touched by one thread
+/// or several, with and without huge pages or `MADV_POPULATE_WRITE`. Every buffer is
+/// bit-exact against its device source (random, at odd addresses), has one registration over
+/// its own huge-page-aligned slice whose device address is the driver's, and carries the
+/// batch's timings; the slices are disjoint; the buffers are dropped one by one in a
+/// scrambled order, the others staying bit-exact; no ranges give no buffers, a range of 0
+/// bytes is refused.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pin_many_from_device_odd_sizes_and_parts_bit_exact() {
+    use gpu_pager::backend::{BackendError, DeviceRange};
+    let _lock = gpu_lock();
+    let b = gpu();
+    let pager = Pager::new(b.clone());
+    let mut rng = Rng::seeded("pin_many_from_device_odd_sizes_and_parts_bit_exact");
+    let sizes = [
+        1,
+        4097,
+        3 * MIB + 5,
+        2 * MIB,
+        2 * MIB + 1,
+        9 * MIB + 13,
+        1,
+        40 * MIB / scale() + 4095,
+        5,
+        5 * MIB - 3,
+    ];
+    // Sources back to back, 3 bytes apart, from an odd address.
+    let mut offsets = Vec::new();
+    let mut end = 7;
+    for &n in &sizes {
+        offsets.push(end);
+        end += n + 3;
+    }
+    pager.region("src", end + 2 * MIB, Policy::Discard).unwrap();
+    let src = pager.alloc("src", end).unwrap();
+    let data = rng.bytes(end);
+    pager.write(&src, 0, &data).unwrap();
+    let base = pager.ptr(&src).unwrap();
+    let ranges: Vec<DeviceRange> = sizes
+        .iter()
+        .zip(&offsets)
+        .map(|(&bytes, &at)| DeviceRange {
+            src: base + at as u64,
+            bytes,
+        })
+        .collect();
+    let want = |k: usize| &data[offsets[k]..offsets[k] + sizes[k]];
+    let opts = [
+        PinOptions::default(),
+        pieces(6 * MIB, false),
+        pieces(2 * MIB, false),
+        PinOptions {
+            touch_threads: 1,
+            ..pieces(3 * MIB, false)
+        },
+        PinOptions {
+            touch_threads: 3,
+            huge_pages: false,
+            populate: true,
+            ..pieces(6 * MIB, false)
+        },
+    ];
+    // `driver_device_ptr` calls the driver directly: it needs the context current here.
+    b.context().bind_to_thread().expect("bind the context");
+    for o in &opts {
+        let what = format!("{o:?}");
+        // SAFETY: every range lies inside the live `src` buffer, not written meanwhile.
+        let mut bufs = unsafe { b.pin_many_from_device(&ranges, o) }.expect(&what);
+        assert_eq!(bufs.len(), sizes.len(), "{what}");
+        let timings = bufs[0].timings();
+        assert_eq!(timings.pieces, sizes.len(), "{what}: one registration each");
+        assert!(timings.touch_threads >= 1, "{what}");
+        if o == &opts[1] {
+            eprintln!("{what}: {timings:?}");
+        }
+        let mut spans = Vec::new();
+        for (k, p) in bufs.iter().enumerate() {
+            let w = format!("{what}, buffer {k}");
+            let span = sizes[k].next_multiple_of(HUGE_PAGE_BYTES);
+            assert_eq!(p.len(), sizes[k], "{w}");
+            assert_eq!(p.timings(), timings, "{w}: the batch's timings");
+            assert_eq!(p.registrations(), std::slice::from_ref(&(0..span)), "{w}");
+            assert_eq!(p.piece_bytes(), 0, "{w}: one piece");
+            let host = p.as_slice().as_ptr();
+            if o.huge_pages {
+                assert_eq!(host as usize % HUGE_PAGE_BYTES, 0, "{w}: aligned");
+            }
+            assert_eq!(p.device_ptr(), driver_device_ptr(host), "{w}");
+            assert_bytes_eq(&w, p.as_slice(), want(k));
+            spans.push((host as usize, span));
+        }
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "{what}: slices overlap: {w:?}");
+        }
+        // Dropped one by one, scrambled: the others keep their contents.
+        let mut ids: Vec<usize> = (0..bufs.len()).collect();
+        while !bufs.is_empty() {
+            let i = rng.next_u64() as usize % bufs.len();
+            drop(bufs.swap_remove(i));
+            ids.swap_remove(i);
+            for (p, &k) in bufs.iter().zip(&ids) {
+                assert_bytes_eq(&format!("{what}, buffer {k} kept"), p.as_slice(), want(k));
+            }
+        }
+    }
+
+    // Through the trait, in the first backups' part size.
+    b.set_first_backup_piece_bytes(6 * MIB);
+    // SAFETY: as above.
+    let bufs = unsafe { b.alloc_pinned_many_from_device(&ranges) }.expect("through the trait");
+    assert_eq!(bufs.len(), sizes.len());
+    for (k, p) in bufs.iter().enumerate() {
+        assert_eq!(p.len(), sizes[k]);
+        assert_bytes_eq(&format!("trait, buffer {k}"), p.as_slice(), want(k));
+    }
+    drop(bufs);
+    // SAFETY: no ranges.
+    let none = unsafe { b.pin_many_from_device(&[], &PinOptions::default()) };
+    assert!(none.expect("no ranges").is_empty());
+    let zero = [
+        ranges[0],
+        DeviceRange {
+            src: base,
+            bytes: 0,
+        },
+    ];
+    // SAFETY: the first range is as above; the second reads nothing.
+    let refused = unsafe { b.pin_many_from_device(&zero, &PinOptions::default()) };
+    assert!(matches!(refused, Err(BackendError::Invalid { .. })));
+    pager.remove("src").unwrap();
+    drop(pager);
+    assert_no_deferred_errors(&b);
+}

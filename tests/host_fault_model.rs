@@ -1,7 +1,8 @@
 //! Property test: update-aware release through the copy pump with injected faults. A fixed
 //! and a growing `Preserve` region (hashes on, so a release skips unchanged chunks) go
 //! through random alloc / free / write / mark / release / resume sequences while copies,
-//! maps and pinning fail at random points. A failed release must leave everything resident
+//! maps and pinning fail at random points, first backups pinned and filled in one pass or
+//! not (`first_save_overlap`, switched at random). A failed release must leave everything resident
 //! and intact, a failed resume everything released with its backup intact, and every byte
 //! that was not marked at the last release must read back bit-exact after every step.
 
@@ -54,6 +55,11 @@ enum Op {
     FreeBackup {
         tag: usize,
     },
+    /// Switches `first_save_overlap` (first backups pinned and filled in one pass, or pinned
+    /// and then saved through the pump).
+    Overlap {
+        on: bool,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -68,6 +74,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (1..4u8).prop_map(|mask| Op::Resume { mask }),
         3 => (0..4usize, 0..6u64).prop_map(|(point, after)| Op::Fault { point, after }),
         1 => (0..2usize).prop_map(|tag| Op::FreeBackup { tag }),
+        1 => any::<bool>().prop_map(|on| Op::Overlap { on }),
     ]
 }
 
@@ -267,6 +274,7 @@ fn check(ops: Vec<Op>, gap: usize, route: CopyRoute) -> Result<(), TestCaseError
             Op::FreeBackup { tag } => {
                 let _ = pager.free_backup(TAGS[tag].0);
             }
+            Op::Overlap { on } => pager.set_first_save_overlap(on),
         }
         for m in &bufs {
             if !resident[m.tag] {

@@ -36,8 +36,9 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKer
 #[cfg(feature = "testing")]
 use super::Held;
 use super::{
-    Backend, BackendError, BackendKind, BackendResult, DeferredErrors, DeviceInfo, Fence,
-    HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation, check_map,
+    Backend, BackendError, BackendKind, BackendResult, DeferredErrors, DeviceInfo, DeviceRange,
+    Fence, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
+    check_map,
 };
 use crate::kernels::{self, KernelModule, abi};
 
@@ -714,7 +715,8 @@ impl CudaBackend {
 impl CudaBackend {
     /// Sets the piece size of later first backups ([`Backend::alloc_pinned_from_device`],
     /// default [`FIRST_BACKUP_PIECE_BYTES`]; rounded up to [`HUGE_PAGE_BYTES`] when
-    /// pinned, 0: one piece). For the benchmark's piece sweep and for tests that need many
+    /// pinned, 0: one piece), and the part size of later batches of them
+    /// ([`Backend::alloc_pinned_many_from_device`]). For the benchmark's piece sweep and for tests that need many
     /// pieces in a small buffer.
     pub fn set_first_backup_piece_bytes(&self, bytes: usize) {
         self.first_backup_piece.store(bytes, Ordering::Relaxed);
@@ -907,6 +909,26 @@ impl Backend for CudaBackend {
         Ok(Box::new(unsafe {
             self.pin_from_device(bytes, &opts, src)
         }?))
+    }
+
+    /// The batch pinned and filled in one pipeline ([`CudaBackend::pin_many_from_device`]),
+    /// in parts of the first backups' piece size
+    /// ([`CudaBackend::set_first_backup_piece_bytes`]).
+    unsafe fn alloc_pinned_many_from_device(
+        &self,
+        ranges: &[DeviceRange],
+    ) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
+        let opts = PinOptions {
+            piece_bytes: self.first_backup_piece.load(Ordering::Relaxed),
+            ..PinOptions::default()
+        };
+        // SAFETY: forwarded from the caller (every range mapped device memory of this
+        // context, not written until this returns).
+        let pinned = unsafe { self.pin_many_from_device(ranges, &opts) }?;
+        Ok(pinned
+            .into_iter()
+            .map(|p| Box::new(p) as Box<dyn HostBuffer>)
+            .collect())
     }
 
     unsafe fn copy_unit(&self, copy: &RawCopy, mover: Mover) -> BackendResult<Box<dyn Fence>> {

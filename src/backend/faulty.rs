@@ -9,7 +9,10 @@
 //! moved). A batch of pinned buffers ([`Backend::alloc_pinned_many`]) meets the
 //! [`FaultPoint::AllocPinned`] decision once per buffer, in order, and fails whole at the
 //! first injected one, before the wrapped backend pins anything; otherwise the wrapped
-//! backend pins the batch (its own batch path).
+//! backend pins the batch (its own batch path). A batch pinned and filled from the device
+//! ([`Backend::alloc_pinned_many_from_device`]) meets one [`FaultPoint::AllocPinned`]
+//! decision per buffer, then one [`FaultPoint::CopyToHost`] decision per buffer, the same
+//! way, before the wrapped backend's own call.
 //!
 //! Two sources of faults:
 //! - a seeded [`FaultPlan`]: each call at a [`FaultPoint`] fails with the plan's probability.
@@ -30,8 +33,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::{
-    Backend, BackendError, BackendResult, DeferredErrors, DeviceInfo, Direction, Fence, Held,
-    HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
+    Backend, BackendError, BackendResult, DeferredErrors, DeviceInfo, DeviceRange, Direction,
+    Fence, Held, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
 };
 
 /// A call that can be made to fail.
@@ -47,7 +50,8 @@ pub enum FaultPoint {
     CopyToHost,
     /// [`Backend::alloc_pinned`] (the first release of a `Preserve` region, also through
     /// [`Backend::alloc_pinned_from_device`], whose default this wrapper keeps: a pinning
-    /// fault there, or a [`FaultPoint::CopyToHost`] fault in its copy).
+    /// fault there, or a [`FaultPoint::CopyToHost`] fault in its copy), and each buffer of
+    /// [`Backend::alloc_pinned_many`] and [`Backend::alloc_pinned_many_from_device`].
     AllocPinned,
 }
 
@@ -152,7 +156,7 @@ pub struct FaultyBackend {
     injected: [AtomicU64; 4],
     /// Unmap failures still to inject, shared with the mappings handed out.
     unmap_faults: Arc<UnmapFaults>,
-    /// `alloc_pinned_many` calls seen, failed or not.
+    /// `alloc_pinned_many` and `alloc_pinned_many_from_device` calls seen, failed or not.
     pin_batches: AtomicU64,
 }
 
@@ -227,8 +231,8 @@ impl FaultyBackend {
         }
     }
 
-    /// [`Backend::alloc_pinned_many`] calls seen so far, failed or not (a growing region's
-    /// first release makes one).
+    /// [`Backend::alloc_pinned_many`] and [`Backend::alloc_pinned_many_from_device`] calls
+    /// seen so far, failed or not (a growing region's first release makes one).
     pub fn pin_batches(&self) -> u64 {
         self.pin_batches.load(Ordering::SeqCst)
     }
@@ -401,6 +405,29 @@ impl Backend for FaultyBackend {
             self.check(FaultPoint::AllocPinned, "alloc_pinned_many")?;
         }
         self.inner.alloc_pinned_many(sizes)
+    }
+
+    /// One [`FaultPoint::AllocPinned`] decision per buffer, then one
+    /// [`FaultPoint::CopyToHost`] decision per buffer (the pinning and the copy that the
+    /// default's calls would meet), stopping at the first fault (the batch then fails whole,
+    /// nothing pinned or copied); otherwise the wrapped backend's call (its own overlapped
+    /// path). Counted in [`FaultyBackend::pin_batches`].
+    ///
+    /// # Safety
+    /// As [`Backend::alloc_pinned_many_from_device`].
+    unsafe fn alloc_pinned_many_from_device(
+        &self,
+        ranges: &[DeviceRange],
+    ) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
+        self.pin_batches.fetch_add(1, Ordering::SeqCst);
+        for _ in ranges {
+            self.check(FaultPoint::AllocPinned, "alloc_pinned_many_from_device")?;
+        }
+        for _ in ranges {
+            self.check(FaultPoint::CopyToHost, "alloc_pinned_many_from_device")?;
+        }
+        // SAFETY: the caller upholds the contract, the wrapped backend's.
+        unsafe { self.inner.alloc_pinned_many_from_device(ranges) }
     }
 
     /// # Safety

@@ -317,6 +317,16 @@ pub enum Direction {
     ToHost,
 }
 
+/// A device range to copy into a fresh pinned buffer
+/// ([`Backend::alloc_pinned_many_from_device`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceRange {
+    /// Device address of the first byte.
+    pub src: u64,
+    /// Bytes (at least one).
+    pub bytes: usize,
+}
+
 /// One contiguous copy between pinned host memory and device memory, as raw addresses
 /// (what [`Backend::copy_unit`] and [`Backend::copy_on`] move; [`crate::pump::Pump`] cuts
 /// borrowed host memory into these).
@@ -433,6 +443,40 @@ pub trait Backend: Send + Sync + fmt::Debug {
         // caller's contract) and the buffer holds `bytes` bytes.
         unsafe { self.copy_to_host(buf.as_mut_slice(), src) }?;
         Ok(buf)
+    }
+
+    /// Allocates one pinned buffer per entry of `ranges` (of its `bytes`, as
+    /// [`Backend::alloc_pinned_many`] does: independent buffers, each droppable on its own),
+    /// each filled with a copy of its device range: the missing backups of a growing region's
+    /// buffers in one step. The default pins the batch, then copies each buffer
+    /// (`alloc_pinned_many`, then `copy_to_host` per buffer); the CUDA backend overlaps the
+    /// two ([`cuda::CudaBackend::pin_many_from_device`]: the buffers grouped into parts of
+    /// about [`cuda::FIRST_BACKUP_PIECE_BYTES`], one part touched while the one before
+    /// registers and copies; one registration per buffer). All or nothing: on error nothing
+    /// allocated by this call stays allocated. No ranges: no buffers.
+    ///
+    /// # Safety
+    /// Every `src .. src + bytes` of `ranges` must be mapped device memory of this backend,
+    /// not written until the call returns.
+    unsafe fn alloc_pinned_many_from_device(
+        &self,
+        ranges: &[DeviceRange],
+    ) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
+        let sizes: Vec<usize> = ranges.iter().map(|r| r.bytes).collect();
+        let mut bufs = self.alloc_pinned_many(&sizes)?;
+        if bufs.len() != ranges.len() {
+            return Err(BackendError::Invalid {
+                op: "alloc_pinned_many_from_device",
+                reason: format!("{} buffers for {} ranges", bufs.len(), ranges.len()),
+            });
+        }
+        // On error, dropping `bufs` frees every buffer.
+        for (buf, r) in bufs.iter_mut().zip(ranges) {
+            // SAFETY: `r.src .. r.src + r.bytes` is mapped device memory of this backend (the
+            // caller's contract) and the buffer holds `r.bytes` bytes.
+            unsafe { self.copy_to_host(buf.as_mut_slice(), r.src) }?;
+        }
+        Ok(bufs)
     }
 
     /// Enqueues `copy` with `mover` on the backend's own stream for that mover and the copy's

@@ -2,8 +2,8 @@
 
 use gpu_pager::backend::host::HostBackend;
 use gpu_pager::backend::{
-    Backend, BackendResult, DeferredErrors, DeviceInfo, Direction, Fence, Held, HostBuffer,
-    KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
+    Backend, BackendResult, DeferredErrors, DeviceInfo, DeviceRange, Direction, Fence, Held,
+    HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
 };
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -98,6 +98,13 @@ impl Backend for Broken {
     }
     fn alloc_pinned_many(&self, sizes: &[usize]) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
         self.inner.alloc_pinned_many(sizes)
+    }
+    unsafe fn alloc_pinned_many_from_device(
+        &self,
+        ranges: &[DeviceRange],
+    ) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.inner.alloc_pinned_many_from_device(ranges) }
     }
     unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()> {
         // SAFETY: forwarded from the caller.

@@ -34,7 +34,13 @@
 //! buffers share the mapping: dropping one unregisters its slice and gives its physical
 //! pages back with `madvise(MADV_DONTNEED)` (unmapping a sub-range would leave a hole a
 //! later `mmap` could take, under the final `munmap`); the last one to drop unmaps the whole
-//! range.
+//! range. [`CudaBackend::pin_many_from_device`] (behind
+//! [`crate::backend::Backend::alloc_pinned_many_from_device`]: a growing region's first
+//! release with `first_save_overlap`) lays the batch out the same way and fills it from the
+//! device in the pipeline of [`CudaBackend::pin_from_device`] (below), over parts of whole
+//! buffers of about [`FIRST_BACKUP_PIECE_BYTES`]: a helper touches part k+1 while this
+//! thread registers each buffer of part k and enqueues its copy. A buffer is never split
+//! (one registration each, and no copy spans two).
 //!
 //! **Pieces.** A buffer registered in several pieces is one contiguous range of host
 //! addresses, but the driver does not document a copy whose host range spans two
@@ -419,16 +425,24 @@ fn on_threads<T: Send>(threads: usize, items: Vec<T>, work: impl Fn(T) + Sync) {
 /// in parts of whole huge pages so that no huge page is faulted by two threads, four parts
 /// per thread so that a slow thread holds the others up less.
 fn touch(mem: &mut [u8], threads: usize, populate: bool) {
+    touch_each(vec![mem], threads, populate);
+}
+
+/// [`touch`] for several ranges (each page-aligned; the slices of one batch) at once: their
+/// parts, cut from each range's start, share one set of threads.
+fn touch_each(mems: Vec<&mut [u8]>, threads: usize, populate: bool) {
     let page = page_size();
-    if threads <= 1 || mem.len() <= HUGE_PAGE_BYTES {
-        touch_part(mem, populate, page);
+    let total: usize = mems.iter().map(|m| m.len()).sum();
+    if threads <= 1 || total <= HUGE_PAGE_BYTES {
+        for m in mems {
+            touch_part(m, populate, page);
+        }
         return;
     }
-    let part = mem
-        .len()
+    let part = total
         .div_ceil(threads * 4)
         .next_multiple_of(HUGE_PAGE_BYTES);
-    let parts: Vec<&mut [u8]> = mem.chunks_mut(part).collect();
+    let parts: Vec<&mut [u8]> = mems.into_iter().flat_map(|m| m.chunks_mut(part)).collect();
     // A touch cannot panic (its indices stay inside its part); were a helper to, its pages
     // would be backed by the registration instead: slower, never wrong.
     on_threads(threads, parts, |p| touch_part(p, populate, page));
@@ -569,33 +583,31 @@ fn register(addr: usize, len: usize) -> BackendResult<()> {
         .map_err(|e| driver_err("cuMemHostRegister", e))
 }
 
-/// The pipeline of [`CudaBackend::pin_from_device`] over `parts` (piece ranges and their
-/// bytes, in order): a scoped helper thread touches the parts in order (each on
-/// `touch_threads(len, helpers)` threads) and sends each touched part to this thread, which
-/// runs `step` on it (registering it and enqueueing its copy) while the helper touches the
-/// next. Stops at the first error of `step` (or a part that does not come, should the helper
-/// panic); the helper finishes its current part and is joined before this returns. Where no
-/// helper can be spawned, this thread touches everything first. Adds the waits for touched
-/// parts to `timings.touch` and the steps to `timings.register`. Returns the first error
-/// and the parts handed to `step` (which the caller keeps borrowed until their copies are
-/// done).
-fn pipeline<'a>(
-    parts: Vec<(Range<usize>, &'a mut [u8])>,
-    helpers: usize,
-    populate: bool,
+/// The pipeline of [`CudaBackend::pin_from_device`] and [`CudaBackend::pin_many_from_device`]
+/// over `parts` (in order): a scoped helper thread runs `touch` on the parts in order and
+/// sends each touched part to this thread, which runs `step` on it (registering it and
+/// enqueueing its copies) while the helper touches the next. Stops at the first error of
+/// `step` (or a part that does not come, should the helper panic); the helper finishes its
+/// current part and is joined before this returns. Where no helper can be spawned, this
+/// thread touches everything first. Adds the waits for touched parts to `timings.touch` and
+/// the steps to `timings.register`. Returns the first error and the parts handed to `step`
+/// (which the caller keeps, and with them their borrows, until their copies are done).
+fn pipeline<P: Send>(
+    parts: Vec<P>,
+    touch: impl Fn(&mut P) + Sync,
     timings: &mut PinTimings,
-    mut step: impl FnMut(&Range<usize>, &mut [u8]) -> BackendResult<()>,
-) -> (BackendResult<()>, Vec<&'a mut [u8]>) {
+    mut step: impl FnMut(&mut P) -> BackendResult<()>,
+) -> (BackendResult<()>, Vec<P>) {
     let count = parts.len();
-    let (tx, rx) = std::sync::mpsc::channel::<(Range<usize>, &'a mut [u8])>();
+    let (tx, rx) = std::sync::mpsc::channel::<P>();
     // The helper's work, taken once: by the helper, or by this thread if none spawns.
     let job = Mutex::new(Some((parts, tx)));
     let toucher = || {
         let taken = job.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some((parts, tx)) = taken {
-            for (r, part) in parts {
-                touch(part, touch_threads(part.len(), helpers), populate);
-                if tx.send((r, part)).is_err() {
+            for mut part in parts {
+                touch(&mut part);
+                if tx.send(part).is_err() {
                     break; // the receiver stopped taking parts: an error
                 }
             }
@@ -611,13 +623,13 @@ fn pipeline<'a>(
             toucher();
             timings.touch += t.elapsed();
         }
-        let mut held: Vec<&'a mut [u8]> = Vec::with_capacity(count);
+        let mut held: Vec<P> = Vec::with_capacity(count);
         let mut outcome = Ok(());
         for _ in 0..count {
             let t = Instant::now();
             let received = rx.recv();
             timings.touch += t.elapsed();
-            let Ok((r, part)) = received else {
+            let Ok(mut part) = received else {
                 outcome = Err(BackendError::Invalid {
                     op: "pin_from_device",
                     reason: "internal: the touching thread stopped early".to_owned(),
@@ -625,7 +637,7 @@ fn pipeline<'a>(
                 break;
             };
             let t = Instant::now();
-            let stepped = step(&r, part);
+            let stepped = step(&mut part);
             timings.register += t.elapsed();
             held.push(part);
             if let Err(e) = stepped {
@@ -643,6 +655,23 @@ fn pipeline<'a>(
     });
     drop(job);
     out
+}
+
+/// The helper threads that touch one part of a pipeline: `requested`, or 0: all cores but
+/// one (the calling thread registers meanwhile), at least one.
+fn pipeline_touch_threads(requested: usize) -> usize {
+    if requested == 0 {
+        let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
+        cores.saturating_sub(1).max(1)
+    } else {
+        requested
+    }
+}
+
+/// The pipeline's touch of one piece of [`CudaBackend::pin_from_device`]: on
+/// `touch_threads(len, helpers)` threads.
+fn touch_piece(helpers: usize, populate: bool) -> impl Fn(&mut (Range<usize>, &mut [u8])) + Sync {
+    move |(_, part)| touch(part, touch_threads(part.len(), helpers), populate)
 }
 
 /// Registers `part` (piece `r` of a buffer of `bytes` usable bytes), notes it in `regs` (to be
@@ -787,12 +816,7 @@ impl CudaBackend {
         let mut pinned = self.map_only(bytes, opts)?;
         let scope = self.dev.scope()?;
         let pieces = pieces(pinned.mem.len, opts.piece_bytes);
-        let helpers = if opts.touch_threads == 0 {
-            let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
-            cores.saturating_sub(1).max(1)
-        } else {
-            opts.touch_threads
-        };
+        let helpers = pipeline_touch_threads(opts.touch_threads);
         pinned.timings.pieces = pieces.len();
         pinned.timings.touch_threads = pieces
             .first()
@@ -812,7 +836,8 @@ impl CudaBackend {
             parts.push((r.clone(), part));
             rest = tail;
         }
-        let (enqueued, held) = pipeline(parts, helpers, populate, timings, |r, part| {
+        let touch = touch_piece(helpers, populate);
+        let (enqueued, held) = pipeline(parts, touch, timings, |(r, part)| {
             // SAFETY: `src .. src + bytes` is mapped and unwritten (the caller's contract);
             // `part` is piece `r` of this buffer, touched, borrowed exclusively by this
             // thread and kept (in `held`) until the copies are waited for below.
@@ -1026,10 +1051,10 @@ mod tests {
             let mut timings = PinTimings::default();
             let (outcome, held) = pipeline(
                 parts(&mut m, piece),
-                helpers,
-                populate,
+                touch_piece(helpers, populate),
                 &mut timings,
-                |r, part| {
+                |(r, part)| {
+                    let part: &mut [u8] = part;
                     assert_eq!(std::thread::current().id(), here);
                     assert_eq!(part.len(), r.len());
                     assert_eq!(missing_pages(part), 0, "piece {r:?} handed over untouched");
@@ -1041,7 +1066,7 @@ mod tests {
             assert!(outcome.is_ok());
             assert_eq!(seen, want, "{helpers} helpers, piece {piece}");
             assert_eq!(held.len(), want.len());
-            assert!(held.iter().all(|p| p[0] == 1));
+            assert!(held.iter().all(|(_, p)| p[0] == 1));
             drop(held);
             assert_eq!(missing_pages(m.as_mut_slice()), 0);
         }
@@ -1054,7 +1079,8 @@ mod tests {
         let mut m = AnonMemory::map(40 * MIB, true, errors.clone()).expect("mmap");
         let mut calls = 0;
         let mut timings = PinTimings::default();
-        let (outcome, held) = pipeline(parts(&mut m, 4 * MIB), 2, true, &mut timings, |r, _| {
+        let touch = touch_piece(2, true);
+        let (outcome, held) = pipeline(parts(&mut m, 4 * MIB), touch, &mut timings, |(r, _)| {
             calls += 1;
             if r.start == 8 * MIB {
                 Err(BackendError::Injected { op: "register" })

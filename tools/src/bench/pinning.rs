@@ -2,7 +2,7 @@
 //! most 1 s for 16 GiB) and the number of physical handles of a KV cache (item 2).
 //!
 //! - [`first_release_rows`]: the pager's first release of the weights without `prepin`, fixed
-//!   (with `first_save_overlap`, the default, and without) and growing, against a 1 s budget
+//!   and growing (each with `first_save_overlap`, the default, and without), against a 1 s budget
 //!   per 16 GiB, with its pinning (the copy in it, with `first_save_overlap`) and the pump's
 //!   copy (the report's steps) next to the link.
 //! - [`pin_rows`] (CUDA only): pinning the weights' size by each method — `cuMemHostAlloc` and
@@ -13,7 +13,8 @@
 //!   batch (`pin_many`: one mapping, one registration per buffer, registered one after
 //!   another or on parallel threads); a copy across two registrations (does the
 //!   driver take it, and at what speed); and pinning overlapped with the copy
-//!   (`pin_from_device`) against pinning then copying.
+//!   (`pin_from_device`) against pinning then copying, and the same for the growing region's
+//!   batch (`pin_many_from_device` against `pin_many`, then a copy each).
 //! - [`kv_pattern_rows`]: releasing and resuming the KV cache as 1 handle, 32 handles and 128
 //!   handles, each through the pager and as the bare VMM loop, alternated in one run.
 
@@ -49,11 +50,12 @@ fn gib_per_s(bytes: usize, d: Duration) -> f64 {
     gib(bytes) / d.as_secs_f64().max(1e-9)
 }
 
-/// The first release of the weights without `prepin`: a fixed region with
-/// `first_save_overlap` (the default: the backup pinned and filled in one pass, the save after
-/// it copying nothing) and without (pin, then copy through the pump), and a growing region
-/// (`cfg.weight_buffers` buffers; always pin, then copy): the total against 1 s per 16 GiB,
-/// its pinning (with the copy in it, in the first case) and the pump's copy against the link.
+/// The first release of the weights without `prepin`: a fixed region and a growing region
+/// (`cfg.weight_buffers` buffers), each with `first_save_overlap` (the default: the backup,
+/// or the growing region's backups in one batch, pinned and filled in one pass, the save
+/// after it copying nothing) and without (pin, then copy through the pump): the total against
+/// 1 s per 16 GiB, its pinning (with the copy in it, with the switch on) and the pump's copy
+/// against the link.
 /// Each sample is a first release (the backup is freed between samples). Leaves no region
 /// and the switch on.
 pub(super) fn first_release_rows(
@@ -66,11 +68,23 @@ pub(super) fn first_release_rows(
 ) -> Result<()> {
     let budget = Duration::from_secs(1).mul_f64(cfg.weights_bytes as f64 / (16 * GIB) as f64);
     let skip = pager.config().skip_unchanged;
-    for (growing, overlap) in [(false, true), (false, false), (true, true)] {
-        let (tag, what) = if growing {
+    for (growing, overlap) in [(false, true), (false, false), (true, true), (true, false)] {
+        let (tag, what) = if growing && overlap && skip {
             (
                 "weights_cold_grow",
-                format!("growing region ({} buffers)", cfg.weight_buffers),
+                format!(
+                    "growing region ({} buffers), pinned and copied in one pass \
+                     (first_save_overlap)",
+                    cfg.weight_buffers
+                ),
+            )
+        } else if growing {
+            (
+                "weights_cold_grow",
+                format!(
+                    "growing region ({} buffers), pin then copy (first_save_overlap off)",
+                    cfg.weight_buffers
+                ),
             )
         } else if overlap && skip {
             (
@@ -347,7 +361,115 @@ pub(super) fn pin_rows(
     }
     batch_rows(&cuda, cfg, limit, log, rows)?;
     cross_registration_rows(&cuda, pager, log, rows)?;
-    overlap_rows(&cuda, pager, bytes, link, log, rows)
+    overlap_rows(&cuda, pager, bytes, link, log, rows)?;
+    batch_from_device_rows(&cuda, pager, cfg, link, log, rows)
+}
+
+/// The growing region's backups (`cfg.weight_buffers` buffers of the weights' sizes, their
+/// sources back to back in one device range) pinned and filled in one pipeline
+/// (`pin_many_from_device` in [`gpu_pager::backend::cuda::FIRST_BACKUP_PIECE_BYTES`] parts,
+/// what its first release does with `first_save_overlap`) against pinning the batch first
+/// and copying each buffer then (`pin_many`, then `copy_to_host` each), alternated; against
+/// 1 s per 16 GiB.
+fn batch_from_device_rows(
+    cuda: &CudaBackend,
+    pager: &Pager,
+    cfg: &BenchConfig,
+    link: &Link,
+    log: &mut dyn FnMut(&str),
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    use gpu_pager::backend::DeviceRange;
+    use gpu_pager::backend::cuda::FIRST_BACKUP_PIECE_BYTES;
+    let sizes = weight_sizes(cfg.weights_bytes, cfg.weight_buffers);
+    let bytes: usize = sizes.iter().sum();
+    log(&format!(
+        "pinning and filling {} as {} buffers: pin_many_from_device against pin_many, then copy",
+        size_name(bytes),
+        sizes.len()
+    ));
+    let tag = "bench_pin_batch_src";
+    pager.region(tag, bytes, Policy::Discard)?;
+    let buf = pager.alloc(tag, bytes)?;
+    pager.fill(&buf, 0x1234_5678)?;
+    let base = pager.ptr(&buf)?;
+    let mut ranges = Vec::with_capacity(sizes.len());
+    let mut at = 0;
+    for &n in &sizes {
+        ranges.push(DeviceRange {
+            src: base + at as u64,
+            bytes: n,
+        });
+        at += n;
+    }
+    // The last buffer's tail holds the pattern at its device offset.
+    let last = sizes.last().copied().unwrap_or(0);
+    let tail = last.min(4096);
+    let phase = bytes - tail;
+    let d = PinOptions::default();
+    let opts = PinOptions {
+        piece_bytes: FIRST_BACKUP_PIECE_BYTES,
+        ..d
+    };
+    let (mut serial, mut overlapped) = (vec![], vec![]);
+    for _ in 0..2 {
+        let t = Instant::now();
+        let mut bufs = cuda
+            .pin_many(&sizes, &d)
+            .map_err(|e| Error::backend(tag, "pinning a batch", e))?;
+        for (host, r) in bufs.iter_mut().zip(&ranges) {
+            // SAFETY: `r` lies inside the live buffer; the copy waits.
+            unsafe { cuda.copy_to_host(host.as_mut_slice(), r.src) }
+                .map_err(|e| Error::backend(tag, "copying", e))?;
+        }
+        serial.push(t.elapsed());
+        drop(bufs);
+        let t = Instant::now();
+        // SAFETY: every range lies inside the live buffer, not written meanwhile.
+        let bufs = unsafe { cuda.pin_many_from_device(&ranges, &opts) }
+            .map_err(|e| Error::backend(tag, "pin_many_from_device", e))?;
+        let wall = t.elapsed();
+        let ok = bufs
+            .last()
+            .is_some_and(|h| holds_pattern(&h.as_slice()[last - tail..], 0x1234_5678, phase));
+        if !ok {
+            return Err(err(tag, "pin_many_from_device copied wrong data"));
+        }
+        let steps = bufs.first().map(|p| p.timings()).unwrap_or_default();
+        overlapped.push((wall, steps));
+    }
+    pager.remove(tag)?;
+    let budget = Duration::from_secs(1).mul_f64(bytes as f64 / (16 * GIB) as f64);
+    let what = format!("{} as {} buffers", size_name(bytes), sizes.len());
+    rows.push(Row {
+        name: format!("backups of {what}: pin_many, then copy each"),
+        figure: Spread::of(&serial),
+        limit: Spread::of(&[budget]),
+        limit_name: "1 s per 16 GiB (target)".into(),
+        target: Some(1.0),
+    });
+    let mut s = overlapped.clone();
+    s.sort_by_key(|x| x.0);
+    let (_, t) = s[s.len() / 2];
+    rows.push(Row {
+        name: format!(
+            "backups of {what}: pin_many_from_device, {} parts touched on a helper while \
+             earlier ones register and copy (waited for touching {:.0} ms, register+enqueue \
+             {:.0} ms, then wait {:.0} ms)",
+            size_name(FIRST_BACKUP_PIECE_BYTES),
+            ms(t.touch),
+            ms(t.register),
+            ms(t.wait)
+        ),
+        figure: Spread::of(&overlapped.iter().map(|x| x.0).collect::<Vec<_>>()),
+        limit: Spread::of(&[budget]),
+        limit_name: format!(
+            "1 s per 16 GiB (target; copy alone {:.0} ms)",
+            ms(over(bytes, link.d2h_gbps))
+        ),
+        target: Some(1.0),
+    });
+    Ok(())
 }
 
 /// The growing region's backups (`cfg.weight_buffers` buffers of the weights' sizes, each

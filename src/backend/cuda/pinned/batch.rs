@@ -1,15 +1,17 @@
 //! Pinning many buffers in one batch ([`CudaBackend::pin_many`]): one mapping, one touch on
-//! every core, one registration per buffer (see the parent module's "Batches").
+//! every core, one registration per buffer; and filling them from the device while they are
+//! pinned ([`CudaBackend::pin_many_from_device`]). See the parent module's "Batches".
 
 use std::ops::Range;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{
-    AnonMemory, CudaPinned, HUGE_PAGE_BYTES, PinOptions, PinTimings, on_threads, touch_timed,
+    AnonMemory, CudaPinned, HUGE_PAGE_BYTES, PinOptions, PinTimings, on_threads, pipeline,
+    pipeline_touch_threads, register_and_copy, touch_each, touch_threads, touch_timed,
 };
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{BackendError, BackendResult};
+use crate::backend::{BackendError, BackendResult, DeviceRange};
 
 /// Where each buffer of a batch of `sizes` lies in the batch's mapping: back to back, each
 /// its size rounded up to [`HUGE_PAGE_BYTES`] (so that freeing one never splits a huge page
@@ -37,7 +39,192 @@ pub(super) fn slices(sizes: &[usize]) -> BackendResult<(Vec<Range<usize>>, usize
     Ok((out, total))
 }
 
+/// Consecutive buffers of a batch (lying at `slices`) grouped into the parts of
+/// [`CudaBackend::pin_many_from_device`]'s pipeline: as many buffers as fit in `piece` bytes
+/// (rounded up to [`HUGE_PAGE_BYTES`]) each, but at least one (a buffer larger than that is a
+/// part of its own). Returns ranges of buffer indices, in order and back to back; one part
+/// when `piece` is 0; none for no buffers.
+pub(super) fn groups(slices: &[Range<usize>], piece: usize) -> Vec<Range<usize>> {
+    let piece = piece.checked_next_multiple_of(HUGE_PAGE_BYTES).unwrap_or(0);
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0, 0usize);
+    for (k, s) in slices.iter().enumerate() {
+        if k > start && piece > 0 && bytes.saturating_add(s.len()) > piece {
+            out.push(start..k);
+            (start, bytes) = (k, 0);
+        }
+        bytes = bytes.saturating_add(s.len());
+    }
+    if start < slices.len() {
+        out.push(start..slices.len());
+    }
+    out
+}
+
+/// One part of [`CudaBackend::pin_many_from_device`]'s pipeline: its buffers, each as its
+/// index in the batch and its slice of the mapping.
+type Part<'a> = Vec<(usize, &'a mut [u8])>;
+
 impl CudaBackend {
+    /// The buffers of a batch over `mem`, one per entry of `sizes` lying at `slices`, nothing
+    /// registered yet. Dropping them before they are registered gives the memory back.
+    fn unregistered(
+        &self,
+        sizes: &[usize],
+        mem: AnonMemory,
+        slices: &[Range<usize>],
+    ) -> BackendResult<Vec<CudaPinned>> {
+        Ok(sizes
+            .iter()
+            .zip(mem.split(slices)?)
+            .map(|(&len, mem)| CudaPinned {
+                regs: Vec::with_capacity(1),
+                device_ptr: 0,
+                len,
+                timings: PinTimings::default(),
+                mem,
+                dev: self.dev.clone(),
+            })
+            .collect())
+    }
+
+    /// Pins one buffer per entry of `ranges` (of its `bytes`, at least one) in one batch laid
+    /// out as [`CudaBackend::pin_many`] lays it out (one mapping, each buffer's slice rounded
+    /// up to [`HUGE_PAGE_BYTES`], one registration per buffer, each buffer droppable on its
+    /// own), and fills each with a copy of its device range, as a pipeline like
+    /// [`CudaBackend::pin_from_device`]'s: the buffers are grouped, in order, into parts of
+    /// at most `opts.piece_bytes` (0: one part, nothing overlaps; a buffer larger than that is
+    /// a part of its own, never split: one registration per buffer, and no copy spans two);
+    /// a scoped helper thread first-touches the parts in order (each on `touch_threads`
+    /// threads, 0: all cores but one) and hands each to this thread, which registers each
+    /// buffer of it and enqueues its copy on the backend's device→host stream at once. So
+    /// part k+1 is touched while part k registers and part k-1 copies. `parallel_register`
+    /// is ignored. Waits for the copies before it returns, also on error; when that wait
+    /// fails, the whole batch is leaked rather than unmapped under a copy that may still
+    /// run (recorded in the backend's [`crate::backend::DeferredErrors`]). No ranges: no
+    /// buffers.
+    ///
+    /// Every buffer carries the whole batch's [`PinTimings`] (the same on each, not to be
+    /// added up over them), this thread's wall time step by step as
+    /// [`CudaBackend::pin_from_device`] reports it: `map`, `touch` (waiting for touched
+    /// parts), `register` (registering, enqueueing the copies, the device-address lookups),
+    /// `wait` (for the copies after the last was enqueued); `touch_threads` the threads
+    /// touching the first part; `pieces` the registrations (one per buffer).
+    ///
+    /// All or nothing: on error every registration made is undone and the memory unmapped
+    /// (but for the leak above). Errors: as [`CudaBackend::pin_many`], and
+    /// [`BackendError::Driver`] when a copy cannot be enqueued or fails.
+    ///
+    /// # Safety
+    /// Every `src .. src + bytes` of `ranges` must be mapped device memory of this context,
+    /// not written until the call returns.
+    pub unsafe fn pin_many_from_device(
+        &self,
+        ranges: &[DeviceRange],
+        opts: &PinOptions,
+    ) -> BackendResult<Vec<CudaPinned>> {
+        let sizes: Vec<usize> = ranges.iter().map(|r| r.bytes).collect();
+        let (slices, total) = slices(&sizes)?;
+        if slices.is_empty() {
+            return Ok(Vec::new());
+        }
+        let t = Instant::now();
+        let mem = AnonMemory::map(total, opts.huge_pages, self.dev.errors.clone())?;
+        let map = t.elapsed();
+        // Nothing registered yet. On any error below, dropping `out` unregisters what was
+        // registered, and the last buffer to drop unmaps the memory.
+        let mut out = self.unregistered(&sizes, mem, &slices)?;
+        let scope = self.dev.scope()?;
+        let groups = groups(&slices, opts.piece_bytes);
+        let helpers = pipeline_touch_threads(opts.touch_threads);
+        let part_bytes = |g: &Range<usize>| {
+            slices
+                .get(g.clone())
+                .map_or(0, |s| s.iter().map(Range::len).sum())
+        };
+        let mut timings = PinTimings {
+            map,
+            touch_threads: groups
+                .first()
+                .map_or(1, |g| touch_threads(part_bytes(g), helpers)),
+            pieces: out.len(),
+            ..PinTimings::default()
+        };
+        let stream = self.d2h.cu_stream();
+        let populate = opts.populate;
+        // Each buffer's registrations, and its bytes borrowed mutably from its slice: the
+        // helper touches a part, then hands its borrows to this thread, which keeps them
+        // until the copies are waited for below (the copy engine writes into them meanwhile).
+        let (mut regs, bufs): (Vec<&mut Vec<Range<usize>>>, Vec<&mut [u8]>) = out
+            .iter_mut()
+            .map(|p| (&mut p.regs, p.mem.as_mut_slice()))
+            .unzip();
+        let mut bufs = bufs.into_iter().enumerate();
+        let parts: Vec<Part<'_>> = groups
+            .iter()
+            .map(|g| bufs.by_ref().take(g.len()).collect())
+            .collect();
+        let touch = |part: &mut Part<'_>| {
+            let bytes = part.iter().map(|(_, b)| b.len()).sum();
+            let threads = touch_threads(bytes, helpers);
+            touch_each(
+                part.iter_mut().map(|(_, b)| &mut **b).collect(),
+                threads,
+                populate,
+            );
+        };
+        let (enqueued, held) = pipeline(parts, touch, &mut timings, |part| {
+            for (k, buf) in part.iter_mut() {
+                let (Some(range), Some(regs)) = (ranges.get(*k), regs.get_mut(*k)) else {
+                    return Err(BackendError::Invalid {
+                        op: "pin_many_from_device",
+                        reason: format!("internal: no buffer {k}"),
+                    });
+                };
+                let whole = 0..buf.len();
+                // SAFETY: `range` is mapped and unwritten (the caller's contract); `buf` is
+                // the whole slice of buffer `k`, touched, registered nowhere else, borrowed
+                // exclusively by this thread and kept (in `held`) until the copies are
+                // waited for below.
+                unsafe { register_and_copy(buf, &whole, range.bytes, range.src, stream, regs) }?;
+            }
+            Ok(())
+        });
+        let t = Instant::now();
+        let synced = self.d2h.synchronize();
+        timings.wait = t.elapsed();
+        drop(held);
+        if let Err(e) = synced {
+            // A copy may still be writing a buffer: leak the batch rather than unmap it
+            // under the copy engine.
+            let why = super::super::describe(e);
+            self.dev.errors.record(format!(
+                "pin_many_from_device: waiting for the copies failed ({why}); {total} bytes \
+                 of pinned host memory are leaked"
+            ));
+            drop(scope);
+            std::mem::forget(out);
+            // The first failure is the one to report (an enqueue that failed before).
+            enqueued?;
+            return Err(BackendError::Driver {
+                op: "cuStreamSynchronize",
+                message: format!("waiting for the copies into fresh pinned memory failed: {why}"),
+            });
+        }
+        // On error, dropping `out` unregisters the buffers registered and unmaps.
+        enqueued?;
+        let t = Instant::now();
+        for p in &mut out {
+            p.device_ptr = p.lookup_device_ptr()?;
+        }
+        drop(scope);
+        timings.register += t.elapsed();
+        for p in &mut out {
+            p.timings = timings;
+        }
+        Ok(out)
+    }
+
     /// Pins one buffer per entry of `sizes` (each at least one byte), reading as zeros, in
     /// one batch: one mapping of their sizes each rounded up to [`HUGE_PAGE_BYTES`], touched
     /// once as [`CudaBackend::pin`] touches (`opts`' `touch_threads`, `populate` and
@@ -69,18 +256,7 @@ impl CudaBackend {
         let t = Instant::now();
         // Nothing registered yet. On any error below, dropping `out` unregisters what was
         // registered, and the last buffer to drop unmaps the memory.
-        let mut out: Vec<CudaPinned> = sizes
-            .iter()
-            .zip(mem.split(&slices)?)
-            .map(|(&len, mem)| CudaPinned {
-                regs: Vec::with_capacity(1),
-                device_ptr: 0,
-                len,
-                timings: PinTimings::default(),
-                mem,
-                dev: self.dev.clone(),
-            })
-            .collect();
+        let mut out = self.unregistered(sizes, mem, &slices)?;
         if opts.parallel_register && out.len() > 1 {
             register_each_parallel(&mut out, threads)?;
         } else {
@@ -155,7 +331,7 @@ fn register_each_parallel(bufs: &mut [CudaPinned], threads: usize) -> BackendRes
 mod tests {
     use std::sync::Arc;
 
-    use super::super::touch;
+    use super::super::{touch, touch_each};
     use super::*;
     use crate::backend::DeferredErrors;
 
@@ -190,6 +366,64 @@ mod tests {
             slices(&[usize::MAX]),
             Err(BackendError::Invalid { .. })
         ));
+    }
+
+    #[test]
+    fn groups_fill_parts_with_whole_buffers_in_order() {
+        let (s, _) = slices(&[1, 4097, 3 * MIB + 5, 2 * MIB, 9 * MIB, 1, 1]).unwrap();
+        // Slices of 2, 2, 4, 2, 10, 2, 2 MiB.
+        assert_eq!(groups(&s, 0), vec![0..7], "no piece size: one part");
+        assert_eq!(groups(&s, usize::MAX), vec![0..7]);
+        assert_eq!(
+            groups(&s, 6 * MIB),
+            vec![0..2, 2..4, 4..5, 5..7],
+            "at most 6 MiB a part, but a larger buffer alone"
+        );
+        // Rounded up to huge pages: 5 MiB parts hold 6 MiB.
+        assert_eq!(groups(&s, 5 * MIB), groups(&s, 6 * MIB));
+        assert_eq!(
+            groups(&s, 1),
+            vec![0..1, 1..2, 2..3, 3..4, 4..5, 5..6, 6..7]
+        );
+        assert_eq!(groups(&s, 16 * MIB), vec![0..4, 4..7]);
+        assert!(groups(&[], 6 * MIB).is_empty());
+        for piece in [0, 1, 2 * MIB, 4 * MIB, 6 * MIB, 64 * MIB] {
+            let g = groups(&s, piece);
+            assert_eq!(g.first().map(|r| r.start), Some(0));
+            assert_eq!(g.last().map(|r| r.end), Some(s.len()));
+            assert!(g.iter().all(|r| !r.is_empty()));
+            for w in g.windows(2) {
+                assert_eq!(w[0].end, w[1].start, "{piece}");
+            }
+        }
+    }
+
+    /// Several slices of one mapping touched at once on shared threads: every page backed,
+    /// contents unchanged.
+    #[test]
+    fn touch_each_backs_every_page_of_every_slice() {
+        let errors = Arc::new(DeferredErrors::new());
+        let (s, total) = slices(&[1, 3 * MIB + 5, 2 * MIB, 9 * MIB]).unwrap();
+        for (threads, populate) in [(1, false), (3, false), (4, true)] {
+            let mem = AnonMemory::map(total, true, errors.clone()).expect("mmap");
+            let mut parts = mem.split(&s).expect("split");
+            assert!(
+                parts
+                    .iter()
+                    .all(|p| resident(p) < p.len / crate::backend::host::page_size())
+            );
+            touch_each(
+                parts.iter_mut().map(AnonMemory::as_mut_slice).collect(),
+                threads,
+                populate,
+            );
+            for (k, p) in parts.iter_mut().enumerate() {
+                let page = crate::backend::host::page_size();
+                assert_eq!(resident(p), p.len / page, "slice {k}, {threads} threads");
+                assert!(p.as_mut_slice().iter().all(|&b| b == 0));
+            }
+        }
+        assert_eq!(errors.total(), 0);
     }
 
     /// Resident pages of `mem`'s usable bytes, from `mincore`.

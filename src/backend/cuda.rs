@@ -335,6 +335,14 @@ impl Drop for DeviceScratch {
     }
 }
 
+/// The scratch memory of [`Backend::chunk_hash`]: device memory the kernels accumulate the
+/// hashes in, and pinned host memory they are copied to.
+#[derive(Default)]
+struct HashScratch {
+    dev: Option<DeviceScratch>,
+    host: Option<CudaPinned>,
+}
+
 /// The CUDA backend on one device.
 ///
 /// Thread-safe. Every entry point makes the context current for the call and gives the
@@ -361,7 +369,7 @@ pub struct CudaBackend {
     chunk_hash_kernels: InScope<OnceLock<ChunkHashKernels>>,
     kv_functions: InScope<OnceLock<kv::KvFunctions>>,
     copy_functions: InScope<OnceLock<copy::CopyFunctions>>,
-    hash_scratch: Mutex<Option<DeviceScratch>>,
+    hash_scratch: Mutex<HashScratch>,
     /// Device copies of the index lists of [`KvKernels::kv`] calls.
     kv_scratch: Mutex<Option<DeviceScratch>>,
     /// Piece size of first backups ([`Backend::alloc_pinned_from_device`]).
@@ -484,7 +492,7 @@ impl CudaBackend {
             chunk_hash_kernels: InScope::new(OnceLock::new(), &dev),
             kv_functions: InScope::new(OnceLock::new(), &dev),
             copy_functions: InScope::new(OnceLock::new(), &dev),
-            hash_scratch: Mutex::new(None),
+            hash_scratch: Mutex::new(HashScratch::default()),
             kv_scratch: Mutex::new(None),
             first_backup_piece: AtomicUsize::new(FIRST_BACKUP_PIECE_BYTES),
             dev: dev.clone(),
@@ -683,6 +691,24 @@ impl CudaBackend {
         unsafe { finalize.launch(kernels::chunk_hash_finalize_geometry(chunks).to_config()) }
             .map_err(|e| driver_err("cuLaunchKernel", e))?;
         Ok(())
+    }
+
+    /// Returns pinned host scratch memory of at least `bytes` in `slot`, growing it when
+    /// needed. The caller holds the lock on `slot` while it uses the memory.
+    fn host_scratch<'s>(
+        &self,
+        slot: &'s mut Option<CudaPinned>,
+        bytes: usize,
+    ) -> BackendResult<&'s CudaPinned> {
+        if slot.as_ref().is_none_or(|s| s.len() < bytes) {
+            // The smaller buffer's last use was synchronised.
+            *slot = None;
+            *slot = Some(self.pin(bytes.next_power_of_two().max(4096), &PinOptions::default())?);
+        }
+        slot.as_ref().ok_or_else(|| BackendError::Invalid {
+            op: "chunk_hash",
+            reason: "internal: no host scratch".to_owned(),
+        })
     }
 
     /// Returns the address of scratch device memory of at least `bytes` in `slot`, growing
@@ -995,26 +1021,38 @@ impl Backend for CudaBackend {
             .hash_scratch
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let out = self.scratch(&mut slot, out_bytes)?;
+        let out = self.scratch(&mut slot.dev, out_bytes)?;
+        let host = self.host_scratch(&mut slot.host, out_bytes)?;
         // SAFETY: the source range is forwarded from the caller; `out` is scratch memory of
         // at least `out_bytes`, used by nobody else while the lock is held.
         unsafe { self.chunk_hash_on(&self.kernel_stream, src, bytes, chunk_bytes, out) }?;
-        let mut hashes = vec![0u64; chunks];
-        // SAFETY: `hashes` is valid for writes of `out_bytes` until the synchronisation
-        // below returns; the copy is ordered after the kernels on the same stream.
-        check(unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                hashes.as_mut_ptr().cast(),
+        // The results reach the host through the copy kernel (a zero-copy store into pinned
+        // memory), not the copy engine: a copy-engine read-back waits behind the backup
+        // copies a release has queued, once per buffer of a growing region.
+        // SAFETY: `out` holds `out_bytes` of results once the kernels above ran (the copy is
+        // ordered after them on the same stream); `host` is this backend's pinned memory of
+        // at least `out_bytes`, read below only after the synchronisation; the lock keeps
+        // both to this call.
+        unsafe {
+            self.launch_copy(
+                self.kernel_stream.cu_stream(),
+                host.device_ptr(),
                 out,
                 out_bytes,
-                self.kernel_stream.cu_stream(),
             )
-        })
-        .map_err(|e| driver_err("cuMemcpyDtoHAsync", e))?;
+        }?;
         self.kernel_stream
             .synchronize()
             .map_err(|e| driver_err("cuStreamSynchronize", e))?;
-        Ok(hashes)
+        let results = host.as_slice().get(..out_bytes).unwrap_or_default();
+        Ok(results
+            .chunks_exact(8)
+            .map(|c| {
+                let mut word = [0u8; 8];
+                word.copy_from_slice(c);
+                u64::from_ne_bytes(word)
+            })
+            .collect())
     }
 
     fn kv_kernels(&self) -> &dyn KvKernels {

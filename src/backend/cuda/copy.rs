@@ -66,7 +66,7 @@ impl CudaBackend {
     ///
     /// # Safety
     /// As [`CudaBackend::copy_kernel_on`], and `stream` is a live stream of this context.
-    unsafe fn launch_copy(
+    pub(super) unsafe fn launch_copy(
         &self,
         stream: sys::CUstream,
         dst: u64,

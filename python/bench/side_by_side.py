@@ -84,6 +84,10 @@ def run_one(impl: str, weights_bytes: int, kv_bytes: int, n_tensors: int, repeat
         tms.hook_mode = "torch"  # no LD_PRELOAD needed; the same allocator path as ours
     h2d, d2h = link(torch)
     _log(f"{impl}: link h2d {h2d / 1e9:.1f} GB/s, d2h {d2h / 1e9:.1f} GB/s")
+    # Host threads for pinning: the CPUs this thread may run on (torch's OpenMP may bind
+    # the main thread), against the machine's.
+    _log(f"{impl}: {len(os.sched_getaffinity(0))} of {os.cpu_count()} CPUs allowed to this "
+         f"thread, torch intra-op threads {torch.get_num_threads()}")
 
     sizes = weight_sizes(weights_bytes, n_tensors)
     t = time.perf_counter()

@@ -103,9 +103,11 @@ pub struct PagerConfig {
     /// on CUDA the same overlap over parts of whole buffers). That release's report counts
     /// the copy in [`crate::report::Steps::pin`], the hashing in
     /// [`crate::report::Steps::hash`], and the bytes in
-    /// [`crate::report::RegionReport::copied`] (marked bytes of a partly marked buffer or
-    /// region included). Off: pin, then save through the pump (only the unmarked bytes of
-    /// live buffers). Also switchable with [`Pager::set_first_save_overlap`].
+    /// [`crate::report::RegionReport::copied`]. A backup whose device range holds marked
+    /// bytes ([`Pager::set_overwritten`]) is not filled this way (marked bytes are never
+    /// copied out): it is pinned, then saved through the pump. Off: pin, then save through
+    /// the pump (only the unmarked bytes of live buffers). Also switchable with
+    /// [`Pager::set_first_save_overlap`].
     pub first_save_overlap: bool,
 }
 

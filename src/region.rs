@@ -802,7 +802,10 @@ impl Region {
         let Some((start, len, want)) = self.save_plan(gap).into_iter().next() else {
             return Ok(none);
         };
-        if want.is_empty() || self.backups.get(&start).is_some_and(|b| b.bytes() > 0) {
+        if want.is_empty()
+            || self.backups.get(&start).is_some_and(|b| b.bytes() > 0)
+            || self.has_marks_within(&(start..start + len))
+        {
             return Ok(none);
         }
         let base = self.base() + start as u64;
@@ -824,7 +827,11 @@ impl Region {
         gap: usize,
         hash_chunk: usize,
     ) -> Result<(Duration, Duration, usize)> {
-        let missing = self.missing_backups(gap);
+        let missing: Vec<(usize, usize)> = self
+            .missing_backups(gap)
+            .into_iter()
+            .filter(|&(start, len)| !self.has_marks_within(&(start..start + len)))
+            .collect();
         if missing.is_empty() {
             return Ok((Duration::ZERO, Duration::ZERO, 0));
         }
@@ -877,6 +884,13 @@ impl Region {
     /// The marked parts of region bytes `range`.
     pub fn marks_within(&self, range: &Range<usize>) -> Vec<Range<usize>> {
         self.marks.within(range)
+    }
+
+    /// Whether any byte of `range` is marked overwritten. A backup over such bytes is not
+    /// filled in one pass at the first release (that copies the whole extent): marked bytes
+    /// are never copied out, so it is pinned, then saved through the pump.
+    fn has_marks_within(&self, range: &Range<usize>) -> bool {
+        !self.marks.within(range).is_empty()
     }
 
     /// Frees the pinned backups. Refused while released (they hold the contents).

@@ -131,10 +131,12 @@ fn first_release_copies_while_pinning_and_the_save_copies_nothing() {
     assert!(pager.take_deferred_errors().is_empty());
 }
 
+/// Marked bytes are never copied out, not even by the first release: a region with marks is
+/// pinned, then saved through the pump (the one-pass first backup would copy them).
 #[test]
-fn marked_bytes_drop_out_of_the_seeded_backup() {
+fn a_first_release_with_marks_pins_then_saves_the_unmarked_bytes_only() {
     let pager = pager(host(), true);
-    let mut rng = Rng::seeded("marked_bytes_drop_out_of_the_seeded_backup");
+    let mut rng = Rng::seeded("a_first_release_with_marks");
     let mut bufs = weights(&pager, &mut rng);
     pager.mark_overwritten(&bufs[1].0).unwrap();
     pager
@@ -144,13 +146,13 @@ fn marked_bytes_drop_out_of_the_seeded_backup() {
     assert_eq!(pager.region_stats("weights").unwrap().marked_bytes, marked);
 
     let rel = pager.release(&["weights"]).unwrap();
-    assert_eq!(
-        entry(&rel, "weights").copied,
-        SIZE,
-        "copied whole while pinning"
-    );
-    assert_eq!(rel.copies.total_bytes(), 0);
     let held = live_bytes(&bufs) - marked;
+    let copied = entry(&rel, "weights").copied;
+    assert_eq!(rel.copies.total_bytes(), copied, "all through the pump");
+    assert!(
+        copied >= held && copied < SIZE - bufs[1].0.len(),
+        "{copied}: the unmarked bytes (and short gaps), not the marked buffer"
+    );
     assert_eq!(pager.region_stats("weights").unwrap().held_bytes, held);
 
     // The resume restores the unmarked bytes only, and verifies them.

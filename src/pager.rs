@@ -78,9 +78,11 @@ pub struct PagerConfig {
     /// up to a multiple of [`pump::MIN_UNIT_BYTES`]). Also switchable with
     /// [`Pager::set_copy_units`].
     pub copy_unit_bytes: usize,
-    /// Units queued per mover at most (default [`pump::DEFAULT_DEPTH`], 2). A call has at
-    /// most twice this many units in flight, which is all that a concurrent release of
-    /// another tag waits for. Also switchable with [`Pager::set_copy_units`].
+    /// Units' worth of bytes queued per mover at most (default [`pump::DEFAULT_DEPTH`], 2;
+    /// copies shorter than a unit fill a slot together, see [`pump::PumpConfig::depth`]). A
+    /// call has at most twice this many units' worth in flight, which is all that a
+    /// concurrent release of another tag waits for. Also switchable with
+    /// [`Pager::set_copy_units`].
     pub copy_depth: usize,
     /// The mover [`Pager::resume_on`] enqueues its restore with on the caller's stream
     /// (default [`Mover::CopyEngine`]; [`Mover::CopyKernel`] launches the copy kernel there).

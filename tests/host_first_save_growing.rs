@@ -8,6 +8,8 @@
 
 mod common;
 
+use common::{assert_intact, entry, read};
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,7 +17,7 @@ use common::Rng;
 use gpu_pager::backend::faulty::{FaultPlan, FaultPoint, FaultyBackend};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::backend::{Backend, BackendError, DeviceRange};
-use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionReport, Report, State};
+use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, State};
 
 const MIB: usize = 1 << 20;
 const KIB: usize = 1 << 10;
@@ -61,27 +63,11 @@ fn buffers(pager: &Pager, rng: &mut Rng, tag: &str) -> Vec<(Buffer, Vec<u8>)> {
         .collect()
 }
 
-fn read(pager: &Pager, b: &Buffer) -> Vec<u8> {
-    let mut out = vec![0u8; b.len()];
-    pager.read(b, 0, &mut out).unwrap();
-    out
-}
-
 /// Bytes mapped (and saved) under buffers: each rounded up to the granularity.
 fn extents<'a>(bufs: impl IntoIterator<Item = &'a (Buffer, Vec<u8>)>) -> usize {
     bufs.into_iter()
         .map(|(b, _)| b.len().next_multiple_of(G))
         .sum()
-}
-
-fn entry<'r>(r: &'r Report, tag: &str) -> &'r RegionReport {
-    r.region(tag).unwrap()
-}
-
-fn assert_intact(pager: &Pager, bufs: &[(Buffer, Vec<u8>)], what: &str) {
-    for (i, (b, d)) in bufs.iter().enumerate() {
-        assert!(read(pager, b) == *d, "{what}: buffer {i} differs");
-    }
 }
 
 #[test]

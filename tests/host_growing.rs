@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::read;
+
 use std::sync::Arc;
 
 use common::Rng;
@@ -26,12 +28,6 @@ fn setup(capacity: usize) -> (Arc<HostBackend>, Pager) {
         },
     );
     (backend, pager)
-}
-
-fn read(pager: &Pager, b: &Buffer) -> Vec<u8> {
-    let mut out = vec![0u8; b.len()];
-    pager.read(b, 0, &mut out).unwrap();
-    out
 }
 
 #[test]

@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::read;
+
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,12 +37,6 @@ fn setup(copy_gap: usize, granularity: usize) -> (Arc<HostBackend>, Pager) {
         },
     );
     (backend, pager)
-}
-
-fn read(pager: &Pager, b: &Buffer) -> Vec<u8> {
-    let mut out = vec![0u8; b.len()];
-    pager.read(b, 0, &mut out).unwrap();
-    out
 }
 
 fn cycle(pager: &Pager, tag: &str) -> (usize, usize) {

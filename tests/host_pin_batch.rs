@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::read;
+
 use std::sync::Arc;
 
 use common::Rng;
@@ -30,12 +32,6 @@ fn setup() -> (Arc<FaultyBackend>, Pager) {
         },
     );
     (faulty, pager)
-}
-
-fn read(pager: &Pager, b: &Buffer) -> Vec<u8> {
-    let mut out = vec![0u8; b.len()];
-    pager.read(b, 0, &mut out).unwrap();
-    out
 }
 
 fn backup_bytes(pager: &Pager, tag: &str) -> usize {

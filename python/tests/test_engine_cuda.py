@@ -63,7 +63,7 @@ def _check_cycle(engine: Engine, want: Any, addresses: dict[str, int]) -> None:
 def _cycles(
     engine: Engine,
     release_all: Callable[[], int],
-    resume_weights: Callable[[], None],
+    resume_weights: Callable[[], object],
     resume_rest: Callable[[], None],
 ) -> None:
     """The seed's multi-stage wake-up, CYCLES times: release everything (free memory rises

@@ -5,7 +5,7 @@
 //! physical chunk is a memfd of the chunk's size, mapped `MAP_FIXED | MAP_SHARED` over its
 //! slice of the reservation; dropping it puts the `PROT_NONE` placeholder back and closes the
 //! memfd, so the memory really goes back to the system. A capacity limit stands in for the
-//! device's memory size, and [`HostBackend::hold`] stands in for another user of the device
+//! device's memory size, and `HostBackend::hold` (with the `testing` feature) stands in for another user of the device
 //! (the trainer), so out-of-memory paths run in CI.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};

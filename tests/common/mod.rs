@@ -145,3 +145,22 @@ pub fn runs_of(mask: &[bool]) -> Vec<std::ops::Range<usize>> {
     }
     out
 }
+
+/// All of buffer `b`'s bytes, read through the pager.
+pub fn read(pager: &gpu_pager::Pager, b: &gpu_pager::Buffer) -> Vec<u8> {
+    let mut out = vec![0u8; b.len()];
+    pager.read(b, 0, &mut out).unwrap();
+    out
+}
+
+/// Region `tag`'s entry of report `r`.
+pub fn entry<'r>(r: &'r gpu_pager::Report, tag: &str) -> &'r gpu_pager::RegionReport {
+    r.region(tag).unwrap()
+}
+
+/// Every buffer of `bufs` holds its bytes.
+pub fn assert_intact(pager: &gpu_pager::Pager, bufs: &[(gpu_pager::Buffer, Vec<u8>)], what: &str) {
+    for (i, (b, d)) in bufs.iter().enumerate() {
+        assert!(read(pager, b) == *d, "{what}: buffer {i} differs");
+    }
+}

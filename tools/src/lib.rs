@@ -3,7 +3,7 @@
 //!
 //! - [`stress`]: a long randomized soak of the pager with data verification and fault
 //!   injection;
-//! - [`bench`]: the release/resume latency table, every figure next to a limit measured in
+//! - [`bench`](mod@bench): the release/resume latency table, every figure next to a limit measured in
 //!   the same run.
 
 pub mod bench;

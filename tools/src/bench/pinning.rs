@@ -448,28 +448,45 @@ fn batch_from_device_rows(
         limit_name: "1 s per 16 GiB (target)".into(),
         target: Some(1.0),
     });
-    let mut s = overlapped.clone();
+    rows.push(pipeline_row(
+        format!(
+            "backups of {what}: pin_many_from_device, {} parts",
+            size_name(FIRST_BACKUP_PIECE_BYTES)
+        ),
+        &overlapped,
+        bytes,
+        link,
+    ));
+    Ok(())
+}
+
+/// The row of a pin-and-copy pipeline over `bytes` (`samples`: wall time and the pinning's
+/// timings of each run; the median run's steps go into the name), against 1 s per 16 GiB.
+fn pipeline_row(
+    what: String,
+    samples: &[(Duration, PinTimings)],
+    bytes: usize,
+    link: &Link,
+) -> Row {
+    let mut s = samples.to_vec();
     s.sort_by_key(|x| x.0);
-    let (_, t) = s[s.len() / 2];
-    rows.push(Row {
+    let t = s.get(s.len() / 2).map(|x| x.1).unwrap_or_default();
+    Row {
         name: format!(
-            "backups of {what}: pin_many_from_device, {} parts touched on a helper while \
-             earlier ones register and copy (waited for touching {:.0} ms, register+enqueue \
-             {:.0} ms, then wait {:.0} ms)",
-            size_name(FIRST_BACKUP_PIECE_BYTES),
+            "{what} touched on a helper while earlier ones register and copy (waited for \
+             touching {:.0} ms, register+enqueue {:.0} ms, then wait {:.0} ms)",
             ms(t.touch),
             ms(t.register),
             ms(t.wait)
         ),
-        figure: Spread::of(&overlapped.iter().map(|x| x.0).collect::<Vec<_>>()),
-        limit: Spread::of(&[budget]),
+        figure: Spread::of(&samples.iter().map(|x| x.0).collect::<Vec<_>>()),
+        limit: Spread::of(&[Duration::from_secs(1).mul_f64(bytes as f64 / (16 * GIB) as f64)]),
         limit_name: format!(
             "1 s per 16 GiB (target; copy alone {:.0} ms)",
             ms(over(bytes, link.d2h_gbps))
         ),
         target: Some(1.0),
-    });
-    Ok(())
+    }
 }
 
 /// The growing region's backups (`cfg.weight_buffers` buffers of the weights' sizes, each
@@ -726,28 +743,16 @@ fn overlap_rows(
         target: Some(1.0),
     });
     for (k, samples) in overlapped.iter().enumerate() {
-        let mut s = samples.clone();
-        s.sort_by_key(|x| x.0);
-        let (_, t) = s[s.len() / 2];
-        rows.push(Row {
-            name: format!(
-                "first backup of {}: pin_from_device, {} pieces, touched on a helper while \
-                 earlier ones register and copy (waited for touching {:.0} ms, register+enqueue \
-                 {:.0} ms, then wait {:.0} ms)",
+        rows.push(pipeline_row(
+            format!(
+                "first backup of {}: pin_from_device, {} pieces,",
                 size_name(bytes),
-                size_name(pieces[k]),
-                ms(t.touch),
-                ms(t.register),
-                ms(t.wait)
+                size_name(pieces[k])
             ),
-            figure: Spread::of(&samples.iter().map(|x| x.0).collect::<Vec<_>>()),
-            limit: Spread::of(&[budget]),
-            limit_name: format!(
-                "1 s per 16 GiB (target; copy alone {:.0} ms)",
-                ms(over(bytes, link.d2h_gbps))
-            ),
-            target: Some(1.0),
-        });
+            samples,
+            bytes,
+            link,
+        ));
     }
     Ok(())
 }

@@ -631,12 +631,20 @@ impl Region {
                 let maps = maps.map_err(|e| map_error(tag, backend, e, "resume"))?;
                 mapped.insert(offset, maps);
                 if restores {
-                    for &(at, n) in &pieces[first..last] {
-                        // SAFETY: the piece was just mapped, and the caller unmaps nothing
+                    let span = offset..offset + sizes.iter().sum::<usize>();
+                    // One restore per range of the run that the group covers: the whole
+                    // group for a fixed region (the pump cuts it into whole units), a
+                    // buffer or part of one for a growing region (one backup holds it).
+                    for r in run {
+                        let part = r.start.max(span.start)..r.end.min(span.end);
+                        if part.is_empty() {
+                            continue;
+                        }
+                        // SAFETY: the part was just mapped, and the caller unmaps nothing
                         // before the copies are over (see above); release synchronizes
                         // before it writes the backup again, and the backups are borrowed
-                        // for `'h`. A piece never crosses a buffer, so one backup holds it.
-                        copied += unsafe { restore_range(backups, base, tag, at..at + n, sink) }?;
+                        // for `'h`.
+                        copied += unsafe { restore_range(backups, base, tag, part, sink) }?;
                     }
                 }
                 first = last;

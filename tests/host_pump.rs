@@ -306,3 +306,31 @@ fn the_copy_units_are_switchable_and_moves_stay_bit_exact() {
         check_all(&pager, &bufs, &want, &what);
     }
 }
+
+/// A fixed region's restore goes to the pump a mapping group at a time, so its units are
+/// whole units even when the region's chunks are smaller than a unit (here 64 KiB chunks,
+/// 256 KiB units: 4 MiB in 16 units and change, not 64 chunk-sized ones).
+#[test]
+fn a_fixed_regions_restore_is_cut_into_whole_units_whatever_its_chunk_size() {
+    let backend = host(64 * MIB);
+    let pager = Pager::with_config(
+        backend,
+        PagerConfig {
+            chunk_bytes: 64 * KIB,
+            hash_chunk_bytes: 256 * KIB,
+            copy_unit_bytes: 256 * KIB,
+            ..PagerConfig::default()
+        },
+    );
+    pager.region("w", 4 * MIB, Policy::Preserve).unwrap();
+    let b = pager.alloc("w", 4 * MIB).unwrap();
+    let data = pattern(7, 4 * MIB);
+    pager.write(&b, 0, &data).unwrap();
+    pager.release(&["w"]).unwrap();
+    let r = pager.resume(&["w"]).unwrap();
+    let units: usize = r.copies.units.iter().sum();
+    assert_eq!(r.copied(), 4 * MIB);
+    // Groups of 1, 2, 4, … chunks: each group's first unit may be short.
+    assert!(units <= 16 + 7, "{units} units for 16 units' worth");
+    assert!(read_all(&pager, &b) == data);
+}

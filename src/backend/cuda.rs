@@ -1023,9 +1023,13 @@ impl Backend for CudaBackend {
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let out = self.scratch(&mut slot.dev, out_bytes)?;
         let host = self.host_scratch(&mut slot.host, out_bytes)?;
+        // Loaded before anything is enqueued: a failure after the kernels were enqueued
+        // must first wait for them (they write the scratch).
+        self.copy_functions()?;
         // SAFETY: the source range is forwarded from the caller; `out` is scratch memory of
         // at least `out_bytes`, used by nobody else while the lock is held.
-        unsafe { self.chunk_hash_on(&self.kernel_stream, src, bytes, chunk_bytes, out) }?;
+        let hashed =
+            unsafe { self.chunk_hash_on(&self.kernel_stream, src, bytes, chunk_bytes, out) };
         // The results reach the host through the copy kernel (a zero-copy store into pinned
         // memory), not the copy engine: a copy-engine read-back waits behind the backup
         // copies a release has queued, once per buffer of a growing region.
@@ -1033,18 +1037,29 @@ impl Backend for CudaBackend {
         // ordered after them on the same stream); `host` is this backend's pinned memory of
         // at least `out_bytes`, read below only after the synchronisation; the lock keeps
         // both to this call.
-        unsafe {
+        let copied = hashed.and_then(|()| unsafe {
             self.launch_copy(
                 self.kernel_stream.cu_stream(),
                 host.device_ptr(),
                 out,
                 out_bytes,
             )
-        }?;
-        self.kernel_stream
+        });
+        // Waited for also on failure: whatever was enqueued writes the scratch, which the
+        // next call may free.
+        let synced = self
+            .kernel_stream
             .synchronize()
-            .map_err(|e| driver_err("cuStreamSynchronize", e))?;
-        let results = host.as_slice().get(..out_bytes).unwrap_or_default();
+            .map_err(|e| driver_err("cuStreamSynchronize", e));
+        copied?;
+        synced?;
+        let results = host
+            .as_slice()
+            .get(..out_bytes)
+            .ok_or_else(|| BackendError::Invalid {
+                op: "chunk_hash",
+                reason: format!("internal: host scratch shorter than {out_bytes} bytes"),
+            })?;
         Ok(results
             .chunks_exact(8)
             .map(|c| {

@@ -617,13 +617,7 @@ fn the_callers_context_is_current_again_after_every_call() {
                 pinned.as_mut_slice().copy_from_slice(&data);
                 // SAFETY: inside the mapped span.
                 unsafe { b.fill(r.base(), 2 * g, 0) }.expect("poison");
-                let unit = RawCopy {
-                    direction: Direction::ToDevice,
-                    host: pinned.as_slice().as_ptr() as u64,
-                    host_device: pinned.device_ptr(),
-                    device: r.base(),
-                    bytes: 2 * g,
-                };
+                let unit = RawCopy::whole(Direction::ToDevice, pinned.as_ref(), r.base());
                 // SAFETY: inside the mapped span; `pinned` is this backend's and lives, and
                 // is not written, until the fence below has passed.
                 let fence = unsafe { b.copy_unit(&unit, mover) }.expect("copy unit up");
@@ -632,11 +626,7 @@ fn the_callers_context_is_current_again_after_every_call() {
                 assert!(fence.is_done().expect("fence query"));
                 check("fence query");
                 pinned.as_mut_slice().fill(0);
-                let back_unit = RawCopy {
-                    direction: Direction::ToHost,
-                    host: pinned.as_mut_slice().as_mut_ptr() as u64,
-                    ..unit
-                };
+                let back_unit = RawCopy::whole(Direction::ToHost, pinned.as_ref(), r.base());
                 // SAFETY: as above; nothing touches `pinned` until the wait below.
                 unsafe { b.copy_on(&back_unit, mover, stream) }.expect("copy on a stream");
                 check("copy_on");

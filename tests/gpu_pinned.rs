@@ -598,16 +598,46 @@ fn driver_device_ptr(at: *const u8) -> u64 {
     d
 }
 
+/// Checks the layout of a batch (`pin_many`, `pin_many_from_device`) of `sizes`: each buffer
+/// has its size, the batch's timings (the first buffer's), one registration over its own
+/// slice rounded up to [`HUGE_PAGE_BYTES`] (at such an address when `aligned`), and the
+/// driver's device address. Returns each slice as (host address, bytes).
+fn batch_spans(
+    bufs: &[CudaPinned],
+    sizes: &[usize],
+    what: &str,
+    aligned: bool,
+) -> Vec<(usize, usize)> {
+    let timings = bufs[0].timings();
+    let mut spans = Vec::new();
+    for (k, p) in bufs.iter().enumerate() {
+        let w = format!("{what}, buffer {k}");
+        let span = sizes[k].next_multiple_of(HUGE_PAGE_BYTES);
+        assert_eq!(p.len(), sizes[k], "{w}");
+        assert_eq!(p.timings(), timings, "{w}: the batch's timings");
+        assert_eq!(p.registrations(), std::slice::from_ref(&(0..span)), "{w}");
+        let host = p.as_slice().as_ptr();
+        if aligned {
+            assert_eq!(host as usize % HUGE_PAGE_BYTES, 0, "{w}: aligned");
+        }
+        assert_eq!(p.device_ptr(), driver_device_ptr(host), "{w}");
+        spans.push((host as usize, span));
+    }
+    spans
+}
+
+/// No two of `spans` (host address, bytes) overlap.
+fn assert_disjoint(mut spans: Vec<(usize, usize)>, what: &str) {
+    spans.sort_unstable();
+    for w in spans.windows(2) {
+        assert!(w[0].0 + w[0].1 <= w[1].0, "{what}: slices overlap: {w:?}");
+    }
+}
+
 /// Copies `bytes` between pinned `host` (from its start) and device address `at` with
 /// `mover` (one unit of the pump) and waits.
 fn copy_unit(b: &CudaBackend, direction: Direction, host: &dyn HostBuffer, at: u64, mover: Mover) {
-    let copy = RawCopy {
-        direction,
-        host: host.as_slice().as_ptr() as u64,
-        host_device: host.device_ptr(),
-        device: at,
-        bytes: host.len(),
-    };
+    let copy = RawCopy::whole(direction, host, at);
     // SAFETY: `at .. at + len` lies inside a live device buffer and the host range is a live
     // pinned buffer of `b`; neither is touched by anyone else until the fence passes.
     let fence = unsafe { b.copy_unit(&copy, mover) }.expect("copy_unit");
@@ -661,24 +691,12 @@ fn pinned_batches_of_odd_sizes_are_disjoint_and_copy_bit_exact() {
     let timings = src[0].timings();
     assert_eq!(timings.pieces, sizes.len());
     eprintln!("batch of {} buffers: {timings:?}", sizes.len());
-    let mut spans: Vec<(usize, usize)> = Vec::new();
+    let mut spans = batch_spans(&src, &sizes, "pin_many", true);
     for (k, p) in src.iter().enumerate() {
-        let span = sizes[k].next_multiple_of(HUGE_PAGE_BYTES);
-        assert_eq!(p.len(), sizes[k], "buffer {k}");
-        assert_eq!(p.timings(), timings, "buffer {k}: the batch's timings");
-        assert_eq!(
-            p.registrations(),
-            std::slice::from_ref(&(0..span)),
-            "buffer {k}"
-        );
-        let host = p.as_slice().as_ptr();
-        assert_eq!(host as usize % HUGE_PAGE_BYTES, 0, "buffer {k}: aligned");
-        assert_eq!(p.device_ptr(), driver_device_ptr(host), "buffer {k}");
         assert!(
             p.as_slice().iter().all(|&x| x == 0),
             "buffer {k}: not zeroed"
         );
-        spans.push((host as usize, span));
     }
     for (k, q) in back.iter().enumerate() {
         assert_eq!(q.len(), sizes[k]);
@@ -687,10 +705,7 @@ fn pinned_batches_of_odd_sizes_are_disjoint_and_copy_bit_exact() {
         assert_eq!(q.device_ptr(), driver_device_ptr(host), "back {k}");
         spans.push((host as usize, sizes[k].next_multiple_of(HUGE_PAGE_BYTES)));
     }
-    spans.sort_unstable();
-    for w in spans.windows(2) {
-        assert!(w[0].0 + w[0].1 <= w[1].0, "slices overlap: {w:?}");
-    }
+    assert_disjoint(spans, "pin_many and alloc_pinned_many");
 
     let datas: Vec<Vec<u8>> = sizes.iter().map(|&n| rng.bytes(n)).collect();
     for (p, d) in src.iter_mut().zip(&datas) {
@@ -902,26 +917,13 @@ fn pin_many_from_device_odd_sizes_and_parts_bit_exact() {
         if o == &opts[1] {
             eprintln!("{what}: {timings:?}");
         }
-        let mut spans = Vec::new();
+        let spans = batch_spans(&bufs, &sizes, &what, o.huge_pages);
         for (k, p) in bufs.iter().enumerate() {
             let w = format!("{what}, buffer {k}");
-            let span = sizes[k].next_multiple_of(HUGE_PAGE_BYTES);
-            assert_eq!(p.len(), sizes[k], "{w}");
-            assert_eq!(p.timings(), timings, "{w}: the batch's timings");
-            assert_eq!(p.registrations(), std::slice::from_ref(&(0..span)), "{w}");
             assert_eq!(p.piece_bytes(), 0, "{w}: one piece");
-            let host = p.as_slice().as_ptr();
-            if o.huge_pages {
-                assert_eq!(host as usize % HUGE_PAGE_BYTES, 0, "{w}: aligned");
-            }
-            assert_eq!(p.device_ptr(), driver_device_ptr(host), "{w}");
             assert_bytes_eq(&w, p.as_slice(), want(k));
-            spans.push((host as usize, span));
         }
-        spans.sort_unstable();
-        for w in spans.windows(2) {
-            assert!(w[0].0 + w[0].1 <= w[1].0, "{what}: slices overlap: {w:?}");
-        }
+        assert_disjoint(spans, &what);
         // Dropped one by one, scrambled: the others keep their contents.
         let mut ids: Vec<usize> = (0..bufs.len()).collect();
         while !bufs.is_empty() {

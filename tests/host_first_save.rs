@@ -1,19 +1,17 @@
 //! The first release of a fixed `Preserve` region without `prepin`, on the host backend:
 //! with `first_save_overlap` (the default) the backup is pinned and filled in one pass
 //! (`Backend::alloc_pinned_from_device`) and hashed, so that the save after it copies
-//! nothing; marked bytes still drop out of what the backup holds; a fault while pinning or
+//! nothing; a region with marked bytes is pinned, then saved without them; a fault while pinning or
 //! copying leaves the region resident and intact; with the switch off (or `skip_unchanged`
 //! off) the first save goes through the pump as before, for a growing region too (whose
 //! one-pass first release is tested in `host_first_save_growing.rs`). Runs in CI.
 
 mod common;
 
-use common::{assert_intact, entry, read};
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::Rng;
+use common::{Rng, assert_intact, entry, read};
 use gpu_pager::backend::faulty::{FaultPlan, FaultPoint, FaultyBackend};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::backend::{Backend, BackendError};

@@ -8,13 +8,11 @@
 
 mod common;
 
-use common::{assert_intact, entry, read};
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::Rng;
-use gpu_pager::backend::faulty::{FaultPlan, FaultPoint, FaultyBackend};
+use common::{Rng, assert_intact, entry, read};
+use gpu_pager::backend::faulty::{FaultPoint, FaultyBackend};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::backend::{Backend, BackendError, DeviceRange};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, State};
@@ -25,13 +23,9 @@ const G: usize = 64 * KIB;
 const HASH_CHUNK: usize = 256 * KIB;
 
 fn setup() -> (Arc<HostBackend>, Arc<FaultyBackend>, Pager) {
-    let host = Arc::new(HostBackend::new(HostConfig {
-        capacity: 256 * MIB,
-        granularity: G,
-    }));
-    let faulty = Arc::new(FaultyBackend::new(host.clone(), FaultPlan::none()));
-    let pager = Pager::with_config(
-        faulty.clone(),
+    let (host, faulty, pager) = common::faulty_host_pager(
+        256 * MIB,
+        G,
         PagerConfig {
             chunk_bytes: 2 * MIB,
             hash_chunk_bytes: HASH_CHUNK,

@@ -3,11 +3,9 @@
 
 mod common;
 
-use common::read;
-
 use std::sync::Arc;
 
-use common::Rng;
+use common::{Rng, read};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, State};
 
@@ -236,14 +234,10 @@ fn growing_regions_refuse_what_does_not_apply_and_report_conflicts() {
 /// mapping (freeing one afterwards gives back exactly its granules).
 #[test]
 fn a_growing_region_resumes_back_to_back_buffers_in_few_map_calls() {
-    use gpu_pager::backend::faulty::{FaultPlan, FaultPoint, FaultyBackend};
-    let host = Arc::new(HostBackend::new(HostConfig {
-        capacity: 1 << 30,
-        granularity: G,
-    }));
-    let faulty = Arc::new(FaultyBackend::new(host.clone(), FaultPlan::none()));
-    let pager = Pager::with_config(
-        faulty.clone(),
+    use gpu_pager::backend::faulty::FaultPoint;
+    let (host, faulty, pager) = common::faulty_host_pager(
+        1 << 30,
+        G,
         PagerConfig {
             chunk_bytes: 8 * MIB,
             hash_chunk_bytes: MIB,

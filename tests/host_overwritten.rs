@@ -3,13 +3,11 @@
 
 mod common;
 
-use common::read;
-
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::Rng;
+use common::{Rng, read};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions};
 

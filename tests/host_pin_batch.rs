@@ -4,11 +4,9 @@
 
 mod common;
 
-use common::read;
-
 use std::sync::Arc;
 
-use common::Rng;
+use common::{Rng, read};
 use gpu_pager::backend::faulty::{FaultPlan, FaultPoint, FaultyBackend};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::backend::{Backend, BackendError};
@@ -18,13 +16,9 @@ const MIB: usize = 1 << 20;
 const G: usize = 2 * MIB;
 
 fn setup() -> (Arc<FaultyBackend>, Pager) {
-    let host = Arc::new(HostBackend::new(HostConfig {
-        capacity: 1 << 30,
-        granularity: G,
-    }));
-    let faulty = Arc::new(FaultyBackend::new(host, FaultPlan::none()));
-    let pager = Pager::with_config(
-        faulty.clone(),
+    let (_, faulty, pager) = common::faulty_host_pager(
+        1 << 30,
+        G,
         PagerConfig {
             chunk_bytes: 8 * MIB,
             hash_chunk_bytes: MIB,

@@ -164,3 +164,27 @@ pub fn assert_intact(pager: &gpu_pager::Pager, bufs: &[(gpu_pager::Buffer, Vec<u
         assert!(read(pager, b) == *d, "{what}: buffer {i} differs");
     }
 }
+
+/// A host backend of `capacity` bytes in granules of `granularity`, behind a
+/// [`gpu_pager::backend::faulty::FaultyBackend`] that plans no fault (to arm faults or count
+/// calls), and a pager on it with `config`.
+pub fn faulty_host_pager(
+    capacity: usize,
+    granularity: usize,
+    config: gpu_pager::PagerConfig,
+) -> (
+    std::sync::Arc<gpu_pager::backend::host::HostBackend>,
+    std::sync::Arc<gpu_pager::backend::faulty::FaultyBackend>,
+    gpu_pager::Pager,
+) {
+    use gpu_pager::backend::faulty::{FaultPlan, FaultyBackend};
+    use gpu_pager::backend::host::{HostBackend, HostConfig};
+    use std::sync::Arc;
+    let host = Arc::new(HostBackend::new(HostConfig {
+        capacity,
+        granularity,
+    }));
+    let faulty = Arc::new(FaultyBackend::new(host.clone(), FaultPlan::none()));
+    let pager = gpu_pager::Pager::with_config(faulty.clone(), config);
+    (host, faulty, pager)
+}

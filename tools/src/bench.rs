@@ -829,11 +829,8 @@ fn after_free_rows(
             trainer_step(b, margin)?;
             let half = bytes / 2;
             let first = RawCopy {
-                direction: Direction::ToDevice,
-                host: host.as_slice().as_ptr() as u64,
-                host_device: host.device_ptr(),
-                device: dst,
                 bytes: half,
+                ..RawCopy::whole(Direction::ToDevice, host.as_ref(), dst)
             };
             let second = RawCopy {
                 host: first.host + half as u64,

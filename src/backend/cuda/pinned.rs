@@ -847,17 +847,37 @@ impl CudaBackend {
         let synced = self.d2h.synchronize();
         timings.wait = t.elapsed();
         drop(held);
+        let bytes = pinned.mem.len;
+        let mut pinned = self.after_fill("pin_from_device", bytes, pinned, synced, enqueued)?;
+        drop(scope);
+        let t = Instant::now();
+        pinned.device_ptr = pinned.lookup_device_ptr()?;
+        pinned.timings.register += t.elapsed();
+        Ok(pinned)
+    }
+
+    /// The end of a pin-and-copy pipeline (`op`: [`CudaBackend::pin_from_device`] or
+    /// [`CudaBackend::pin_many_from_device`]) over `buffers` (`bytes` of pinned memory), once
+    /// `synced`, the wait for the device→host stream, returned. When that wait failed, a copy
+    /// may still be writing them: they are leaked rather than unmapped under the copy engine
+    /// (recorded in the backend's [`DeferredErrors`]), and the error returned is the failed
+    /// enqueue's if there was one, else the wait's. Otherwise `buffers`, or the enqueue's
+    /// error (dropping them then unregisters what was registered and unmaps).
+    fn after_fill<T>(
+        &self,
+        op: &str,
+        bytes: usize,
+        buffers: T,
+        synced: Result<(), cudarc::driver::DriverError>,
+        enqueued: BackendResult<()>,
+    ) -> BackendResult<T> {
         if let Err(e) = synced {
-            // A copy may still be writing the buffer: leak it rather than unmap it under the
-            // copy engine.
             let why = super::describe(e);
             self.dev.errors.record(format!(
-                "pin_from_device: waiting for the copies failed ({why}); {} bytes of pinned \
-                 host memory are leaked",
-                pinned.mem.len
+                "{op}: waiting for the copies failed ({why}); {bytes} bytes of pinned host \
+                 memory are leaked"
             ));
-            drop(scope);
-            std::mem::forget(pinned);
+            std::mem::forget(buffers);
             // The first failure is the one to report (an enqueue that failed before).
             enqueued?;
             return Err(BackendError::Driver {
@@ -865,13 +885,7 @@ impl CudaBackend {
                 message: format!("waiting for the copies into fresh pinned memory failed: {why}"),
             });
         }
-        drop(scope);
-        // On error, dropping `pinned` unregisters the pieces registered and unmaps.
-        enqueued?;
-        let t = Instant::now();
-        pinned.device_ptr = pinned.lookup_device_ptr()?;
-        pinned.timings.register += t.elapsed();
-        Ok(pinned)
+        enqueued.map(|()| buffers)
     }
 
     /// Maps `bytes` (> 0, else `Invalid`) for [`CudaBackend::pin`]: a buffer with nothing

@@ -497,23 +497,11 @@ fn bare_duplex_row(
     let bufs = (pager.alloc(tag, bytes)?, pager.alloc(tag, bytes)?);
     let (to_dev, from_dev) = (pager.ptr(&bufs.0)?, pager.ptr(&bufs.1)?);
     let src = b.alloc_pinned(bytes).map_err(err("pinning"))?;
-    let mut dst = b.alloc_pinned(bytes).map_err(err("pinning"))?;
+    let dst = b.alloc_pinned(bytes).map_err(err("pinning"))?;
     let mut samples = Vec::with_capacity(repeats);
     for _ in 0..repeats.max(1) {
-        let up = RawCopy {
-            direction: Direction::ToDevice,
-            host: src.as_slice().as_ptr() as u64,
-            host_device: src.device_ptr(),
-            device: to_dev,
-            bytes,
-        };
-        let down = RawCopy {
-            direction: Direction::ToHost,
-            host: dst.as_mut_slice().as_mut_ptr() as u64,
-            host_device: dst.device_ptr(),
-            device: from_dev,
-            bytes,
-        };
+        let up = RawCopy::whole(Direction::ToDevice, src.as_ref(), to_dev);
+        let down = RawCopy::whole(Direction::ToHost, dst.as_ref(), from_dev);
         let t = Instant::now();
         // SAFETY: both device ranges are live buffers of the resident bench_duplex region;
         // the host buffers are this backend's pinned memory, alive and not otherwise used

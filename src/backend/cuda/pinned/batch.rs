@@ -194,25 +194,7 @@ impl CudaBackend {
         let synced = self.d2h.synchronize();
         timings.wait = t.elapsed();
         drop(held);
-        if let Err(e) = synced {
-            // A copy may still be writing a buffer: leak the batch rather than unmap it
-            // under the copy engine.
-            let why = super::super::describe(e);
-            self.dev.errors.record(format!(
-                "pin_many_from_device: waiting for the copies failed ({why}); {total} bytes \
-                 of pinned host memory are leaked"
-            ));
-            drop(scope);
-            std::mem::forget(out);
-            // The first failure is the one to report (an enqueue that failed before).
-            enqueued?;
-            return Err(BackendError::Driver {
-                op: "cuStreamSynchronize",
-                message: format!("waiting for the copies into fresh pinned memory failed: {why}"),
-            });
-        }
-        // On error, dropping `out` unregisters the buffers registered and unmaps.
-        enqueued?;
+        let mut out = self.after_fill("pin_many_from_device", total, out, synced, enqueued)?;
         let t = Instant::now();
         for p in &mut out {
             p.device_ptr = p.lookup_device_ptr()?;

@@ -49,6 +49,25 @@ def weight_sizes(total: int, n: int) -> list[int]:
     return big + mids + tiny
 
 
+def thp_state() -> str:
+    """Transparent huge pages: the system's settings and this process's huge anonymous
+    memory (the pinned backups are anonymous memory registered with CUDA)."""
+    parts = []
+    for name in ("enabled", "defrag"):
+        try:
+            with open(f"/sys/kernel/mm/transparent_hugepage/{name}") as f:
+                parts.append(f"{name} {f.read().strip()}")
+        except OSError:
+            parts.append(f"{name} unknown")
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            huge = [line.split()[1] for line in f if line.startswith("AnonHugePages:")]
+        parts.append(f"AnonHugePages {int(huge[0]) / (1 << 20):.2f} GiB" if huge else "AnonHugePages unknown")
+    except OSError:
+        parts.append("AnonHugePages unknown")
+    return ", ".join(parts)
+
+
 def link(torch: Any) -> tuple[float, float]:
     """Pinned host->device and device->host bytes/s: one 4 GiB copy each way, best of 3."""
     n = 4 * GIB
@@ -73,7 +92,8 @@ def link(torch: Any) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def run_one(impl: str, weights_bytes: int, kv_bytes: int, n_tensors: int, repeats: int) -> dict[str, Any]:
+def run_one(impl: str, weights_bytes: int, kv_bytes: int, n_tensors: int, repeats: int,
+            kv_repeats: int) -> dict[str, Any]:
     import torch
 
     if impl == "gpu_pager":
@@ -133,6 +153,7 @@ def run_one(impl: str, weights_bytes: int, kv_bytes: int, n_tensors: int, repeat
             raise SystemExit(f"{impl}: weights differ after {stage}")
 
     add("first pause of the weights (backup pinned then)", timed(lambda: tms.pause("weights")))
+    _log(f"{impl}: after the first pause, transparent huge pages: {thp_state()}")
     time.sleep(1)
     add("resume weights, 1 s after", timed(lambda: tms.resume("weights")))
     check("the first cycle")
@@ -157,6 +178,14 @@ def run_one(impl: str, weights_bytes: int, kv_bytes: int, n_tensors: int, repeat
         time.sleep(0.5)
         add("resume KV cache", timed(lambda: tms.resume("kv_cache")))
         _log(f"{impl}: cycle {r + 1}/{repeats} done")
+    # The KV cache alone, cycled often enough that the medians mean something: single
+    # samples of a 64 GiB unmap or map spread 20–60 ms from one run to the next.
+    for _ in range(kv_repeats):
+        time.sleep(0.5)
+        add("pause KV cache, cycles 0.5 s apart", timed(lambda: tms.pause("kv_cache")))
+        time.sleep(0.5)
+        add("resume KV cache 0.5 s after its pause", timed(lambda: tms.resume("kv_cache")))
+    _log(f"{impl}: {kv_repeats} KV cycles done")
     return {
         "impl": impl,
         "h2d": h2d,
@@ -209,10 +238,12 @@ def main() -> int:
     ap.add_argument("--kv-gib", type=float, default=64)
     ap.add_argument("--tensors", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kv-repeats", type=int, default=10,
+                    help="extra pause/resume cycles of the KV cache alone")
     args = ap.parse_args()
     wb, kb = int(args.weights_gib * GIB), int(args.kv_gib * GIB)
     if args.impl:
-        result = run_one(args.impl, wb, kb, args.tensors, args.repeats)
+        result = run_one(args.impl, wb, kb, args.tensors, args.repeats, args.kv_repeats)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f)
@@ -226,7 +257,8 @@ def main() -> int:
         out = f"/tmp/side_by_side_{impl}.json"
         cmd = [sys.executable, os.path.abspath(__file__), "--impl", impl, "--json", out,
                "--weights-gib", str(args.weights_gib), "--kv-gib", str(args.kv_gib),
-               "--tensors", str(args.tensors), "--repeats", str(args.repeats)]
+               "--tensors", str(args.tensors), "--repeats", str(args.repeats),
+               "--kv-repeats", str(args.kv_repeats)]
         done = subprocess.run(cmd)
         if done.returncode != 0:
             _log(f"{impl} failed with exit code {done.returncode}")

@@ -25,6 +25,7 @@ mod kv_order;
 mod marked;
 mod pinning;
 mod routes;
+mod vmm_probe;
 
 const GIB: usize = 1 << 30;
 const MIB: usize = 1 << 20;
@@ -869,6 +870,16 @@ fn after_free_rows(
         restored = r.copied();
     }
     drop(kv);
+    if let Some((s1, _)) = &streams {
+        let probe = vmm_probe::Probe {
+            backend: b,
+            dst,
+            host: host.as_ref(),
+            stream: s1,
+            link: Duration::from_secs_f64(bytes as f64 / (link.h2d_gbps * 1e9)),
+        };
+        vmm_probe::rows(&probe, margin, repeats, log, rows)?;
+    }
     drop(host);
     pager.remove("probe")?;
     let h2d = |n: usize| Duration::from_secs_f64(n as f64 / (link.h2d_gbps * 1e9));

@@ -1,0 +1,337 @@
+//! Where a resume's mapping time goes after memory was freed, and what it does to a copy
+//! kernel running at the same time.
+//!
+//! Right after a trainer's free, mapping 16 GiB took 41–44 ms against 8 ms settled, and the
+//! resume that maps while the copy kernel runs took as long as mapping first and copying
+//! after (BENCHMARKS.md, third session). These rows time `cuMemCreate`, `cuMemMap` and
+//! `cuMemSetAccess` apart, at several delays after a free (the trainer's, or the release
+//! of the same handles), and time a copy kernel alone against the same kernel with each of
+//! those calls made while it runs. CUDA only: the calls are made here, on raw handles.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, sys};
+use gpu_pager::backend::{Backend, Direction, HostBuffer, Mover, RawCopy};
+use gpu_pager::report::ms;
+use gpu_pager::{Error, Result};
+
+use super::{GIB, Row, Spread, streams::Stream, trainer_step};
+
+/// Handles created with `cuMemCreate` and, once [`Vmm::map`] ran, mapped back to back into
+/// a reservation of their total size. Dropping them unmaps what is mapped, releases the
+/// handles and frees the reservation.
+struct Handles {
+    base: sys::CUdeviceptr,
+    size: usize,
+    handles: Vec<sys::CUmemGenericAllocationHandle>,
+    mapped: usize,
+}
+
+impl Drop for Handles {
+    fn drop(&mut self) {
+        for (i, &h) in self.handles.iter().enumerate() {
+            if i < self.mapped {
+                let at = self.base + (i * self.size) as u64;
+                // SAFETY: handle i is mapped at `at` (by `Vmm::map`), and the probe waited
+                // for every kernel that used it.
+                let _ = unsafe { sys::cuMemUnmap(at, self.size) };
+            }
+            // SAFETY: the handle came from cuMemCreate and is released once, here.
+            let _ = unsafe { sys::cuMemRelease(h) };
+        }
+        // SAFETY: the reservation came from cuMemAddressReserve with this size, and nothing
+        // is mapped in it any more.
+        let _ = unsafe { sys::cuMemAddressFree(self.base, self.size * self.handles.len()) };
+    }
+}
+
+/// The raw VMM calls, on the device's primary context (the backend's).
+struct Vmm {
+    _ctx: Arc<CudaContext>,
+    prop: sys::CUmemAllocationProp,
+    access: sys::CUmemAccessDesc,
+}
+
+fn driver(what: &str, r: sys::CUresult) -> Result<()> {
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        e => Err(Error::InvalidArgument {
+            tag: "vmm_probe".into(),
+            reason: format!("{what} failed: {e:?}"),
+        }),
+    }
+}
+
+/// The times of one create, map and access change.
+#[derive(Clone, Copy, Default)]
+struct Times {
+    create: Duration,
+    map: Duration,
+    access: Duration,
+}
+
+impl Vmm {
+    fn new() -> Result<Vmm> {
+        let ctx = CudaContext::new(0).map_err(|e| Error::InvalidArgument {
+            tag: "vmm_probe".into(),
+            reason: format!("opening the primary context failed: {e:?}"),
+        })?;
+        ctx.bind_to_thread().map_err(|e| Error::InvalidArgument {
+            tag: "vmm_probe".into(),
+            reason: format!("binding the primary context failed: {e:?}"),
+        })?;
+        let location = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: 0,
+        };
+        Ok(Vmm {
+            _ctx: ctx,
+            prop: sys::CUmemAllocationProp {
+                type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+                requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+                location,
+                win32HandleMetaData: std::ptr::null_mut(),
+                allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+                    compressionType: 0,
+                    gpuDirectRDMACapable: 0,
+                    usage: 0,
+                    reserved: [0; 4],
+                },
+            },
+            access: sys::CUmemAccessDesc {
+                location,
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            },
+        })
+    }
+
+    /// Reserves `count * size` bytes and creates `count` handles of `size`; returns them
+    /// with the time the creates took.
+    fn create(&self, count: usize, size: usize) -> Result<(Handles, Duration)> {
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: `base` is a valid out-pointer; alignment 0 and address 0 let the driver
+        // choose.
+        driver("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut base, count * size, 0, 0, 0)
+        })?;
+        let mut out = Handles {
+            base,
+            size,
+            handles: Vec::with_capacity(count),
+            mapped: 0,
+        };
+        let t = Instant::now();
+        for _ in 0..count {
+            let mut h: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: `h` is a valid out-pointer and `prop` is fully initialised.
+            driver("cuMemCreate", unsafe {
+                sys::cuMemCreate(&mut h, size, &self.prop, 0)
+            })?;
+            out.handles.push(h);
+        }
+        Ok((out, t.elapsed()))
+    }
+
+    /// Maps every handle of `h` and enables access over them; returns the two times.
+    fn map(&self, h: &mut Handles) -> Result<(Duration, Duration)> {
+        let t = Instant::now();
+        for i in 0..h.handles.len() {
+            let at = h.base + (i * h.size) as u64;
+            // SAFETY: `at .. at + size` lies in h's reservation, unmapped; the handle is
+            // live and exactly `size` bytes.
+            driver("cuMemMap", unsafe {
+                sys::cuMemMap(at, h.size, 0, h.handles[i], 0)
+            })?;
+            h.mapped = i + 1;
+        }
+        let map = t.elapsed();
+        let t = Instant::now();
+        // SAFETY: the whole reservation is mapped just above; one valid descriptor.
+        driver("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(h.base, h.size * h.handles.len(), &self.access, 1)
+        })?;
+        Ok((map, t.elapsed()))
+    }
+
+    /// Creates, maps and enables `count` handles of `size`.
+    fn cycle(&self, count: usize, size: usize) -> Result<(Handles, Times)> {
+        let (mut h, create) = self.create(count, size)?;
+        let (map, access) = self.map(&mut h)?;
+        Ok((
+            h,
+            Times {
+                create,
+                map,
+                access,
+            },
+        ))
+    }
+}
+
+/// What the probe needs from the after-free rows: a resident device buffer, pinned host
+/// memory of the same size and a stream of the backend's context.
+pub(super) struct Probe<'a> {
+    pub backend: &'a dyn Backend,
+    pub dst: u64,
+    pub host: &'a dyn HostBuffer,
+    pub stream: &'a Stream,
+    /// The time `host`'s bytes take over the link settled, the rows' limit.
+    pub link: Duration,
+}
+
+/// Appends the rows; `margin` is what the trainer leaves free.
+pub(super) fn rows(
+    p: &Probe<'_>,
+    margin: usize,
+    repeats: usize,
+    log: &mut dyn FnMut(&str),
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    let vmm = Vmm::new()?;
+    let (count, size) = (8, 2 * GIB);
+    let what = format!("{count} × {} GiB", size / GIB);
+    log(&format!(
+        "VMM calls of {what} after a free, and a copy kernel of {} GiB with VMM calls made while it runs",
+        p.host.len() / GIB
+    ));
+    // (a) After a trainer's free / after releasing the same handles, at several delays.
+    let delays = [0u64, 50, 200, 1000];
+    let mut summary = |name: String, t: &[Times], rows: &mut Vec<Row>| {
+        let pick = |f: fn(&Times) -> Duration| Spread::of(&t.iter().map(f).collect::<Vec<_>>());
+        let (c, m, a) = (pick(|t| t.create), pick(|t| t.map), pick(|t| t.access));
+        log(&format!(
+            "{name}: create {:.1} ms, map {:.1} ms, access {:.1} ms (medians)",
+            ms(c.median),
+            ms(m.median),
+            ms(a.median)
+        ));
+        let total: Vec<Duration> = t.iter().map(|t| t.create + t.map + t.access).collect();
+        rows.push(Row {
+            name,
+            figure: Spread::of(&total),
+            limit: Spread::of(&[p.link]),
+            limit_name: format!("{} GiB / H2D (settled)", p.host.len() / GIB),
+            target: None,
+        });
+    };
+    for &delay in &delays {
+        let (mut trainer, mut own) = (vec![], vec![]);
+        for _ in 0..repeats {
+            trainer_step(p.backend, margin)?;
+            std::thread::sleep(Duration::from_millis(delay));
+            let (h, t) = vmm.cycle(count, size)?;
+            trainer.push(t);
+            drop(h);
+            std::thread::sleep(Duration::from_millis(delay));
+            own.push(vmm.cycle(count, size)?.1);
+        }
+        summary(
+            format!("create+map+access {what}, {delay} ms after a trainer's free"),
+            &trainer,
+            rows,
+        );
+        summary(
+            format!("create+map+access {what}, {delay} ms after releasing the same handles"),
+            &own,
+            rows,
+        );
+    }
+
+    // (b) The copy kernel alone, and with VMM calls made while it runs.
+    let copy = RawCopy::whole(Direction::ToDevice, p.host, p.dst);
+    let launch = || -> Result<Instant> {
+        let t = Instant::now();
+        // SAFETY: `dst` is a resident device buffer of the host buffer's size, the host
+        // buffer is this backend's pinned memory, and both live until the stream is
+        // synchronized below, before the next launch.
+        unsafe { p.backend.copy_on(&copy, Mover::CopyKernel, p.stream.raw()) }
+            .map_err(|e| Error::backend("vmm_probe", "copy kernel", e))?;
+        Ok(t)
+    };
+    let settle = Duration::from_secs(1);
+    let (mut alone, mut with_create, mut with_map, mut with_all, mut after_free) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    let (mut during_create, mut during_map, mut during_all, mut during_after) =
+        (vec![], vec![], vec![], vec![]);
+    for _ in 0..repeats {
+        std::thread::sleep(settle);
+        let t = launch()?;
+        p.stream.sync()?;
+        alone.push(t.elapsed());
+
+        std::thread::sleep(settle);
+        let t = launch()?;
+        let (h, c) = vmm.create(count, size)?;
+        p.stream.sync()?;
+        with_create.push(t.elapsed());
+        during_create.push(Times {
+            create: c,
+            ..Times::default()
+        });
+
+        let mut h = h;
+        std::thread::sleep(settle);
+        let t = launch()?;
+        let (m, a) = vmm.map(&mut h)?;
+        p.stream.sync()?;
+        with_map.push(t.elapsed());
+        during_map.push(Times {
+            map: m,
+            access: a,
+            ..Times::default()
+        });
+        drop(h);
+
+        std::thread::sleep(settle);
+        let t = launch()?;
+        let (h, times) = vmm.cycle(count, size)?;
+        p.stream.sync()?;
+        with_all.push(t.elapsed());
+        during_all.push(times);
+        drop(h);
+
+        trainer_step(p.backend, margin)?;
+        let t = launch()?;
+        let (h, times) = vmm.cycle(count, size)?;
+        p.stream.sync()?;
+        after_free.push(t.elapsed());
+        during_after.push(times);
+        drop(h);
+    }
+    let gib = p.host.len() / GIB;
+    let mut kernel_row = |name: &str, samples: &[Duration], during: &[Times]| {
+        if !during.is_empty() {
+            summary(format!("… the VMM calls made while {name}"), during, rows);
+        }
+        rows.push(Row {
+            name: format!("copy kernel {gib} GiB H2D, {name}"),
+            figure: Spread::of(samples),
+            limit: Spread::of(&[p.link]),
+            limit_name: format!("{gib} GiB / H2D (settled)"),
+            target: None,
+        });
+    };
+    kernel_row("alone, settled", &alone, &[]);
+    kernel_row(
+        &format!("creating {what} (not mapped) meanwhile"),
+        &with_create,
+        &during_create,
+    );
+    kernel_row(
+        &format!("mapping {what} created before meanwhile"),
+        &with_map,
+        &during_map,
+    );
+    kernel_row(
+        &format!("creating and mapping {what} meanwhile"),
+        &with_all,
+        &during_all,
+    );
+    kernel_row(
+        &format!("right after a trainer's free, creating and mapping {what} meanwhile"),
+        &after_free,
+        &during_after,
+    );
+    Ok(())
+}

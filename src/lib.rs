@@ -40,6 +40,7 @@ mod backup;
 mod error;
 pub mod kernels;
 pub mod kv;
+mod map_ahead;
 mod mapped;
 mod pager;
 pub mod pump;
@@ -51,6 +52,7 @@ mod runs;
 mod suballoc;
 
 pub use error::{Error, ErrorCode, Result};
+pub use map_ahead::ABSORBED_MAP_ERROR;
 pub use pager::{
     Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, DEFAULT_COPY_GAP_BYTES,
     DEFAULT_DISCARD_CHUNK_BYTES, Lease, Pager, PagerConfig, Stats,

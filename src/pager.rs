@@ -62,14 +62,16 @@ pub struct PagerConfig {
     /// a mismatch fails the resume with [`Error::Corrupted`] (default off: it costs one hash
     /// pass, a few ms per 16 GiB on an H200). Not applied by [`Pager::resume_on`].
     pub verify_restore: bool,
-    /// On resume, map `Preserve` regions in groups of doubling size and copy each group while
-    /// the next one maps (default on). Off: map the whole region with one call, then copy.
+    /// On resume, map `Preserve` regions in groups of doubling size, ahead on a helper
+    /// thread, and copy each group as soon as it is mapped (default on). Off: map the whole
+    /// region with one call, then copy.
     /// Also switchable at run time with [`Pager::set_overlap_restore`].
     pub overlap_restore: bool,
     /// Which movers restore `Preserve` contents on resume ([`crate::pump`]; default
-    /// [`CopyRoute::Adaptive`]: the copy engine and the copy kernel side by side, so that a
-    /// resume right after a trainer's free, when the copy engine runs at half the link, is
-    /// carried by the kernel). Also switchable with [`Pager::set_restore_route`].
+    /// [`CopyRoute::Fastest`]: each mover is timed on the first bytes and the faster takes
+    /// the rest, so that a resume right after a trainer's free, when the copy engine runs
+    /// at half the link, is carried by the kernel, and a settled one by the copy engine).
+    /// Also switchable with [`Pager::set_restore_route`].
     pub restore_route: CopyRoute,
     /// Which movers copy `Preserve` contents to the backup on release (default
     /// [`CopyRoute::Engine`]). Also switchable with [`Pager::set_save_route`].
@@ -122,7 +124,7 @@ impl Default for PagerConfig {
             hash_chunk_bytes: crate::backup::DEFAULT_HASH_CHUNK_BYTES,
             verify_restore: false,
             overlap_restore: true,
-            restore_route: CopyRoute::Adaptive,
+            restore_route: CopyRoute::Fastest,
             save_route: CopyRoute::Engine,
             copy_unit_bytes: pump::DEFAULT_UNIT_BYTES,
             copy_depth: pump::DEFAULT_DEPTH,
@@ -139,6 +141,7 @@ fn route_code(route: CopyRoute) -> u8 {
         CopyRoute::Engine => 0,
         CopyRoute::Kernel => 1,
         CopyRoute::Adaptive => 2,
+        CopyRoute::Fastest => 3,
     }
 }
 
@@ -146,7 +149,8 @@ fn route_of(code: u8) -> CopyRoute {
     match code {
         0 => CopyRoute::Engine,
         1 => CopyRoute::Kernel,
-        _ => CopyRoute::Adaptive,
+        2 => CopyRoute::Adaptive,
+        _ => CopyRoute::Fastest,
     }
 }
 

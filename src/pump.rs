@@ -74,6 +74,26 @@ pub const MIN_UNIT_BYTES: usize = 4096;
 /// `8 × depth` units, so that tiny copies do not pile up fences).
 pub const MAX_UNITS_PER_SLOT: usize = 8;
 
+/// How much faster than the copy engine the copy kernel must have been for a
+/// [`CopyRoute::Fastest`] pump to choose it: 1.25. The copy engine leaves the SMs to the
+/// application, and its first units land in memory mapped just before, which costs it up
+/// to 10% (the copy kernel is within 8% of it settled on the H200); right after a
+/// trainer's free the kernel is about 1.8 times as fast.
+pub const KERNEL_MARGIN: f64 = 1.25;
+
+/// What a [`CopyRoute::Fastest`] pump times each mover on (at most a unit): 64 MiB, about
+/// 1.2 ms at 55 GB/s, and 2.4 ms on the copy engine at half the link right after a
+/// trainer's free.
+pub const PROBE_BYTES: usize = 64 << 20;
+
+/// How many times the configured depth the copy kernel gets when it carries the whole copy
+/// ([`CopyRoute::Kernel`], or [`CopyRoute::Fastest`] once it chose the kernel): 4. Right
+/// after a trainer's free the resume's map calls, made ahead on a helper thread, wait for
+/// the driver's scrubbing of the freed memory, and the copy kernel ran dry between the
+/// feeding thread's launches with 2 × 256 MiB queued: 1.17× the link, against 1.15× with
+/// 8 × 256 MiB (H200, BENCHMARKS.md, fourth session).
+pub const KERNEL_DEPTH_FACTOR: usize = 4;
+
 /// How long the feeding thread sleeps when nothing finished and nothing could start.
 const POLL: Duration = Duration::from_micros(20);
 
@@ -87,18 +107,32 @@ pub enum CopyRoute {
     /// Both, side by side: a mover with a free slot takes the next unit, so the faster one
     /// takes more.
     Adaptive,
+    /// Times each mover alone on the copy's first bytes (the copy engine, then the copy
+    /// kernel, at least one unit's worth each), then gives every later unit to the faster.
+    /// Right after a trainer's free the copy engine runs host→device at half the link for
+    /// about a second while the kernel keeps its pace; settled the copy engine is the
+    /// faster; and side by side the kernel wins the link's arbitration, which makes
+    /// [`CopyRoute::Adaptive`] slower than the faster mover alone in both states (H200,
+    /// BENCHMARKS.md). While another pump of the link has units in flight the other way,
+    /// only the copy engine takes units, as with `Adaptive`.
+    Fastest,
 }
 
 impl CopyRoute {
     /// Every route.
-    pub const ALL: [CopyRoute; 3] = [CopyRoute::Engine, CopyRoute::Kernel, CopyRoute::Adaptive];
+    pub const ALL: [CopyRoute; 4] = [
+        CopyRoute::Engine,
+        CopyRoute::Kernel,
+        CopyRoute::Adaptive,
+        CopyRoute::Fastest,
+    ];
 
     /// Whether `mover` may take units on this route.
     pub fn allows(self, mover: Mover) -> bool {
         match self {
             CopyRoute::Engine => mover == Mover::CopyEngine,
             CopyRoute::Kernel => mover == Mover::CopyKernel,
-            CopyRoute::Adaptive => true,
+            CopyRoute::Adaptive | CopyRoute::Fastest => true,
         }
     }
 }
@@ -109,6 +143,7 @@ impl std::fmt::Display for CopyRoute {
             CopyRoute::Engine => "copy engine",
             CopyRoute::Kernel => "copy kernel",
             CopyRoute::Adaptive => "adaptive",
+            CopyRoute::Fastest => "fastest",
         })
     }
 }
@@ -388,6 +423,10 @@ trait Movers {
     fn synchronize(&self) -> BackendResult<()>;
     /// [`Backend::deferred_errors`].
     fn errors(&self) -> &DeferredErrors;
+    /// The clock the pump times its movers by.
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
 }
 
 /// A backend's movers.
@@ -403,6 +442,26 @@ impl Movers for Via<'_> {
     }
     fn errors(&self) -> &DeferredErrors {
         self.0.deferred_errors()
+    }
+}
+
+/// A mover's pace: the bytes it finished and the time it had units in flight.
+#[derive(Debug, Clone, Copy, Default)]
+struct Pace {
+    /// Bytes of the units started on the mover.
+    started: usize,
+    /// Bytes of its units seen finished.
+    done: usize,
+    /// Time with units in flight, up to the last time it went idle.
+    busy: Duration,
+    /// Since when it has had units in flight (`None`: idle).
+    since: Option<Instant>,
+}
+
+impl Pace {
+    /// Bytes per second over the time it was busy (`None` before it finished anything).
+    fn rate(&self) -> Option<f64> {
+        (self.done > 0 && !self.busy.is_zero()).then(|| self.done as f64 / self.busy.as_secs_f64())
     }
 }
 
@@ -431,6 +490,10 @@ pub struct Pump<'e, 'h> {
     failed: bool,
     stats: PumpStats,
     started: Instant,
+    /// How fast each mover has been, timed while it had units in flight.
+    pace: [Pace; 2],
+    /// A [`CopyRoute::Fastest`] pump's choice, once both movers are timed.
+    chosen: Option<Mover>,
     /// Invariant in `'h`: the host borrows of every push live exactly as long.
     _host: PhantomData<&'h mut &'h ()>,
 }
@@ -485,6 +548,8 @@ fn run<'e, 'h, T, E>(
         failed: false,
         stats: PumpStats::default(),
         started: Instant::now(),
+        pace: [Pace::default(); 2],
+        chosen: None,
         _host: PhantomData,
     };
     // A panic in `f` unwinds through `pump`'s drop, which waits like `abort`.
@@ -642,6 +707,7 @@ impl<'h> Pump<'_, 'h> {
                         self.landed(unit.direction);
                         self.stats.bytes[m.index()] += unit.bytes;
                         self.stats.units[m.index()] += 1;
+                        self.pace[m.index()].done += unit.bytes;
                         any = true;
                     }
                     Ok(false) => i += 1,
@@ -654,8 +720,84 @@ impl<'h> Pump<'_, 'h> {
         }
         if any {
             self.stats.elapsed = self.started.elapsed();
+            let now = self.movers.now();
+            for m in Mover::ALL {
+                let pace = &mut self.pace[m.index()];
+                if let (true, Some(since)) = (self.flight[m.index()].is_empty(), pace.since) {
+                    pace.busy += now.saturating_duration_since(since);
+                    pace.since = None;
+                }
+            }
+            self.choose();
         }
         any
+    }
+
+    /// A [`CopyRoute::Fastest`] pump picks its mover once each has finished the bytes it
+    /// was timed on ([`Pump::timing`]) and gone idle: the copy kernel if it was more than
+    /// [`KERNEL_MARGIN`] times as fast, else the copy engine.
+    fn choose(&mut self) {
+        if self.config.route != CopyRoute::Fastest || self.chosen.is_some() {
+            return;
+        }
+        let probe = self.probe_bytes();
+        let timed = |m: Mover| {
+            let p = &self.pace[m.index()];
+            p.started >= probe && p.since.is_none()
+        };
+        if timed(Mover::CopyEngine) && timed(Mover::CopyKernel) {
+            let rate = |m: Mover| self.pace[m.index()].rate().unwrap_or(0.0);
+            self.chosen = Some(
+                if rate(Mover::CopyKernel) > KERNEL_MARGIN * rate(Mover::CopyEngine) {
+                    Mover::CopyKernel
+                } else {
+                    Mover::CopyEngine
+                },
+            );
+        }
+    }
+
+    /// The mover a [`CopyRoute::Fastest`] pump is timing now: the copy engine until it
+    /// started [`Pump::probe_bytes`], then, once it went idle, the copy kernel until it did
+    /// too (`None`: waiting for one to go idle, or decided).
+    fn timing(&self) -> Option<Mover> {
+        if self.chosen.is_some() {
+            return None;
+        }
+        let probe = self.probe_bytes();
+        let (engine, kernel) = (
+            &self.pace[Mover::CopyEngine.index()],
+            &self.pace[Mover::CopyKernel.index()],
+        );
+        if engine.started < probe {
+            return Some(Mover::CopyEngine);
+        }
+        if engine.since.is_none() && kernel.started < probe {
+            return Some(Mover::CopyKernel);
+        }
+        None
+    }
+
+    /// The bytes a [`CopyRoute::Fastest`] pump times each mover on: a unit, at most
+    /// [`PROBE_BYTES`].
+    fn probe_bytes(&self) -> usize {
+        self.config.unit_bytes.min(PROBE_BYTES)
+    }
+
+    /// Unit slots of `mover`: the configured depth, times [`KERNEL_DEPTH_FACTOR`] for the
+    /// copy kernel on the routes that give it the whole copy.
+    fn slots(&self, mover: Mover) -> usize {
+        let deep = mover == Mover::CopyKernel
+            && match self.config.route {
+                CopyRoute::Kernel => true,
+                CopyRoute::Fastest => self.chosen == Some(Mover::CopyKernel),
+                CopyRoute::Engine | CopyRoute::Adaptive => false,
+            };
+        if deep {
+            self.config.depth.saturating_mul(KERNEL_DEPTH_FACTOR)
+        } else {
+            self.config.depth
+        }
     }
 
     /// The movers a unit going `direction` may take now: the route's, except that an
@@ -670,7 +812,15 @@ impl<'h> Pump<'_, 'h> {
             .traffic
             .in_flight(back)
             .saturating_sub(self.own[slot(back)]);
-        !(self.config.route == CopyRoute::Adaptive && mover == Mover::CopyKernel && others_back > 0)
+        match self.config.route {
+            CopyRoute::Adaptive => !(mover == Mover::CopyKernel && others_back > 0),
+            CopyRoute::Fastest if others_back > 0 => mover == Mover::CopyEngine,
+            CopyRoute::Fastest => match self.chosen {
+                Some(chosen) => mover == chosen,
+                None => self.timing() == Some(mover),
+            },
+            CopyRoute::Engine | CopyRoute::Kernel => true,
+        }
     }
 
     /// The mover that takes the next unit (going `direction`, `bytes` long): an allowed one
@@ -681,9 +831,9 @@ impl<'h> Pump<'_, 'h> {
     /// buffers of a growing region, the runs between marked buffers) keep as much work
     /// queued as whole units do.
     fn free_mover(&self, direction: Direction, bytes: usize) -> Option<Mover> {
-        let depth = self.config.depth;
         let busy = |m: Mover| -> usize { self.flight[m.index()].iter().map(|u| u.bytes).sum() };
         let room = |m: Mover| {
+            let depth = self.slots(m);
             self.flight[m.index()].len() < depth.saturating_mul(MAX_UNITS_PER_SLOT)
                 && busy(m).saturating_add(bytes) <= depth.saturating_mul(self.config.unit_bytes)
         };
@@ -708,6 +858,7 @@ impl<'h> Pump<'_, 'h> {
     /// Starts queued units on free slots.
     fn dispatch(&mut self) -> bool {
         let mut any = false;
+        self.cut_probe();
         while let Some(next) = self.queue.front() {
             let Some(mover) = self.free_mover(next.direction, next.bytes) else {
                 break;
@@ -728,6 +879,11 @@ impl<'h> Pump<'_, 'h> {
                         direction: unit.direction,
                     });
                     self.launched(unit.direction);
+                    let pace = &mut self.pace[mover.index()];
+                    pace.started += unit.bytes;
+                    if pace.since.is_none() {
+                        pace.since = Some(self.movers.now());
+                    }
                     any = true;
                 }
                 Err(e) => {
@@ -737,6 +893,37 @@ impl<'h> Pump<'_, 'h> {
             }
         }
         any
+    }
+
+    /// While a [`CopyRoute::Fastest`] pump times a mover, cuts the next unit to what the
+    /// mover still has to be timed on (whole pages), so that the timing costs
+    /// [`PROBE_BYTES`], not a whole unit, on the slower mover.
+    fn cut_probe(&mut self) {
+        if self.config.route != CopyRoute::Fastest {
+            return;
+        }
+        let Some(mover) = self.timing() else {
+            return;
+        };
+        let left = self
+            .probe_bytes()
+            .saturating_sub(self.pace[mover.index()].started)
+            .next_multiple_of(MIN_UNIT_BYTES);
+        let Some(next) = self.queue.front_mut() else {
+            return;
+        };
+        if left == 0 || next.bytes <= left {
+            return;
+        }
+        let rest = RawCopy {
+            host: next.host.wrapping_add(left as u64),
+            host_device: next.host_device.wrapping_add(left as u64),
+            device: next.device.wrapping_add(left as u64),
+            bytes: next.bytes - left,
+            ..*next
+        };
+        next.bytes = left;
+        self.queue.insert(1, rest);
     }
 
     /// Copies everything queued and waits for it. On a failure, stops and waits for what is
@@ -819,6 +1006,15 @@ pub(crate) enum Sink<'s, 'e, 'h> {
 }
 
 impl<'h> Sink<'_, '_, 'h> {
+    /// Starts what fits without blocking ([`Pump::poll`]); nothing to do for a stream,
+    /// whose copies are all enqueued already.
+    pub fn poll(&mut self) -> BackendResult<()> {
+        match self {
+            Sink::Pump(pump) => pump.poll(),
+            Sink::Stream { .. } => Ok(()),
+        }
+    }
+
     /// Copies `src` to device address `dst`.
     ///
     /// # Safety
@@ -960,6 +1156,11 @@ mod tests {
         }
         fn errors(&self) -> &DeferredErrors {
             &self.errors
+        }
+        /// The virtual clock, a tick a microsecond.
+        fn now(&self) -> Instant {
+            static BASE: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
+            *BASE + Duration::from_micros(self.state.lock().unwrap().now)
         }
     }
 
@@ -1134,7 +1335,13 @@ mod tests {
                 let c = script.state.lock().unwrap();
                 assert_eq!(stats.total_bytes(), 40 * MIB);
                 for m in Mover::ALL {
-                    assert!(c.max_in_flight[m.index()] <= depth, "{route:?} {depth}");
+                    // The kernel carrying a whole copy gets KERNEL_DEPTH_FACTOR times the
+                    // slots (with equal costs, `Fastest` keeps the copy engine).
+                    let slots = match (route, m) {
+                        (CopyRoute::Kernel, Mover::CopyKernel) => depth * KERNEL_DEPTH_FACTOR,
+                        _ => depth,
+                    };
+                    assert!(c.max_in_flight[m.index()] <= slots, "{route:?} {depth}");
                     assert_eq!(stats.bytes_by(m) > 0, route.allows(m), "{route:?} {m}");
                 }
                 assert_eq!(c.in_flight, [0, 0]);
@@ -1183,6 +1390,109 @@ mod tests {
             );
             assert!(stats.units[slow.index()] > 0, "{cost:?}: both movers work");
         }
+    }
+
+    #[test]
+    fn fastest_times_each_mover_alone_then_gives_the_rest_to_the_faster() {
+        // Whole units, and pieces shorter than a unit (a growing region's buffers).
+        for piece in [64 * MIB, 300 * 1024] {
+            // The kernel 4 times as fast, 4 times as slow, and only 1.2 times as fast
+            // (within the margin: the copy engine keeps the copy).
+            for (cost, fast) in [
+                ([40, 10], Mover::CopyKernel),
+                ([10, 40], Mover::CopyEngine),
+                ([60, 50], Mover::CopyEngine),
+            ] {
+                if piece < MIB && cost == [60, 50] {
+                    // Short units: the virtual clock's fence polls blur a 1.2× difference.
+                    continue;
+                }
+                let script = Script {
+                    cost,
+                    ..Script::default()
+                };
+                let buf = buffer(64 * MIB);
+                let stats =
+                    restore(&script, config(CopyRoute::Fastest), buf.as_ref(), piece).unwrap();
+                assert_eq!(stats.total_bytes(), 64 * MIB);
+                let c = script.state.lock().unwrap();
+                let movers: Vec<Mover> = c.starts.iter().map(|(m, _)| *m).collect();
+                // The copy engine first, until a unit's worth (1 MiB) started; then the
+                // kernel, until it did too; then only the faster.
+                let bytes_until =
+                    |k: usize| -> usize { c.starts[..k].iter().map(|(_, u)| u.bytes).sum() };
+                let first_kernel = movers
+                    .iter()
+                    .position(|&m| m == Mover::CopyKernel)
+                    .expect("the kernel is timed");
+                assert!(
+                    movers[..first_kernel]
+                        .iter()
+                        .all(|&m| m == Mover::CopyEngine)
+                );
+                assert!(
+                    bytes_until(first_kernel) >= MIB,
+                    "{piece}: the engine's share"
+                );
+                let kernel_done = first_kernel
+                    + movers[first_kernel..]
+                        .iter()
+                        .position(|&m| m != Mover::CopyKernel)
+                        .unwrap_or(movers.len() - first_kernel);
+                assert!(bytes_until(kernel_done) - bytes_until(first_kernel) >= MIB);
+                assert!(
+                    movers[kernel_done..].iter().all(|&m| m == fast),
+                    "{piece} {cost:?}: the rest on {fast}: {movers:?}"
+                );
+                assert!(
+                    stats.bytes_by(fast) > 60 * MIB,
+                    "{piece} {cost:?}: {stats:?}"
+                );
+                assert_eq!(c.in_flight, [0, 0]);
+            }
+        }
+    }
+
+    #[test]
+    fn fastest_times_each_mover_on_probe_bytes_of_a_longer_unit() {
+        let script = Script {
+            cost: [40, 10],
+            ..Script::default()
+        };
+        let cfg = PumpConfig {
+            unit_bytes: 2 * PROBE_BYTES,
+            ..config(CopyRoute::Fastest)
+        };
+        let buf = buffer(6 * PROBE_BYTES + 4096);
+        let stats = restore(&script, cfg, buf.as_ref(), buf.len()).unwrap();
+        assert_eq!(stats.total_bytes(), buf.len());
+        let c = script.state.lock().unwrap();
+        let starts: Vec<(Mover, usize)> = c.starts.iter().map(|(m, u)| (*m, u.bytes)).collect();
+        assert_eq!(starts[0], (Mover::CopyEngine, PROBE_BYTES), "{starts:?}");
+        assert_eq!(starts[1], (Mover::CopyKernel, PROBE_BYTES), "{starts:?}");
+        assert!(starts[2..].iter().all(|&(m, _)| m == Mover::CopyKernel));
+        // The units still cover the buffer back to back.
+        let mut at = buf.as_slice().as_ptr() as u64;
+        let mut sorted: Vec<&RawCopy> = c.starts.iter().map(|(_, u)| u).collect();
+        sorted.sort_by_key(|u| u.host);
+        for u in sorted {
+            assert_eq!(u.host, at);
+            assert_eq!(u.device - 0x1000_0000, at - buf.as_slice().as_ptr() as u64);
+            at += u.bytes as u64;
+        }
+    }
+
+    #[test]
+    fn fastest_keeps_to_the_copy_engine_while_the_other_direction_is_busy() {
+        let script = Script {
+            cost: [40, 10],
+            ..Script::default()
+        };
+        script.traffic.add(Direction::ToHost);
+        let buf = buffer(16 * MIB);
+        let stats = restore(&script, config(CopyRoute::Fastest), buf.as_ref(), 16 * MIB).unwrap();
+        assert_eq!(stats.bytes_by(Mover::CopyEngine), 16 * MIB);
+        assert_eq!(script.traffic.in_flight(Direction::ToHost), 1);
     }
 
     #[test]

@@ -19,9 +19,12 @@ use std::time::{Duration, Instant};
 
 use std::collections::BTreeMap;
 
-use crate::backend::{Backend, BackendError, DeferredErrors, DeviceRange, Fence, Reservation};
+use crate::backend::{
+    Backend, BackendError, BackendResult, DeferredErrors, DeviceRange, Fence, Reservation,
+};
 use crate::backup::{Backup, Saved};
 use crate::error::{Error, Result};
+use crate::map_ahead;
 use crate::mapped::{Mapped, pieces};
 use crate::pump::{Pump, Sink};
 use crate::ranges::{RangeSet, bridge};
@@ -556,17 +559,18 @@ impl Region {
     /// Maps the region and sends the restore of its backups to `sink`, overlapping the two:
     /// the ranges to map (the whole region, or the buffers of a growing one, cut at the
     /// chunk size) are mapped run by run, a run being ranges that lie back to back (a
-    /// growing region's buffers usually do), in groups of doubling size (1, 2, 4, … pieces,
-    /// at most [`MAX_MAP_GROUP_BYTES`] unless one piece is larger; one backend call each,
-    /// so one access change per group, not per buffer), and each group's copies are pushed
-    /// before the next group is mapped (a pump starts them at once and keeps feeding them
-    /// on every push). Every piece keeps its own physical handle, so that freeing one
-    /// buffer later unmaps only its own. Without `overlap`, or with nothing to restore in
-    /// the run (marked overwritten at the release), the run is mapped whole, then copied.
-    /// The region stays borrowed by the sink until the copies have finished (a pump's scope
-    /// waits for them; a stream sink's caller keeps a fence). On failure what this call
-    /// mapped stays mapped: the caller unmaps it once the copies are over (after the pump's
-    /// scope returns, or a synchronize). Returns (time spent mapping, bytes sent).
+    /// growing region's buffers usually do), in groups of doubling size
+    /// ([`map_ahead::plan`]: one backend call and one access change per group, not per
+    /// buffer), and each group's copies are pushed as soon as it is mapped. With `overlap`
+    /// the groups are mapped ahead on a helper thread while this thread keeps the sink's
+    /// movers fed ([`map_ahead::map_in_order`]). Every piece keeps its own physical handle,
+    /// so that freeing one buffer later unmaps only its own. Without `overlap`, or with
+    /// nothing to restore in the run (marked overwritten at the release), the run is
+    /// mapped whole, then copied. The region stays borrowed by the sink until the copies
+    /// have finished (a pump's scope waits for them; a stream sink's caller keeps a fence).
+    /// On failure what this call handed to the sink stays mapped: the caller unmaps it once
+    /// the copies are over (after the pump's scope returns, or a synchronize). Returns (time
+    /// this thread spent mapping or waiting for mappings, bytes sent).
     ///
     /// Why runs: on the H200 a growing region of 300 buffers mapped one call per buffer
     /// took 225 ms while the copies ran (0.75 ms per call, against 0.05 ms for the same
@@ -591,66 +595,45 @@ impl Region {
             ..
         } = self;
         let backups: &'h BTreeMap<usize, Backup> = backups;
-        let (mut map_time, mut copied) = (Duration::ZERO, 0);
-        for run in back_to_back(&wanted) {
-            // Every piece of the run, as (region offset, bytes), in address order.
-            let pieces: Vec<(usize, usize)> = run
-                .iter()
-                .flat_map(|r| {
-                    let mut at = r.start;
-                    pieces(r, *chunk_bytes).into_iter().map(move |n| {
-                        at += n;
-                        (at - n, n)
-                    })
-                })
-                .collect();
-            let restores = run.iter().any(|r| restores_into(backups, r));
-            let mut group = if overlap && restores { 1 } else { pieces.len() };
-            let mut first = 0;
-            while first < pieces.len() {
-                let mut last = (first + group).min(pieces.len());
-                if overlap && restores {
-                    // Cap the group's bytes (but always take one piece).
-                    let mut bytes = 0;
-                    for (k, &(_, n)) in pieces[first..last].iter().enumerate() {
-                        bytes += n;
-                        if k > 0 && bytes > MAX_MAP_GROUP_BYTES {
-                            last = first + k;
-                            break;
-                        }
-                    }
-                }
-                let offset = pieces[first].0;
-                let sizes: Vec<usize> = pieces[first..last].iter().map(|&(_, n)| n).collect();
-                let t = Instant::now();
-                // SAFETY: the span lies inside this region's reservation (its pieces lie
-                // back to back inside wanted ranges), past everything this call mapped so
-                // far and inside ranges that were wholly unmapped.
-                let maps = unsafe { backend.map(reservation, offset, &sizes) };
-                map_time += t.elapsed();
+        let tag: &str = tag;
+        let groups = map_ahead::plan(&wanted, *chunk_bytes, overlap, |r| {
+            restores_into(backups, r)
+        });
+        let ahead = overlap && groups.iter().any(|g| g.restores);
+        let mut copied = 0;
+        let restore =
+            |sink: &mut Sink<'_, '_, 'h>, g: &map_ahead::Group, maps: BackendResult<_>| {
                 let maps = maps.map_err(|e| map_error(tag, backend, e, "resume"))?;
-                mapped.insert(offset, maps);
-                if restores {
-                    let span = offset..offset + sizes.iter().sum::<usize>();
-                    // One restore per range of the run that the group covers: the whole
-                    // group for a fixed region (the pump cuts it into whole units), a
-                    // buffer or part of one for a growing region (one backup holds it).
-                    for r in run {
-                        let part = r.start.max(span.start)..r.end.min(span.end);
-                        if part.is_empty() {
-                            continue;
-                        }
-                        // SAFETY: the part was just mapped, and the caller unmaps nothing
-                        // before the copies are over (see above); release synchronizes
-                        // before it writes the backup again, and the backups are borrowed
-                        // for `'h`.
-                        copied += unsafe { restore_range(backups, base, tag, part, sink) }?;
-                    }
+                mapped.insert(g.offset, maps);
+                if !g.restores {
+                    return Ok(());
                 }
-                first = last;
-                group = group.saturating_mul(2);
-            }
-        }
+                let span = g.span();
+                // One restore per range of the run that the group covers: the whole group for
+                // a fixed region (the pump cuts it into whole units), a buffer or part of one
+                // for a growing region (one backup holds it).
+                for r in &wanted[g.run.clone()] {
+                    let part = r.start.max(span.start)..r.end.min(span.end);
+                    if part.is_empty() {
+                        continue;
+                    }
+                    // SAFETY: the part was just mapped, and the caller unmaps nothing before the
+                    // copies are over (see above); release synchronizes before it writes the
+                    // backup again, and the backups are borrowed for `'h`.
+                    copied += unsafe { restore_range(backups, base, tag, part, sink) }?;
+                }
+                Ok(())
+            };
+        let feed = |sink: &mut Sink<'_, '_, 'h>| {
+            sink.poll()
+                .map_err(|e| Error::backend(tag, "restoring contents from the backup", e))
+        };
+        // SAFETY: the groups lie inside this region's reservation (they cover the wanted
+        // ranges, which lie inside the region), and were wholly unmapped (the region is
+        // released; nothing else maps into its reservation).
+        let map_time = unsafe {
+            map_ahead::map_in_order(backend, reservation, &groups, ahead, sink, feed, restore)
+        }?;
         Ok((map_time, copied))
     }
 
@@ -1021,24 +1004,6 @@ fn map_error(tag: &str, backend: &dyn Backend, e: BackendError, during: &'static
         },
         e => Error::backend(tag, "mapping physical memory", e),
     }
-}
-
-/// Mapping groups of a resume hold at most this many bytes (unless one piece is larger): 2
-/// GiB, so that the copies queued while a group maps (a pump keeps up to 2 × 512 MiB in
-/// flight) outlast the mapping of the next group.
-pub const MAX_MAP_GROUP_BYTES: usize = 2 << 30;
-
-/// `ranges` (sorted, disjoint) split into runs of ranges that lie back to back.
-fn back_to_back(ranges: &[Range<usize>]) -> Vec<&[Range<usize>]> {
-    let mut runs = Vec::new();
-    let mut start = 0;
-    for k in 1..=ranges.len() {
-        if k == ranges.len() || ranges[k].start != ranges[k - 1].end {
-            runs.push(&ranges[start..k]);
-            start = k;
-        }
-    }
-    runs
 }
 
 /// Sends the restore of region bytes `range` from the backup that holds them (of

@@ -37,7 +37,9 @@ pub struct Steps {
     /// Copying contents (device→host on release, host→device on resume). On resume, the
     /// part of the copy not hidden behind mapping.
     pub copy: Duration,
-    /// Creating and mapping physical memory and enabling access.
+    /// Creating and mapping physical memory and enabling access. A resume that restores
+    /// contents maps ahead on a helper thread while the copies run: there it is the time
+    /// the resume waited for its mappings, not the time the map calls took.
     pub map: Duration,
     /// Unmapping and releasing physical memory.
     pub unmap: Duration,

@@ -108,7 +108,12 @@ proptest! {
     fn faults_never_lose_unmarked_bytes(
         ops in proptest::collection::vec(op(), 1..50),
         gap in prop_oneof![Just(0usize), Just(1usize << 20), 0..8192usize],
-        route in prop_oneof![Just(CopyRoute::Engine), Just(CopyRoute::Kernel), Just(CopyRoute::Adaptive)],
+        route in prop_oneof![
+            Just(CopyRoute::Engine),
+            Just(CopyRoute::Kernel),
+            Just(CopyRoute::Adaptive),
+            Just(CopyRoute::Fastest)
+        ],
     ) {
         check(ops, gap, route)?;
     }

@@ -538,12 +538,13 @@ fn stress(backend: Arc<dyn Backend>, a: &StressArgs) -> Result<(), Error> {
         Err(Error::InvalidArgument {
             tag: "*".into(),
             reason: format!(
-                "the stress failed: {} corruptions, {} leaked bytes, {} of {} faults recovered, \
-                 {} errors",
+                "the stress failed: {} corruptions, {} leaked bytes, {} of {} faults recovered \
+                 ({} absorbed by a failed resume), {} errors",
                 summary.corruptions,
                 summary.leaked_bytes,
                 summary.faults_recovered,
                 summary.faults_injected,
+                summary.faults_absorbed,
                 summary.errors.len()
             ),
         })

@@ -35,7 +35,11 @@ fn short_run_with_faults_is_clean_and_recovers_every_fault() {
     assert!(s.cycles > 0, "{s}");
     assert!(s.injected.total() > 0, "backend faults were injected: {s}");
     assert!(s.oom_faults > 0, "out-of-memory was injected: {s}");
-    assert_eq!(s.faults_recovered, s.faults_injected, "{s}");
+    assert_eq!(
+        s.faults_recovered + s.faults_absorbed,
+        s.faults_injected,
+        "{s}"
+    );
     assert!(
         s.ops.verifies > 0 && s.ops.readbacks > 0 && s.ops.kv_ops > 0,
         "{s}"

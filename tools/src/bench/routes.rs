@@ -163,7 +163,8 @@ pub(super) fn rows(
 
 /// The resume of the weights right after a trainer's free (and settled) under candidate
 /// orders and shapes: mapping overlapped with the copies (the default: groups of doubling
-/// size, each group's copies pushed before the next maps) or the whole region mapped first
+/// size mapped ahead on a helper thread, each group's copies pushed as soon as it is
+/// mapped; "map" is then the time the resume waited for mappings) or the whole region mapped first
 /// (`Pager::set_overlap_restore(false)`), per route, and the copy units' size and depth
 /// (`Pager::set_copy_units`). Logs each candidate's map time, copy wait and mover split, so
 /// that the table says where the time went. Run C (BENCHMARKS.md, 2026-12-03, second
@@ -183,15 +184,18 @@ fn shape_rows(
     let after = true;
     let candidates = [
         // (overlap, unit, depth, route, right after a free)
+        (true, 256 * MIB, 2, CopyRoute::Fastest, after),
+        (true, 256 * MIB, 2, CopyRoute::Fastest, !after),
         (true, 256 * MIB, 2, CopyRoute::Kernel, after),
         (true, 256 * MIB, 2, CopyRoute::Adaptive, after),
         (true, 256 * MIB, 2, CopyRoute::Adaptive, !after),
+        (true, 256 * MIB, 2, CopyRoute::Engine, !after),
+        // More bytes in flight per mover.
+        (true, 256 * MIB, 8, CopyRoute::Kernel, after),
+        (true, 1024 * MIB, 2, CopyRoute::Fastest, after),
+        // The whole region mapped first.
         (false, 256 * MIB, 2, CopyRoute::Kernel, after),
-        (false, 256 * MIB, 2, CopyRoute::Adaptive, after),
-        (false, 256 * MIB, 2, CopyRoute::Adaptive, !after),
-        (false, 256 * MIB, 2, CopyRoute::Engine, !after),
-        (false, 1024 * MIB, 2, CopyRoute::Kernel, after),
-        (false, 1024 * MIB, 2, CopyRoute::Adaptive, after),
+        (false, 256 * MIB, 2, CopyRoute::Fastest, after),
     ];
     for (overlap, unit, depth, route, after_free) in candidates {
         pager.set_overlap_restore(overlap);
@@ -220,7 +224,7 @@ fn shape_rows(
             "1 s after the release"
         };
         let order = if overlap {
-            "mapped while copying"
+            "mapped ahead while copying"
         } else {
             "mapped first"
         };

@@ -10,9 +10,11 @@
 //! stream, each unit followed by a fence; whenever a mover has room it gets the next unit.
 //! Copies shorter than a unit (a growing region's buffers, the runs between marked buffers)
 //! are units of their own, several to a slot, so that the movers stay as busy as with whole
-//! units while the feeding thread maps or hashes. With
-//! [`CopyRoute::Adaptive`] both movers run side by side and whichever is faster takes more
-//! units; [`CopyRoute::Engine`] and [`CopyRoute::Kernel`] use one.
+//! units while the feeding thread maps or hashes. With [`CopyRoute::Fastest`] (the
+//! pager's default for restores) each mover is timed alone on the first [`PROBE_BYTES`]
+//! and the faster takes the rest; with [`CopyRoute::Adaptive`] both movers run side by side
+//! and whichever is faster takes more units; [`CopyRoute::Engine`] and
+//! [`CopyRoute::Kernel`] use one.
 //!
 //! The calling thread feeds the movers: every [`Pump::push_to_device`] / [`Pump::push_to_host`] and
 //! [`Pump::poll`] starts what fits, without blocking, so a caller can interleave other work
@@ -24,8 +26,8 @@
 //!
 //! **Both directions at once.** The pumps of one link (one [`crate::Pager`]) share a
 //! [`Traffic`]: the units each has in flight, per direction. While another pump has units
-//! in flight the other way, an [`CopyRoute::Adaptive`] pump gives its units to the copy
-//! engine only: the two directions of the link run side by side on the two copy engines,
+//! in flight the other way, an [`CopyRoute::Adaptive`] or [`CopyRoute::Fastest`] pump
+//! gives its units to the copy engine only: the two directions of the link run side by side on the two copy engines,
 //! while the copy kernel competes for the link and the SMs with the other direction's
 //! copy (on the H200, a release and a resume of 16 GiB each took as long as one after the
 //! other with the kernel in the mix, 1.37× faster on the copy engines alone).

@@ -259,8 +259,10 @@ impl<T> Drop for InScope<T> {
     }
 }
 
-/// Allocation properties of pinned device memory on `device`.
-fn device_alloc_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
+/// Allocation properties of pinned device memory on `device`, as the backend creates its
+/// chunks with; public for code that makes raw VMM calls next to the backend (the bench's
+/// VMM probe).
+pub fn device_alloc_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
         requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,

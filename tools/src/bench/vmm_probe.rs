@@ -87,18 +87,7 @@ impl Vmm {
         };
         Ok(Vmm {
             _ctx: ctx,
-            prop: sys::CUmemAllocationProp {
-                type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-                requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
-                location,
-                win32HandleMetaData: std::ptr::null_mut(),
-                allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
-                    compressionType: 0,
-                    gpuDirectRDMACapable: 0,
-                    usage: 0,
-                    reserved: [0; 4],
-                },
-            },
+            prop: gpu_pager::backend::cuda::device_alloc_prop(0),
             access: sys::CUmemAccessDesc {
                 location,
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,

@@ -32,6 +32,9 @@ pub const ABSORBED_MAP_ERROR: &str = "a mapping made ahead failed after its resu
 /// How long the calling thread waits for the next group before it feeds the pump again.
 const WAIT: Duration = Duration::from_micros(50);
 
+/// What one map call gives.
+type Maps = BackendResult<Vec<Box<dyn Mapping>>>;
+
 /// One backend map call: pieces that lie back to back, one physical handle each.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Group {
@@ -119,14 +122,18 @@ pub(crate) fn plan(
 /// for the next group; else the calling thread maps each group just before its `each`.
 /// Both get `state` (the sink the copies go to).
 ///
+/// Which map calls a failing resume makes depends on timing: the helper may or may not
+/// have started the next group's call when the calling thread fails (fault-injection
+/// tests that count map calls see that).
+///
 /// Stops at the first error of `each` or `idle`; mappings made for groups not yet handed
 /// on are then dropped (unmapped: nothing was copied into them), and a later map call's
 /// error is recorded as [`ABSORBED_MAP_ERROR`]. Returns the time the calling thread spent mapping or
 /// waiting for mappings.
 ///
 /// # Safety
-/// `reservation` comes from `backend`'s [`Backend::reserve`], and every group's span lies
-/// inside it and is unmapped there (as [`Backend::map`] needs).
+/// `reservation` comes from `backend`'s [`Backend::reserve`], and the groups' spans are
+/// pairwise disjoint, lie inside it and are unmapped there (as [`Backend::map`] needs).
 pub(crate) unsafe fn map_in_order<S: ?Sized, E>(
     backend: &dyn Backend,
     reservation: &Arc<dyn Reservation>,
@@ -134,11 +141,11 @@ pub(crate) unsafe fn map_in_order<S: ?Sized, E>(
     ahead: bool,
     state: &mut S,
     mut idle: impl FnMut(&mut S) -> Result<(), E>,
-    mut each: impl FnMut(&mut S, &Group, BackendResult<Vec<Box<dyn Mapping>>>) -> Result<(), E>,
+    mut each: impl FnMut(&mut S, &Group, Maps) -> Result<(), E>,
 ) -> Result<Duration, E> {
     // SAFETY: forwarded from this function's contract, group by group.
     let map = |g: &Group| unsafe { backend.map(reservation, g.offset, &g.sizes) };
-    if !ahead || groups.len() < 2 {
+    let inline = |state: &mut S, each: &mut dyn FnMut(&mut S, &Group, Maps) -> Result<(), E>| {
         let mut waited = Duration::ZERO;
         for g in groups {
             let t = Instant::now();
@@ -146,25 +153,34 @@ pub(crate) unsafe fn map_in_order<S: ?Sized, E>(
             waited += t.elapsed();
             each(state, g, maps)?;
         }
-        return Ok(waited);
+        Ok(waited)
+    };
+    if !ahead || groups.len() < 2 {
+        return inline(state, &mut each);
     }
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
-        let (tx, rx) = mpsc::channel::<BackendResult<Vec<Box<dyn Mapping>>>>();
+        let (tx, rx) = mpsc::channel::<Maps>();
         let stop = &stop;
-        s.spawn(move || {
-            for g in groups {
-                if stop.load(Ordering::Relaxed) {
-                    break;
+        let helper = std::thread::Builder::new()
+            .name("gpu-pager-map".to_owned())
+            .spawn_scoped(s, move || {
+                for g in groups {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let maps = map(g);
+                    let failed = maps.is_err();
+                    // A closed channel: the calling thread stopped; the mappings drop here.
+                    if tx.send(maps).is_err() || failed {
+                        break;
+                    }
                 }
-                let maps = map(g);
-                let failed = maps.is_err();
-                // A closed channel: the calling thread stopped; the mappings drop here.
-                if tx.send(maps).is_err() || failed {
-                    break;
-                }
-            }
-        });
+            });
+        if helper.is_err() {
+            // No thread to be had: map on this one.
+            return inline(state, &mut each);
+        }
         let mut waited = Duration::ZERO;
         let result = (|| {
             for g in groups {
@@ -174,7 +190,8 @@ pub(crate) unsafe fn map_in_order<S: ?Sized, E>(
                         Ok(maps) => break maps,
                         Err(mpsc::RecvTimeoutError::Timeout) => idle(state)?,
                         // The helper sends one result per group up to the first error,
-                        // which ends this loop first: it cannot hang up early.
+                        // which ends this loop first: it hangs up early only if a map call
+                        // panicked (the scope then re-raises that panic).
                         Err(mpsc::RecvTimeoutError::Disconnected) => {
                             break Err(BackendError::Invalid {
                                 op: "map",
@@ -214,6 +231,97 @@ mod tests {
     /// One wanted range.
     fn one(range: Range<usize>) -> Vec<Range<usize>> {
         vec![range]
+    }
+
+    #[cfg(feature = "testing")]
+    mod ahead {
+        use super::super::*;
+        use super::MIB;
+        use crate::backend::faulty::{FaultPlan, FaultPoint, FaultyBackend};
+        use crate::backend::host::{HostBackend, HostConfig};
+
+        fn setup() -> (
+            Arc<HostBackend>,
+            FaultyBackend,
+            Arc<dyn Reservation>,
+            Vec<Group>,
+        ) {
+            let host = Arc::new(HostBackend::new(HostConfig {
+                capacity: 64 * MIB,
+                granularity: 2 * MIB,
+            }));
+            let faulty = FaultyBackend::new(host.clone(), FaultPlan::none());
+            let reservation = faulty.reserve(16 * MIB).unwrap();
+            // Groups of 1, 2, 4 and 1 pieces of 2 MiB.
+            let groups = plan(&super::one(0..16 * MIB), 2 * MIB, true, |_| true);
+            assert_eq!(groups.len(), 4);
+            (host, faulty, reservation, groups)
+        }
+
+        #[test]
+        fn groups_are_handed_on_in_order_and_all_mapped() {
+            let (host, faulty, reservation, groups) = setup();
+            let mut got: Vec<(usize, Vec<Box<dyn Mapping>>)> = Vec::new();
+            // SAFETY: the reservation is the backend's and nothing is mapped in it.
+            let r = unsafe {
+                map_in_order(
+                    &faulty,
+                    &reservation,
+                    &groups,
+                    true,
+                    &mut got,
+                    |_| Ok::<(), BackendError>(()),
+                    |got, g, maps| {
+                        got.push((g.offset, maps?));
+                        Ok(())
+                    },
+                )
+            };
+            assert!(r.is_ok());
+            let offsets: Vec<usize> = got.iter().map(|(o, _)| *o).collect();
+            assert_eq!(offsets, [0, 2 * MIB, 6 * MIB, 14 * MIB]);
+            assert_eq!(host.used_bytes(), 16 * MIB);
+            drop(got);
+            assert_eq!(host.used_bytes(), 0);
+        }
+
+        #[test]
+        fn a_failure_keeps_only_what_was_handed_on_and_records_a_late_map_error() {
+            for pass in [1, 2] {
+                let (host, faulty, reservation, groups) = setup();
+                // A map call the helper makes after the first group fails.
+                faulty.fail_after(FaultPoint::Map, pass);
+                let mut kept: Vec<Box<dyn Mapping>> = Vec::new();
+                // SAFETY: as above.
+                let r = unsafe {
+                    map_in_order(
+                        &faulty,
+                        &reservation,
+                        &groups,
+                        true,
+                        &mut kept,
+                        |_| Ok::<(), BackendError>(()),
+                        |kept, _, maps| {
+                            kept.extend(maps?);
+                            Err(BackendError::Injected { op: "copy" })
+                        },
+                    )
+                };
+                assert!(matches!(r, Err(BackendError::Injected { op: "copy" })));
+                assert_eq!(host.used_bytes(), 2 * MIB, "only the first group is mapped");
+                let absorbed = faulty
+                    .deferred_errors()
+                    .take()
+                    .iter()
+                    .filter(|e| e.starts_with(ABSORBED_MAP_ERROR))
+                    .count() as u64;
+                // The helper may or may not have made the failing call before it stopped;
+                // if it did, the error is recorded, not lost.
+                assert_eq!(absorbed, faulty.injected().map, "pass {pass}");
+                drop(kept);
+                assert_eq!(host.used_bytes(), 0);
+            }
+        }
     }
 
     #[test]

@@ -82,7 +82,8 @@ pub struct PagerConfig {
     pub copy_unit_bytes: usize,
     /// Units' worth of bytes queued per mover at most (default [`pump::DEFAULT_DEPTH`], 2;
     /// copies shorter than a unit fill a slot together, see [`pump::PumpConfig::depth`]). A
-    /// call has at most twice this many units' worth in flight, which is all that a
+    /// call has at most twice this many units' worth in flight (five times while the copy
+    /// kernel carries a restore alone: [`pump::KERNEL_DEPTH_FACTOR`]), which is all that a
     /// concurrent release of another tag waits for. Also switchable with
     /// [`Pager::set_copy_units`].
     pub copy_depth: usize,
@@ -287,7 +288,7 @@ pub struct Pager {
     copy_unit: AtomicUsize,
     copy_depth: AtomicUsize,
     /// The copies in flight on this device's link, per direction, over every call's pump
-    /// (an adaptive restore stays off the copy kernel while a release copies out).
+    /// (an adaptive or fastest restore stays off the copy kernel while a release copies out).
     traffic: pump::Traffic,
     first_save_overlap: AtomicBool,
 }

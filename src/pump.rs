@@ -20,9 +20,11 @@
 //! [`Pump::poll`] starts what fits, without blocking, so a caller can interleave other work
 //! (a resume maps the next group of chunks while the last one copies); the end of the
 //! [`scope`] feeds the rest and waits, polling the fences with short sleeps. Because at most
-//! `2 × depth × unit_bytes` are ever in flight, another thread's device-wide synchronisation (a
-//! release of another tag) waits for those only, and its copies in the other direction run
-//! on the other direction's streams meanwhile.
+//! `2 × depth × unit_bytes` are ever in flight (`(1 + KERNEL_DEPTH_FACTOR) × depth ×
+//! unit_bytes` while the copy kernel carries a host→device copy alone, see
+//! [`KERNEL_DEPTH_FACTOR`]), another thread's device-wide synchronisation (a release of
+//! another tag) waits for those only, and its copies in the other direction run on the
+//! other direction's streams meanwhile.
 //!
 //! **Both directions at once.** The pumps of one link (one [`crate::Pager`]) share a
 //! [`Traffic`]: the units each has in flight, per direction. While another pump has units
@@ -61,7 +63,8 @@ use crate::backend::{
 /// 2026-12-03, second run), the adaptive resume of 16 GiB took 1.07× the link 1 s after the
 /// release with 256 MiB units against 1.11× with 64 MiB, 1.09× with 64 MiB × 4 and 1.08×
 /// with 16 MiB × 8; right after a trainer's free all four shapes took 1.22–1.23×. A
-/// concurrent release of another tag waits for at most `2 × depth` units' worth of bytes.
+/// concurrent release of another tag waits for at most `2 × depth` units' worth of bytes
+/// (more while the kernel carries a restore alone: [`KERNEL_DEPTH_FACTOR`]).
 pub const DEFAULT_UNIT_BYTES: usize = 256 << 20;
 
 /// Default slots per mover: 2 (a unit's worth copying, one ready behind it, so that the
@@ -110,13 +113,15 @@ pub enum CopyRoute {
     /// takes more.
     Adaptive,
     /// Times each mover alone on the copy's first bytes (the copy engine, then the copy
-    /// kernel, at least one unit's worth each), then gives every later unit to the faster.
+    /// kernel, [`PROBE_BYTES`] each, at most a unit), then gives every later unit to the
+    /// faster (the kernel only when it was more than [`KERNEL_MARGIN`] times as fast).
     /// Right after a trainer's free the copy engine runs host→device at half the link for
     /// about a second while the kernel keeps its pace; settled the copy engine is the
     /// faster; and side by side the kernel wins the link's arbitration, which makes
     /// [`CopyRoute::Adaptive`] slower than the faster mover alone in both states (H200,
     /// BENCHMARKS.md). While another pump of the link has units in flight the other way,
-    /// only the copy engine takes units, as with `Adaptive`.
+    /// only the copy engine takes units, as with `Adaptive`, and nothing is timed: the
+    /// timing starts again once the link carries this direction only.
     Fastest,
 }
 
@@ -160,12 +165,14 @@ pub struct PumpConfig {
     pub unit_bytes: usize,
     /// Slots per mover (at least 1): a mover has at most `depth × unit_bytes` in flight
     /// (`depth` whole units, or more units shorter than a unit, up to
-    /// `depth ×` [`MAX_UNITS_PER_SLOT`]).
+    /// `depth ×` [`MAX_UNITS_PER_SLOT`]); the copy kernel gets [`KERNEL_DEPTH_FACTOR`] times
+    /// as many when it carries a host→device copy alone.
     pub depth: usize,
 }
 
 impl Default for PumpConfig {
-    /// Adaptive, 256 MiB units, 2 per mover.
+    /// Adaptive, 256 MiB units, 2 per mover. (The pager's own defaults differ by direction:
+    /// `Fastest` for restores, `Engine` for saves; see [`crate::PagerConfig`].)
     fn default() -> Self {
         PumpConfig {
             route: CopyRoute::Adaptive,
@@ -193,8 +200,9 @@ impl PumpConfig {
 
 /// The units in flight on one link, per direction, over all the pumps that share it (the
 /// pumps of one [`crate::Pager`]). A pump adds its units as it starts them and takes them
-/// off as it sees them finish; an [`CopyRoute::Adaptive`] pump reads the other direction's
-/// count to decide whether the copy kernel may take units (see the module docs).
+/// off as it sees them finish; an [`CopyRoute::Adaptive`] or [`CopyRoute::Fastest`] pump
+/// reads the other direction's count to decide whether the copy kernel may take units (see
+/// the module docs).
 #[derive(Debug, Default)]
 pub struct Traffic {
     units: [AtomicUsize; 2],
@@ -496,6 +504,10 @@ pub struct Pump<'e, 'h> {
     pace: [Pace; 2],
     /// A [`CopyRoute::Fastest`] pump's choice, once both movers are timed.
     chosen: Option<Mover>,
+    /// A [`CopyRoute::Fastest`] pump started a unit before choosing while the other
+    /// direction was busy: its timings are spoiled, and start again once both movers are
+    /// idle.
+    retime: bool,
     /// Invariant in `'h`: the host borrows of every push live exactly as long.
     _host: PhantomData<&'h mut &'h ()>,
 }
@@ -552,6 +564,7 @@ fn run<'e, 'h, T, E>(
         started: Instant::now(),
         pace: [Pace::default(); 2],
         chosen: None,
+        retime: false,
         _host: PhantomData,
     };
     // A panic in `f` unwinds through `pump`'s drop, which waits like `abort`.
@@ -737,9 +750,17 @@ impl<'h> Pump<'_, 'h> {
 
     /// A [`CopyRoute::Fastest`] pump picks its mover once each has finished the bytes it
     /// was timed on ([`Pump::timing`]) and gone idle: the copy kernel if it was more than
-    /// [`KERNEL_MARGIN`] times as fast, else the copy engine.
+    /// [`KERNEL_MARGIN`] times as fast, else the copy engine. Timings spoiled by the other
+    /// direction's traffic ([`Pump::retime`]) are dropped once both movers are idle.
     fn choose(&mut self) {
         if self.config.route != CopyRoute::Fastest || self.chosen.is_some() {
+            return;
+        }
+        if self.retime {
+            if self.flight.iter().all(Vec::is_empty) {
+                self.pace = [Pace::default(); 2];
+                self.retime = false;
+            }
             return;
         }
         let probe = self.probe_bytes();
@@ -786,10 +807,11 @@ impl<'h> Pump<'_, 'h> {
         self.config.unit_bytes.min(PROBE_BYTES)
     }
 
-    /// Unit slots of `mover`: the configured depth, times [`KERNEL_DEPTH_FACTOR`] for the
-    /// copy kernel on the routes that give it the whole copy.
-    fn slots(&self, mover: Mover) -> usize {
+    /// Unit slots of `mover` for units going `direction`: the configured depth, times
+    /// [`KERNEL_DEPTH_FACTOR`] for the copy kernel carrying a host→device copy alone.
+    fn slots(&self, mover: Mover, direction: Direction) -> usize {
         let deep = mover == Mover::CopyKernel
+            && direction == Direction::ToDevice
             && match self.config.route {
                 CopyRoute::Kernel => true,
                 CopyRoute::Fastest => self.chosen == Some(Mover::CopyKernel),
@@ -809,11 +831,7 @@ impl<'h> Pump<'_, 'h> {
         if !self.config.route.allows(mover) {
             return false;
         }
-        let back = opposite(direction);
-        let others_back = self
-            .traffic
-            .in_flight(back)
-            .saturating_sub(self.own[slot(back)]);
+        let others_back = self.others_back(direction);
         match self.config.route {
             CopyRoute::Adaptive => !(mover == Mover::CopyKernel && others_back > 0),
             CopyRoute::Fastest if others_back > 0 => mover == Mover::CopyEngine,
@@ -823,6 +841,14 @@ impl<'h> Pump<'_, 'h> {
             },
             CopyRoute::Engine | CopyRoute::Kernel => true,
         }
+    }
+
+    /// Units other pumps of the link have in flight against `direction`.
+    fn others_back(&self, direction: Direction) -> usize {
+        let back = opposite(direction);
+        self.traffic
+            .in_flight(back)
+            .saturating_sub(self.own[slot(back)])
     }
 
     /// The mover that takes the next unit (going `direction`, `bytes` long): an allowed one
@@ -835,7 +861,7 @@ impl<'h> Pump<'_, 'h> {
     fn free_mover(&self, direction: Direction, bytes: usize) -> Option<Mover> {
         let busy = |m: Mover| -> usize { self.flight[m.index()].iter().map(|u| u.bytes).sum() };
         let room = |m: Mover| {
-            let depth = self.slots(m);
+            let depth = self.slots(m, direction);
             self.flight[m.index()].len() < depth.saturating_mul(MAX_UNITS_PER_SLOT)
                 && busy(m).saturating_add(bytes) <= depth.saturating_mul(self.config.unit_bytes)
         };
@@ -860,8 +886,11 @@ impl<'h> Pump<'_, 'h> {
     /// Starts queued units on free slots.
     fn dispatch(&mut self) -> bool {
         let mut any = false;
-        self.cut_probe();
-        while let Some(next) = self.queue.front() {
+        loop {
+            self.cut_probe();
+            let Some(next) = self.queue.front() else {
+                break;
+            };
             let Some(mover) = self.free_mover(next.direction, next.bytes) else {
                 break;
             };
@@ -881,6 +910,12 @@ impl<'h> Pump<'_, 'h> {
                         direction: unit.direction,
                     });
                     self.launched(unit.direction);
+                    if self.config.route == CopyRoute::Fastest
+                        && self.chosen.is_none()
+                        && self.others_back(unit.direction) > 0
+                    {
+                        self.retime = true;
+                    }
                     let pace = &mut self.pace[mover.index()];
                     pace.started += unit.bytes;
                     if pace.since.is_none() {
@@ -911,10 +946,14 @@ impl<'h> Pump<'_, 'h> {
             .probe_bytes()
             .saturating_sub(self.pace[mover.index()].started)
             .next_multiple_of(MIN_UNIT_BYTES);
+        let quiet = self
+            .queue
+            .front()
+            .is_some_and(|next| self.others_back(next.direction) == 0);
         let Some(next) = self.queue.front_mut() else {
             return;
         };
-        if left == 0 || next.bytes <= left {
+        if !quiet || left == 0 || next.bytes <= left {
             return;
         }
         let rest = RawCopy {
@@ -1081,6 +1120,8 @@ mod tests {
         now: u64,
         last: [u64; 2],
         starts: Vec<(Mover, RawCopy)>,
+        /// Units the other mover had in flight at each start.
+        other_busy: Vec<usize>,
         in_flight: [usize; 2],
         max_in_flight: [usize; 2],
         in_flight_bytes: [usize; 2],
@@ -1137,6 +1178,8 @@ mod tests {
             }
             c.starts.push((mover, *copy));
             let m = mover.index();
+            let other = c.in_flight[1 - m];
+            c.other_busy.push(other);
             let due = c.now.max(c.last[m]) + self.cost[m];
             c.last[m] = due;
             c.in_flight[m] += 1;
@@ -1269,18 +1312,39 @@ mod tests {
             let (a, b) = (u.host - start, u.host - start + u.bytes as u64 - 1);
             a / piece as u64 != b / piece as u64
         };
-        // Restores of parts starting at odd offsets, then a save of a part.
-        let script = Script {
-            cost: [3, 3],
-            ..Script::default()
-        };
-        let stats = restore(&script, config(CopyRoute::Adaptive), &buf, 700_001).unwrap();
-        assert_eq!(stats.total_bytes(), len);
-        let mut at = start;
-        for (_, u) in &script.state.lock().unwrap().starts {
-            assert!(!crosses(u), "{u:?} crosses a registration");
-            assert_eq!(u.host, at, "the units cover the buffer in order");
-            at += u.bytes as u64;
+        // Restores of parts starting at odd offsets (`Fastest` also cuts its timed units),
+        // then a save of a part.
+        for (route, push) in [
+            (CopyRoute::Adaptive, 700_001),
+            (CopyRoute::Fastest, 700_001),
+            (CopyRoute::Fastest, len),
+        ] {
+            let script = Script {
+                cost: [3, 3],
+                ..Script::default()
+            };
+            let cfg = PumpConfig {
+                unit_bytes: 2 * MIB,
+                ..config(route)
+            };
+            let stats = restore(&script, cfg, &buf, push).unwrap();
+            assert_eq!(stats.total_bytes(), len);
+            let mut units: Vec<RawCopy> = script
+                .state
+                .lock()
+                .unwrap()
+                .starts
+                .iter()
+                .map(|(_, u)| *u)
+                .collect();
+            units.sort_by_key(|u| u.host);
+            let mut at = start;
+            for u in &units {
+                assert!(!crosses(u), "{route}: {u:?} crosses a registration");
+                assert!(u.bytes > 0);
+                assert_eq!(u.host, at, "{route}: the units cover the buffer");
+                at += u.bytes as u64;
+            }
         }
         let script = Script::default();
         let part = 100_000..len - 77;
@@ -1443,6 +1507,16 @@ mod tests {
                         .unwrap_or(movers.len() - first_kernel);
                 assert!(bytes_until(kernel_done) - bytes_until(first_kernel) >= MIB);
                 assert!(
+                    c.other_busy[..kernel_done].iter().all(|&n| n == 0),
+                    "{piece} {cost:?}: each mover timed alone"
+                );
+                if fast == Mover::CopyKernel {
+                    assert!(
+                        c.max_in_flight[fast.index()] > 2,
+                        "{piece}: the kernel carrying the copy gets more slots"
+                    );
+                }
+                assert!(
                     movers[kernel_done..].iter().all(|&m| m == fast),
                     "{piece} {cost:?}: the rest on {fast}: {movers:?}"
                 );
@@ -1482,6 +1556,43 @@ mod tests {
             assert_eq!(u.device - 0x1000_0000, at - buf.as_slice().as_ptr() as u64);
             at += u.bytes as u64;
         }
+    }
+
+    #[test]
+    fn fastest_times_again_once_the_other_direction_is_quiet() {
+        let script = Script {
+            cost: [40, 10],
+            ..Script::default()
+        };
+        script.traffic.add(Direction::ToHost);
+        let buf = buffer(64 * MIB);
+        let all = Pinned::new(buf.as_ref());
+        let mut quiet_from = 0;
+        let ((), stats) = run(
+            &script,
+            config(CopyRoute::Fastest),
+            &script.traffic,
+            |p| {
+                // SAFETY: the scripted movers touch no memory.
+                unsafe { p.push_to_device(all.get(0..8 * MIB).unwrap(), 0x1000) }?;
+                // The other direction ends while these units are in flight.
+                quiet_from = script.state.lock().unwrap().starts.len();
+                script.traffic.sub(Direction::ToHost);
+                // SAFETY: as above.
+                unsafe {
+                    p.push_to_device(all.get(8 * MIB..64 * MIB).unwrap(), 0x1000 + 8 * MIB as u64)
+                }
+            },
+            |e| e,
+        )
+        .unwrap();
+        let c = script.state.lock().unwrap();
+        let movers: Vec<Mover> = c.starts.iter().map(|(m, _)| *m).collect();
+        assert!(movers[..quiet_from].iter().all(|&m| m == Mover::CopyEngine));
+        let first_kernel = movers.iter().position(|&m| m == Mover::CopyKernel).unwrap();
+        assert!(first_kernel >= quiet_from);
+        assert_eq!(c.other_busy[first_kernel], 0, "the kernel is timed alone");
+        assert!(stats.bytes_by(Mover::CopyKernel) > 40 * MIB, "{stats:?}");
     }
 
     #[test]

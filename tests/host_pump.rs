@@ -247,8 +247,14 @@ fn a_copy_failure_in_the_middle_of_a_multi_unit_save_leaves_everything_resident(
 
 #[test]
 fn releases_and_resumes_of_two_tags_from_two_threads_stay_bit_exact() {
+    for route in [CopyRoute::Adaptive, CopyRoute::Fastest] {
+        two_threads(route);
+    }
+}
+
+fn two_threads(route: CopyRoute) {
     let backend = host(128 * MIB);
-    let pager = Arc::new(pager(backend, CopyRoute::Adaptive));
+    let pager = Arc::new(pager(backend, route));
     let mut threads = Vec::new();
     for (t, tag) in ["x", "y"].into_iter().enumerate() {
         pager.region(tag, 4 * MIB, Policy::Preserve).unwrap();

@@ -231,7 +231,8 @@ pub struct Steps {
     pub pin: f64,
     /// Copying contents (device to host on release, host to device on resume).
     pub copy: f64,
-    /// Creating and mapping physical memory and enabling access.
+    /// Creating and mapping physical memory and enabling access (for a resume that restores
+    /// contents, which maps ahead on a helper thread: the time it waited for its mappings).
     pub map: f64,
     /// Unmapping and releasing physical memory.
     pub unmap: f64,

@@ -498,12 +498,8 @@ pub fn run(
     // A resume maps ahead on a helper thread: a fault injected into a map call made after
     // the resume had failed for another reason is recorded, not returned (one error per
     // call). Those count as seen.
-    let absorbed = backend
-        .deferred_errors()
-        .take()
-        .iter()
-        .filter(|e| e.starts_with(gpu_pager::ABSORBED_MAP_ERROR) && e.contains("injected fault"))
-        .count() as u64;
+    worker::drain_absorbed(&pager, &sh);
+    let absorbed = Shared::get(&sh.faults_absorbed);
     let seen = Shared::get(&sh.faults_seen) + absorbed;
     if injected.total() != seen {
         sh.error(format!(

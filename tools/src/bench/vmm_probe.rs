@@ -23,6 +23,8 @@ use super::{GIB, Row, Spread, streams::Stream, trainer_step};
 /// handles and frees the reservation.
 struct Handles {
     base: sys::CUdeviceptr,
+    /// The reservation's length (all handles, created or not).
+    reserved: usize,
     size: usize,
     handles: Vec<sys::CUmemGenericAllocationHandle>,
     mapped: usize,
@@ -42,7 +44,7 @@ impl Drop for Handles {
         }
         // SAFETY: the reservation came from cuMemAddressReserve with this size, and nothing
         // is mapped in it any more.
-        let _ = unsafe { sys::cuMemAddressFree(self.base, self.size * self.handles.len()) };
+        let _ = unsafe { sys::cuMemAddressFree(self.base, self.reserved) };
     }
 }
 
@@ -106,6 +108,7 @@ impl Vmm {
         })?;
         let mut out = Handles {
             base,
+            reserved: count * size,
             size,
             handles: Vec::with_capacity(count),
             mapped: 0,
@@ -233,7 +236,7 @@ pub(super) fn rows(
         let t = Instant::now();
         // SAFETY: `dst` is a resident device buffer of the host buffer's size, the host
         // buffer is this backend's pinned memory, and both live until the stream is
-        // synchronized below, before the next launch.
+        // synchronized: every launch below is followed by a sync before anything returns.
         unsafe { p.backend.copy_on(&copy, Mover::CopyKernel, p.stream.raw()) }
             .map_err(|e| Error::backend("vmm_probe", "copy kernel", e))?;
         Ok(t)
@@ -251,8 +254,10 @@ pub(super) fn rows(
 
         std::thread::sleep(settle);
         let t = launch()?;
-        let (h, c) = vmm.create(count, size)?;
+        let made = vmm.create(count, size);
+        // Always wait for the kernel before anything can return: it reads `host`.
         p.stream.sync()?;
+        let (h, c) = made?;
         with_create.push(t.elapsed());
         during_create.push(Times {
             create: c,
@@ -262,8 +267,9 @@ pub(super) fn rows(
         let mut h = h;
         std::thread::sleep(settle);
         let t = launch()?;
-        let (m, a) = vmm.map(&mut h)?;
+        let made = vmm.map(&mut h);
         p.stream.sync()?;
+        let (m, a) = made?;
         with_map.push(t.elapsed());
         during_map.push(Times {
             map: m,
@@ -274,16 +280,18 @@ pub(super) fn rows(
 
         std::thread::sleep(settle);
         let t = launch()?;
-        let (h, times) = vmm.cycle(count, size)?;
+        let made = vmm.cycle(count, size);
         p.stream.sync()?;
+        let (h, times) = made?;
         with_all.push(t.elapsed());
         during_all.push(times);
         drop(h);
 
         trainer_step(p.backend, margin)?;
         let t = launch()?;
-        let (h, times) = vmm.cycle(count, size)?;
+        let made = vmm.cycle(count, size);
         p.stream.sync()?;
+        let (h, times) = made?;
         after_free.push(t.elapsed());
         during_after.push(times);
         drop(h);

@@ -65,6 +65,9 @@ pub(crate) struct Shared {
     pub bytes_moved: AtomicU64,
     /// Injected backend faults that came back as errors.
     pub faults_seen: AtomicU64,
+    /// Injected map faults a failing resume recorded instead of returning
+    /// ([`gpu_pager::ABSORBED_MAP_ERROR`]), drained from the backend after each fault.
+    pub faults_absorbed: AtomicU64,
     /// Resumes that failed with `OutOfMemory` because of this run's hog.
     pub oom_injected: AtomicU64,
     /// Faults whose retry succeeded (or ended in an expected, consistent outcome).
@@ -92,6 +95,7 @@ impl Shared {
             cycles: AtomicU64::new(0),
             bytes_moved: AtomicU64::new(0),
             faults_seen: AtomicU64::new(0),
+            faults_absorbed: AtomicU64::new(0),
             oom_injected: AtomicU64::new(0),
             faults_recovered: AtomicU64::new(0),
             corruptions: AtomicU64::new(0),

@@ -192,6 +192,7 @@ impl<'a> Worker<'a> {
                 Err(e) if injected(&e) => {
                     pending += 1;
                     Shared::add(&self.sh.faults_seen, 1);
+                    drain_absorbed(self.pager, self.sh);
                     last = Some(e);
                 }
                 r => {
@@ -812,4 +813,18 @@ impl<'a> Worker<'a> {
             }
         }
     }
+}
+
+/// Counts and drops the backend's deferred records of map faults that a failing resume
+/// absorbed ([`gpu_pager::ABSORBED_MAP_ERROR`]); drained after every fault, so that the
+/// sink's cap on kept messages never loses one.
+pub(crate) fn drain_absorbed(pager: &Pager, sh: &Shared) {
+    let absorbed = pager
+        .backend()
+        .deferred_errors()
+        .take()
+        .iter()
+        .filter(|e| e.starts_with(gpu_pager::ABSORBED_MAP_ERROR) && e.contains("injected fault"))
+        .count() as u64;
+    Shared::add(&sh.faults_absorbed, absorbed);
 }

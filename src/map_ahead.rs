@@ -258,25 +258,32 @@ mod tests {
             (host, faulty, reservation, groups)
         }
 
+        /// Maps `groups` ahead, handing each group to `each` with the mappings kept in
+        /// `kept`.
+        fn ahead(
+            faulty: &FaultyBackend,
+            reservation: &Arc<dyn Reservation>,
+            groups: &[Group],
+            kept: &mut Vec<(usize, Vec<Box<dyn Mapping>>)>,
+            each: impl FnMut(
+                &mut Vec<(usize, Vec<Box<dyn Mapping>>)>,
+                &Group,
+                Maps,
+            ) -> Result<(), BackendError>,
+        ) -> Result<Duration, BackendError> {
+            // SAFETY: the reservation is the backend's, fresh, and the planned groups are
+            // disjoint and inside it.
+            unsafe { map_in_order(faulty, reservation, groups, true, kept, |_| Ok(()), each) }
+        }
+
         #[test]
         fn groups_are_handed_on_in_order_and_all_mapped() {
             let (host, faulty, reservation, groups) = setup();
-            let mut got: Vec<(usize, Vec<Box<dyn Mapping>>)> = Vec::new();
-            // SAFETY: the reservation is the backend's and nothing is mapped in it.
-            let r = unsafe {
-                map_in_order(
-                    &faulty,
-                    &reservation,
-                    &groups,
-                    true,
-                    &mut got,
-                    |_| Ok::<(), BackendError>(()),
-                    |got, g, maps| {
-                        got.push((g.offset, maps?));
-                        Ok(())
-                    },
-                )
-            };
+            let mut got = Vec::new();
+            let r = ahead(&faulty, &reservation, &groups, &mut got, |got, g, maps| {
+                got.push((g.offset, maps?));
+                Ok(())
+            });
             assert!(r.is_ok());
             let offsets: Vec<usize> = got.iter().map(|(o, _)| *o).collect();
             assert_eq!(offsets, [0, 2 * MIB, 6 * MIB, 14 * MIB]);
@@ -291,22 +298,17 @@ mod tests {
                 let (host, faulty, reservation, groups) = setup();
                 // A map call the helper makes after the first group fails.
                 faulty.fail_after(FaultPoint::Map, pass);
-                let mut kept: Vec<Box<dyn Mapping>> = Vec::new();
-                // SAFETY: as above.
-                let r = unsafe {
-                    map_in_order(
-                        &faulty,
-                        &reservation,
-                        &groups,
-                        true,
-                        &mut kept,
-                        |_| Ok::<(), BackendError>(()),
-                        |kept, _, maps| {
-                            kept.extend(maps?);
-                            Err(BackendError::Injected { op: "copy" })
-                        },
-                    )
-                };
+                let mut kept = Vec::new();
+                let r = ahead(
+                    &faulty,
+                    &reservation,
+                    &groups,
+                    &mut kept,
+                    |kept, g, maps| {
+                        kept.push((g.offset, maps?));
+                        Err(BackendError::Injected { op: "copy" })
+                    },
+                );
                 assert!(matches!(r, Err(BackendError::Injected { op: "copy" })));
                 assert_eq!(host.used_bytes(), 2 * MIB, "only the first group is mapped");
                 let absorbed = faulty

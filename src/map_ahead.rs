@@ -117,10 +117,11 @@ pub(crate) fn plan(
 }
 
 /// Maps `groups` in order into `reservation` and hands each group's mappings (or the map
-/// call's error, which `each` returns as its own) to `each` as soon as they are made. With `ahead`, a helper thread makes the map calls, as far ahead
-/// as it gets, and the calling thread calls `idle` (which feeds the pump) while it waits
-/// for the next group; else the calling thread maps each group just before its `each`.
-/// Both get `state` (the sink the copies go to).
+/// call's error, which `each` returns as its own) to `each` as soon as they are made.
+/// With `ahead`, a helper thread makes the map calls, as far ahead as it gets, and the
+/// calling thread calls `idle` (which feeds the pump) while it waits for the next group;
+/// else the calling thread maps each group just before its `each`. Both get `state` (the
+/// sink the copies go to).
 ///
 /// Which map calls a failing resume makes depends on timing: the helper may or may not
 /// have started the next group's call when the calling thread fails (fault-injection
@@ -128,8 +129,8 @@ pub(crate) fn plan(
 ///
 /// Stops at the first error of `each` or `idle`; mappings made for groups not yet handed
 /// on are then dropped (unmapped: nothing was copied into them), and a later map call's
-/// error is recorded as [`ABSORBED_MAP_ERROR`]. Returns the time the calling thread spent mapping or
-/// waiting for mappings.
+/// error is recorded as [`ABSORBED_MAP_ERROR`]. Returns the time the calling thread spent
+/// mapping or waiting for mappings.
 ///
 /// # Safety
 /// `reservation` comes from `backend`'s [`Backend::reserve`], and the groups' spans are

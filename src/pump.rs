@@ -29,8 +29,8 @@
 //! **Both directions at once.** The pumps of one link (one [`crate::Pager`]) share a
 //! [`Traffic`]: the units each has in flight, per direction. While another pump has units
 //! in flight the other way, an [`CopyRoute::Adaptive`] or [`CopyRoute::Fastest`] pump
-//! gives its units to the copy engine only: the two directions of the link run side by side on the two copy engines,
-//! while the copy kernel competes for the link and the SMs with the other direction's
+//! gives its units to the copy engine only: the two directions of the link run side by
+//! side on the two copy engines, while the copy kernel competes for the link and the SMs with the other direction's
 //! copy (on the H200, a release and a resume of 16 GiB each took as long as one after the
 //! other with the kernel in the mix, 1.37× faster on the copy engines alone).
 //!

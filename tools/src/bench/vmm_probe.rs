@@ -232,14 +232,24 @@ pub(super) fn rows(
 
     // (b) The copy kernel alone, and with VMM calls made while it runs.
     let copy = RawCopy::whole(Direction::ToDevice, p.host, p.dst);
-    let launch = || -> Result<Instant> {
+    // Launches the kernel, runs `f` while it copies, waits for the kernel (always, before
+    // anything can return: it reads `host`), and returns the kernel's time and `f`'s value
+    // (handles it made stay alive until the caller drops them, after the kernel).
+    type Made = (Option<Handles>, Times);
+    let meanwhile = |f: &mut dyn FnMut() -> Result<Made>| -> Result<(Duration, Made)> {
         let t = Instant::now();
         // SAFETY: `dst` is a resident device buffer of the host buffer's size, the host
         // buffer is this backend's pinned memory, and both live until the stream is
-        // synchronized: every launch below is followed by a sync before anything returns.
+        // synchronized just below, whatever `f` returns.
         unsafe { p.backend.copy_on(&copy, Mover::CopyKernel, p.stream.raw()) }
             .map_err(|e| Error::backend("vmm_probe", "copy kernel", e))?;
-        Ok(t)
+        let made = f();
+        p.stream.sync()?;
+        Ok((t.elapsed(), made?))
+    };
+    let cycle = || -> Result<Made> {
+        let (h, times) = vmm.cycle(count, size)?;
+        Ok((Some(h), times))
     };
     let settle = Duration::from_secs(1);
     let (mut alone, mut with_create, mut with_map, mut with_all, mut after_free) =
@@ -248,53 +258,49 @@ pub(super) fn rows(
         (vec![], vec![], vec![], vec![]);
     for _ in 0..repeats {
         std::thread::sleep(settle);
-        let t = launch()?;
-        p.stream.sync()?;
-        alone.push(t.elapsed());
+        alone.push(meanwhile(&mut || Ok((None, Times::default())))?.0);
 
         std::thread::sleep(settle);
-        let t = launch()?;
-        let made = vmm.create(count, size);
-        // Always wait for the kernel before anything can return: it reads `host`.
-        p.stream.sync()?;
-        let (h, c) = made?;
-        with_create.push(t.elapsed());
-        during_create.push(Times {
-            create: c,
-            ..Times::default()
-        });
-
-        let mut h = h;
-        std::thread::sleep(settle);
-        let t = launch()?;
-        let made = vmm.map(&mut h);
-        p.stream.sync()?;
-        let (m, a) = made?;
-        with_map.push(t.elapsed());
-        during_map.push(Times {
-            map: m,
-            access: a,
-            ..Times::default()
-        });
-        drop(h);
+        let (k, (created, times)) = meanwhile(&mut || {
+            let (h, create) = vmm.create(count, size)?;
+            let times = Times {
+                create,
+                ..Times::default()
+            };
+            Ok((Some(h), times))
+        })?;
+        with_create.push(k);
+        during_create.push(times);
 
         std::thread::sleep(settle);
-        let t = launch()?;
-        let made = vmm.cycle(count, size);
-        p.stream.sync()?;
-        let (h, times) = made?;
-        with_all.push(t.elapsed());
+        let mut created = created;
+        let (k, (_, times)) = meanwhile(&mut || {
+            let Some(h) = created.as_mut() else {
+                return Ok((None, Times::default()));
+            };
+            let (map, access) = vmm.map(h)?;
+            let times = Times {
+                map,
+                access,
+                ..Times::default()
+            };
+            Ok((None, times))
+        })?;
+        with_map.push(k);
+        during_map.push(times);
+        drop(created);
+
+        std::thread::sleep(settle);
+        let (k, (made, times)) = meanwhile(&mut { cycle })?;
+        drop(made);
+        with_all.push(k);
         during_all.push(times);
-        drop(h);
 
         trainer_step(p.backend, margin)?;
-        let t = launch()?;
-        let made = vmm.cycle(count, size);
-        p.stream.sync()?;
-        let (h, times) = made?;
-        after_free.push(t.elapsed());
+        let (k, (made, times)) = meanwhile(&mut { cycle })?;
+        drop(made);
+        after_free.push(k);
         during_after.push(times);
-        drop(h);
     }
     let gib = p.host.len() / GIB;
     let mut kernel_row = |name: &str, samples: &[Duration], during: &[Times]| {

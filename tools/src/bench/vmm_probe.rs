@@ -6,7 +6,9 @@
 //! after (BENCHMARKS.md, third session). These rows time `cuMemCreate`, `cuMemMap` and
 //! `cuMemSetAccess` apart, at several delays after a free (the trainer's, or the release
 //! of the same handles), and time a copy kernel alone against the same kernel with each of
-//! those calls made while it runs. CUDA only: the calls are made here, on raw handles.
+//! those calls made while it runs, and, right after a trainer's free, the same 16 GiB made
+//! of handles of several sizes, with the device idle and while the copy kernel runs. CUDA
+//! only: the calls are made here, on raw handles.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,7 +18,7 @@ use gpu_pager::backend::{Backend, Direction, HostBuffer, Mover, RawCopy};
 use gpu_pager::report::ms;
 use gpu_pager::{Error, Result};
 
-use super::{GIB, Row, Spread, streams::Stream, trainer_step};
+use super::{GIB, MIB, Row, Spread, size_name, streams::Stream, trainer_step};
 
 /// Handles created with `cuMemCreate` and, once [`Vmm::map`] ran, mapped back to back into
 /// a reservation of their total size. Dropping them unmaps what is mapped, releases the
@@ -68,6 +70,8 @@ fn driver(what: &str, r: sys::CUresult) -> Result<()> {
 /// The times of one create, map and access change.
 #[derive(Clone, Copy, Default)]
 struct Times {
+    /// The first handle's create (how long a resume waits before its first copy can start).
+    first: Duration,
     create: Duration,
     map: Duration,
     access: Duration,
@@ -98,8 +102,8 @@ impl Vmm {
     }
 
     /// Reserves `count * size` bytes and creates `count` handles of `size`; returns them
-    /// with the time the creates took.
-    fn create(&self, count: usize, size: usize) -> Result<(Handles, Duration)> {
+    /// with the time the creates took and the time the first one took.
+    fn create(&self, count: usize, size: usize) -> Result<(Handles, Duration, Duration)> {
         let mut base: sys::CUdeviceptr = 0;
         // SAFETY: `base` is a valid out-pointer; alignment 0 and address 0 let the driver
         // choose.
@@ -114,6 +118,7 @@ impl Vmm {
             mapped: 0,
         };
         let t = Instant::now();
+        let mut first = Duration::ZERO;
         for _ in 0..count {
             let mut h: sys::CUmemGenericAllocationHandle = 0;
             // SAFETY: `h` is a valid out-pointer and `prop` is fully initialised.
@@ -121,8 +126,11 @@ impl Vmm {
                 sys::cuMemCreate(&mut h, size, &self.prop, 0)
             })?;
             out.handles.push(h);
+            if out.handles.len() == 1 {
+                first = t.elapsed();
+            }
         }
-        Ok((out, t.elapsed()))
+        Ok((out, t.elapsed(), first))
     }
 
     /// Maps every handle of `h` and enables access over them; returns the two times.
@@ -148,11 +156,12 @@ impl Vmm {
 
     /// Creates, maps and enables `count` handles of `size`.
     fn cycle(&self, count: usize, size: usize) -> Result<(Handles, Times)> {
-        let (mut h, create) = self.create(count, size)?;
+        let (mut h, create, first) = self.create(count, size)?;
         let (map, access) = self.map(&mut h)?;
         Ok((
             h,
             Times {
+                first,
                 create,
                 map,
                 access,
@@ -187,14 +196,25 @@ pub(super) fn rows(
         "VMM calls of {what} after a free, and a copy kernel of {} GiB with VMM calls made while it runs",
         p.host.len() / GIB
     ));
+    // For (c): enough kernels in a row to outlast the VMM calls.
+    let launches = ((Duration::from_millis(500).as_secs_f64() / p.link.as_secs_f64()).ceil()
+        as usize)
+        .clamp(1, 64);
+    log(&format!(
+        "handle size: {} as handles of 2 GiB to 128 MiB right after a trainer's free, idle and \
+         while {launches} copy kernels of {} GiB run",
+        size_name(count * size),
+        p.host.len() / GIB
+    ));
     // (a) After a trainer's free / after releasing the same handles, at several delays.
     let delays = [0u64, 50, 200, 1000];
     let mut summary = |name: String, t: &[Times], rows: &mut Vec<Row>| {
         let pick = |f: fn(&Times) -> Duration| Spread::of(&t.iter().map(f).collect::<Vec<_>>());
         let (c, m, a) = (pick(|t| t.create), pick(|t| t.map), pick(|t| t.access));
         log(&format!(
-            "{name}: create {:.1} ms, map {:.1} ms, access {:.1} ms (medians)",
+            "{name}: create {:.1} ms (the first handle {:.1} ms), map {:.1} ms, access {:.1} ms (medians)",
             ms(c.median),
+            ms(pick(|t| t.first).median),
             ms(m.median),
             ms(a.median)
         ));
@@ -232,21 +252,35 @@ pub(super) fn rows(
 
     // (b) The copy kernel alone, and with VMM calls made while it runs.
     let copy = RawCopy::whole(Direction::ToDevice, p.host, p.dst);
-    // Launches the kernel, runs `f` while it copies, waits for the kernel (always, before
-    // anything can return: it reads `host`), and returns the kernel's time and `f`'s value
-    // (handles it made stay alive until the caller drops them, after the kernel).
+    // Launches the kernel `launches` times in a row, runs `f` while they copy, waits for
+    // them (always, before anything can return: they read `host`), and returns the
+    // kernels' time and `f`'s value (handles it made stay alive until the caller drops
+    // them, after the kernels).
     type Made = (Option<Handles>, Times);
-    let meanwhile = |f: &mut dyn FnMut() -> Result<Made>| -> Result<(Duration, Made)> {
-        let t = Instant::now();
-        // SAFETY: `dst` is a resident device buffer of the host buffer's size, the host
-        // buffer is this backend's pinned memory, and both live until the stream is
-        // synchronized just below, whatever `f` returns.
-        unsafe { p.backend.copy_on(&copy, Mover::CopyKernel, p.stream.raw()) }
-            .map_err(|e| Error::backend("vmm_probe", "copy kernel", e))?;
-        let made = f();
-        p.stream.sync()?;
-        Ok((t.elapsed(), made?))
-    };
+    let meanwhile_n =
+        |launches: usize, f: &mut dyn FnMut() -> Result<Made>| -> Result<(Duration, Made)> {
+            let t = Instant::now();
+            let mut launched = Ok(());
+            for _ in 0..launches {
+                // SAFETY: `dst` is a resident device buffer of the host buffer's size, the host
+                // buffer is this backend's pinned memory, and both live until the stream is
+                // synchronized just below, whatever happens here.
+                launched = unsafe { p.backend.copy_on(&copy, Mover::CopyKernel, p.stream.raw()) }
+                    .map_err(|e| Error::backend("vmm_probe", "copy kernel", e));
+                if launched.is_err() {
+                    break;
+                }
+            }
+            let made = if launched.is_ok() {
+                f()
+            } else {
+                Ok((None, Times::default()))
+            };
+            p.stream.sync()?;
+            launched?;
+            Ok((t.elapsed(), made?))
+        };
+    let meanwhile = |f: &mut dyn FnMut() -> Result<Made>| meanwhile_n(1, f);
     let cycle = || -> Result<Made> {
         let (h, times) = vmm.cycle(count, size)?;
         Ok((Some(h), times))
@@ -262,8 +296,9 @@ pub(super) fn rows(
 
         std::thread::sleep(settle);
         let (k, (created, times)) = meanwhile(&mut || {
-            let (h, create) = vmm.create(count, size)?;
+            let (h, create, first) = vmm.create(count, size)?;
             let times = Times {
+                first,
                 create,
                 ..Times::default()
             };
@@ -336,5 +371,38 @@ pub(super) fn rows(
         &after_free,
         &during_after,
     );
+
+    // (c) Handle size right after a trainer's free: the same bytes as handles of several
+    // sizes, with the device idle, and while the copy kernel runs (queued so that it
+    // outlasts the calls, as in a resume that maps ahead while it copies).
+    let total = count * size;
+    for piece in [2 * GIB, 512 * MIB, 256 * MIB, 128 * MIB] {
+        let n = total / piece;
+        let (mut idle, mut busy) = (vec![], vec![]);
+        for _ in 0..repeats {
+            trainer_step(p.backend, margin)?;
+            idle.push(vmm.cycle(n, piece)?.1);
+            trainer_step(p.backend, margin)?;
+            let (_, (made, times)) = meanwhile_n(launches, &mut || {
+                let (h, times) = vmm.cycle(n, piece)?;
+                Ok((Some(h), times))
+            })?;
+            drop(made);
+            busy.push(times);
+        }
+        let what = format!("{} as {n} × {}", size_name(total), size_name(piece));
+        summary(
+            format!("create+map+access {what}, right after a trainer's free"),
+            &idle,
+            rows,
+        );
+        summary(
+            format!(
+                "create+map+access {what}, right after a trainer's free, while the copy kernel runs"
+            ),
+            &busy,
+            rows,
+        );
+    }
     Ok(())
 }

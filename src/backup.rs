@@ -35,14 +35,20 @@ use crate::pump::{Pinned, PinnedMut, Pump, Sink};
 /// large enough that each copy runs at link speed.
 pub const DEFAULT_HASH_CHUNK_BYTES: usize = 32 << 20;
 
-/// A save hashes and pushes its first batch of about this many bytes before the rest, then
-/// hashes the rest in one go while the first batch's copies run (hashing 16 GiB takes about
-/// 5 ms on the H200, copying 512 MiB over the link about 9 ms): see [`batches`]. Unit tests
-/// use a small first batch, so that their small saves take two.
+/// A save hashes and pushes its first batch of about this many bytes before the rest: its
+/// copies start once these are hashed (see [`batches`]). Unit tests use small batches, so
+/// that their small saves take several.
 #[cfg(not(test))]
-const FIRST_BATCH_BYTES: usize = 512 << 20;
+const FIRST_BATCH_BYTES: usize = 256 << 20;
 #[cfg(test)]
 const FIRST_BATCH_BYTES: usize = 8 << 10;
+
+/// A save's later batches hold at most about this many bytes: each is hashed (well under a
+/// millisecond per GiB on the H200) while the copies of the ones before it run.
+#[cfg(not(test))]
+const MAX_BATCH_BYTES: usize = 2 << 30;
+#[cfg(test)]
+const MAX_BATCH_BYTES: usize = 32 << 10;
 
 /// What a save did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -301,9 +307,9 @@ impl Backup {
                 ),
             });
         }
-        // Each wanted byte's hash chunk, and its parts of `want`, in two batches: each is
-        // hashed, then its changed parts pushed, so that the first batch's copies run while
-        // the rest is hashed (the hash kernel and the copy engine run side by side).
+        // Each wanted byte's hash chunk, and its parts of `want`, in batches: each batch is
+        // hashed, then its changed parts pushed, so that the copies of one batch run while
+        // the next is hashed (the hash kernel and the copy engine run side by side).
         let parts = by_chunk(&want, chunk);
         let mut new = skip_unchanged.then(|| Hashes {
             chunk,
@@ -491,26 +497,25 @@ unsafe fn hash_into(
     Ok(())
 }
 
-/// `parts` (a save's `(hash chunk, part)` pairs, in address order) cut into at most two
-/// batches, as ranges of indices into `parts`, at a hash-chunk boundary: the first holds
-/// about [`FIRST_BATCH_BYTES`] of parts (whole chunks, so it may hold more), the second the
-/// rest. Two, not more: every batch costs a hash launch and a wait for its results, which
-/// a release of unchanged contents (nothing to copy behind) pays in full.
+/// `parts` (a save's `(hash chunk, part)` pairs, in address order) cut into batches, as
+/// ranges of indices into `parts`, at hash-chunk boundaries: the first holds about
+/// [`FIRST_BATCH_BYTES`] of parts, each next one twice the one before, up to
+/// [`MAX_BATCH_BYTES`] (a batch always takes whole chunks, so it may hold more).
 fn batches(parts: &[(usize, Range<usize>)]) -> Vec<Range<usize>> {
-    let mut bytes = 0;
+    let mut out = Vec::new();
+    let (mut start, mut bytes, mut goal) = (0, 0, FIRST_BATCH_BYTES);
     for (i, (k, part)) in parts.iter().enumerate() {
         bytes += part.len();
         let chunk_ends = parts.get(i + 1).is_none_or(|(next, _)| next != k);
-        if bytes >= FIRST_BATCH_BYTES && chunk_ends {
-            return [0..i + 1, i + 1..parts.len()]
-                .into_iter()
-                .filter(|b| !b.is_empty())
-                .collect();
+        if bytes >= goal && chunk_ends {
+            out.push(start..i + 1);
+            (start, bytes, goal) = (i + 1, 0, (goal * 2).min(MAX_BATCH_BYTES));
         }
     }
-    std::iter::once(0..parts.len())
-        .filter(|b| !b.is_empty())
-        .collect()
+    if start < parts.len() {
+        out.push(start..parts.len());
+    }
+    out
 }
 
 /// Pushes the copies of device `base + r` into the backup's bytes `r` for each of `ranges`
@@ -807,25 +812,22 @@ mod tests {
     }
 
     #[test]
-    fn batches_are_a_first_one_and_the_rest_cut_at_a_chunk_boundary() {
+    fn batches_grow_to_the_cap_and_end_at_chunk_boundaries() {
         const K: usize = 1 << 10;
-        let sizes = |parts: &[(usize, Range<usize>)]| -> Vec<usize> {
-            batches(parts)
-                .into_iter()
-                .map(|b| parts[b].iter().map(|(_, p)| p.len()).sum())
-                .collect()
-        };
-        // 64 KiB in whole 1 KiB chunks: 8 KiB, then the rest.
-        assert_eq!(sizes(&by_chunk(&[0..64 * K], K)), [8 * K, 56 * K]);
-        // Less than a first batch: one batch; exactly one: one batch.
-        assert_eq!(sizes(&by_chunk(&[0..5 * K], K)), [5 * K]);
-        assert_eq!(sizes(&by_chunk(&[0..8 * K], K)), [8 * K]);
+        // 64 KiB in whole 1 KiB chunks: 8, 16, 32, 8 KiB.
+        let whole = by_chunk(&[0..64 * K], K);
+        let sizes: Vec<usize> = batches(&whole)
+            .into_iter()
+            .map(|b| whole[b].iter().map(|(_, p)| p.len()).sum())
+            .collect();
+        assert_eq!(sizes, [8 * K, 16 * K, 32 * K, 8 * K]);
         // The first batch reaches 8 KiB inside chunk 8 (bytes 8 KiB – 9 KiB), which holds two
         // parts: both stay in it.
         let parts = by_chunk(&[100..8 * K + 500, 8 * K + 600..12 * K], K);
         let cut = batches(&parts);
         assert_eq!(cut.len(), 2);
-        assert_eq!(parts[cut[0].clone()].last().map(|(k, _)| *k), Some(8));
+        let first = &parts[cut[0].clone()];
+        assert_eq!(first.last().map(|(k, _)| *k), Some(8));
         assert_eq!(parts[cut[1].clone()].first().map(|(k, _)| *k), Some(9));
         // Every part in exactly one batch, in order.
         assert_eq!(cut[0].start, 0);
@@ -835,7 +837,7 @@ mod tests {
     }
 
     #[test]
-    fn a_save_in_two_batches_copies_only_the_changed_chunks() {
+    fn a_save_in_many_batches_copies_only_the_changed_chunks() {
         let (len, chunk) = (4 * G, 1024);
         let (b, base, _maps) = device(len);
         let mut data = bytes(len, 4);
@@ -843,7 +845,7 @@ mod tests {
         let mut backup = Backup::default();
         backup.ensure(&b, len).unwrap();
         let all = vec![0..len];
-        assert_eq!(batches(&by_chunk(&all, chunk)).len(), 2);
+        assert!(batches(&by_chunk(&all, chunk)).len() > 4);
         let s1 = save_hashed(&mut backup, &b, base, len, &all, chunk);
         assert_eq!(s1.copied, len);
         // Change one byte in the first chunk, one in a middle one and the last byte.

@@ -35,21 +35,6 @@ use crate::pump::{Pinned, PinnedMut, Pump, Sink};
 /// large enough that each copy runs at link speed.
 pub const DEFAULT_HASH_CHUNK_BYTES: usize = 32 << 20;
 
-/// A save hashes and pushes its first batch of about this many bytes before the rest: its
-/// copies start once these are hashed (see [`batches`]). Unit tests use small batches, so
-/// that their small saves take several.
-#[cfg(not(test))]
-const FIRST_BATCH_BYTES: usize = 256 << 20;
-#[cfg(test)]
-const FIRST_BATCH_BYTES: usize = 8 << 10;
-
-/// A save's later batches hold at most about this many bytes: each is hashed (well under a
-/// millisecond per GiB on the H200) while the copies of the ones before it run.
-#[cfg(not(test))]
-const MAX_BATCH_BYTES: usize = 2 << 30;
-#[cfg(test)]
-const MAX_BATCH_BYTES: usize = 32 << 10;
-
 /// What a save did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Saved {
@@ -294,6 +279,30 @@ impl Backup {
             });
             return Ok(out);
         }
+        // Each wanted byte's hash chunk, and its parts of `want`.
+        let parts = by_chunk(&want, chunk);
+        let t = Instant::now();
+        let new = if skip_unchanged {
+            // SAFETY: the caller guarantees the range is mapped.
+            Some(unsafe { hash_chunks(backend, base, len, chunk, parts.iter().map(|(k, _)| *k)) }?)
+        } else {
+            None
+        };
+        out.hash = t.elapsed();
+
+        let unchanged = |k: usize, part: &Range<usize>| match (&old, &new) {
+            (Some(o), Some(n)) => {
+                let (was, now) = (o.of.get(k).copied().flatten(), n.of[k]);
+                was.is_some() && was == now && crate::ranges::covers(&old_valid, part)
+            }
+            _ => false,
+        };
+        let runs: Vec<Range<usize>> = bridge_touching(
+            parts
+                .iter()
+                .filter(|(k, part)| !unchanged(*k, part))
+                .map(|(_, part)| part.clone()),
+        );
         let buf = buf.as_mut().ok_or_else(|| BackendError::Invalid {
             op: "save",
             reason: "internal: no backup buffer".to_owned(),
@@ -307,44 +316,9 @@ impl Backup {
                 ),
             });
         }
-        // Each wanted byte's hash chunk, and its parts of `want`, in batches: each batch is
-        // hashed, then its changed parts pushed, so that the copies of one batch run while
-        // the next is hashed (the hash kernel and the copy engine run side by side).
-        let parts = by_chunk(&want, chunk);
-        let mut new = skip_unchanged.then(|| Hashes {
-            chunk,
-            of: vec![None; kernels::chunk_count(len, chunk)],
-        });
-        let unchanged = |new: &Option<Hashes>, k: usize, part: &Range<usize>| match (&old, new) {
-            (Some(o), Some(n)) => {
-                let (was, now) = (o.of.get(k).copied().flatten(), n.of[k]);
-                was.is_some() && was == now && crate::ranges::covers(&old_valid, part)
-            }
-            _ => false,
-        };
-        let (mut rest, mut at) = (PinnedMut::new(buf.as_mut()), 0);
-        for batch in batches(&parts) {
-            let batch = &parts[batch];
-            if let Some(n) = new.as_mut() {
-                let t = Instant::now();
-                // SAFETY: the caller guarantees the range is mapped.
-                unsafe { hash_into(backend, base, len, batch.iter().map(|(k, _)| *k), n) }?;
-                out.hash += t.elapsed();
-            }
-            let runs = bridge_touching(
-                batch
-                    .iter()
-                    .filter(|(k, part)| !unchanged(&new, *k, part))
-                    .map(|(_, part)| part.clone()),
-            );
-            // SAFETY: the caller's contract covers the device ranges (inside `base .. base +
-            // len`); the host side is the backup's rest from `at`, borrowed by the pump for
-            // its scope.
-            let pushed = unsafe { copy_out(rest, at, base, &runs, pump) }?;
-            let copied;
-            (rest, at, copied) = pushed;
-            out.copied += copied;
-        }
+        // SAFETY: the caller's contract covers the device ranges (inside `base .. base +
+        // len`); the host side is the backup, borrowed by the pump for its scope.
+        out.copied = unsafe { copy_out(PinnedMut::new(buf.as_mut()), base, &runs, pump) }?;
         *staged = Some(Staged {
             valid: want,
             hashes: new,
@@ -462,81 +436,37 @@ unsafe fn hash_chunks(
     chunk: usize,
     chunks: impl Iterator<Item = usize>,
 ) -> Result<Hashes, BackendError> {
-    let mut out = Hashes {
-        chunk,
-        of: vec![None; kernels::chunk_count(len, chunk)],
-    };
-    // SAFETY: forwarded from the caller.
-    unsafe { hash_into(backend, base, len, chunks, &mut out) }?;
-    Ok(out)
-}
-
-/// Hashes the chunks `chunks` (ascending indices) of device `base .. base + len` on the
-/// grid of `into.chunk` bytes into `into`, leaving its other entries as they are.
-///
-/// # Safety
-/// As [`hash_chunks`].
-unsafe fn hash_into(
-    backend: &dyn Backend,
-    base: u64,
-    len: usize,
-    chunks: impl Iterator<Item = usize>,
-    into: &mut Hashes,
-) -> Result<(), BackendError> {
-    let chunk = into.chunk;
+    let mut of = vec![None; kernels::chunk_count(len, chunk)];
     for run in crate::runs::runs(chunks) {
         let bytes = run.start * chunk..(run.end * chunk).min(len);
         // SAFETY: the caller guarantees the range is mapped.
         let h = unsafe { backend.chunk_hash(base + bytes.start as u64, bytes.len(), chunk) }?;
         for (k, h) in run.zip(h) {
-            if let Some(slot) = into.of.get_mut(k) {
+            if let Some(slot) = of.get_mut(k) {
                 *slot = Some(h);
             }
         }
     }
-    Ok(())
+    Ok(Hashes { chunk, of })
 }
 
-/// `parts` (a save's `(hash chunk, part)` pairs, in address order) cut into batches, as
-/// ranges of indices into `parts`, at hash-chunk boundaries: the first holds about
-/// [`FIRST_BATCH_BYTES`] of parts, each next one twice the one before, up to
-/// [`MAX_BATCH_BYTES`] (a batch always takes whole chunks, so it may hold more).
-fn batches(parts: &[(usize, Range<usize>)]) -> Vec<Range<usize>> {
-    let mut out = Vec::new();
-    let (mut start, mut bytes, mut goal) = (0, 0, FIRST_BATCH_BYTES);
-    for (i, (k, part)) in parts.iter().enumerate() {
-        bytes += part.len();
-        let chunk_ends = parts.get(i + 1).is_none_or(|(next, _)| next != k);
-        if bytes >= goal && chunk_ends {
-            out.push(start..i + 1);
-            (start, bytes, goal) = (i + 1, 0, (goal * 2).min(MAX_BATCH_BYTES));
-        }
-    }
-    if start < parts.len() {
-        out.push(start..parts.len());
-    }
-    out
-}
-
-/// Pushes the copies of device `base + r` into the backup's bytes `r` for each of `ranges`
-/// (sorted, disjoint, from `at` on) into `pump`; `dst` is the backup from offset `at` on.
-/// Returns the backup from the end of the last range on, that offset, and the bytes pushed.
+/// Pushes the copies of device `base + r` into `dst[r]` for each of `ranges` (sorted,
+/// disjoint, inside `dst`) into `pump`. Returns the bytes pushed.
 ///
 /// # Safety
 /// Each device range `base + r` is mapped memory of the pump's backend, not written until
 /// the pump's scope returns.
 unsafe fn copy_out<'h>(
     dst: PinnedMut<'h>,
-    at: usize,
     base: u64,
     ranges: &[Range<usize>],
     pump: &mut Pump<'_, 'h>,
-) -> Result<(PinnedMut<'h>, usize, usize), BackendError> {
+) -> Result<usize, BackendError> {
     let bad = |r: &Range<usize>| BackendError::Invalid {
         op: "save",
         reason: format!("internal: backup ranges out of order or outside the backup at {r:?}"),
     };
-    let (mut rest, mut at, mut copied) = (dst, at, 0usize);
+    let (mut rest, mut at, mut copied) = (dst, 0usize, 0usize);
     for r in ranges {
         let skip = r.start.checked_sub(at).ok_or_else(|| bad(r))?;
         let (_, tail) = rest.split_at(skip).ok_or_else(|| bad(r))?;
@@ -547,7 +477,7 @@ unsafe fn copy_out<'h>(
         (rest, at) = (tail, r.end);
         copied += r.len();
     }
-    Ok((rest, at, copied))
+    Ok(copied)
 }
 
 /// Whether device `base + part` equals `host[part]`: the part from its first 16-byte
@@ -809,53 +739,6 @@ mod tests {
             }
             put(&b, base, &data);
         }
-    }
-
-    #[test]
-    fn batches_grow_to_the_cap_and_end_at_chunk_boundaries() {
-        const K: usize = 1 << 10;
-        // 64 KiB in whole 1 KiB chunks: 8, 16, 32, 8 KiB.
-        let whole = by_chunk(&[0..64 * K], K);
-        let sizes: Vec<usize> = batches(&whole)
-            .into_iter()
-            .map(|b| whole[b].iter().map(|(_, p)| p.len()).sum())
-            .collect();
-        assert_eq!(sizes, [8 * K, 16 * K, 32 * K, 8 * K]);
-        // The first batch reaches 8 KiB inside chunk 8 (bytes 8 KiB – 9 KiB), which holds two
-        // parts: both stay in it.
-        let parts = by_chunk(&[100..8 * K + 500, 8 * K + 600..12 * K], K);
-        let cut = batches(&parts);
-        assert_eq!(cut.len(), 2);
-        let first = &parts[cut[0].clone()];
-        assert_eq!(first.last().map(|(k, _)| *k), Some(8));
-        assert_eq!(parts[cut[1].clone()].first().map(|(k, _)| *k), Some(9));
-        // Every part in exactly one batch, in order.
-        assert_eq!(cut[0].start, 0);
-        assert_eq!(cut[0].end, cut[1].start);
-        assert_eq!(cut[1].end, parts.len());
-        assert!(batches(&[]).is_empty());
-    }
-
-    #[test]
-    fn a_save_in_many_batches_copies_only_the_changed_chunks() {
-        let (len, chunk) = (4 * G, 1024);
-        let (b, base, _maps) = device(len);
-        let mut data = bytes(len, 4);
-        put(&b, base, &data);
-        let mut backup = Backup::default();
-        backup.ensure(&b, len).unwrap();
-        let all = vec![0..len];
-        assert!(batches(&by_chunk(&all, chunk)).len() > 4);
-        let s1 = save_hashed(&mut backup, &b, base, len, &all, chunk);
-        assert_eq!(s1.copied, len);
-        // Change one byte in the first chunk, one in a middle one and the last byte.
-        for at in [5, 2 * G + 3000, len - 1] {
-            data[at] ^= 0xFF;
-        }
-        put(&b, base, &data);
-        let s2 = save_hashed(&mut backup, &b, base, len, &all, chunk);
-        assert_eq!(s2.copied, 3 * chunk);
-        assert_eq!(restored(&backup, &b, base, len), (len, data));
     }
 
     #[test]

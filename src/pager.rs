@@ -980,9 +980,8 @@ impl Pager {
             let (skip, hash_chunk) = (self.config.skip_unchanged, self.config.hash_chunk_bytes);
             let gap = self.config.copy_gap_bytes;
             let t = Instant::now();
-            // One pump for the whole call: each region (each buffer of a growing one, each
-            // batch of a fixed one's hash chunks) is hashed while the copies of the ones
-            // before it run.
+            // One pump for the whole call: each region (each buffer of a growing one) is
+            // hashed while the copies of the ones before it run.
             let ((), pumped) = pump::scope(
                 backend,
                 self.pump_config(&self.save_route),

@@ -201,8 +201,8 @@ pub(super) fn rows(
         as usize)
         .clamp(1, 64);
     log(&format!(
-        "handle size: {} as handles of 2 GiB to 128 MiB right after a trainer's free, idle and \
-         while {launches} copy kernels of {} GiB run",
+        "then (c), handle size: {} as handles of 2 GiB to 128 MiB right after a trainer's \
+         free, idle and while {launches} copy kernels of {} GiB run",
         size_name(count * size),
         p.host.len() / GIB
     ));

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use common::{Rng, read};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
-use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, State};
+use gpu_pager::{Buffer, Error, Pager, Policy, RegionOptions, State};
 
 const MIB: usize = 1 << 20;
 const G: usize = 2 * MIB;
@@ -17,14 +17,7 @@ fn setup(capacity: usize) -> (Arc<HostBackend>, Pager) {
         capacity,
         granularity: G,
     }));
-    let pager = Pager::with_config(
-        backend.clone(),
-        PagerConfig {
-            chunk_bytes: 8 * MIB,
-            hash_chunk_bytes: MIB,
-            ..PagerConfig::default()
-        },
-    );
+    let pager = Pager::with_config(backend.clone(), common::small_chunks());
     (backend, pager)
 }
 
@@ -235,15 +228,7 @@ fn growing_regions_refuse_what_does_not_apply_and_report_conflicts() {
 #[test]
 fn a_growing_region_resumes_back_to_back_buffers_in_few_map_calls() {
     use gpu_pager::backend::faulty::FaultPoint;
-    let (host, faulty, pager) = common::faulty_host_pager(
-        1 << 30,
-        G,
-        PagerConfig {
-            chunk_bytes: 8 * MIB,
-            hash_chunk_bytes: MIB,
-            ..PagerConfig::default()
-        },
-    );
+    let (host, faulty, pager) = common::faulty_host_pager(1 << 30, G, common::small_chunks());
     pager.region("w", 0, Policy::Preserve).unwrap();
     let mut rng = Rng::seeded("back_to_back");
     let mut bufs = Vec::new();

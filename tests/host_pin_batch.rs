@@ -10,21 +10,13 @@ use common::{Rng, read};
 use gpu_pager::backend::faulty::{FaultPlan, FaultPoint, FaultyBackend};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::backend::{Backend, BackendError};
-use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, State};
+use gpu_pager::{Buffer, Error, Pager, Policy, State};
 
 const MIB: usize = 1 << 20;
 const G: usize = 2 * MIB;
 
 fn setup() -> (Arc<FaultyBackend>, Pager) {
-    let (_, faulty, pager) = common::faulty_host_pager(
-        1 << 30,
-        G,
-        PagerConfig {
-            chunk_bytes: 8 * MIB,
-            hash_chunk_bytes: MIB,
-            ..PagerConfig::default()
-        },
-    );
+    let (_, faulty, pager) = common::faulty_host_pager(1 << 30, G, common::small_chunks());
     (faulty, pager)
 }
 

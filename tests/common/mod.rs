@@ -165,6 +165,16 @@ pub fn assert_intact(pager: &gpu_pager::Pager, bufs: &[(gpu_pager::Buffer, Vec<u
     }
 }
 
+/// A pager config for small host tests: 8 MiB chunks, 1 MiB hash chunks, the rest default.
+pub fn small_chunks() -> gpu_pager::PagerConfig {
+    const MIB: usize = 1 << 20;
+    gpu_pager::PagerConfig {
+        chunk_bytes: 8 * MIB,
+        hash_chunk_bytes: MIB,
+        ..gpu_pager::PagerConfig::default()
+    }
+}
+
 /// A host backend of `capacity` bytes in granules of `granularity`, behind a
 /// [`gpu_pager::backend::faulty::FaultyBackend`] that plans no fault (to arm faults or count
 /// calls), and a pager on it with `config`.

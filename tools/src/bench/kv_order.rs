@@ -61,6 +61,7 @@ pub(super) fn rows(
             limit,
             limit_name: format!("bare map {name} right after the bare unmap of {name}"),
             target: None,
+            over: None,
         });
     };
     row(format!("pager maps {name} right after its own release"), &a);

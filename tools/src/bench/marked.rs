@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use gpu_pager::{Buffer, Error, Pager, Result};
 
-use super::{BenchConfig, Link, Row, Spread, trainer_step, write_weights};
+use super::{BenchConfig, Link, OverLink, Row, Spread, trainer_step, write_weights};
 
 const GIB: usize = 1 << 30;
 const MIB: usize = 1 << 20;
@@ -32,13 +32,13 @@ fn mark(pager: &Pager, bufs: &[Buffer], marked: impl Fn(usize) -> bool) -> Resul
 }
 
 /// The steps of the weights' part of `r`.
-fn steps(r: &gpu_pager::Report) -> gpu_pager::Steps {
+pub(super) fn steps(r: &gpu_pager::Report) -> gpu_pager::Steps {
     r.region("weights").map(|w| w.steps).unwrap_or_default()
 }
 
 /// "sync 0.1 ms, hash 2.0 ms, copy 160.2 ms, map 0.0 ms, unmap 11.9 ms": the medians of
 /// each step over `samples` of (the call's wait for the device, its steps).
-fn breakdown(samples: &[(Duration, gpu_pager::Steps)]) -> String {
+pub(super) fn breakdown(samples: &[(Duration, gpu_pager::Steps)]) -> String {
     let median = |f: &dyn Fn(&(Duration, gpu_pager::Steps)) -> Duration| {
         super::ms(Spread::of(&samples.iter().map(f).collect::<Vec<_>>()).median)
     };
@@ -68,8 +68,6 @@ pub(super) fn rows(
 ) -> Result<()> {
     let backend = pager.backend().clone();
     let b = backend.as_ref();
-    let h2d = |n: usize| Duration::from_secs_f64(n as f64 / (link.h2d_gbps * 1e9));
-    let d2h = |n: usize| Duration::from_secs_f64(n as f64 / (link.d2h_gbps * 1e9));
     let gib = |n: usize| n as f64 / GIB as f64;
     let w = ["weights"];
 
@@ -104,6 +102,7 @@ pub(super) fn rows(
         limit: Spread::of(&bunmap),
         limit_name: format!("bare unmap+release, {chunks} chunks"),
         target: Some(1.1),
+        over: None,
     });
     rows.push(Row {
         name: "resume weights, every buffer marked".into(),
@@ -111,6 +110,7 @@ pub(super) fn rows(
         limit: Spread::of(&bmap),
         limit_name: format!("bare create+map+set-access, {chunks} chunks"),
         target: Some(1.1),
+        over: None,
     });
     let budget = Duration::from_millis(20).mul_f64(cfg.weights_bytes as f64 / (16 * GIB) as f64);
     for (what, samples) in [("release", &rel), ("resume", &res)] {
@@ -120,6 +120,7 @@ pub(super) fn rows(
             limit: Spread::of(&[budget]),
             limit_name: "20 ms per 16 GiB (target)".into(),
             target: Some(1.0),
+            over: None,
         });
     }
 
@@ -151,35 +152,37 @@ pub(super) fn rows(
             "release weights, half the buffers marked, contents changed",
             &rel,
             saved,
-            d2h(saved),
+            OverLink::d2h(saved),
             "D2H",
         ),
         (
             "resume weights, half the buffers marked, 1 s after",
             &res,
             restored,
-            h2d(restored),
+            OverLink::h2d(restored),
             "H2D",
         ),
     ];
-    for (name, samples, unmarked, link_time, way) in halves {
-        rows.push(Row {
-            name: name.into(),
-            figure: Spread::of(samples),
-            limit: Spread::of(&[link_time]),
-            limit_name: format!("{:.2} GiB unmarked / {way}", gib(unmarked)),
-            target: None,
-        });
-        rows.push(Row {
-            name: format!("{name}, against the target"),
-            figure: Spread::of(samples),
-            limit: Spread::of(&[budget + link_time]),
-            limit_name: format!(
+    for (name, samples, unmarked, over, way) in halves {
+        rows.push(Row::over_link(
+            name,
+            samples,
+            over,
+            link,
+            format!("{:.2} GiB unmarked / {way}", gib(unmarked)),
+            None,
+        ));
+        rows.push(Row::over_link(
+            format!("{name}, against the target"),
+            samples,
+            over.plus(budget),
+            link,
+            format!(
                 "20 ms per 16 GiB + {:.2} GiB unmarked / {way} (target)",
                 gib(unmarked)
             ),
-            target: Some(1.0),
-        });
+            Some(1.0),
+        ));
     }
 
     // ---- the RL wake-up ------------------------------------------------------------
@@ -236,15 +239,15 @@ pub(super) fn rows(
         "RL wake-up stages (medians): {}",
         breakdown.join(", ")
     ));
-    rows.push(Row {
-        name: "RL wake-up: release kv+weights (marked), resume weights, update, resume kv \
-               (trainer excluded)"
-            .into(),
-        figure: Spread::of(&total),
-        limit: Spread::of(&[h2d(cfg.weights_bytes)]),
-        limit_name: format!("{:.2} GiB weights / H2D (one pass)", gib(cfg.weights_bytes)),
-        target: None,
-    });
+    rows.push(Row::over_link(
+        "RL wake-up: release kv+weights (marked), resume weights, update, resume kv \
+         (trainer excluded)",
+        &total,
+        OverLink::h2d(cfg.weights_bytes),
+        link,
+        format!("{:.2} GiB weights / H2D (one pass)", gib(cfg.weights_bytes)),
+        None,
+    ));
 
     for e in &extras {
         pager.free(e)?;

@@ -27,7 +27,8 @@ use gpu_pager::report::ms;
 use gpu_pager::{Error, Pager, Policy, RegionOptions, Result};
 
 use super::{
-    Bare, BenchConfig, GIB, Link, MIB, Row, Spread, size_name, weight_buffers, weight_sizes,
+    Bare, BenchConfig, GIB, Link, MIB, OverLink, Row, Spread, size_name, weight_buffers,
+    weight_sizes,
 };
 
 fn err(tag: &str, what: impl std::fmt::Display) -> Error {
@@ -134,6 +135,7 @@ pub(super) fn first_release_rows(
             limit: Spread::of(&[budget]),
             limit_name: format!("1 s per 16 GiB (target; {:.2} GiB)", gib(copied)),
             target: Some(1.0),
+            over: None,
         });
         let pinning = if pumped < copied {
             format!(
@@ -143,24 +145,27 @@ pub(super) fn first_release_rows(
         } else {
             "pinning the backup".to_owned()
         };
-        rows.push(Row {
-            name: format!("  … of which {pinning} ({what})"),
-            figure: Spread::of(&pin),
-            limit: Spread::of(&[over(copied, link.d2h_gbps)]),
-            limit_name: format!("{:.2} GiB / D2H", gib(copied)),
-            target: None,
-        });
-        rows.push(Row {
-            name: format!(
+        let d2h = || format!("{:.2} GiB / D2H", gib(copied));
+        rows.push(Row::over_link(
+            format!("  … of which {pinning} ({what})"),
+            &pin,
+            OverLink::d2h(copied),
+            link,
+            d2h(),
+            None,
+        ));
+        rows.push(Row::over_link(
+            format!(
                 "  … of which the pump's copy, {:.2} GiB, hashing {:.1} ms apart ({what})",
                 gib(pumped),
                 ms(Spread::of(&hash).median)
             ),
-            figure: Spread::of(&copy),
-            limit: Spread::of(&[over(copied, link.d2h_gbps)]),
-            limit_name: format!("{:.2} GiB / D2H", gib(copied)),
-            target: if pumped == copied { Some(1.1) } else { None },
-        });
+            &copy,
+            OverLink::d2h(copied),
+            link,
+            d2h(),
+            if pumped == copied { Some(1.1) } else { None },
+        ));
         pager.remove(tag)?;
     }
     Ok(())
@@ -272,17 +277,18 @@ pub(super) fn pin_rows(
     ));
     let old = host_alloc_once(&cuda, bytes)?;
     let limit = Spread::of(&[old]);
-    rows.push(Row {
-        name: format!(
+    rows.push(Row::over_link(
+        format!(
             "pin {}: cuMemHostAlloc + zero (the old alloc_pinned), {:.2} GiB/s",
             size_name(bytes),
             gib_per_s(bytes, old)
         ),
-        figure: limit,
-        limit: Spread::of(&[over(bytes, link.d2h_gbps)]),
-        limit_name: format!("{} / D2H", size_name(bytes)),
-        target: None,
-    });
+        &[old],
+        OverLink::d2h(bytes),
+        link,
+        format!("{} / D2H", size_name(bytes)),
+        None,
+    ));
     let d = PinOptions::default();
     let methods: Vec<(String, PinOptions, usize)> = vec![
         (format!("alloc_pinned ({thp})"), d, 3),
@@ -411,7 +417,12 @@ fn batch_from_device_rows(
         piece_bytes: FIRST_BACKUP_PIECE_BYTES,
         ..d
     };
-    let (mut serial, mut overlapped) = (vec![], vec![]);
+    let small_pages = PinOptions {
+        huge_pages: false,
+        ..opts
+    };
+    let (mut serial, mut overlapped, mut overlapped_small) = (vec![], vec![], vec![]);
+    let mut counters = [ThpCounters::default(); 2];
     for _ in 0..2 {
         let t = Instant::now();
         let mut bufs = cuda
@@ -424,20 +435,31 @@ fn batch_from_device_rows(
         }
         serial.push(t.elapsed());
         drop(bufs);
-        let t = Instant::now();
-        // SAFETY: every range lies inside the live buffer, not written meanwhile.
-        let bufs = unsafe { cuda.pin_many_from_device(&ranges, &opts) }
-            .map_err(|e| Error::backend(tag, "pin_many_from_device", e))?;
-        let wall = t.elapsed();
-        let ok = bufs
-            .last()
-            .is_some_and(|h| holds_pattern(&h.as_slice()[last - tail..], 0x1234_5678, phase));
-        if !ok {
-            return Err(err(tag, "pin_many_from_device copied wrong data"));
+        // With huge pages (the default), then without: on a host whose free memory is
+        // fragmented, every huge-page fault may have to compact memory first.
+        for (k, o) in [opts, small_pages].iter().enumerate() {
+            let before = ThpCounters::now();
+            let t = Instant::now();
+            // SAFETY: every range lies inside the live buffer, not written meanwhile.
+            let bufs = unsafe { cuda.pin_many_from_device(&ranges, o) }
+                .map_err(|e| Error::backend(tag, "pin_many_from_device", e))?;
+            let wall = t.elapsed();
+            counters[k].add(&ThpCounters::now().since(&before));
+            let ok = bufs
+                .last()
+                .is_some_and(|h| holds_pattern(&h.as_slice()[last - tail..], 0x1234_5678, phase));
+            if !ok {
+                return Err(err(tag, "pin_many_from_device copied wrong data"));
+            }
+            let steps = bufs.first().map(|p| p.timings()).unwrap_or_default();
+            [&mut overlapped, &mut overlapped_small][k].push((wall, steps));
         }
-        let steps = bufs.first().map(|p| p.timings()).unwrap_or_default();
-        overlapped.push((wall, steps));
     }
+    log(&format!(
+        "pin_many_from_device, the kernel's counters over its runs: with MADV_HUGEPAGE {}; \
+         without {}",
+        counters[0], counters[1]
+    ));
     pager.remove(tag)?;
     let budget = Duration::from_secs(1).mul_f64(bytes as f64 / (16 * GIB) as f64);
     let what = format!("{} as {} buffers", size_name(bytes), sizes.len());
@@ -447,6 +469,7 @@ fn batch_from_device_rows(
         limit: Spread::of(&[budget]),
         limit_name: "1 s per 16 GiB (target)".into(),
         target: Some(1.0),
+        over: None,
     });
     rows.push(pipeline_row(
         format!(
@@ -457,7 +480,67 @@ fn batch_from_device_rows(
         bytes,
         link,
     ));
+    rows.push(pipeline_row(
+        format!(
+            "backups of {what}: pin_many_from_device, {} parts, no MADV_HUGEPAGE",
+            size_name(FIRST_BACKUP_PIECE_BYTES)
+        ),
+        &overlapped_small,
+        bytes,
+        link,
+    ));
     Ok(())
+}
+
+/// The kernel's counters of direct compaction and transparent huge-page faults
+/// (`/proc/vmstat`; zeros where it cannot be read).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct ThpCounters {
+    compact_stall: u64,
+    thp_fault_alloc: u64,
+    thp_fault_fallback: u64,
+}
+
+impl ThpCounters {
+    fn now() -> ThpCounters {
+        let text = std::fs::read_to_string("/proc/vmstat").unwrap_or_default();
+        let get = |key: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
+                .unwrap_or(0)
+        };
+        ThpCounters {
+            compact_stall: get("compact_stall"),
+            thp_fault_alloc: get("thp_fault_alloc"),
+            thp_fault_fallback: get("thp_fault_fallback"),
+        }
+    }
+
+    fn since(&self, before: &ThpCounters) -> ThpCounters {
+        ThpCounters {
+            compact_stall: self.compact_stall.saturating_sub(before.compact_stall),
+            thp_fault_alloc: self.thp_fault_alloc.saturating_sub(before.thp_fault_alloc),
+            thp_fault_fallback: self
+                .thp_fault_fallback
+                .saturating_sub(before.thp_fault_fallback),
+        }
+    }
+
+    fn add(&mut self, d: &ThpCounters) {
+        self.compact_stall += d.compact_stall;
+        self.thp_fault_alloc += d.thp_fault_alloc;
+        self.thp_fault_fallback += d.thp_fault_fallback;
+    }
+}
+
+impl std::fmt::Display for ThpCounters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "compact_stall +{}, thp_fault_alloc +{}, thp_fault_fallback +{}",
+            self.compact_stall, self.thp_fault_alloc, self.thp_fault_fallback
+        )
+    }
 }
 
 /// The row of a pin-and-copy pipeline over `bytes` (`samples`: wall time and the pinning's
@@ -486,6 +569,7 @@ fn pipeline_row(
             ms(over(bytes, link.d2h_gbps))
         ),
         target: Some(1.0),
+        over: None,
     }
 }
 
@@ -576,6 +660,7 @@ fn pin_row(
         limit,
         limit_name: limit_name.into(),
         target: None,
+        over: None,
     }
 }
 
@@ -677,6 +762,7 @@ fn cross_registration_rows(
                     .map_or(String::new(), |f| format!(" ({f})"))
             ),
             target: None,
+            over: None,
         });
     }
     Ok(())
@@ -741,6 +827,7 @@ fn overlap_rows(
         limit: Spread::of(&[budget]),
         limit_name: "1 s per 16 GiB (target)".into(),
         target: Some(1.0),
+        over: None,
     });
     for (k, samples) in overlapped.iter().enumerate() {
         rows.push(pipeline_row(
@@ -861,6 +948,7 @@ pub(super) fn kv_pattern_rows(
             limit: Spread::of(&map[k]),
             limit_name: format!("bare create+map+set-access, {}", name(k)),
             target: Some(1.1),
+            over: None,
         });
         rows.push(Row {
             name: format!("release KV {gib_name} as {} (pager)", name(k)),
@@ -868,6 +956,7 @@ pub(super) fn kv_pattern_rows(
             limit: Spread::of(&unmap[k]),
             limit_name: format!("bare unmap+release, {}", name(k)),
             target: Some(1.1),
+            over: None,
         });
     }
     let base = n - 1; // 128 handles: the pattern of the old 512 MiB default
@@ -878,6 +967,7 @@ pub(super) fn kv_pattern_rows(
             limit: Spread::of(&map[base]),
             limit_name: format!("bare map, {}", name(base)),
             target: None,
+            over: None,
         });
         rows.push(Row {
             name: format!("bare unmap, {}", name(k)),
@@ -885,6 +975,7 @@ pub(super) fn kv_pattern_rows(
             limit: Spread::of(&unmap[base]),
             limit_name: format!("bare unmap, {}", name(base)),
             target: None,
+            over: None,
         });
     }
     if bare.retries > 0 {

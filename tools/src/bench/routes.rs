@@ -12,7 +12,8 @@ use gpu_pager::report::gbps;
 use gpu_pager::{Buffer, CopyRoute, Error, Pager, Policy, RegionOptions, Report, Result};
 
 use super::{
-    BenchConfig, GIB, Link, Row, Spread, backend_err, size_name, trainer_step, write_weights,
+    BenchConfig, GIB, Link, OverLink, Row, Spread, backend_err, size_name, trainer_step,
+    write_weights,
 };
 
 /// The rows; see the module docs. Needs the `weights` region (buffers `bufs`) resident with
@@ -36,8 +37,6 @@ pub(super) fn rows(
     };
     let repeats = cfg.repeats.clamp(1, 3);
     let defaults = pager.config();
-    let h2d = |n: usize| Duration::from_secs_f64(n as f64 / (link.h2d_gbps * 1e9));
-    let d2h = |n: usize| Duration::from_secs_f64(n as f64 / (link.d2h_gbps * 1e9));
 
     movers_rows(pager, cfg, link, log, rows)?;
 
@@ -96,46 +95,42 @@ pub(super) fn rows(
         ));
         let target = |t: f64| (route == defaults.restore_route).then_some(t);
         let save_target = |t: f64| (route == defaults.save_route).then_some(t);
-        let row = |name: String, samples: &[Duration], limit: Duration, what: String, target| Row {
-            name,
-            figure: Spread::of(samples),
-            limit: Spread::of(&[limit]),
-            limit_name: what,
-            target,
+        let row = |name: String, samples: &[Duration], over: OverLink, what: String, target| {
+            Row::over_link(name, samples, over, link, what, target)
         };
         let gib = |n: usize| n as f64 / GIB as f64;
         rows.push(row(
             format!("resume weights, {route}, 1 s after the release"),
             &res_settled,
-            h2d(restored),
+            OverLink::h2d(restored),
             format!("{:.2} GiB / H2D", gib(restored)),
             target(1.05),
         ));
         rows.push(row(
             format!("resume weights, {route}, right after a trainer's allocate/write/free"),
             &res_after,
-            h2d(restored),
+            OverLink::h2d(restored),
             format!("{:.2} GiB / H2D", gib(restored)),
             target(1.15),
         ));
         rows.push(row(
             format!("resume weights, {route}, right after releasing kv_cache + weights"),
             &res_kv,
-            h2d(restored),
+            OverLink::h2d(restored),
             format!("{:.2} GiB / H2D", gib(restored)),
             target(1.15),
         ));
         rows.push(row(
             format!("release weights (changed), {route}, 1 s after the writes"),
             &rel_settled,
-            d2h(saved),
+            OverLink::d2h(saved),
             format!("{:.2} GiB / D2H", gib(saved)),
             save_target(1.05),
         ));
         rows.push(row(
             format!("release weights (changed), {route}, right after a trainer's free"),
             &rel_after,
-            d2h(saved),
+            OverLink::d2h(saved),
             format!("{:.2} GiB / D2H", gib(saved)),
             None,
         ));
@@ -145,7 +140,7 @@ pub(super) fn rows(
                 size_name(cfg.kv_bytes)
             ),
             &rel_kv,
-            d2h(saved_kv),
+            OverLink::d2h(saved_kv),
             format!("{:.2} GiB / D2H", gib(saved_kv)),
             None,
         ));
@@ -238,15 +233,14 @@ fn shape_rows(
             gpu_pager::report::ms(Spread::of(&waits).median),
             mover_split(&split)
         ));
-        rows.push(Row {
+        rows.push(Row::over_link(
             name,
-            figure: Spread::of(&samples),
-            limit: Spread::of(&[Duration::from_secs_f64(
-                restored as f64 / (link.h2d_gbps * 1e9),
-            )]),
-            limit_name: format!("{:.2} GiB / H2D", restored as f64 / GIB as f64),
-            target: None,
-        });
+            &samples,
+            OverLink::h2d(restored),
+            link,
+            format!("{:.2} GiB / H2D", restored as f64 / GIB as f64),
+            None,
+        ));
     }
     pager.set_overlap_restore(defaults.overlap_restore);
     pager.set_copy_units(defaults.copy_unit_bytes, defaults.copy_depth);
@@ -255,7 +249,7 @@ fn shape_rows(
 }
 
 /// "copy engine 3.2 GiB, copy kernel 12.5 GiB (80%)".
-fn mover_split(s: &PumpStats) -> String {
+pub(super) fn mover_split(s: &PumpStats) -> String {
     let total = s.total_bytes().max(1);
     Mover::ALL
         .iter()
@@ -310,9 +304,9 @@ fn movers_rows(
                 samples.push(t.elapsed());
                 stats = s;
             }
-            let (dir, gbs) = match direction {
-                Direction::ToDevice => ("H2D", link.h2d_gbps),
-                Direction::ToHost => ("D2H", link.d2h_gbps),
+            let (dir, over) = match direction {
+                Direction::ToDevice => ("H2D", OverLink::h2d(bytes)),
+                Direction::ToHost => ("D2H", OverLink::d2h(bytes)),
             };
             let best = samples.iter().min().copied().unwrap_or_default();
             log(&format!(
@@ -320,16 +314,17 @@ fn movers_rows(
                 gbps(bytes, best),
                 mover_split(&stats)
             ));
-            rows.push(Row {
-                name: format!(
+            rows.push(Row::over_link(
+                format!(
                     "{route} {} {dir} through the pump, settled (best of 3)",
                     size_name(bytes)
                 ),
-                figure: Spread::of(&[best]),
-                limit: Spread::of(&[Duration::from_secs_f64(bytes as f64 / (gbs * 1e9))]),
-                limit_name: format!("{} / {dir} (one copy-engine copy)", size_name(bytes)),
-                target: None,
-            });
+                &[best],
+                over,
+                link,
+                format!("{} / {dir} (one copy-engine copy)", size_name(bytes)),
+                None,
+            ));
         }
     }
     drop(host);
@@ -452,7 +447,6 @@ fn both_directions_rows(
             pager.release(&["weights_y"])?;
             pager.resume(&["weights"])?;
         }
-        let one_way = Duration::from_secs_f64(moved as f64 / (link.h2d_gbps * 1e9));
         let median = Spread::of(&both).median;
         log(&format!(
             "both directions, {name}: {:.1} GB/s together ({:.2}× one direction's link); \
@@ -462,19 +456,20 @@ fn both_directions_rows(
             Spread::of(&alone_rel).median.as_secs_f64() * 1e3,
             Spread::of(&alone_res).median.as_secs_f64() * 1e3,
         ));
-        rows.push(Row {
-            name: format!(
+        rows.push(Row::over_link(
+            format!(
                 "release weights (changed) while resuming {} of another tag, {name}",
                 size_name(cfg.weights_bytes)
             ),
-            figure: Spread::of(&both),
-            limit: Spread::of(&[one_way]),
-            limit_name: format!(
+            &both,
+            OverLink::h2d(moved),
+            link,
+            format!(
                 "{:.2} GiB / H2D (one direction); ≤ 0.625 is ≥ 1.6× its link",
                 moved as f64 / GIB as f64
             ),
-            target: (name == "default routes").then_some(0.625),
-        });
+            (name == "default routes").then_some(0.625),
+        ));
     }
     pager.remove("weights_y")?;
     Ok(())
@@ -519,19 +514,19 @@ fn bare_duplex_row(
     }
     drop((src, dst));
     pager.remove(tag)?;
-    let one_way = Duration::from_secs_f64(2.0 * bytes as f64 / (link.h2d_gbps * 1e9));
-    Ok(Some(Row {
-        name: format!(
+    Ok(Some(Row::over_link(
+        format!(
             "bare: {} host→device and {} device→host at once, copy engine, two streams",
             size_name(bytes),
             size_name(bytes)
         ),
-        figure: Spread::of(&samples),
-        limit: Spread::of(&[one_way]),
-        limit_name: format!(
+        &samples,
+        OverLink::h2d(2 * bytes),
+        link,
+        format!(
             "{:.2} GiB / H2D (one direction): the link's own duplex factor",
             2.0 * bytes as f64 / GIB as f64
         ),
-        target: None,
-    }))
+        None,
+    )))
 }

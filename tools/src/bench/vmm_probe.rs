@@ -7,8 +7,9 @@
 //! `cuMemSetAccess` apart, at several delays after a free (the trainer's, or the release
 //! of the same handles), and time a copy kernel alone against the same kernel with each of
 //! those calls made while it runs, and, right after a trainer's free, the same 16 GiB made
-//! of handles of several sizes, with the device idle and while the copy kernel runs. CUDA
-//! only: the calls are made here, on raw handles.
+//! of handles of several sizes, with the device idle and while the copy kernel runs; and
+//! whether releasing the KV cache's 32 handles of 2 GiB goes faster on several threads.
+//! CUDA only: the calls are made here, on raw handles.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,7 +19,7 @@ use gpu_pager::backend::{Backend, Direction, HostBuffer, Mover, RawCopy};
 use gpu_pager::report::ms;
 use gpu_pager::{Error, Result};
 
-use super::{GIB, MIB, Row, Spread, size_name, streams::Stream, trainer_step};
+use super::{GIB, Link, MIB, OverLink, Row, Spread, size_name, streams::Stream, trainer_step};
 
 /// Handles created with `cuMemCreate` and, once [`Vmm::map`] ran, mapped back to back into
 /// a reservation of their total size. Dropping them unmaps what is mapped, releases the
@@ -52,7 +53,7 @@ impl Drop for Handles {
 
 /// The raw VMM calls, on the device's primary context (the backend's).
 struct Vmm {
-    _ctx: Arc<CudaContext>,
+    ctx: Arc<CudaContext>,
     prop: sys::CUmemAllocationProp,
     access: sys::CUmemAccessDesc,
 }
@@ -92,7 +93,7 @@ impl Vmm {
             id: 0,
         };
         Ok(Vmm {
-            _ctx: ctx,
+            ctx,
             prop: gpu_pager::backend::cuda::device_alloc_prop(0),
             access: sys::CUmemAccessDesc {
                 location,
@@ -154,6 +155,57 @@ impl Vmm {
         Ok((map, t.elapsed()))
     }
 
+    /// Unmaps `h` (a call per handle), then releases its handles on `threads` threads
+    /// (each a share of them, in order); returns the two times. The reservation is freed
+    /// when `h` drops.
+    fn give_back(&self, mut h: Handles, threads: usize) -> Result<(Duration, Duration)> {
+        let t = Instant::now();
+        for i in 0..h.mapped {
+            let at = h.base + (i * h.size) as u64;
+            // SAFETY: handle i is mapped at `at` (by `Vmm::map`); no kernel uses it.
+            driver("cuMemUnmap", unsafe { sys::cuMemUnmap(at, h.size) })?;
+        }
+        h.mapped = 0;
+        let unmap = t.elapsed();
+        let handles = std::mem::take(&mut h.handles);
+        let per = handles.len().div_ceil(threads.max(1)).max(1);
+        let ctx = &self.ctx;
+        let t = Instant::now();
+        let results: Vec<Result<()>> = std::thread::scope(|s| {
+            let joins: Vec<_> = handles
+                .chunks(per)
+                .map(|share| {
+                    s.spawn(move || {
+                        ctx.bind_to_thread().map_err(|e| Error::InvalidArgument {
+                            tag: "vmm_probe".into(),
+                            reason: format!("binding the primary context failed: {e:?}"),
+                        })?;
+                        for &handle in share {
+                            // SAFETY: each handle came from cuMemCreate, is unmapped above and
+                            // is released once, here (the shares do not overlap).
+                            driver("cuMemRelease", unsafe { sys::cuMemRelease(handle) })?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            joins
+                .into_iter()
+                .map(|j| {
+                    j.join().unwrap_or_else(|_| {
+                        Err(Error::InvalidArgument {
+                            tag: "vmm_probe".into(),
+                            reason: "a release thread panicked".into(),
+                        })
+                    })
+                })
+                .collect()
+        });
+        let release = t.elapsed();
+        results.into_iter().collect::<Result<()>>()?;
+        Ok((unmap, release))
+    }
+
     /// Creates, maps and enables `count` handles of `size`.
     fn cycle(&self, count: usize, size: usize) -> Result<(Handles, Times)> {
         let (mut h, create, first) = self.create(count, size)?;
@@ -177,8 +229,8 @@ pub(super) struct Probe<'a> {
     pub dst: u64,
     pub host: &'a dyn HostBuffer,
     pub stream: &'a Stream,
-    /// The time `host`'s bytes take over the link settled, the rows' limit.
-    pub link: Duration,
+    /// The link measured settled: `host`'s bytes over it are the rows' limit.
+    pub link: &'a Link,
 }
 
 /// Appends the rows; `margin` is what the trainer leaves free.
@@ -197,8 +249,9 @@ pub(super) fn rows(
         p.host.len() / GIB
     ));
     // For (c): enough kernels in a row to outlast the VMM calls.
-    let launches = ((Duration::from_millis(500).as_secs_f64() / p.link.as_secs_f64()).ceil()
-        as usize)
+    let over = OverLink::h2d(p.host.len());
+    let launches = ((Duration::from_millis(500).as_secs_f64() / over.time(p.link).as_secs_f64())
+        .ceil() as usize)
         .clamp(1, 64);
     log(&format!(
         "then (c), handle size: {} as handles of 2 GiB to 128 MiB right after a trainer's \
@@ -219,13 +272,8 @@ pub(super) fn rows(
             ms(a.median)
         ));
         let total: Vec<Duration> = t.iter().map(|t| t.create + t.map + t.access).collect();
-        rows.push(Row {
-            name,
-            figure: Spread::of(&total),
-            limit: Spread::of(&[p.link]),
-            limit_name: format!("{} GiB / H2D (settled)", p.host.len() / GIB),
-            target: None,
-        });
+        let limit = format!("{} GiB / H2D (settled)", p.host.len() / GIB);
+        rows.push(Row::over_link(name, &total, over, p.link, limit, None));
     };
     for &delay in &delays {
         let (mut trainer, mut own) = (vec![], vec![]);
@@ -342,13 +390,14 @@ pub(super) fn rows(
         if !during.is_empty() {
             summary(format!("… the VMM calls made while {name}"), during, rows);
         }
-        rows.push(Row {
-            name: format!("copy kernel {gib} GiB H2D, {name}"),
-            figure: Spread::of(samples),
-            limit: Spread::of(&[p.link]),
-            limit_name: format!("{gib} GiB / H2D (settled)"),
-            target: None,
-        });
+        rows.push(Row::over_link(
+            format!("copy kernel {gib} GiB H2D, {name}"),
+            samples,
+            over,
+            p.link,
+            format!("{gib} GiB / H2D (settled)"),
+            None,
+        ));
     };
     kernel_row("alone, settled", &alone, &[]);
     kernel_row(
@@ -404,5 +453,57 @@ pub(super) fn rows(
             rows,
         );
     }
+
+    // (d) Giving back the KV cache's pattern (32 × 2 GiB, what a KV pause unmaps): the
+    // releases on one thread against releases spread over several, alternated. Does the
+    // driver release handles in parallel?
+    let (kv_count, kv_size) = (32, 2 * GIB);
+    let spreads = [1usize, 4, 8];
+    log(&format!(
+        "then (d), giving back {kv_count} × {} GiB: cuMemRelease on {spreads:?} threads",
+        kv_size / GIB
+    ));
+    let mut given = vec![(vec![], vec![]); spreads.len()];
+    for _ in 0..repeats * 3 {
+        for (k, &threads) in spreads.iter().enumerate() {
+            let (h, _) = vmm.cycle(kv_count, kv_size)?;
+            let (unmap, release) = vmm.give_back(h, threads)?;
+            given[k].0.push(unmap);
+            given[k].1.push(release);
+        }
+    }
+    let base = Spread::of(&given[0].1);
+    for (k, &threads) in spreads.iter().enumerate() {
+        let (unmap, release) = (Spread::of(&given[k].0), Spread::of(&given[k].1));
+        log(&format!(
+            "give back {kv_count} × {} GiB, releases on {}: unmap {:.1} ms, release {:.1} ms \
+             (medians)",
+            kv_size / GIB,
+            on_threads(threads),
+            ms(unmap.median),
+            ms(release.median)
+        ));
+        rows.push(Row {
+            name: format!(
+                "cuMemRelease of {kv_count} × {} GiB (unmapped just before) on {}",
+                kv_size / GIB,
+                on_threads(threads)
+            ),
+            figure: release,
+            limit: base,
+            limit_name: "the same on 1 thread".into(),
+            target: None,
+            over: None,
+        });
+    }
     Ok(())
+}
+
+/// "1 thread", "4 threads".
+fn on_threads(n: usize) -> String {
+    if n == 1 {
+        "1 thread".to_owned()
+    } else {
+        format!("{n} threads")
+    }
 }

@@ -68,6 +68,30 @@ def thp_state() -> str:
     return ", ".join(parts)
 
 
+VMSTAT_KEYS = ("compact_stall", "compact_fail", "compact_success", "thp_fault_alloc",
+                "thp_fault_fallback")
+
+
+def vmstat() -> dict[str, int]:
+    """The kernel's counters of direct compaction and huge-page faults (``/proc/vmstat``)."""
+    out = {}
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key in VMSTAT_KEYS:
+                    out[key] = int(value)
+    except OSError:
+        pass
+    return out
+
+
+def vmstat_since(before: dict[str, int]) -> str:
+    """How much each counter of :func:`vmstat` rose since ``before``."""
+    now = vmstat()
+    return ", ".join(f"{k} +{now[k] - before[k]}" for k in VMSTAT_KEYS if k in now and k in before) or "unknown"
+
+
 def link(torch: Any) -> tuple[float, float]:
     """Pinned host->device and device->host bytes/s: one 4 GiB copy each way, best of 3."""
     n = 4 * GIB
@@ -152,8 +176,10 @@ def run_one(impl: str, weights_bytes: int, kv_bytes: int, n_tensors: int, repeat
         if got != want:
             raise SystemExit(f"{impl}: weights differ after {stage}")
 
+    counters = vmstat()
     add("first pause of the weights (backup pinned then)", timed(lambda: tms.pause("weights")))
-    _log(f"{impl}: after the first pause, transparent huge pages: {thp_state()}")
+    _log(f"{impl}: after the first pause, transparent huge pages: {thp_state()}; "
+         f"the kernel's counters during it: {vmstat_since(counters)}")
     time.sleep(1)
     add("resume weights, 1 s after", timed(lambda: tms.resume("weights")))
     check("the first cycle")

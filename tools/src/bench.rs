@@ -60,9 +60,11 @@ pub struct BenchConfig {
     /// all but a small margin of the free memory was written and freed.
     pub after_free: bool,
     /// Also time the copy pump's routes: the link per mover, the weights' resume and
-    /// release by route (settled and right after a free), and a release and a resume of
-    /// two tags at once.
+    /// release by route (settled and right after a free).
     pub routes: bool,
+    /// Also time a release and a resume of two tags at once (both directions of the link),
+    /// next to the bare copy engines' duplex.
+    pub both_directions: bool,
     /// Also time update-aware release: the weights marked overwritten (all, half), and the
     /// RL wake-up with them (see `bench/marked.rs`).
     pub marked: bool,
@@ -84,6 +86,7 @@ impl BenchConfig {
             alloc_sizes: vec![2 * MIB, 20 * MIB, 128 * MIB, GIB],
             after_free: true,
             routes: true,
+            both_directions: true,
             marked: true,
         }
     }
@@ -103,6 +106,7 @@ impl BenchConfig {
             alloc_sizes: vec![2 * MIB, 20 * MIB],
             after_free: true,
             routes: true,
+            both_directions: true,
             marked: true,
         }
     }
@@ -811,6 +815,9 @@ pub fn run(
     }
     if cfg.routes {
         routes::rows(&pager, cfg, &link, &bufs, log, &mut rows)?;
+    }
+    if cfg.both_directions {
+        routes::both_directions_rows(&pager, cfg, &link, &bufs, log, &mut rows)?;
     }
     if cfg.marked {
         marked::rows(&pager, cfg, &link, &bufs, repeats, log, &mut rows)?;

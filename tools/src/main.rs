@@ -94,8 +94,8 @@ struct BenchArgs {
     #[arg(long, value_delimiter = ',')]
     sweep_mib: Vec<usize>,
     /// Skip these groups of rows (comma-separated): cold, pinning, growing, alloc,
-    /// after-free, routes, marked. The base rows (link, weights, KV) always run.
-    #[arg(long, value_delimiter = ',', value_parser = ["cold", "pinning", "growing", "alloc", "after-free", "routes", "marked"])]
+    /// after-free, routes, both, marked. The base rows (link, weights, KV) always run.
+    #[arg(long, value_delimiter = ',', value_parser = ["cold", "pinning", "growing", "alloc", "after-free", "routes", "both", "marked"])]
     skip: Vec<String>,
 }
 
@@ -455,6 +455,7 @@ fn bench(backend: Arc<dyn Backend>, a: &BenchArgs) -> Result<(), Error> {
     }
     cfg.after_free &= !skip("after-free");
     cfg.routes &= !skip("routes");
+    cfg.both_directions &= !skip("both");
     cfg.marked &= !skip("marked");
     cfg.sweep = a.sweep_mib.iter().map(|m| m << 20).collect();
     if on_gpu && a.load.weights_gib.is_none() && a.load.kv_gib.is_none() {

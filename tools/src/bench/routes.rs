@@ -1,7 +1,8 @@
 //! Rows of the copy pump (`gpu_pager::pump`): the link as each mover sees it, the weights'
 //! resume and release by route (settled, and right after a trainer's allocate/write/free or
-//! a big release), and a release and a resume of two tags at once (both directions of the
-//! link). Every figure is against the link measured in the same run ([`Link`]).
+//! a big release) ([`rows`]), and a release and a resume of two tags at once (both
+//! directions of the link, [`both_directions_rows`]). Every figure is against the link
+//! measured in the same run ([`Link`]).
 
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -27,14 +28,7 @@ pub(super) fn rows(
     log: &mut dyn FnMut(&str),
     rows: &mut Vec<Row>,
 ) -> Result<()> {
-    let on_gpu = pager.backend_kind() == BackendKind::Cuda;
-    // Long enough on a GPU for the copy engine to recover from a free (about a second);
-    // the host backend has no such effect.
-    let settle = if on_gpu {
-        Duration::from_secs(1)
-    } else {
-        Duration::from_millis(50)
-    };
+    let settle = settle(pager);
     let repeats = cfg.repeats.clamp(1, 3);
     let defaults = pager.config();
 
@@ -150,7 +144,6 @@ pub(super) fn rows(
 
     shape_rows(pager, link, settle, repeats, log, rows)?;
 
-    both_directions_rows(pager, cfg, link, bufs, settle, repeats, log, rows)?;
     pager.set_restore_route(defaults.restore_route);
     pager.set_save_route(defaults.save_route);
     Ok(())
@@ -357,21 +350,33 @@ fn pump_whole(
     .map_err(|e| Error::backend("bench_movers", "copying", e))
 }
 
+/// Long enough on a GPU for the copy engine to recover from a free (about a second); the
+/// host backend has no such effect.
+fn settle(pager: &Pager) -> Duration {
+    if pager.backend_kind() == BackendKind::Cuda {
+        Duration::from_secs(1)
+    } else {
+        Duration::from_millis(50)
+    }
+}
+
 /// Thread A releases the weights (contents changed) while thread B resumes another tag of
 /// the same size: both directions of the link at once, the aggregate against one
 /// direction's link (a duplex link moves both in the time of one: ratio 0.5; one direction
-/// after the other: 1.0). With the default routes, and with both on the copy engine.
-#[allow(clippy::too_many_arguments)]
-fn both_directions_rows(
+/// after the other: 1.0). With the default routes, with both on the copy engine, and with
+/// the restore on the copy kernel (the save on the copy engine). Each sample 1 s after the
+/// last move. Needs the weights (buffers `bufs`) resident with their backup current;
+/// leaves them so, with the routes at their defaults.
+pub(super) fn both_directions_rows(
     pager: &Pager,
     cfg: &BenchConfig,
     link: &Link,
     bufs: &[Buffer],
-    settle: Duration,
-    repeats: usize,
     log: &mut dyn FnMut(&str),
     rows: &mut Vec<Row>,
 ) -> Result<()> {
+    let settle = settle(pager);
+    let repeats = cfg.repeats.clamp(1, 5);
     log(
         "both directions at once: the bare copies, then release the weights while another tag resumes",
     );
@@ -401,6 +406,11 @@ fn both_directions_rows(
         (
             "both on the copy engine",
             CopyRoute::Engine,
+            CopyRoute::Engine,
+        ),
+        (
+            "restore on the copy kernel, save on the copy engine",
+            CopyRoute::Kernel,
             CopyRoute::Engine,
         ),
     ] {
@@ -471,6 +481,8 @@ fn both_directions_rows(
             (name == "default routes").then_some(0.625),
         ));
     }
+    pager.set_restore_route(defaults.restore_route);
+    pager.set_save_route(defaults.save_route);
     pager.remove("weights_y")?;
     Ok(())
 }

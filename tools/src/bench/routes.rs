@@ -417,6 +417,7 @@ pub(super) fn both_directions_rows(
         pager.set_restore_route(restore);
         pager.set_save_route(save);
         let (mut both, mut alone_rel, mut alone_res) = (vec![], vec![], vec![]);
+        let (mut saved_by, mut restored_by) = (PumpStats::default(), PumpStats::default());
         let mut moved = 0;
         for _ in 0..repeats {
             // The weights resident with changed contents, weights_y released.
@@ -452,6 +453,8 @@ pub(super) fn both_directions_rows(
             both.push(rel_end.max(res_end) - t);
             alone_rel.push(rel.total);
             alone_res.push(res.total);
+            saved_by.add(&rel.copies);
+            restored_by.add(&res.copies);
             moved = rel.copied() + res.copied();
             // Back: the weights resident (restored), weights_y released (unchanged).
             pager.release(&["weights_y"])?;
@@ -460,11 +463,13 @@ pub(super) fn both_directions_rows(
         let median = Spread::of(&both).median;
         log(&format!(
             "both directions, {name}: {:.1} GB/s together ({:.2}× one direction's link); \
-             release {:.0} ms, resume {:.0} ms",
+             release {:.0} ms ({}), resume {:.0} ms ({})",
             gbps(moved, median),
             gbps(moved, median) / link.h2d_gbps,
             Spread::of(&alone_rel).median.as_secs_f64() * 1e3,
+            mover_split(&saved_by),
             Spread::of(&alone_res).median.as_secs_f64() * 1e3,
+            mover_split(&restored_by),
         ));
         rows.push(Row::over_link(
             format!(

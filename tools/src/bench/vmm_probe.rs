@@ -7,8 +7,9 @@
 //! `cuMemSetAccess` apart, at several delays after a free (the trainer's, or the release
 //! of the same handles), and time a copy kernel alone against the same kernel with each of
 //! those calls made while it runs, and, right after a trainer's free, the same 16 GiB made
-//! of handles of several sizes, with the device idle and while the copy kernel runs; and
-//! whether releasing the KV cache's 32 handles of 2 GiB goes faster on several threads.
+//! of handles of several sizes, with the device idle and while the copy kernel runs;
+//! whether releasing the KV cache's 32 handles of 2 GiB goes faster on several threads; and
+//! whether those 32 handles cost the same in one reserved range as in a range each.
 //! CUDA only: the calls are made here, on raw handles.
 
 use std::sync::Arc;
@@ -492,6 +493,56 @@ pub(super) fn rows(
             figure: release,
             limit: base,
             limit_name: "the same on 1 thread".into(),
+            target: None,
+            over: None,
+        });
+    }
+
+    // (e) The KV cache's 32 × 2 GiB laid out as the pager's growing region lays out torch's
+    // segments (one reserved range, one access change over it) and as torch_memory_saver
+    // does (a reserved range and an access change per tensor), alternated, each held
+    // 0.5 s as in the side-by-side KV cycles: does the layout change what the driver's
+    // calls cost?
+    log(&format!(
+        "then (e), {kv_count} × {} GiB in one reserved range against a range per handle, \
+         alternated, 0.5 s apart",
+        kv_size / GIB
+    ));
+    let hold = Duration::from_millis(500);
+    let (mut one, mut each) = ((vec![], vec![]), (vec![], vec![]));
+    for _ in 0..repeats * 4 {
+        std::thread::sleep(hold);
+        let t = Instant::now();
+        let (h, _) = vmm.cycle(kv_count, kv_size)?;
+        one.0.push(t.elapsed());
+        std::thread::sleep(hold);
+        let t = Instant::now();
+        drop(h);
+        one.1.push(t.elapsed());
+        std::thread::sleep(hold);
+        let t = Instant::now();
+        let hs = (0..kv_count)
+            .map(|_| vmm.cycle(1, kv_size).map(|(h, _)| h))
+            .collect::<Result<Vec<_>>>()?;
+        each.0.push(t.elapsed());
+        std::thread::sleep(hold);
+        let t = Instant::now();
+        drop(hs);
+        each.1.push(t.elapsed());
+    }
+    let (one_map, one_unmap) = (Spread::of(&one.0), Spread::of(&one.1));
+    for (what, samples, limit) in [
+        ("map (create+map+access)", &each.0, one_map),
+        ("unmap+release", &each.1, one_unmap),
+    ] {
+        rows.push(Row {
+            name: format!(
+                "{what} {kv_count} × {} GiB, a reserved range and an access change per handle",
+                kv_size / GIB
+            ),
+            figure: Spread::of(samples),
+            limit,
+            limit_name: "the same in one reserved range, one access change".into(),
             target: None,
             over: None,
         });

@@ -61,6 +61,15 @@ fn a_limit_over_the_link_adds_each_direction_and_its_fixed_part() {
     };
     assert_eq!(both.time(&link), Duration::from_millis(2));
     assert_eq!(OverLink::default().time(&link), Duration::ZERO);
+    let dead = Link {
+        h2d_gbps: 0.0,
+        ..link
+    };
+    assert_eq!(
+        OverLink::h2d(1).time(&dead),
+        Duration::ZERO,
+        "no panic on a zero link, and no limit from it"
+    );
     let other = Link {
         h2d_gbps: 40.0,
         d2h_gbps: 30.0,

@@ -38,11 +38,6 @@ fn err(tag: &str, what: impl std::fmt::Display) -> Error {
     }
 }
 
-/// `bytes` over `link` GB/s as a duration.
-fn over(bytes: usize, gbps: f64) -> Duration {
-    Duration::from_secs_f64(bytes as f64 / (gbps * 1e9))
-}
-
 fn gib(bytes: usize) -> f64 {
     bytes as f64 / GIB as f64
 }
@@ -566,7 +561,7 @@ fn pipeline_row(
         limit: Spread::of(&[Duration::from_secs(1).mul_f64(bytes as f64 / (16 * GIB) as f64)]),
         limit_name: format!(
             "1 s per 16 GiB (target; copy alone {:.0} ms)",
-            ms(over(bytes, link.d2h_gbps))
+            ms(OverLink::d2h(bytes).time(link))
         ),
         target: Some(1.0),
         over: None,

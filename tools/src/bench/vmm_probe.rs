@@ -177,16 +177,21 @@ impl Vmm {
                 .chunks(per)
                 .map(|share| {
                     s.spawn(move || {
-                        ctx.bind_to_thread().map_err(|e| Error::InvalidArgument {
+                        // Bound or not, the releases are tried, so that no handle leaks.
+                        let bound = ctx.bind_to_thread().map_err(|e| Error::InvalidArgument {
                             tag: "vmm_probe".into(),
                             reason: format!("binding the primary context failed: {e:?}"),
-                        })?;
+                        });
+                        // Every handle of the share is released, also after a failure
+                        // (the first error is returned), so that none leaks.
+                        let mut first = Ok(());
                         for &handle in share {
                             // SAFETY: each handle came from cuMemCreate, is unmapped above and
                             // is released once, here (the shares do not overlap).
-                            driver("cuMemRelease", unsafe { sys::cuMemRelease(handle) })?;
+                            let r = driver("cuMemRelease", unsafe { sys::cuMemRelease(handle) });
+                            first = first.and(r);
                         }
-                        Ok(())
+                        bound.and(first)
                     })
                 })
                 .collect();

@@ -1169,6 +1169,16 @@ mod tests {
         }
     }
 
+    impl Script {
+        /// Movers that take `cost` ticks per unit (copy engine, copy kernel), nothing failing.
+        fn costing(cost: [u64; 2]) -> Script {
+            Script {
+                cost,
+                ..Script::default()
+            }
+        }
+    }
+
     impl Movers for Script {
         unsafe fn start(&self, copy: &RawCopy, mover: Mover) -> BackendResult<Box<dyn Fence>> {
             let mut c = self.state.lock().unwrap();
@@ -1255,10 +1265,7 @@ mod tests {
 
     #[test]
     fn units_are_cut_from_each_piece_and_cover_it() {
-        let script = Script {
-            cost: [3, 3],
-            ..Script::default()
-        };
+        let script = Script::costing([3, 3]);
         let buf = buffer(5 * MIB + 123);
         let stats = restore(&script, config(CopyRoute::Engine), buf.as_ref(), 3 * MIB).unwrap();
         let c = script.state.lock().unwrap();
@@ -1319,10 +1326,7 @@ mod tests {
             (CopyRoute::Fastest, 700_001),
             (CopyRoute::Fastest, len),
         ] {
-            let script = Script {
-                cost: [3, 3],
-                ..Script::default()
-            };
+            let script = Script::costing([3, 3]);
             let cfg = PumpConfig {
                 unit_bytes: 2 * MIB,
                 ..config(route)
@@ -1388,10 +1392,7 @@ mod tests {
     fn each_route_uses_its_movers_and_respects_the_depth() {
         for route in CopyRoute::ALL {
             for depth in [1, 2, 3] {
-                let script = Script {
-                    cost: [5, 5],
-                    ..Script::default()
-                };
+                let script = Script::costing([5, 5]);
                 let cfg = PumpConfig {
                     depth,
                     ..config(route)
@@ -1420,10 +1421,7 @@ mod tests {
         // 1 MiB units, depth 2: copies of 256 KiB (and odd ones) keep up to 2 MiB in flight
         // per mover, in at most 2 × MAX_UNITS_PER_SLOT units; whole units still 2 at most.
         for (piece, most_units) in [(256 << 10, 8), (100_000, 2 * MAX_UNITS_PER_SLOT), (MIB, 2)] {
-            let script = Script {
-                cost: [50, 50],
-                ..Script::default()
-            };
+            let script = Script::costing([50, 50]);
             let buf = buffer(24 * MIB);
             let cfg = config(CopyRoute::Engine);
             let stats = restore(&script, cfg, buf.as_ref(), piece).unwrap();
@@ -1440,10 +1438,7 @@ mod tests {
     #[test]
     fn adaptive_gives_the_faster_mover_more_units() {
         for (cost, fast) in [([40, 10], Mover::CopyKernel), ([10, 40], Mover::CopyEngine)] {
-            let script = Script {
-                cost,
-                ..Script::default()
-            };
+            let script = Script::costing(cost);
             let buf = buffer(64 * MIB);
             let stats =
                 restore(&script, config(CopyRoute::Adaptive), buf.as_ref(), 64 * MIB).unwrap();
@@ -1473,10 +1468,7 @@ mod tests {
                     // Short units: the virtual clock's fence polls blur a 1.2× difference.
                     continue;
                 }
-                let script = Script {
-                    cost,
-                    ..Script::default()
-                };
+                let script = Script::costing(cost);
                 let buf = buffer(64 * MIB);
                 let stats =
                     restore(&script, config(CopyRoute::Fastest), buf.as_ref(), piece).unwrap();
@@ -1531,10 +1523,7 @@ mod tests {
 
     #[test]
     fn fastest_times_each_mover_on_probe_bytes_of_a_longer_unit() {
-        let script = Script {
-            cost: [40, 10],
-            ..Script::default()
-        };
+        let script = Script::costing([40, 10]);
         let cfg = PumpConfig {
             unit_bytes: 2 * PROBE_BYTES,
             ..config(CopyRoute::Fastest)
@@ -1560,10 +1549,7 @@ mod tests {
 
     #[test]
     fn fastest_times_again_once_the_other_direction_is_quiet() {
-        let script = Script {
-            cost: [40, 10],
-            ..Script::default()
-        };
+        let script = Script::costing([40, 10]);
         script.traffic.add(Direction::ToHost);
         let buf = buffer(64 * MIB);
         let all = Pinned::new(buf.as_ref());
@@ -1597,10 +1583,7 @@ mod tests {
 
     #[test]
     fn fastest_keeps_to_the_copy_engine_while_the_other_direction_is_busy() {
-        let script = Script {
-            cost: [40, 10],
-            ..Script::default()
-        };
+        let script = Script::costing([40, 10]);
         script.traffic.add(Direction::ToHost);
         let buf = buffer(16 * MIB);
         let stats = restore(&script, config(CopyRoute::Fastest), buf.as_ref(), 16 * MIB).unwrap();
@@ -1684,10 +1667,7 @@ mod tests {
     #[test]
     fn adaptive_leaves_the_kernel_out_while_the_other_direction_is_busy() {
         for (busy_back, kernel_used) in [(0, true), (1, false)] {
-            let script = Script {
-                cost: [10, 10],
-                ..Script::default()
-            };
+            let script = Script::costing([10, 10]);
             // Another pump of the link copying device→host.
             for _ in 0..busy_back {
                 script.traffic.add(Direction::ToHost);
@@ -1707,10 +1687,7 @@ mod tests {
             assert_eq!(script.traffic.in_flight(Direction::ToHost), busy_back);
         }
         // A route that names its mover keeps it whatever the other direction does.
-        let script = Script {
-            cost: [10, 10],
-            ..Script::default()
-        };
+        let script = Script::costing([10, 10]);
         script.traffic.add(Direction::ToHost);
         let buf = buffer(4 * MIB);
         let stats = restore(&script, config(CopyRoute::Kernel), buf.as_ref(), 4 * MIB).unwrap();
@@ -1719,10 +1696,7 @@ mod tests {
 
     #[test]
     fn a_pump_counts_its_units_on_the_link_while_they_fly() {
-        let script = Script {
-            cost: [1000, 1000],
-            ..Script::default()
-        };
+        let script = Script::costing([1000, 1000]);
         let buf = buffer(8 * MIB);
         let all = Pinned::new(buf.as_ref());
         let ((), _) = run(
@@ -1745,10 +1719,7 @@ mod tests {
 
     #[test]
     fn a_panic_in_the_scope_still_waits_for_the_units_in_flight() {
-        let script = Script {
-            cost: [1000, 1000],
-            ..Script::default()
-        };
+        let script = Script::costing([1000, 1000]);
         let buf = buffer(8 * MIB);
         let all = Pinned::new(buf.as_ref());
         let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -44,13 +44,14 @@ pub(super) fn rows(
         let (mut res_settled, mut res_after, mut res_kv) = (vec![], vec![], vec![]);
         let (mut rel_settled, mut rel_after, mut rel_kv) = (vec![], vec![], vec![]);
         let (mut restored, mut saved, mut saved_kv) = (0, 0, 0);
-        let mut split = PumpStats::default();
+        let (mut split, mut split_settled) = (PumpStats::default(), PumpStats::default());
         for _ in 0..repeats {
             // Resume, settled.
             pager.release(&["weights"])?;
             std::thread::sleep(settle);
             let r = pager.resume(&["weights"])?;
             res_settled.push(r.total);
+            split_settled.add(&r.copies);
             restored = r.copied();
             // Resume right after a trainer's allocate/write/free.
             pager.release(&["weights"])?;
@@ -84,8 +85,9 @@ pub(super) fn rows(
             res_kv.push(r.total);
         }
         log(&format!(
-            "{route}: resume right after a free moved {}",
-            mover_split(&split)
+            "{route}: resume right after a free moved {}; 1 s after the release {}",
+            mover_split(&split),
+            mover_split(&split_settled)
         ));
         let target = |t: f64| (route == defaults.restore_route).then_some(t);
         let save_target = |t: f64| (route == defaults.save_route).then_some(t);
@@ -260,7 +262,9 @@ pub(super) fn mover_split(s: &PumpStats) -> String {
 
 /// The link as each mover sees it, settled: a pinned buffer of the link size copied whole
 /// through a pump on one route (units of the pager's size), each way, best of three,
-/// against the link measured with one plain copy-engine copy.
+/// against the link measured with one plain copy-engine copy. Then the same copies on the
+/// copy engine and the copy kernel after the device sat idle for a second
+/// ([`idle_rows`]).
 fn movers_rows(
     pager: &Pager,
     cfg: &BenchConfig,
@@ -320,8 +324,81 @@ fn movers_rows(
             ));
         }
     }
+    idle_rows(pager, link, &dev, host.as_mut(), log, rows)?;
     drop(host);
     pager.remove("bench_movers")?;
+    Ok(())
+}
+
+/// The copies of [`movers_rows`] each way on the copy engine and on the copy kernel, each
+/// after the device sat idle for a second (as the rows "1 s after" do), and device→host
+/// also right after a fill kernel wrote the source and an idle second (as a release of
+/// changed weights "1 s after the writes" does). Two samples each.
+fn idle_rows(
+    pager: &Pager,
+    link: &Link,
+    dev: &Buffer,
+    host: &mut dyn HostBuffer,
+    log: &mut dyn FnMut(&str),
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    let settle = settle(pager);
+    let backend = pager.backend().clone();
+    let dst = pager.ptr(dev)?;
+    let bytes = host.len();
+    let config = pager.config();
+    log(&format!(
+        "the link per mover after an idle second: {} each way",
+        size_name(bytes)
+    ));
+    for route in [CopyRoute::Engine, CopyRoute::Kernel] {
+        let pump_config = PumpConfig {
+            route,
+            unit_bytes: config.copy_unit_bytes,
+            depth: config.copy_depth,
+        };
+        for (direction, written) in [
+            (Direction::ToDevice, false),
+            (Direction::ToHost, false),
+            (Direction::ToHost, true),
+        ] {
+            let mut samples = Vec::new();
+            for _ in 0..2 {
+                if written {
+                    pager.fill(dev, 0x5A5A_5A5A)?;
+                }
+                std::thread::sleep(settle);
+                let t = Instant::now();
+                pump_whole(backend.as_ref(), pump_config, direction, host, dst)?;
+                samples.push(t.elapsed());
+            }
+            let (dir, over) = match direction {
+                Direction::ToDevice => ("H2D", OverLink::h2d(bytes)),
+                Direction::ToHost => ("D2H", OverLink::d2h(bytes)),
+            };
+            let after = if written {
+                "a fill of the source, then an idle second"
+            } else {
+                "an idle second"
+            };
+            let row = Row::over_link(
+                format!(
+                    "{route} {} {dir} through the pump, after {after}",
+                    size_name(bytes)
+                ),
+                &samples,
+                over,
+                link,
+                format!("{} / {dir} (one copy-engine copy)", size_name(bytes)),
+                None,
+            );
+            log(&format!(
+                "{route} {dir} after {after}: {:.1} GB/s (median of 2)",
+                gbps(bytes, row.figure.median)
+            ));
+            rows.push(row);
+        }
+    }
     Ok(())
 }
 

@@ -600,6 +600,7 @@ pub fn run(
     let (mut resume, mut changed, mut unchanged) = (vec![], vec![], vec![]);
     let (mut resume_idle, mut resume_flat) = (vec![], vec![]);
     let mut changed_bytes = 0;
+    let (mut writes, mut changed_steps) = (vec![], vec![]);
     let idle = Duration::from_secs(1);
     for rep in 0..repeats {
         log(&format!("weights: cycle {} of {repeats}", rep + 1));
@@ -615,11 +616,22 @@ pub fn run(
         let flat = pager.resume(&["weights"]);
         pager.set_overlap_restore(true);
         resume_flat.push(flat?.total);
+        let t = Instant::now();
         write_weights(&pager, &bufs, rep as u32 + 1)?;
+        backend
+            .synchronize()
+            .map_err(backend_err("weights", "writing"))?;
+        writes.push(t.elapsed());
         let r = pager.release(&["weights"])?;
         changed.push(r.total);
+        changed_steps.push((r.sync, marked::steps(&r)));
         changed_bytes = r.copied();
     }
+    log(&format!(
+        "weights: writes {:.1} ms, then the release of the changed weights: {} (medians)",
+        ms(Spread::of(&writes).median),
+        marked::breakdown(&changed_steps)
+    ));
     let restored = pager
         .stats()
         .region("weights")
@@ -914,6 +926,7 @@ fn after_free_rows(
 
     let (mut ce_fresh, mut ce_settled, mut ce_two, mut sm_fresh, mut sm_settled) =
         (vec![], vec![], vec![], vec![], vec![]);
+    let mut ce_back = vec![];
     let (mut resume_after, mut after_steps) = (vec![], vec![]);
     let mut after_split = gpu_pager::pump::PumpStats::default();
     let mut restored = 0;
@@ -944,9 +957,23 @@ fn after_free_rows(
         trainer_step(b, margin)?;
         pager.resume(&["probe"])?;
         copy(&mut ce_fresh)?;
-        // The same a second later.
+        // The same a second later, and back to the host from the memory mapped right after
+        // the free.
         std::thread::sleep(Duration::from_secs(1));
         copy(&mut ce_settled)?;
+        if let Some((s1, _)) = &streams {
+            let back = RawCopy::whole(Direction::ToHost, host.as_ref(), dst);
+            let t = Instant::now();
+            // SAFETY: `dst .. dst + bytes` is the live, resident probe buffer; the host
+            // buffer is this backend's pinned memory, which nothing reads or writes until
+            // the stream is synchronized below.
+            unsafe {
+                b.copy_on(&back, Mover::CopyEngine, s1.raw())
+                    .map_err(backend_err("probe", "copy"))?;
+            }
+            s1.sync()?;
+            ce_back.push(t.elapsed());
+        }
         // Two streams, right after a free.
         if let Some((s1, s2)) = &streams {
             trainer_step(b, margin)?;
@@ -1042,6 +1069,16 @@ fn after_free_rows(
         format!("SM zero-copy kernel {name} H2D, 1 s later"),
         &sm_settled,
     );
+    if !ce_back.is_empty() {
+        rows.push(Row::over_link(
+            format!("copy engine {name} D2H from memory mapped right after a free, 1 s later"),
+            &ce_back,
+            OverLink::d2h(bytes),
+            link,
+            format!("{name} / D2H (settled)"),
+            None,
+        ));
+    }
     rows.push(Row::over_link(
         "resume weights right after a trainer's allocate/write/free",
         &resume_after,

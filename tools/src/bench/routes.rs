@@ -13,7 +13,7 @@ use gpu_pager::report::gbps;
 use gpu_pager::{Buffer, CopyRoute, Error, Pager, Policy, RegionOptions, Report, Result};
 
 use super::{
-    BenchConfig, GIB, Link, OverLink, Row, Spread, backend_err, size_name, trainer_step,
+    BenchConfig, GIB, Link, OverLink, Row, Spread, backend_err, marked, size_name, trainer_step,
     write_weights,
 };
 
@@ -45,12 +45,16 @@ pub(super) fn rows(
         let (mut rel_settled, mut rel_after, mut rel_kv) = (vec![], vec![], vec![]);
         let (mut restored, mut saved, mut saved_kv) = (0, 0, 0);
         let (mut split, mut split_settled) = (PumpStats::default(), PumpStats::default());
+        // Where the settled moves spend their time, and how long the writes before the
+        // settled release took (the fill kernel over every buffer).
+        let (mut res_steps, mut rel_steps, mut writes) = (vec![], vec![], vec![]);
         for _ in 0..repeats {
             // Resume, settled.
             pager.release(&["weights"])?;
             std::thread::sleep(settle);
             let r = pager.resume(&["weights"])?;
             res_settled.push(r.total);
+            res_steps.push((r.sync, marked::steps(&r)));
             split_settled.add(&r.copies);
             restored = r.copied();
             // Resume right after a trainer's allocate/write/free.
@@ -61,10 +65,17 @@ pub(super) fn rows(
             split.add(&r.copies);
             // Release of changed weights, settled.
             generation += 1;
+            let t = Instant::now();
             write_weights(pager, bufs, generation)?;
+            pager
+                .backend()
+                .synchronize()
+                .map_err(backend_err("weights", "writing"))?;
+            writes.push(t.elapsed());
             std::thread::sleep(settle);
             let r = pager.release(&["weights"])?;
             rel_settled.push(r.total);
+            rel_steps.push((r.sync, marked::steps(&r)));
             saved = r.copied();
             pager.resume(&["weights"])?;
             // Release of changed weights right after a trainer's free.
@@ -88,6 +99,13 @@ pub(super) fn rows(
             "{route}: resume right after a free moved {}; 1 s after the release {}",
             mover_split(&split),
             mover_split(&split_settled)
+        ));
+        log(&format!(
+            "{route}: resume 1 s after the release: {}; writes {:.1} ms, then the release 1 s \
+             after them: {} (medians)",
+            marked::breakdown(&res_steps),
+            super::ms(Spread::of(&writes).median),
+            marked::breakdown(&rel_steps)
         ));
         let target = |t: f64| (route == defaults.restore_route).then_some(t);
         let save_target = |t: f64| (route == defaults.save_route).then_some(t);

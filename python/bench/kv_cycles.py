@@ -13,8 +13,10 @@ so that every implementation sees the same stretch of the machine's time.
     python kv_cycles.py --rounds 5 --cycles 8 --json out.json
     python kv_cycles.py --impl bare --cycles 5       # one process, one implementation
 
-Each cycle: 0.5 s idle, pause, 0.5 s idle, resume (as ``side_by_side.py``'s KV rows). The
-cache is 32 tensors of ``--kv-gib``/32 each (default 64 GiB), allocated once per process.
+Each cycle: 0.5 s idle, pause, 0.5 s idle, resume (as ``side_by_side.py``'s KV rows), and
+every cycle counts, the first of each process included. The cache is 32 tensors of
+``--kv-gib``/32 each (default 64 GiB), allocated once per process; the two libraries' tensors
+are written once before the first cycle, the bare calls' memory is never written.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+from side_by_side import exit_child
 
 GIB = 1 << 30
 IMPLS = ("gpu_pager", "torch_memory_saver", "bare")
@@ -74,7 +78,7 @@ class Bare:
         self._check("cuMemGetAllocationGranularity",
                     self.cu.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(self.prop), 0))
         self.size = -(-size // gran.value) * gran.value
-        self.ptrs = []
+        self.ptrs: list[int] = []
         for _ in range(TENSORS):
             ptr = ctypes.c_uint64()
             self._check("cuMemAddressReserve", self.cu.cuMemAddressReserve(
@@ -117,6 +121,8 @@ def run_one(impl: str, kv_bytes: int, cycles: int) -> dict[str, Any]:
     torch.cuda.init()
     torch.empty(1, device="cuda")  # the primary context, current on this thread
     size = kv_bytes // TENSORS
+    pause: Callable[[], object]
+    resume: Callable[[], object]
     if impl == "bare":
         bare = Bare(torch.cuda.current_device(), size)
         pause, resume = bare.pause, bare.resume
@@ -196,15 +202,7 @@ def main() -> int:
     if args.cycles < 1 or args.rounds < 1:
         ap.error("--cycles and --rounds must be at least 1")
     if args.impl:
-        result = run_one(args.impl, kv_bytes, args.cycles)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f)
-        # Skip interpreter teardown: torch_memory_saver's exit handlers exit with status 1
-        # (after printing "only support interesting region"); the figures are written.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_child(run_one(args.impl, kv_bytes, args.cycles), args.json)
     impls = [i for i in args.impls.split(",") if i]
     unknown = [i for i in impls if i not in IMPLS]
     if unknown or not impls:

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -256,6 +256,19 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def exit_child(result: dict[str, Any], path: str | None) -> NoReturn:
+    """Ends a child process of one implementation: writes ``result`` to ``path`` (as JSON,
+    when given) and exits with status 0 at once. Interpreter teardown is skipped on purpose:
+    torch_memory_saver's exit handlers exit with status 1 (after printing "only support
+    interesting region"), and the figures are written by then."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", choices=["gpu_pager", "torch_memory_saver"])
@@ -269,15 +282,7 @@ def main() -> int:
     args = ap.parse_args()
     wb, kb = int(args.weights_gib * GIB), int(args.kv_gib * GIB)
     if args.impl:
-        result = run_one(args.impl, wb, kb, args.tensors, args.repeats, args.kv_repeats)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f)
-        # Skip interpreter teardown: torch_memory_saver's exit handlers exit with status 1
-        # (after printing "only support interesting region"); the figures are written.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_child(run_one(args.impl, wb, kb, args.tensors, args.repeats, args.kv_repeats), args.json)
     results = []
     for impl in ("gpu_pager", "torch_memory_saver"):
         out = f"/tmp/side_by_side_{impl}.json"

@@ -553,6 +553,17 @@ fn write_weights(pager: &Pager, bufs: &[Buffer], generation: u32) -> Result<()> 
     Ok(())
 }
 
+/// [`write_weights`], timed until the device finished the writes.
+fn timed_writes(pager: &Pager, bufs: &[Buffer], generation: u32) -> Result<Duration> {
+    let t = Instant::now();
+    write_weights(pager, bufs, generation)?;
+    pager
+        .backend()
+        .synchronize()
+        .map_err(backend_err("weights", "writing"))?;
+    Ok(t.elapsed())
+}
+
 /// Runs the benchmark. `log` gets a line per phase.
 pub fn run(
     backend: Arc<dyn Backend>,
@@ -616,12 +627,7 @@ pub fn run(
         let flat = pager.resume(&["weights"]);
         pager.set_overlap_restore(true);
         resume_flat.push(flat?.total);
-        let t = Instant::now();
-        write_weights(&pager, &bufs, rep as u32 + 1)?;
-        backend
-            .synchronize()
-            .map_err(backend_err("weights", "writing"))?;
-        writes.push(t.elapsed());
+        writes.push(timed_writes(&pager, &bufs, rep as u32 + 1)?);
         let r = pager.release(&["weights"])?;
         changed.push(r.total);
         changed_steps.push((r.sync, marked::steps(&r)));
@@ -881,9 +887,10 @@ fn rejudge(rows: &mut [Row], link: &Link) {
 
 /// The rows of the sequence RL really runs: release, a trainer allocates, writes and frees
 /// nearly all free memory, resume at once. Measures the copy engine into memory mapped right
-/// after the free against settled memory, a copy split over two streams, and the KV swap-in
-/// kernel (an SM-driven zero-copy read of pinned memory) against the copy engine, then the
-/// pager's resume of the weights in that state. Needs the weights resident and released
+/// after the free against settled memory (and, on a GPU, back to the host from that memory
+/// right after the settled copy), a copy split over two streams, and the KV swap-in kernel
+/// (an SM-driven zero-copy read of pinned memory) against the copy engine, then the pager's
+/// resume of the weights in that state. Needs the weights resident and released
 /// (backup current) around it; leaves them resident.
 fn after_free_rows(
     pager: &Pager,

@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 
 use gpu_pager::backend::{Backend, BackendKind, Direction, HostBuffer, Mover, RawCopy};
 use gpu_pager::pump::{self, Pinned, PinnedMut, PumpConfig, PumpStats};
-use gpu_pager::report::gbps;
+use gpu_pager::report::{gbps, ms};
 use gpu_pager::{Buffer, CopyRoute, Error, Pager, Policy, RegionOptions, Report, Result};
 
 use super::{
-    BenchConfig, GIB, Link, OverLink, Row, Spread, backend_err, marked, size_name, trainer_step,
-    write_weights,
+    BenchConfig, GIB, Link, OverLink, Row, Spread, backend_err, marked, size_name, timed_writes,
+    trainer_step, write_weights,
 };
 
 /// The rows; see the module docs. Needs the `weights` region (buffers `bufs`) resident with
@@ -65,13 +65,7 @@ pub(super) fn rows(
             split.add(&r.copies);
             // Release of changed weights, settled.
             generation += 1;
-            let t = Instant::now();
-            write_weights(pager, bufs, generation)?;
-            pager
-                .backend()
-                .synchronize()
-                .map_err(backend_err("weights", "writing"))?;
-            writes.push(t.elapsed());
+            writes.push(timed_writes(pager, bufs, generation)?);
             std::thread::sleep(settle);
             let r = pager.release(&["weights"])?;
             rel_settled.push(r.total);
@@ -104,7 +98,7 @@ pub(super) fn rows(
             "{route}: resume 1 s after the release: {}; writes {:.1} ms, then the release 1 s \
              after them: {} (medians)",
             marked::breakdown(&res_steps),
-            super::ms(Spread::of(&writes).median),
+            ms(Spread::of(&writes).median),
             marked::breakdown(&rel_steps)
         ));
         let target = |t: f64| (route == defaults.restore_route).then_some(t);
@@ -302,13 +296,8 @@ fn movers_rows(
     let mut host = backend
         .alloc_pinned(bytes)
         .map_err(backend_err("bench_movers", "pinning"))?;
-    let config = pager.config();
     for route in [CopyRoute::Engine, CopyRoute::Kernel, CopyRoute::Adaptive] {
-        let pump_config = PumpConfig {
-            route,
-            unit_bytes: config.copy_unit_bytes,
-            depth: config.copy_depth,
-        };
+        let pump_config = pump_on(pager, route);
         for direction in [Direction::ToDevice, Direction::ToHost] {
             let mut samples = Vec::new();
             let mut stats = PumpStats::default();
@@ -319,10 +308,7 @@ fn movers_rows(
                 samples.push(t.elapsed());
                 stats = s;
             }
-            let (dir, over) = match direction {
-                Direction::ToDevice => ("H2D", OverLink::h2d(bytes)),
-                Direction::ToHost => ("D2H", OverLink::d2h(bytes)),
-            };
+            let (dir, over) = over_link(direction, bytes);
             let best = samples.iter().min().copied().unwrap_or_default();
             log(&format!(
                 "{route} {dir}: {:.1} GB/s ({})",
@@ -342,7 +328,7 @@ fn movers_rows(
             ));
         }
     }
-    idle_rows(pager, link, &dev, host.as_mut(), log, rows)?;
+    idle_rows(pager, link, &dev, dst, host.as_mut(), log, rows)?;
     drop(host);
     pager.remove("bench_movers")?;
     Ok(())
@@ -356,25 +342,20 @@ fn idle_rows(
     pager: &Pager,
     link: &Link,
     dev: &Buffer,
+    dst: u64,
     host: &mut dyn HostBuffer,
     log: &mut dyn FnMut(&str),
     rows: &mut Vec<Row>,
 ) -> Result<()> {
     let settle = settle(pager);
     let backend = pager.backend().clone();
-    let dst = pager.ptr(dev)?;
     let bytes = host.len();
-    let config = pager.config();
     log(&format!(
         "the link per mover after an idle second: {} each way",
         size_name(bytes)
     ));
     for route in [CopyRoute::Engine, CopyRoute::Kernel] {
-        let pump_config = PumpConfig {
-            route,
-            unit_bytes: config.copy_unit_bytes,
-            depth: config.copy_depth,
-        };
+        let pump_config = pump_on(pager, route);
         for (direction, written) in [
             (Direction::ToDevice, false),
             (Direction::ToHost, false),
@@ -390,10 +371,7 @@ fn idle_rows(
                 pump_whole(backend.as_ref(), pump_config, direction, host, dst)?;
                 samples.push(t.elapsed());
             }
-            let (dir, over) = match direction {
-                Direction::ToDevice => ("H2D", OverLink::h2d(bytes)),
-                Direction::ToHost => ("D2H", OverLink::d2h(bytes)),
-            };
+            let (dir, over) = over_link(direction, bytes);
             let after = if written {
                 "a fill of the source, then an idle second"
             } else {
@@ -418,6 +396,24 @@ fn idle_rows(
         }
     }
     Ok(())
+}
+
+/// A pump of the pager's unit size and depth on `route`.
+fn pump_on(pager: &Pager, route: CopyRoute) -> PumpConfig {
+    let config = pager.config();
+    PumpConfig {
+        route,
+        unit_bytes: config.copy_unit_bytes,
+        depth: config.copy_depth,
+    }
+}
+
+/// "H2D" or "D2H", and `bytes` over the link that way.
+fn over_link(direction: Direction, bytes: usize) -> (&'static str, OverLink) {
+    match direction {
+        Direction::ToDevice => ("H2D", OverLink::h2d(bytes)),
+        Direction::ToHost => ("D2H", OverLink::d2h(bytes)),
+    }
 }
 
 /// One pump scope copying all of `host` to or from device address `dev`, the live

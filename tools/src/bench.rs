@@ -16,7 +16,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpu_pager::backend::{Backend, BackendError, Mapping, Reservation};
+use gpu_pager::backend::{Backend, BackendError, Direction, Mapping, Reservation};
 use gpu_pager::chunk_sizes;
 use gpu_pager::report::{gbps, ms};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, Result};
@@ -291,6 +291,14 @@ impl OverLink {
     }
 }
 
+/// "H2D" or "D2H", and `bytes` over the link in `direction`.
+pub(crate) fn over_link(direction: Direction, bytes: usize) -> (&'static str, OverLink) {
+    match direction {
+        Direction::ToDevice => ("H2D", OverLink::h2d(bytes)),
+        Direction::ToHost => ("D2H", OverLink::d2h(bytes)),
+    }
+}
+
 /// The result of [`run`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Table {
@@ -553,14 +561,10 @@ fn write_weights(pager: &Pager, bufs: &[Buffer], generation: u32) -> Result<()> 
     Ok(())
 }
 
-/// [`write_weights`], timed until the device finished the writes.
+/// [`write_weights`], timed (each fill waits for its kernel, `Backend::fill`).
 fn timed_writes(pager: &Pager, bufs: &[Buffer], generation: u32) -> Result<Duration> {
     let t = Instant::now();
     write_weights(pager, bufs, generation)?;
-    pager
-        .backend()
-        .synchronize()
-        .map_err(backend_err("weights", "writing"))?;
     Ok(t.elapsed())
 }
 
@@ -642,13 +646,9 @@ pub fn run(
         .stats()
         .region("weights")
         .map_or(0, |s| s.last_resume.as_ref().map_or(0, |r| r.copied));
-    // A copy-bound row: `samples` against `bytes` over the link in direction `dir`.
-    let copy_row = |name: &str, samples: &[Duration], bytes: usize, dir: &str, target| {
-        let over = if dir == "H2D" {
-            OverLink::h2d(bytes)
-        } else {
-            OverLink::d2h(bytes)
-        };
+    // A copy-bound row: `samples` against `bytes` over the link in `direction`.
+    let copy_row = |name: &str, samples: &[Duration], bytes: usize, direction, target| {
+        let (dir, over) = over_link(direction, bytes);
         let what = format!("{:.2} GiB / {dir}", bytes as f64 / GIB as f64);
         Row::over_link(name, samples, over, &link, what, target)
     };
@@ -656,35 +656,35 @@ pub fn run(
         "first release, backup pinned ahead (prepin)",
         &[first_row.0],
         first_row.1,
-        "D2H",
+        Direction::ToHost,
         Some(1.1),
     ));
     rows.push(copy_row(
         "resume weights, immediately after the release",
         &resume,
         restored,
-        "H2D",
+        Direction::ToDevice,
         Some(1.05),
     ));
     rows.push(copy_row(
         "resume weights, 1 s after the release",
         &resume_idle,
         restored,
-        "H2D",
+        Direction::ToDevice,
         Some(1.05),
     ));
     rows.push(copy_row(
         "resume weights, 1 s after, map all then copy (no overlap)",
         &resume_flat,
         restored,
-        "H2D",
+        Direction::ToDevice,
         None,
     ));
     rows.push(copy_row(
         "release weights, contents changed",
         &changed,
         changed_bytes,
-        "D2H",
+        Direction::ToHost,
         Some(1.05),
     ));
     let budget = Duration::from_millis(20).mul_f64(cfg.weights_bytes as f64 / (16 * GIB) as f64);
@@ -778,14 +778,14 @@ pub fn run(
             ),
             &res,
             restored,
-            "H2D",
+            Direction::ToDevice,
             Some(1.05),
         ));
         rows.push(copy_row(
             "growing region: release weights, contents changed",
             &rel,
             changed,
-            "D2H",
+            Direction::ToHost,
             Some(1.05),
         ));
         pager.remove("weights_grow")?;
@@ -900,7 +900,7 @@ fn after_free_rows(
     log: &mut dyn FnMut(&str),
     rows: &mut Vec<Row>,
 ) -> Result<()> {
-    use gpu_pager::backend::{Direction, Mover, RawCopy};
+    use gpu_pager::backend::{Mover, RawCopy};
     use gpu_pager::kv::{KvCache, KvCacheConfig, KvDtype, KvLayout, KvOrder};
     let backend = pager.backend().clone();
     let b = backend.as_ref();
@@ -1046,46 +1046,44 @@ fn after_free_rows(
     drop(host);
     pager.remove("probe")?;
     let name = size_name(bytes);
-    let mut probe_row = |what: String, samples: &[Duration]| {
+    let mut probe_row = |what: String, samples: &[Duration], direction| {
         if !samples.is_empty() {
-            let limit = format!("{name} / H2D (settled)");
-            rows.push(Row::over_link(
-                what,
-                samples,
-                OverLink::h2d(bytes),
-                link,
-                limit,
-                None,
-            ));
+            let (dir, over) = over_link(direction, bytes);
+            let limit = format!("{name} / {dir} (settled)");
+            rows.push(Row::over_link(what, samples, over, link, limit, None));
         }
     };
+    let h2d = Direction::ToDevice;
     probe_row(
         format!("copy engine {name} H2D, right after a free"),
         &ce_fresh,
+        h2d,
     );
-    probe_row(format!("copy engine {name} H2D, 1 s later"), &ce_settled);
+    probe_row(
+        format!("copy engine {name} H2D, 1 s later"),
+        &ce_settled,
+        h2d,
+    );
     probe_row(
         format!("copy engine {name} H2D on 2 streams, right after a free"),
         &ce_two,
+        h2d,
     );
     probe_row(
         format!("SM zero-copy kernel {name} H2D, right after a free"),
         &sm_fresh,
+        h2d,
     );
     probe_row(
         format!("SM zero-copy kernel {name} H2D, 1 s later"),
         &sm_settled,
+        h2d,
     );
-    if !ce_back.is_empty() {
-        rows.push(Row::over_link(
-            format!("copy engine {name} D2H from memory mapped right after a free, 1 s later"),
-            &ce_back,
-            OverLink::d2h(bytes),
-            link,
-            format!("{name} / D2H (settled)"),
-            None,
-        ));
-    }
+    probe_row(
+        format!("copy engine {name} D2H from memory mapped right after a free, 1 s later"),
+        &ce_back,
+        Direction::ToHost,
+    );
     rows.push(Row::over_link(
         "resume weights right after a trainer's allocate/write/free",
         &resume_after,

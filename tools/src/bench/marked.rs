@@ -16,9 +16,10 @@
 
 use std::time::{Duration, Instant};
 
+use gpu_pager::backend::Direction;
 use gpu_pager::{Buffer, Error, Pager, Result};
 
-use super::{BenchConfig, Link, OverLink, Row, Spread, trainer_step, write_weights};
+use super::{BenchConfig, Link, OverLink, Row, Spread, over_link, trainer_step, write_weights};
 
 const GIB: usize = 1 << 30;
 const MIB: usize = 1 << 20;
@@ -152,18 +153,17 @@ pub(super) fn rows(
             "release weights, half the buffers marked, contents changed",
             &rel,
             saved,
-            OverLink::d2h(saved),
-            "D2H",
+            Direction::ToHost,
         ),
         (
             "resume weights, half the buffers marked, 1 s after",
             &res,
             restored,
-            OverLink::h2d(restored),
-            "H2D",
+            Direction::ToDevice,
         ),
     ];
-    for (name, samples, unmarked, over, way) in halves {
+    for (name, samples, unmarked, direction) in halves {
+        let (way, over) = over_link(direction, unmarked);
         rows.push(Row::over_link(
             name,
             samples,

@@ -13,8 +13,8 @@ use gpu_pager::report::{gbps, ms};
 use gpu_pager::{Buffer, CopyRoute, Error, Pager, Policy, RegionOptions, Report, Result};
 
 use super::{
-    BenchConfig, GIB, Link, OverLink, Row, Spread, backend_err, marked, size_name, timed_writes,
-    trainer_step, write_weights,
+    BenchConfig, GIB, Link, OverLink, Row, Spread, backend_err, marked, over_link, size_name,
+    timed_writes, trainer_step, write_weights,
 };
 
 /// The rows; see the module docs. Needs the `weights` region (buffers `bufs`) resident with
@@ -328,7 +328,7 @@ fn movers_rows(
             ));
         }
     }
-    idle_rows(pager, link, &dev, dst, host.as_mut(), log, rows)?;
+    idle_rows(pager, link, &dev, host.as_mut(), log, rows)?;
     drop(host);
     pager.remove("bench_movers")?;
     Ok(())
@@ -342,13 +342,13 @@ fn idle_rows(
     pager: &Pager,
     link: &Link,
     dev: &Buffer,
-    dst: u64,
     host: &mut dyn HostBuffer,
     log: &mut dyn FnMut(&str),
     rows: &mut Vec<Row>,
 ) -> Result<()> {
     let settle = settle(pager);
     let backend = pager.backend().clone();
+    let dst = pager.ptr(dev)?;
     let bytes = host.len();
     log(&format!(
         "the link per mover after an idle second: {} each way",
@@ -405,14 +405,6 @@ fn pump_on(pager: &Pager, route: CopyRoute) -> PumpConfig {
         route,
         unit_bytes: config.copy_unit_bytes,
         depth: config.copy_depth,
-    }
-}
-
-/// "H2D" or "D2H", and `bytes` over the link that way.
-fn over_link(direction: Direction, bytes: usize) -> (&'static str, OverLink) {
-    match direction {
-        Direction::ToDevice => ("H2D", OverLink::h2d(bytes)),
-        Direction::ToHost => ("D2H", OverLink::d2h(bytes)),
     }
 }
 

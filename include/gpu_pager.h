@@ -8,6 +8,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// `gpu_pager_resume_with`'s flag: keep the host memory of `GPU_PAGER_MEDIUM_HOST` backups
+// after restoring (the next release of unchanged contents then copies nothing).
+#define GPU_PAGER_RESUME_KEEP_HOST_BACKUPS 1
+
 // The result of every `gpu_pager_*` call: `GPU_PAGER_OK` or the error's code. The numbers
 // are gpu-pager's stable `ErrorCode`s (`Error::code()` in Rust) and never change;
 // `gpu_pager_last_error()` has the message, naming the tag and the fix.
@@ -97,6 +101,29 @@ enum gpu_pager_policy
 typedef enum gpu_pager_policy gpu_pager_policy;
 #else
 typedef uint32_t gpu_pager_policy;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// Where a `GPU_PAGER_PRESERVE` region's contents go while it is released
+// (`gpu_pager_region_medium`'s `medium`).
+enum gpu_pager_medium
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Pinned host memory, pinned once and kept across cycles (the default).
+  GPU_PAGER_MEDIUM_PINNED = 0,
+  // Pinned host memory given back after each resume (pinned again at the next release).
+  GPU_PAGER_MEDIUM_HOST = 1,
+  // A file in the backup directory (`gpu_pager_set_backup_dir`), streamed through a
+  // small pinned staging buffer.
+  GPU_PAGER_MEDIUM_FILE = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum gpu_pager_medium gpu_pager_medium;
+#else
+typedef uint32_t gpu_pager_medium;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -194,7 +221,8 @@ gpu_pager_code gpu_pager_device(int device, struct gpu_pager_device_info *out);
 // not pay for pinning. Creating an existing tag again with the same size and policy
 // returns it; otherwise `GPU_PAGER_ERROR_TAG_CONFLICT`. `bytes == 0` creates a growing
 // region: a large address range with memory mapped only under live buffers (each
-// `gpu_pager_alloc` / `gpu_pager_torch_malloc` maps its buffer, each free unmaps it).
+// `gpu_pager_alloc` / `gpu_pager_torch_malloc` maps its buffer, each free unmaps it). The
+// backup is pinned host memory kept across cycles (`gpu_pager_region_medium` chooses).
 //
 // # Safety
 // `tag` is NULL (an error) or a NUL-terminated string; `base_out` is NULL or valid for a
@@ -205,6 +233,30 @@ gpu_pager_code gpu_pager_region(int device,
                                 size_t bytes,
                                 bool prepin,
                                 uint64_t *base_out);
+
+// `gpu_pager_region` with the backup medium of a `GPU_PAGER_PRESERVE` region: `medium` is a
+// `gpu_pager_medium`. Other policies take `GPU_PAGER_MEDIUM_PINNED` (they have no backup).
+// A `GPU_PAGER_MEDIUM_FILE` region needs a backup directory by its first release
+// (`gpu_pager_set_backup_dir`).
+//
+// # Safety
+// As `gpu_pager_region`.
+gpu_pager_code gpu_pager_region_medium(int device,
+                                       const char *tag,
+                                       uint32_t policy,
+                                       size_t bytes,
+                                       bool prepin,
+                                       uint32_t medium,
+                                       uint64_t *base_out);
+
+// Makes `dir` (created if missing) the directory where device `device`'s new
+// `GPU_PAGER_MEDIUM_FILE` backups go, after checking that a file can be written there. A
+// pager starts with the directory in the environment variable `GPU_PAGER_BACKUP_DIR`.
+// Put it on a real disk, not tmpfs.
+//
+// # Safety
+// `dir` is NULL (an error) or a NUL-terminated string.
+gpu_pager_code gpu_pager_set_backup_dir(int device, const char *dir);
 
 // Removes region `tag` of device `device`: unmaps it and frees its backup and its address
 // range; its buffers become stale. `GPU_PAGER_ERROR_BUSY` while leased.
@@ -290,6 +342,18 @@ gpu_pager_code gpu_pager_resume(int device,
                                 size_t n_tags,
                                 struct gpu_pager_report *report);
 
+// `gpu_pager_resume` with `flags`: `GPU_PAGER_RESUME_KEEP_HOST_BACKUPS` keeps the host
+// memory of `GPU_PAGER_MEDIUM_HOST` backups after restoring them. Unknown flag bits are
+// `GPU_PAGER_ERROR_INVALID_ARGUMENT`.
+//
+// # Safety
+// As `gpu_pager_release`.
+gpu_pager_code gpu_pager_resume_with(int device,
+                                     const char *const *tags,
+                                     size_t n_tags,
+                                     uint32_t flags,
+                                     struct gpu_pager_report *report);
+
 // `gpu_pager_resume`, but the restore copies are enqueued on the caller's CUDA `stream`
 // (a `cudaStream_t`/`CUstream` of device `device`'s primary context; NULL is the legacy
 // default stream) and the call returns once mapping is done: kernels enqueued next on
@@ -326,6 +390,106 @@ gpu_pager_code gpu_pager_unlease(uint64_t lease);
 // `out` is NULL (an error) or valid for a write of a `gpu_pager_stats`.
 gpu_pager_code gpu_pager_get_stats(int device, struct gpu_pager_stats *out);
 
+// Enters (`true`) or leaves this thread's region: while in one, allocations are routed
+// to gpu-pager (torch_memory_saver's `tms_set_interesting_region`).
+void gpu_pager_tms_set_enabled(bool on);
+
+// Whether this thread is in a region (torch_memory_saver's `tms_get_interesting_region`).
+bool gpu_pager_tms_enabled(void);
+
+// Sets this thread's tag. NULL, or a string that is not UTF-8 or empty, is
+// `GPU_PAGER_ERROR_INVALID_ARGUMENT` and changes nothing.
+//
+// # Safety
+// `tag` is NULL or a NUL-terminated string.
+gpu_pager_code gpu_pager_tms_set_tag(const char *tag);
+
+// This thread's tag (initially `default`); valid until the thread's next
+// `gpu_pager_tms_set_tag`. Never NULL.
+const char *gpu_pager_tms_tag(void);
+
+// Whether this thread's allocations keep a CPU backup across a pause.
+void gpu_pager_tms_set_cpu_backup(bool on);
+
+// See [`gpu_pager_tms_set_cpu_backup`].
+bool gpu_pager_tms_cpu_backup(void);
+
+// Sets this thread's CPU backup backend: `"pinned"` (pinned host memory kept across
+// cycles) or `"mmap"` (host memory given back after each resume). Anything else is
+// `GPU_PAGER_ERROR_INVALID_ARGUMENT` and changes nothing.
+//
+// # Safety
+// `backend` is NULL or a NUL-terminated string.
+gpu_pager_code gpu_pager_tms_set_cpu_backend(const char *backend);
+
+// This thread's CPU backup backend, `"pinned"` or `"mmap"` (a static string).
+const char *gpu_pager_tms_cpu_backend(void);
+
+// Whether this thread's allocations keep a disk backup across a pause (it takes
+// precedence over a CPU backup).
+void gpu_pager_tms_set_disk_backup(bool on);
+
+// See [`gpu_pager_tms_set_disk_backup`].
+bool gpu_pager_tms_disk_backup(void);
+
+// Sets the directory of disk backups for every device (created if missing, and checked
+// by writing a file there); regions made before keep their files where they are.
+//
+// # Safety
+// `dir` is NULL or a NUL-terminated string.
+gpu_pager_code gpu_pager_tms_set_disk_dir(const char *dir);
+
+// Whether resumes keep the CPU backups (torch_memory_saver's `retain_cpu_backup`,
+// process-wide; initially `TMS_RETAIN_CPU_BACKUP`).
+void gpu_pager_tms_set_retain(bool on);
+
+// See [`gpu_pager_tms_set_retain`].
+bool gpu_pager_tms_retain(void);
+
+// Pauses the regions of `tag` (NULL: every region made here) on every device: waits for
+// device work, backs up what keeps a backup, gives the memory back. Idempotent.
+//
+// # Safety
+// `tag` is NULL or a NUL-terminated string.
+gpu_pager_code gpu_pager_tms_pause(const char *tag);
+
+// Resumes the regions of `tag` (NULL: every region made here) on every device, restoring
+// what has a backup; CPU backups are then given back unless retained. Idempotent. Out of
+// memory is `GPU_PAGER_ERROR_OUT_OF_MEMORY` and loses nothing: a later resume succeeds.
+//
+// # Safety
+// `tag` is NULL or a NUL-terminated string.
+gpu_pager_code gpu_pager_tms_resume(const char *tag);
+
+// The host address of the CPU backup of the `size` device bytes at `ptr`, while their
+// region is paused (or resumed with its backup retained); NULL otherwise (no backup, a
+// disk backup, not a routed allocation). The memory stays gpu-pager's: the next pause
+// overwrites it and a resume that does not retain it may give it back.
+uint8_t *gpu_pager_tms_backup_pointer(uint64_t ptr, uint64_t size);
+
+// The preload library's `cudaMalloc`: when this thread is in a region, allocates `size`
+// bytes on device `device` there, stores the address in `*ptr_out` and sets `*routed`;
+// otherwise sets `*routed` to false (the caller passes the call to the CUDA runtime). On
+// failure (`GPU_PAGER_ERROR_OUT_OF_MEMORY`, the tag's region paused) nothing is allocated.
+//
+// # Safety
+// `ptr_out` and `routed` are NULL (an error) or valid for a write.
+gpu_pager_code gpu_pager_tms_cuda_malloc(int device, size_t size, void **ptr_out, bool *routed);
+
+// The preload library's `cudaFree`: frees `ptr` if it is a routed allocation (waiting for
+// the device first, as `cudaFree` does) and sets `*freed`; otherwise sets `*freed` to
+// false (the caller passes the call to the CUDA runtime).
+//
+// # Safety
+// `freed` is NULL (an error) or valid for a write.
+gpu_pager_code gpu_pager_tms_cuda_free(void *ptr, bool *freed);
+
+// PyTorch's `malloc` hook for the drop-in's "torch" hook mode: allocates `size` bytes for
+// device `device` as this thread's config says. NULL when the thread is not in a region
+// (allocations are never routed silently) or on failure, with the reason in
+// `gpu_pager_last_error()`. Free with `gpu_pager_torch_free`.
+void *gpu_pager_tms_torch_malloc(size_t size, int device, void *stream);
+
 // Sets the region that `gpu_pager_torch_malloc` allocates in on this thread for device
 // `device` (thread-local: other threads are not affected); `tag == NULL` clears it, after
 // which torch allocations on this thread fail rather than land anywhere else. The region
@@ -336,9 +500,9 @@ gpu_pager_code gpu_pager_get_stats(int device, struct gpu_pager_stats *out);
 gpu_pager_code gpu_pager_use_tag(int device, const char *tag);
 
 // PyTorch's `malloc` hook: allocates `size` bytes for device `device` in this thread's
-// current tag (`gpu_pager_use_tag`) and returns the device address. `stream` is the
-// stream torch will use the memory on; today's fixed-size regions map nothing here, so it
-// is not used. Returns NULL on failure, with the reason in `gpu_pager_last_error()`: no
+// current tag (`gpu_pager_use_tag`) and returns the device address. `stream` (the stream
+// torch will use the memory on) is not needed: a growing region maps the buffer before
+// this returns. Returns NULL on failure, with the reason in `gpu_pager_last_error()`: no
 // tag set (nothing is ever placed in a region silently), the region released or full,
 // `size == 0`.
 void *gpu_pager_torch_malloc(size_t size, int device, void *stream);

@@ -388,8 +388,8 @@ fn did_you_mean(nearest: &Option<String>) -> String {
 fn oom_message(tag: &str, during: &str, requested: usize, free: usize) -> String {
     let lost = match during {
         "resume" => {
-            "nothing was lost: the region stays released with its contents backed up, and a \
-             later resume succeeds once the memory is free"
+            "nothing was lost: the region stays released as it was (a Preserve region with \
+             its backup), and a later resume succeeds once the memory is free"
         }
         "region creation" => "the region was not created",
         _ => "nothing new was mapped",

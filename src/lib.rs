@@ -51,14 +51,16 @@ pub mod report;
 mod runs;
 mod suballoc;
 
+pub use backup::file::BACKUP_DIR_ENV;
 pub use error::{Error, ErrorCode, Result};
 pub use map_ahead::ABSORBED_MAP_ERROR;
 pub use pager::{
     Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, DEFAULT_COPY_GAP_BYTES,
-    DEFAULT_DISCARD_CHUNK_BYTES, Lease, Pager, PagerConfig, Stats,
+    DEFAULT_DISCARD_CHUNK_BYTES, DEFAULT_FILE_CHUNK_BYTES, Lease, Pager, PagerConfig,
+    ResumeOptions, Stats,
 };
 pub use pump::CopyRoute;
-pub use region::{Policy, RegionInfo, RegionOptions, RegionStats, State, chunk_sizes};
+pub use region::{Medium, Policy, RegionInfo, RegionOptions, RegionStats, State, chunk_sizes};
 pub use report::{Move, Outcome, RegionReport, Report, Steps};
 
 /// Every Rust code block of README.md, compiled and run as a doctest, so the README's

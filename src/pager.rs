@@ -8,9 +8,12 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, BackendKind, Fence, Mover, RawStream};
 use crate::backup::Saved;
+use crate::backup::file::FileIo;
 use crate::error::{Error, Result, nearest_tag};
 use crate::pump::{self, CopyRoute, PumpConfig, PumpStats, Sink};
-use crate::region::{Policy, Region, RegionInfo, RegionOptions, RegionStats, Shape, remember};
+use crate::region::{
+    Medium, Policy, Region, RegionInfo, RegionOptions, RegionStats, Shape, remember,
+};
 use crate::report::{Move, Outcome, RegionReport, Report, Steps};
 use crate::suballoc::AllocError;
 
@@ -114,6 +117,24 @@ pub struct PagerConfig {
     /// the pump (only the unmarked bytes of live buffers). Also switchable with
     /// [`Pager::set_first_save_overlap`].
     pub first_save_overlap: bool,
+    /// Bytes per chunk of a file backup's transfers ([`crate::Medium::File`]): the pager
+    /// pins a staging buffer of twice this size on the first file transfer, and one chunk
+    /// crosses the link while the other is written to or read from the disk. Default
+    /// [`DEFAULT_FILE_CHUNK_BYTES`].
+    pub file_chunk_bytes: usize,
+}
+
+/// Default [`PagerConfig::file_chunk_bytes`]: 64 MiB, large enough for sequential disk
+/// I/O at full speed, small enough that the staging buffer is a small fraction of the host.
+pub const DEFAULT_FILE_CHUNK_BYTES: usize = 64 << 20;
+
+/// What a resume does beyond restoring ([`Pager::resume_with`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ResumeOptions {
+    /// Keep the host memory of [`crate::Medium::Host`] backups after restoring from them,
+    /// instead of giving it back (default: give it back). Kept, the next release of
+    /// unchanged contents copies nothing; it is given back by the first resume without this.
+    pub keep_host_backups: bool,
 }
 
 impl Default for PagerConfig {
@@ -132,6 +153,7 @@ impl Default for PagerConfig {
             stream_mover: Mover::CopyEngine,
             copy_gap_bytes: DEFAULT_COPY_GAP_BYTES,
             first_save_overlap: true,
+            file_chunk_bytes: DEFAULT_FILE_CHUNK_BYTES,
         }
     }
 }
@@ -276,11 +298,12 @@ type Slot = Arc<Mutex<Region>>;
 pub struct Pager {
     backend: Arc<dyn Backend>,
     config: PagerConfig,
+    /// The backup directory and staging buffer of file backups.
+    files: Arc<FileIo>,
     regions: RwLock<BTreeMap<String, Slot>>,
     /// The same regions by base address, for [`Pager::buffer_at`]. Changed only while
     /// `regions` is write-locked (lock order: `regions`, then `by_base`, then a region).
     by_base: RwLock<BTreeMap<u64, Slot>>,
-    next_id: AtomicU64,
     overlap_restore: AtomicBool,
     restore_route: AtomicU8,
     save_route: AtomicU8,
@@ -302,6 +325,14 @@ impl std::fmt::Debug for Pager {
     }
 }
 
+/// A new identity for a region or a buffer, unique in the process: a [`Buffer`] of one pager
+/// is never live in another (it is a [`Error::StaleBuffer`] there), even when two pagers
+/// (one per device) hand out buffers at the same offsets.
+fn next_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
 /// Locks a mutex, recovering from poisoning: region state is updated only after each
 /// fallible step succeeds, so a panic elsewhere cannot leave it half-changed.
 fn lock(slot: &Slot) -> MutexGuard<'_, Region> {
@@ -313,12 +344,21 @@ fn lock(slot: &Slot) -> MutexGuard<'_, Region> {
 pub(crate) const MAX_RESERVE_FACTOR: usize = 4;
 
 /// Describes a region's kind for error messages.
-fn describe(policy: Policy, bytes: usize, elastic: bool, growing: bool) -> String {
+fn describe(policy: Policy, medium: Medium, bytes: usize, elastic: bool, growing: bool) -> String {
+    let backup = if policy == Policy::Preserve {
+        format!(" with a {medium} backup")
+    } else {
+        String::new()
+    };
     if growing {
-        return format!("a growing {policy:?} region (reserving {bytes} bytes)");
+        return format!("a growing {policy:?} region{backup} (reserving {bytes} bytes)");
     }
     let elastic = if elastic { "elastic " } else { "" };
-    format!("an {elastic}{policy:?} region of {bytes} bytes")
+    let article = match elastic.chars().chain(format!("{policy:?}").chars()).next() {
+        Some('a' | 'e' | 'i' | 'o' | 'u' | 'A' | 'E' | 'I' | 'O' | 'U') => "an",
+        _ => "a",
+    };
+    format!("{article} {elastic}{policy:?} region{backup} of {bytes} bytes")
 }
 
 /// [`Error::UnknownTag`] for `tag`, suggesting the nearest existing tag.
@@ -360,8 +400,11 @@ impl Pager {
             depth: config.copy_depth,
         }
         .normalized();
+        static SERIALS: AtomicU64 = AtomicU64::new(1);
+        let serial = SERIALS.fetch_add(1, Ordering::Relaxed);
         Pager {
             backend,
+            files: Arc::new(FileIo::new(serial, config.file_chunk_bytes)),
             config: PagerConfig {
                 chunk_bytes: chunk,
                 discard_chunk_bytes: discard_chunk,
@@ -372,7 +415,6 @@ impl Pager {
             },
             regions: RwLock::new(BTreeMap::new()),
             by_base: RwLock::new(BTreeMap::new()),
-            next_id: AtomicU64::new(1),
             overlap_restore: AtomicBool::new(config.overlap_restore),
             restore_route: AtomicU8::new(route_code(config.restore_route)),
             save_route: AtomicU8::new(route_code(config.save_route)),
@@ -424,6 +466,24 @@ impl Pager {
             unit_bytes: self.copy_unit.load(Ordering::Relaxed),
             depth: self.copy_depth.load(Ordering::Relaxed),
         }
+    }
+
+    /// Makes `dir` (created if missing) the directory where new [`Medium::File`] backups
+    /// go, after checking that a file can be written there. Backups made before stay where
+    /// they are. A new pager takes the directory from the environment variable
+    /// `GPU_PAGER_BACKUP_DIR`, if set. Put it on a real disk: on tmpfs the "disk" is the
+    /// host memory a file backup is meant to spare.
+    pub fn set_backup_dir(&self, dir: impl AsRef<std::path::Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        self.files.set_dir(dir).map_err(|e| Error::InvalidArgument {
+            tag: "*".to_owned(),
+            reason: format!("the backup directory {} cannot be used: {e}", dir.display()),
+        })
+    }
+
+    /// The directory new [`Medium::File`] backups go to, if one is set.
+    pub fn backup_dir(&self) -> Option<std::path::PathBuf> {
+        self.files.dir()
     }
 
     /// The backend.
@@ -559,6 +619,25 @@ impl Pager {
                     }
                 ),
             })?;
+        if options.medium != Medium::Pinned && policy != Policy::Preserve {
+            return Err(Error::InvalidArgument {
+                tag: tag.to_owned(),
+                reason: format!(
+                    "a backup medium ({}) is for Policy::Preserve regions, and a {policy:?} \
+                     region keeps no contents; leave the medium at its default",
+                    options.medium
+                ),
+            });
+        }
+        if options.prepin && options.medium == Medium::Host {
+            return Err(Error::InvalidArgument {
+                tag: tag.to_owned(),
+                reason: "prepin pins the backup now, but a Medium::Host backup is given back \
+                         after every resume and pinned again at the release; use prepin with \
+                         Medium::Pinned, or leave it off"
+                    .to_owned(),
+            });
+        }
         if options.prepin && policy != Policy::Preserve {
             return Err(Error::InvalidArgument {
                 tag: tag.to_owned(),
@@ -584,6 +663,7 @@ impl Pager {
                 && r.growing == growing
                 && (growing || r.size() == size)
                 && r.elastic == elastic
+                && r.medium == options.medium
             {
                 return Ok(r.info());
             }
@@ -595,14 +675,15 @@ impl Pager {
                     r.elastic != elastic && r.growing == growing,
                     "elastic option",
                 ),
+                (r.medium != options.medium, "backup medium"),
             ]
             .into_iter()
             .filter_map(|(d, what)| d.then_some(what))
             .collect();
             return Err(Error::TagConflict {
                 tag: tag.to_owned(),
-                existing: describe(r.policy, r.size(), r.elastic, r.growing),
-                requested: describe(policy, size, elastic, growing),
+                existing: describe(r.policy, r.medium, r.size(), r.elastic, r.growing),
+                requested: describe(policy, options.medium, size, elastic, growing),
                 differs: differs.join(" and "),
             });
         }
@@ -618,13 +699,21 @@ impl Pager {
             .chunk_bytes
             .map_or(default_chunk, |c| round_chunk(c, g.max(1)))
             .min(size);
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = next_id();
         let shape = Shape {
             size,
             chunk_bytes: chunk,
             growing,
         };
-        let mut region = Region::create(self.backend.as_ref(), id, tag, shape, policy, options)?;
+        let mut region = Region::create(
+            self.backend.as_ref(),
+            id,
+            tag,
+            shape,
+            policy,
+            options,
+            &self.files,
+        )?;
         region.exclusive = exclusive;
         let info = region.info();
         let slot = Arc::new(Mutex::new(region));
@@ -711,7 +800,7 @@ impl Pager {
     pub fn alloc_aligned(&self, tag: &str, bytes: usize, align: usize) -> Result<Buffer> {
         let slot = self.slot(tag)?;
         let mut r = lock(&slot);
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = next_id();
         // A growing region maps each buffer by itself, so buffers own whole granules.
         let g = self.backend.info().granularity;
         let (want, align) = if r.growing && bytes > 0 {
@@ -1049,13 +1138,19 @@ impl Pager {
     /// mapped by this call is unmapped again, stays released with its backup intact, and
     /// the error returns; a later resume succeeds.
     pub fn resume(&self, tags: &[&str]) -> Result<Report> {
-        self.resume_impl(tags, None, false).map(|(r, _)| r)
+        self.resume_with(tags, ResumeOptions::default())
+    }
+
+    /// [`Pager::resume`] with options: whether [`Medium::Host`] backups keep their host
+    /// memory after the restore ([`ResumeOptions::keep_host_backups`]).
+    pub fn resume_with(&self, tags: &[&str], options: ResumeOptions) -> Result<Report> {
+        self.resume_impl(tags, None, false, options).map(|(r, _)| r)
     }
 
     /// [`Pager::resume`] and [`Pager::lease`] in one step: no other thread can release the
     /// tags in between.
     pub fn resume_and_lease(&self, tags: &[&str]) -> Result<(Report, Lease)> {
-        let (report, lease) = self.resume_impl(tags, None, true)?;
+        let (report, lease) = self.resume_impl(tags, None, true, ResumeOptions::default())?;
         let lease = lease.ok_or_else(|| Error::InvalidArgument {
             tag: tags.join(","),
             reason: "internal: no lease".to_owned(),
@@ -1070,7 +1165,8 @@ impl Pager {
     /// host before then are the caller's to order (synchronize the stream first).
     /// `verify_restore` is not applied. On the host backend copies are synchronous.
     pub fn resume_on(&self, tags: &[&str], stream: RawStream) -> Result<Report> {
-        self.resume_impl(tags, Some(stream), false).map(|(r, _)| r)
+        self.resume_impl(tags, Some(stream), false, ResumeOptions::default())
+            .map(|(r, _)| r)
     }
 
     fn resume_impl(
@@ -1078,6 +1174,7 @@ impl Pager {
         tags: &[&str],
         stream: Option<RawStream>,
         leased: bool,
+        options: ResumeOptions,
     ) -> Result<(Report, Option<Lease>)> {
         let start = Instant::now();
         let slots = self.slots(tags)?;
@@ -1195,6 +1292,23 @@ impl Pager {
             return Err(e);
         }
 
+        let give_back = !options.keep_host_backups
+            && regions
+                .iter()
+                .zip(&todo)
+                .any(|(r, &t)| t && r.medium == Medium::Host);
+        if give_back {
+            // A restore on the caller's stream may still read the backups.
+            if let Some(f) = fence.take() {
+                if let Err(e) = f.wait() {
+                    backend.deferred_errors().record(format!(
+                        "waiting for the restore of {tags:?} before giving its host backups \
+                         back (they are kept): {e}"
+                    ));
+                    fence = Some(f);
+                }
+            }
+        }
         let mut out = Vec::with_capacity(regions.len());
         for (i, r) in regions.iter_mut().enumerate() {
             if !todo[i] {
@@ -1202,6 +1316,9 @@ impl Pager {
                 continue;
             }
             r.set_resident(fence.clone());
+            if give_back && fence.is_none() {
+                r.give_back_host_backups();
+            }
             out.push(RegionReport {
                 tag: r.tag.clone(),
                 outcome: Outcome::Done,

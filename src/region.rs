@@ -22,6 +22,7 @@ use std::collections::BTreeMap;
 use crate::backend::{
     Backend, BackendError, BackendResult, DeferredErrors, DeviceRange, Fence, Reservation,
 };
+use crate::backup::file::FileIo;
 use crate::backup::{Backup, Saved};
 use crate::error::{Error, Result};
 use crate::map_ahead;
@@ -40,6 +41,35 @@ pub enum Policy {
     Discard,
     /// Dropped on release; the memory comes back zero-filled.
     DiscardZeroed,
+}
+
+/// Where a `Preserve` region's contents go while it is released (its backup medium).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Medium {
+    /// Pinned host memory, pinned once and kept across cycles: the fastest, and a release
+    /// of unchanged contents copies nothing; holds host memory for the region's life.
+    #[default]
+    Pinned,
+    /// Pinned host memory that each resume gives back to the system (the process's memory
+    /// use drops), pinned again at the next release, for hosts that need their memory
+    /// between rollouts (torch_memory_saver's "mmap" backend). A resume may keep it
+    /// ([`crate::ResumeOptions::keep_host_backups`]).
+    Host,
+    /// A file in the pager's backup directory ([`crate::Pager::set_backup_dir`]), streamed
+    /// through a bounded pinned staging buffer, for hosts whose memory cannot hold every
+    /// GPU's weights (torch_memory_saver's disk backup). The file is allocated on disk when
+    /// the backup is made, so a full disk fails the release before anything is unmapped.
+    File,
+}
+
+impl std::fmt::Display for Medium {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Medium::Pinned => "pinned",
+            Medium::Host => "host",
+            Medium::File => "file",
+        })
+    }
 }
 
 /// Whether a region's physical memory is mapped.
@@ -68,6 +98,9 @@ pub struct RegionOptions {
     /// rounded the same way (up to the granularity and to a power of two). Elastic regions
     /// map and unmap whole chunks, so smaller chunks follow their use more closely.
     pub chunk_bytes: Option<usize>,
+    /// Where the contents go while released ([`Policy::Preserve`] only; default
+    /// [`Medium::Pinned`]).
+    pub medium: Medium,
 }
 
 /// A public description of a region.
@@ -85,6 +118,8 @@ pub struct RegionInfo {
     pub chunk_bytes: usize,
     /// Contents policy.
     pub policy: Policy,
+    /// Backup medium ([`Medium::Pinned`] for regions without a backup).
+    pub medium: Medium,
     /// Current state.
     pub state: State,
     /// Whether memory is mapped only where backed ([`RegionOptions::elastic`], and every
@@ -93,7 +128,7 @@ pub struct RegionInfo {
     /// Whether the region grows with its buffers (created with 0 bytes): memory is mapped
     /// exactly under live buffers.
     pub growing: bool,
-    /// Identity of the region: unique among the regions a pager ever created, so a region
+    /// Identity of the region: unique among the regions and buffers of the process, so a region
     /// removed and created again under the same tag has a new id.
     pub id: u64,
     /// Releases that changed the region so far (see [`crate::Pager::releases`]).
@@ -115,7 +150,8 @@ pub struct RegionStats {
     pub allocated_bytes: usize,
     /// Live buffers.
     pub buffers: usize,
-    /// Pinned host backup held, in bytes.
+    /// Backup held, in bytes: pinned host memory, or the backup files' size
+    /// ([`RegionInfo::medium`] says which).
     pub backup_bytes: usize,
     /// Bytes the backup validly holds: while released, exactly what a resume restores.
     pub held_bytes: usize,
@@ -137,6 +173,10 @@ pub(crate) struct Region {
     pub id: u64,
     pub tag: String,
     pub policy: Policy,
+    /// Backup medium (Preserve regions).
+    pub medium: Medium,
+    /// The pager's file I/O, for [`Medium::File`].
+    files: Option<Arc<FileIo>>,
     pub chunk_bytes: usize,
     /// Memory is mapped on demand, not all at once (elastic and growing regions).
     pub elastic: bool,
@@ -225,6 +265,7 @@ impl Region {
         shape: Shape,
         policy: Policy,
         options: RegionOptions,
+        files: &Arc<FileIo>,
     ) -> Result<Region> {
         if options.elastic && !shape.growing && policy == Policy::Preserve {
             return Err(Error::InvalidArgument {
@@ -242,6 +283,8 @@ impl Region {
             id,
             tag: tag.to_owned(),
             policy,
+            medium: options.medium,
+            files: (options.medium == Medium::File).then(|| files.clone()),
             chunk_bytes: shape.chunk_bytes,
             elastic: options.elastic || shape.growing,
             growing: shape.growing,
@@ -288,6 +331,7 @@ impl Region {
             size: self.size(),
             chunk_bytes: self.chunk_bytes,
             policy: self.policy,
+            medium: self.medium,
             state: self.state,
             elastic: self.elastic,
             growing: self.growing,
@@ -514,13 +558,7 @@ impl Region {
         let gaps = self.map_ranges(backend, std::slice::from_ref(&extent), "alloc")?;
         self.zero_new(backend, &gaps)?;
         if self.prepin {
-            let pinned = self
-                .backups
-                .entry(offset)
-                .or_default()
-                .ensure(backend, len)
-                .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e));
-            if let Err(e) = pinned {
+            if let Err(e) = self.pin(backend, offset, len) {
                 self.backups.remove(&offset);
                 self.mapped.remove_within(&extent);
                 return Err(e);
@@ -620,7 +658,7 @@ impl Region {
                     // SAFETY: the part was just mapped, and the caller unmaps nothing before the
                     // copies are over (see above); release synchronizes before it writes the
                     // backup again, and the backups are borrowed for `'h`.
-                    copied += unsafe { restore_range(backups, base, tag, part, sink) }?;
+                    copied += unsafe { restore_range(backups, backend, base, tag, part, sink) }?;
                 }
                 Ok(())
             };
@@ -704,14 +742,36 @@ impl Region {
         }
     }
 
-    /// Pins the backup at region offset `start` for `len` bytes unless pinned. Returns the
-    /// time it took.
+    /// Pins the backup at region offset `start` for `len` bytes (creates its file, for
+    /// [`Medium::File`]) unless it has one. Returns the time it took.
     fn pin(&mut self, backend: &dyn Backend, start: usize, len: usize) -> Result<Duration> {
-        self.backups
-            .entry(start)
-            .or_default()
-            .ensure(backend, len)
-            .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e))
+        let backup = self.backups.entry(start).or_default();
+        match &self.files {
+            Some(io) => backup
+                .ensure_file(io, len)
+                .map_err(|e| Error::backend(&self.tag, "creating the backup file", e)),
+            None => backup
+                .ensure(backend, len)
+                .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e)),
+        }
+    }
+
+    /// Gives back the host memory of a [`Medium::Host`] region's backups (after a resume
+    /// restored them). Returns the bytes given back.
+    pub fn give_back_host_backups(&mut self) -> usize {
+        if self.medium != Medium::Host {
+            return 0;
+        }
+        let bytes = self.backup_bytes();
+        self.backups.clear();
+        bytes
+    }
+
+    /// The host address of the backup's copy of region bytes `range`, when a backup in host
+    /// memory validly holds all of them.
+    pub fn backup_host_ptr(&self, range: Range<usize>) -> Option<u64> {
+        backup_at(&self.backups, range.start)
+            .and_then(|(start, b)| b.host_ptr(range.start - start..range.end - start))
     }
 
     /// The backups that a release with copy gap `gap` needs and that are not pinned, as
@@ -740,6 +800,19 @@ impl Region {
     /// time the pinning took.
     pub fn ensure_backup(&mut self, backend: &dyn Backend, gap: usize) -> Result<Duration> {
         let missing = self.missing_backups(gap);
+        if self.files.is_some() {
+            // Files one by one; on failure the ones just made are deleted again.
+            let t = Instant::now();
+            for (k, &(start, len)) in missing.iter().enumerate() {
+                if let Err(e) = self.pin(backend, start, len) {
+                    for &(s, _) in &missing[..k] {
+                        self.backups.remove(&s);
+                    }
+                    return Err(e);
+                }
+            }
+            return Ok(t.elapsed());
+        }
         match missing[..] {
             [] => Ok(Duration::ZERO),
             [(start, len)] if !self.growing => self.pin(backend, start, len),
@@ -784,7 +857,7 @@ impl Region {
         hash_chunk: usize,
     ) -> Result<(Duration, Duration, usize)> {
         let none = (Duration::ZERO, Duration::ZERO, 0);
-        if self.policy != Policy::Preserve || !self.is_resident() {
+        if self.policy != Policy::Preserve || !self.is_resident() || self.files.is_some() {
             return Ok(none);
         }
         if self.growing {
@@ -1014,6 +1087,7 @@ fn map_error(tag: &str, backend: &dyn Backend, e: BackendError, during: &'static
 /// `base + range` is mapped memory of the region at `base`, as [`Backup::restore`] needs.
 unsafe fn restore_range<'h>(
     backups: &'h BTreeMap<usize, Backup>,
+    backend: &dyn Backend,
     base: u64,
     tag: &str,
     range: Range<usize>,
@@ -1024,7 +1098,7 @@ unsafe fn restore_range<'h>(
     };
     let local = range.start - start..range.end - start;
     // SAFETY: as this function's contract.
-    unsafe { backup.restore(base + start as u64, &[local], sink) }
+    unsafe { backup.restore(backend, base + start as u64, &[local], sink) }
         .map_err(|e| Error::backend(tag, "restoring contents from the backup", e))
 }
 

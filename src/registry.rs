@@ -69,6 +69,16 @@ pub fn for_device(ordinal: usize) -> Result<Arc<Pager>> {
     Ok(pager)
 }
 
+/// The pagers created so far, by device ordinal (not creating any).
+pub fn pagers() -> Vec<(usize, Arc<Pager>)> {
+    PAGERS
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .map(|(d, p)| (*d, p.clone()))
+        .collect()
+}
+
 /// Why device 0 runs on the host backend (the CUDA backend's error), once its pager was
 /// created that way; `None` before, or when it runs on a GPU.
 pub fn host_fallback() -> Option<String> {

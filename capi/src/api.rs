@@ -8,11 +8,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use gpu_pager::backend::RawStream;
-use gpu_pager::{Error, Lease, Pager, RegionOptions, Result};
+use gpu_pager::{Error, Lease, Pager, RegionOptions, Result, ResumeOptions};
 
 use crate::boundary::{self, call, invalid, pager, required, write_out};
 use crate::types::{
-    gpu_pager_code, gpu_pager_device_info, gpu_pager_policy, gpu_pager_report, gpu_pager_stats,
+    GPU_PAGER_RESUME_KEEP_HOST_BACKUPS, gpu_pager_code, gpu_pager_device_info, gpu_pager_medium,
+    gpu_pager_policy, gpu_pager_report, gpu_pager_stats,
 };
 
 /// The live buffer containing `ptr` in `pager`, and `ptr`'s offset in it.
@@ -126,7 +127,8 @@ pub unsafe extern "C" fn gpu_pager_device(
 /// not pay for pinning. Creating an existing tag again with the same size and policy
 /// returns it; otherwise `GPU_PAGER_ERROR_TAG_CONFLICT`. `bytes == 0` creates a growing
 /// region: a large address range with memory mapped only under live buffers (each
-/// `gpu_pager_alloc` / `gpu_pager_torch_malloc` maps its buffer, each free unmaps it).
+/// `gpu_pager_alloc` / `gpu_pager_torch_malloc` maps its buffer, each free unmaps it). The
+/// backup is pinned host memory kept across cycles (`gpu_pager_region_medium` chooses).
 ///
 /// # Safety
 /// `tag` is NULL (an error) or a NUL-terminated string; `base_out` is NULL or valid for a
@@ -138,6 +140,37 @@ pub unsafe extern "C" fn gpu_pager_region(
     policy: u32,
     bytes: usize,
     prepin: bool,
+    base_out: *mut u64,
+) -> gpu_pager_code {
+    // SAFETY: as this function's contract.
+    unsafe {
+        gpu_pager_region_medium(
+            device,
+            tag,
+            policy,
+            bytes,
+            prepin,
+            gpu_pager_medium::GPU_PAGER_MEDIUM_PINNED as u32,
+            base_out,
+        )
+    }
+}
+
+/// `gpu_pager_region` with the backup medium of a `GPU_PAGER_PRESERVE` region: `medium` is a
+/// `gpu_pager_medium`. Other policies take `GPU_PAGER_MEDIUM_PINNED` (they have no backup).
+/// A `GPU_PAGER_MEDIUM_FILE` region needs a backup directory by its first release
+/// (`gpu_pager_set_backup_dir`).
+///
+/// # Safety
+/// As `gpu_pager_region`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_region_medium(
+    device: c_int,
+    tag: *const c_char,
+    policy: u32,
+    bytes: usize,
+    prepin: bool,
+    medium: u32,
     base_out: *mut u64,
 ) -> gpu_pager_code {
     call("gpu_pager_region", || {
@@ -152,14 +185,43 @@ pub unsafe extern "C" fn gpu_pager_region(
                 ),
             )
         })?;
+        let medium = gpu_pager_medium::from_number(medium).ok_or_else(|| {
+            invalid(
+                tag,
+                format!(
+                    "medium {medium} is not a gpu_pager_medium; pass GPU_PAGER_MEDIUM_PINNED, \
+                     GPU_PAGER_MEDIUM_HOST or GPU_PAGER_MEDIUM_FILE"
+                ),
+            )
+        })?;
         let options = RegionOptions {
             prepin,
+            medium,
             ..RegionOptions::default()
         };
         let info = pager(device)?.region_with(tag, bytes, policy, options)?;
         // SAFETY: `base_out` is NULL or valid for a write (the contract).
         unsafe { write_out(base_out, info.base) };
         Ok(())
+    })
+}
+
+/// Makes `dir` (created if missing) the directory where device `device`'s new
+/// `GPU_PAGER_MEDIUM_FILE` backups go, after checking that a file can be written there. A
+/// pager starts with the directory in the environment variable `GPU_PAGER_BACKUP_DIR`.
+/// Put it on a real disk, not tmpfs.
+///
+/// # Safety
+/// `dir` is NULL (an error) or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_set_backup_dir(
+    device: c_int,
+    dir: *const c_char,
+) -> gpu_pager_code {
+    call("gpu_pager_set_backup_dir", || {
+        // SAFETY: `dir` is NULL or NUL-terminated and alive for this call (the contract).
+        let dir = unsafe { boundary::tag(dir, "dir") }?;
+        pager(device)?.set_backup_dir(dir)
     })
 }
 
@@ -392,6 +454,41 @@ pub unsafe extern "C" fn gpu_pager_resume(
         // SAFETY: as this function's contract.
         let tags = unsafe { boundary::tags(tags, n_tags) }?;
         let r = pager(device)?.resume(&tags)?;
+        // SAFETY: `report` is NULL or valid for a write (the contract).
+        unsafe { write_out(report, gpu_pager_report::from(&r)) };
+        Ok(())
+    })
+}
+
+/// `gpu_pager_resume` with `flags`: `GPU_PAGER_RESUME_KEEP_HOST_BACKUPS` keeps the host
+/// memory of `GPU_PAGER_MEDIUM_HOST` backups after restoring them. Unknown flag bits are
+/// `GPU_PAGER_ERROR_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// As `gpu_pager_release`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_resume_with(
+    device: c_int,
+    tags: *const *const c_char,
+    n_tags: usize,
+    flags: u32,
+    report: *mut gpu_pager_report,
+) -> gpu_pager_code {
+    call("gpu_pager_resume_with", || {
+        if flags & !GPU_PAGER_RESUME_KEEP_HOST_BACKUPS != 0 {
+            return Err(invalid(
+                "*",
+                format!(
+                    "flags {flags:#x} has unknown bits; pass 0 or GPU_PAGER_RESUME_KEEP_HOST_BACKUPS"
+                ),
+            ));
+        }
+        // SAFETY: as this function's contract.
+        let tags = unsafe { boundary::tags(tags, n_tags) }?;
+        let options = ResumeOptions {
+            keep_host_backups: flags & GPU_PAGER_RESUME_KEEP_HOST_BACKUPS != 0,
+        };
+        let r = pager(device)?.resume_with(&tags, options)?;
         // SAFETY: `report` is NULL or valid for a write (the contract).
         unsafe { write_out(report, gpu_pager_report::from(&r)) };
         Ok(())

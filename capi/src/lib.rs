@@ -24,9 +24,11 @@
 
 mod api;
 mod boundary;
+mod tms;
 mod torch;
 mod types;
 
 pub use api::*;
+pub use tms::*;
 pub use torch::*;
 pub use types::*;

@@ -73,9 +73,9 @@ pub fn current_tag(device: usize) -> Option<String> {
 }
 
 /// PyTorch's `malloc` hook: allocates `size` bytes for device `device` in this thread's
-/// current tag (`gpu_pager_use_tag`) and returns the device address. `stream` is the
-/// stream torch will use the memory on; today's fixed-size regions map nothing here, so it
-/// is not used. Returns NULL on failure, with the reason in `gpu_pager_last_error()`: no
+/// current tag (`gpu_pager_use_tag`) and returns the device address. `stream` (the stream
+/// torch will use the memory on) is not needed: a growing region maps the buffer before
+/// this returns. Returns NULL on failure, with the reason in `gpu_pager_last_error()`: no
 /// tag set (nothing is ever placed in a region silently), the region released or full,
 /// `size == 0`.
 #[unsafe(no_mangle)]
@@ -103,36 +103,85 @@ pub extern "C" fn gpu_pager_torch_malloc(
                         ),
                     )
                 })?;
-            if size == 0 {
-                return Err(Error::InvalidSize {
-                    tag,
-                    reason: "gpu_pager_torch_malloc of 0 bytes; torch asks for at least one"
-                        .to_owned(),
-                });
-            }
-            let pager = boundary::pager(device)?;
-            // Whole segments (torch asks for multiples of 2 MiB from 2 MiB up) start on a
-            // 2 MiB boundary, as cudaMalloc's do; smaller ones at the default alignment.
-            let align = if size >= SEGMENT_ALIGN {
-                SEGMENT_ALIGN
-            } else {
-                gpu_pager::DEFAULT_ALIGN
-            };
-            let buf = pager.alloc_aligned(&tag, size, align)?;
-            // A released region: torch would write into unmapped memory at once, so refuse
-            // (NotResident) instead of handing out the address.
-            match pager.ptr(&buf) {
-                Ok(p) => {
-                    segments().insert((d, p), buf);
-                    Ok(p as usize as *mut c_void)
-                }
-                Err(e) => {
-                    let _ = pager.free(&buf);
-                    Err(e)
-                }
-            }
+            alloc_segment(d, &tag, size).map(|p| p as usize as *mut c_void)
         },
     )
+}
+
+/// Allocates a segment of `size` bytes for device `d` in region `tag` and records it for
+/// [`free_segment`]; returns its device address. Refused (nothing allocated) for 0 bytes
+/// and while the region is released: the caller would write into unmapped memory at once.
+pub(crate) fn alloc_segment(d: usize, tag: &str, size: usize) -> Result<u64> {
+    if size == 0 {
+        return Err(Error::InvalidSize {
+            tag: tag.to_owned(),
+            reason: "an allocation of 0 bytes; ask for at least one".to_owned(),
+        });
+    }
+    let pager = Pager::for_device(d)?;
+    // Whole segments (torch asks for multiples of 2 MiB from 2 MiB up) start on a 2 MiB
+    // boundary, as cudaMalloc's do; smaller ones at the default alignment.
+    let align = if size >= SEGMENT_ALIGN {
+        SEGMENT_ALIGN
+    } else {
+        gpu_pager::DEFAULT_ALIGN
+    };
+    let buf = pager.alloc_aligned(tag, size, align)?;
+    match pager.ptr(&buf) {
+        Ok(p) => {
+            segments().insert((d, p), buf);
+            Ok(p)
+        }
+        Err(e) => {
+            let _ = pager.free(&buf);
+            Err(e)
+        }
+    }
+}
+
+/// The device of the segment at `addr` from [`alloc_segment`], if one starts there.
+pub(crate) fn segment_device(addr: u64) -> Option<usize> {
+    segments().keys().find(|(_, a)| *a == addr).map(|(d, _)| *d)
+}
+
+/// Frees the segment of device `d` at `addr` from [`alloc_segment`] (after work enqueued
+/// on `stream`, if given, that may use it, where the free unmaps; the pager waits for the
+/// whole device anyway). `size`, if known, is checked against the segment's (a mismatch is
+/// logged).
+pub(crate) fn free_segment(
+    d: usize,
+    addr: u64,
+    size: Option<usize>,
+    stream: Option<usize>,
+) -> Result<()> {
+    let pager = Pager::for_device(d)?;
+    let buf = segments().remove(&(d, addr)).ok_or_else(|| {
+        invalid(
+            "*",
+            format!(
+                "freeing {addr:#x} on device {d}: not a segment the allocator returned, or \
+                 freed already; nothing was freed"
+            ),
+        )
+    })?;
+    if let Some(size) = size.filter(|&n| n != buf.len()) {
+        log::warn!(
+            "gpu-pager: free of {addr:#x} ({size} bytes): the buffer in `{}` has {} bytes; \
+             freeing it",
+            buf.tag(),
+            buf.len()
+        );
+    }
+    if let Some(stream) = stream.filter(|_| free_may_unmap(&pager, &buf)) {
+        // Work enqueued on `stream` may still use the memory: wait for it before the pager
+        // unmaps anything.
+        pager
+            .backend()
+            .fence(RawStream(stream))
+            .and_then(|f| f.wait())
+            .map_err(|e| Error::backend(buf.tag(), "waiting for the allocator's stream", e))?;
+    }
+    pager.free(&buf)
 }
 
 /// PyTorch's `free` hook: frees the buffer at `ptr` (from `gpu_pager_torch_malloc`) on
@@ -150,35 +199,7 @@ pub extern "C" fn gpu_pager_torch_free(
 ) {
     let code = call("gpu_pager_torch_free", || {
         let d = boundary::device(device)?;
-        let pager = boundary::pager(device)?;
-        let addr = ptr as usize as u64;
-        let buf = segments().remove(&(d, addr)).ok_or_else(|| {
-            invalid(
-                "*",
-                format!(
-                    "gpu_pager_torch_free({addr:#x}, device {d}): not a segment \
-                     gpu_pager_torch_malloc returned, or freed already; nothing was freed"
-                ),
-            )
-        })?;
-        if buf.len() != size {
-            log::warn!(
-                "gpu-pager: gpu_pager_torch_free({addr:#x}, {size} bytes): the buffer in `{}` \
-                 has {} bytes; freeing it",
-                buf.tag(),
-                buf.len()
-            );
-        }
-        if free_may_unmap(&pager, &buf) {
-            // Work torch enqueued on `stream` may still use the memory: wait for it before
-            // the pager unmaps anything.
-            pager
-                .backend()
-                .fence(RawStream(stream as usize))
-                .and_then(|f| f.wait())
-                .map_err(|e| Error::backend(buf.tag(), "waiting for torch's stream", e))?;
-        }
-        pager.free(&buf)
+        free_segment(d, ptr as usize as u64, Some(size), Some(stream as usize))
     });
     if code != gpu_pager_code::GPU_PAGER_OK {
         // SAFETY: `gpu_pager_last_error` returns this thread's NUL-terminated message.
@@ -187,12 +208,9 @@ pub extern "C" fn gpu_pager_torch_free(
     }
 }
 
-/// Whether freeing `buf` can unmap physical memory. Never today: fixed-size regions stay
-/// mapped while resident, and a free is bookkeeping. Growing regions will unmap chunks no
-/// live buffer covers; return true for them then, so that `gpu_pager_torch_free` waits for
-/// torch's stream first.
+/// Whether freeing `buf` can unmap physical memory: in a growing region a free unmaps the
+/// buffer (the pager also waits for the whole device first; waiting for the allocator's
+/// stream here keeps that ordering explicit); in a fixed region it is bookkeeping.
 fn free_may_unmap(pager: &Pager, buf: &Buffer) -> bool {
-    // A free in a growing region unmaps the buffer (the pager also waits for the whole
-    // device first; waiting for torch's stream here keeps that ordering explicit).
     pager.info(buf.tag()).is_ok_and(|i| i.growing)
 }

@@ -4,7 +4,7 @@
 
 use gpu_pager::backend::BackendKind;
 use gpu_pager::report::{Outcome, Report};
-use gpu_pager::{ErrorCode, Policy, Stats};
+use gpu_pager::{ErrorCode, Medium, Policy, Stats};
 
 /// The result of every `gpu_pager_*` call: `GPU_PAGER_OK` or the error's code. The numbers
 /// are gpu-pager's stable `ErrorCode`s (`Error::code()` in Rust) and never change;
@@ -100,6 +100,38 @@ impl gpu_pager_policy {
         .map(|(_, p)| p)
     }
 }
+
+/// Where a `GPU_PAGER_PRESERVE` region's contents go while it is released
+/// (`gpu_pager_region_medium`'s `medium`).
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum gpu_pager_medium {
+    /// Pinned host memory, pinned once and kept across cycles (the default).
+    GPU_PAGER_MEDIUM_PINNED = 0,
+    /// Pinned host memory given back after each resume (pinned again at the next release).
+    GPU_PAGER_MEDIUM_HOST = 1,
+    /// A file in the backup directory (`gpu_pager_set_backup_dir`), streamed through a
+    /// small pinned staging buffer.
+    GPU_PAGER_MEDIUM_FILE = 2,
+}
+
+impl gpu_pager_medium {
+    /// The medium with this number, if any (C passes it as a plain `uint32_t`).
+    pub fn from_number(n: u32) -> Option<Medium> {
+        [
+            (Self::GPU_PAGER_MEDIUM_PINNED, Medium::Pinned),
+            (Self::GPU_PAGER_MEDIUM_HOST, Medium::Host),
+            (Self::GPU_PAGER_MEDIUM_FILE, Medium::File),
+        ]
+        .into_iter()
+        .find(|(c, _)| *c as u32 == n)
+        .map(|(_, m)| m)
+    }
+}
+
+/// `gpu_pager_resume_with`'s flag: keep the host memory of `GPU_PAGER_MEDIUM_HOST` backups
+/// after restoring (the next release of unchanged contents then copies nothing).
+pub const GPU_PAGER_RESUME_KEEP_HOST_BACKUPS: u32 = 1;
 
 /// Which backend a device's pager runs on.
 #[repr(u32)]

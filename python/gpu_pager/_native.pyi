@@ -1,5 +1,6 @@
 """Type stubs of gpu_pager._native, the extension module (re-exported by ``gpu_pager``)."""
 
+import os
 from collections.abc import Iterable
 from typing import Any, ClassVar, final
 
@@ -100,6 +101,10 @@ class RegionInfo:
     def chunk_bytes(self) -> int: ...
     @property
     def policy(self) -> Policy: ...
+    @property
+    def medium(self) -> str:
+        """Where a ``PRESERVE`` region's contents go while released: ``"pinned"``, ``"host"``
+        or ``"file"``."""
     @property
     def state(self) -> State: ...
     @property
@@ -262,8 +267,14 @@ class Pager:
         policy: Policy | str,
         bytes: int | None = None,
         prepin: bool = False,
+        medium: str = "pinned",
     ) -> RegionInfo:
         """Creates region ``tag`` (or returns the same existing one)."""
+    def set_backup_dir(self, path: str | os.PathLike[str]) -> None:
+        """Where new ``"file"`` backups go (created if missing, checked by a write)."""
+    @property
+    def backup_dir(self) -> str | None:
+        """The directory of new ``"file"`` backups, or ``None``."""
     def remove(self, tag: str) -> None: ...
     def tags(self) -> list[str]: ...
     def info(self, tag: str) -> RegionInfo: ...
@@ -287,7 +298,7 @@ class Pager:
     def read_backup(self, buf: Buffer, offset: int, n: int) -> bytes:
         """``n`` bytes of a released buffer from its pinned host backup."""
     def release(self, tags: _Tags) -> Report: ...
-    def resume(self, tags: _Tags) -> Report: ...
+    def resume(self, tags: _Tags, keep_host_backups: bool = False) -> Report: ...
     def resume_on(self, tags: _Tags, stream: int | Any) -> Report:
         """``resume`` with the copies enqueued on ``stream`` (int or ``.cuda_stream``)."""
     def resume_and_lease(self, tags: _Tags) -> tuple[Report, Lease]: ...
@@ -297,7 +308,7 @@ class Pager:
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
 
-class PagerError(Exception):
+class PagerError(RuntimeError):
     """Base class of every error gpu_pager raises; ``.tag``, ``.code``, message."""
 
     code: int

@@ -102,8 +102,6 @@ _allocator: Any = None
 # another), kept until empty_cache(tag) drops it, and past interpreter exit (_keep_forever).
 _pools: dict[tuple[str, int], Any] = {}
 _lib: ctypes.CDLL | None = None
-# disable()'s pool of torch's own allocator, per device, kept for the process.
-_plain_pools: dict[int, Any] = {}
 
 
 def _torch() -> Any:
@@ -329,24 +327,21 @@ region = use
 
 @contextmanager
 def disable(device: Any = None) -> Iterator[None]:
-    """Tensors allocated by this thread inside the block are ordinary torch memory (one
-    private pool of torch's own allocator per device, kept for the process), outside every
-    region, even inside ``use``. The pool is never dropped: torch 2.11 aborts the process
-    when a pool is destroyed while tensors still live in it."""
+    """Tensors allocated by this thread inside the block are ordinary torch memory, outside
+    every region, even inside ``use``: they come from a private pool of torch's own
+    allocator that is dropped at the end of the block, so that what was freed inside goes
+    back to the device then, and what outlives the block goes back once freed, at
+    ``torch.cuda.empty_cache()`` (torch keeps a dropped pool's blocks until they die)."""
     torch = _torch()
     index = _index(device)
     previous = current_tag(index)
-    with _lock:
-        plain = _plain_pools.get(index)
-        if plain is None:
-            with torch.cuda.device(index):
-                plain = torch.cuda.MemPool()
-            _keep_forever(plain)
-            _plain_pools[index] = plain
     use_tag(index, None)
     try:
+        with torch.cuda.device(index):
+            plain = torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(plain, device=index):
             yield
+        del plain
     finally:
         use_tag(index, previous)
 

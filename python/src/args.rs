@@ -98,6 +98,19 @@ pub(crate) fn policy(obj: &Bound<'_, PyAny>) -> PyResult<gpu_pager::Policy> {
     })
 }
 
+/// A backup medium by name: `"pinned"`, `"host"` or `"file"`.
+pub(crate) fn medium(name: &str) -> PyResult<gpu_pager::Medium> {
+    match name {
+        "pinned" => Ok(gpu_pager::Medium::Pinned),
+        "host" => Ok(gpu_pager::Medium::Host),
+        "file" => Ok(gpu_pager::Medium::File),
+        other => Err(PyValueError::new_err(format!(
+            "unknown backup medium {other:?}: use \"pinned\" (kept across cycles), \"host\" \
+             (given back after each resume) or \"file\" (in the backup directory)"
+        ))),
+    }
+}
+
 /// A CUDA stream: an int (`CUstream`, 0 is the legacy default stream) or an object with
 /// an int `.cuda_stream` attribute (`torch.cuda.Stream`).
 pub(crate) fn stream(obj: &Bound<'_, PyAny>) -> PyResult<gpu_pager::backend::RawStream> {

@@ -6,7 +6,7 @@
 use std::any::Any;
 
 use gpu_pager::ErrorCode;
-use pyo3::exceptions::{PyException, PyMemoryError, PyRuntimeError};
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
@@ -66,7 +66,7 @@ fn doc(code: ErrorCode) -> &'static str {
     }
 }
 
-const BASE_DOC: &str = "Base class of every error gpu_pager raises.\n\n\
+const BASE_DOC: &str = "Base class of every error gpu_pager raises; a ``RuntimeError``.\n\n\
     Attributes: ``tag`` (the region the error concerns, ``\"*\"`` when none applies), \
     ``code`` (the stable error number, as the C ABI returns it; also a class attribute) and \
     the message (``str(err)``), which says what to do about it.";
@@ -94,7 +94,9 @@ fn build(py: Python<'_>) -> PyResult<Classes> {
     let base = new_class(
         py,
         "PagerError",
-        PyTuple::new(py, [py.get_type::<PyException>()])?,
+        // A RuntimeError, as the CUDA errors of torch and vLLM are: callers that catch
+        // those catch ours.
+        PyTuple::new(py, [py.get_type::<PyRuntimeError>()])?,
         BASE_DOC,
         None,
     )?;

@@ -108,7 +108,12 @@ impl PyPager {
     /// policy returns the existing region; otherwise ``TagConflictError``. ``bytes=None``
     /// asks for a region that grows with its buffers. ``prepin`` allocates the pinned host
     /// backup now (``Policy.PRESERVE`` only), so that the first release pays no pinning.
-    #[pyo3(signature = (tag, policy, bytes = None, prepin = false))]
+    /// ``medium`` says where a ``PRESERVE`` region's contents go while it is released:
+    /// ``"pinned"`` (pinned host memory kept across cycles: the fastest), ``"host"`` (host
+    /// memory given back after each resume, pinned again at the next release) or ``"file"``
+    /// (a file in the backup directory, ``set_backup_dir``, for hosts whose memory cannot
+    /// hold the weights).
+    #[pyo3(signature = (tag, policy, bytes = None, prepin = false, medium = "pinned"))]
     fn region(
         &self,
         py: Python<'_>,
@@ -116,8 +121,10 @@ impl PyPager {
         policy: &Bound<'_, PyAny>,
         bytes: Option<&Bound<'_, PyAny>>,
         prepin: bool,
+        medium: &str,
     ) -> PyResult<RegionInfo> {
         let policy = args::policy(policy)?;
+        let medium = args::medium(medium)?;
         // Growing regions: the core takes 0 bytes for "grow with the buffers" (until it
         // does, it answers InvalidSize).
         let bytes = bytes
@@ -126,10 +133,26 @@ impl PyPager {
             .unwrap_or(0);
         let options = RegionOptions {
             prepin,
+            medium,
             ..RegionOptions::default()
         };
         let p = &self.inner;
         run(py, || p.region_with(tag, bytes, policy, options)).map(RegionInfo::from)
+    }
+
+    /// Makes ``path`` (created if missing) the directory where new ``"file"`` backups go,
+    /// after checking that a file can be written there (``InvalidArgumentError`` otherwise).
+    /// A pager starts with ``GPU_PAGER_BACKUP_DIR`` from the environment. Put it on a real
+    /// disk: on tmpfs the files take the host memory they are meant to spare.
+    fn set_backup_dir(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
+        let p = &self.inner;
+        run(py, || p.set_backup_dir(&path))
+    }
+
+    /// The directory new ``"file"`` backups go to, or ``None`` while none is set.
+    #[getter]
+    fn backup_dir(&self) -> Option<String> {
+        self.inner.backup_dir().map(|d| d.display().to_string())
     }
 
     /// Removes region ``tag``: unmaps it, frees its backup and its address range; its
@@ -313,11 +336,19 @@ impl PyPager {
 
     /// Maps physical memory back under ``tags`` at the same addresses and restores
     /// ``PRESERVE`` contents bit-exact. All or nothing: on ``OutOfMemoryError`` every region
-    /// stays released with its backup, and a later resume succeeds.
-    fn resume(&self, py: Python<'_>, tags: &Bound<'_, PyAny>) -> PyResult<Report> {
+    /// stays released with its backup, and a later resume succeeds. ``"host"`` backups give
+    /// their memory back after the restore unless ``keep_host_backups``.
+    #[pyo3(signature = (tags, keep_host_backups = false))]
+    fn resume(
+        &self,
+        py: Python<'_>,
+        tags: &Bound<'_, PyAny>,
+        keep_host_backups: bool,
+    ) -> PyResult<Report> {
         let tags = args::tags(tags)?;
         let p = &self.inner;
-        run(py, || p.resume(&as_strs(&tags))).map(Report::from)
+        let options = gpu_pager::ResumeOptions { keep_host_backups };
+        run(py, || p.resume_with(&as_strs(&tags), options)).map(Report::from)
     }
 
     /// ``resume`` that enqueues the restore copies on ``stream`` (an int ``CUstream`` or an

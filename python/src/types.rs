@@ -124,13 +124,17 @@ pub struct RegionInfo {
     pub chunk_bytes: usize,
     /// Contents policy.
     pub policy: Policy,
+    /// Where a ``PRESERVE`` region's contents go while released: ``"pinned"`` (pinned host
+    /// memory kept across cycles), ``"host"`` (host memory given back after each resume) or
+    /// ``"file"`` (a file in the backup directory); ``"pinned"`` for other policies.
+    pub medium: String,
     /// State when the call returned.
     pub state: State,
     /// Whether chunks are mapped only where backed.
     pub elastic: bool,
     /// Whether the region grows with its buffers (created with 0 bytes or `bytes=None`).
     pub growing: bool,
-    /// Identity: unique among the regions the pager ever created.
+    /// Identity: unique among the regions and buffers of the process.
     pub id: u64,
     /// Releases that changed the region so far.
     pub releases: u64,
@@ -144,6 +148,7 @@ impl From<gpu_pager::RegionInfo> for RegionInfo {
             size: i.size,
             chunk_bytes: i.chunk_bytes,
             policy: Policy::from_core(i.policy),
+            medium: i.medium.to_string(),
             state: State::from_core(i.state),
             elastic: i.elastic,
             growing: i.growing,
@@ -157,11 +162,12 @@ impl From<gpu_pager::RegionInfo> for RegionInfo {
 impl RegionInfo {
     fn __repr__(&self) -> String {
         format!(
-            "RegionInfo(tag={:?}, base={:#x}, size={}, policy={}, state={}, elastic={}, growing={}, id={}, releases={})",
+            "RegionInfo(tag={:?}, base={:#x}, size={}, policy={}, medium={:?}, state={}, elastic={}, growing={}, id={}, releases={})",
             self.tag,
             self.base,
             self.size,
             self.policy.name(),
+            self.medium,
             self.state.name(),
             py_bool(self.elastic),
             py_bool(self.growing),

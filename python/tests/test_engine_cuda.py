@@ -197,6 +197,7 @@ def test_raw_kernel_on_a_released_tag_faults() -> None:
 def test_torch_memory_saver_compat_scenario(tags: dict[str, str]) -> None:
     """The same scenario written against torch_memory_saver's API."""
     tms = TorchMemorySaver()
+    tms.hook_mode = "torch"
     w, kv, g = tags["weights"], tags["kv"], tags["graph"]
     engine = Engine(
         "small",

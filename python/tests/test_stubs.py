@@ -16,6 +16,8 @@ import gpu_pager._native as native
 
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+# The preload library is a shared object in the package that is no Python module.
+ALLOWLIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stubtest_allowlist.txt")
 
 
 def test_stubtest() -> None:
@@ -23,7 +25,16 @@ def test_stubtest() -> None:
     env = dict(os.environ)
     env.setdefault("MYPY_CACHE_DIR", os.path.join(tempfile.gettempdir(), "gpu_pager-mypy-cache"))
     done = subprocess.run(
-        [sys.executable, "-m", "mypy.stubtest", "gpu_pager", "--mypy-config-file", CONFIG],
+        [
+            sys.executable,
+            "-m",
+            "mypy.stubtest",
+            "gpu_pager",
+            "--mypy-config-file",
+            CONFIG,
+            "--allowlist",
+            ALLOWLIST,
+        ],
         capture_output=True,
         text=True,
         env=env,

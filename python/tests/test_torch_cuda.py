@@ -68,23 +68,44 @@ def test_outside_a_region_tensors_are_ordinary(pager: gpu_pager.Pager) -> None:
 
 def test_torch_memory_saver_compat(new_tag: Callable[[], str]) -> None:
     tms = TorchMemorySaver()
+    tms.hook_mode = "torch"
     w_tag, kv_tag = new_tag(), new_tag()
-    tms.region_bytes = {w_tag: 64 * MIB, kv_tag: 64 * MIB}
     with tms.region(w_tag, enable_cpu_backup=True):
         w = torch.full((1 << 20,), 7.0, device="cuda")
     with tms.region(kv_tag):
         k = torch.zeros(1 << 20, device="cuda")
+    pager = gpt.pager()
     tms.pause(kv_tag)
-    first = tms.pause(w_tag)
-    assert first is not None and first.copied >= 4 * MIB  # gpu_pager's report of the pause
-    again = tms.pause(w_tag)  # idempotent (torch_memory_saver exits here)
-    assert again is not None and again.copied == 0
-    assert tms.pause("no such tag") is None
+    tms.pause(w_tag)
+    assert pager.region_stats(w_tag).held_bytes >= 4 * MIB
+    tms.pause(w_tag)  # idempotent (torch_memory_saver exits here)
+    tms.pause("no such tag")  # nothing to do
     tms.resume(w_tag)
     assert float(w.sum()) == 7.0 * (1 << 20)
     tms.resume()
     k.fill_(1)
     assert float(k.sum()) == 1 << 20
+
+
+def test_disable_gives_its_memory_back_at_empty_cache(tag: str) -> None:
+    """Memory allocated and freed inside ``disable()`` is torch's ordinary memory: free
+    device memory comes back once the block ends (and, for a tensor that outlived the
+    block, at ``empty_cache()`` after it died)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.mem_get_info()[0]
+    with gpt.use(tag):
+        with gpt.disable():
+            scratch = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+            kept = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+            assert gpt.locate(scratch) is None
+            assert before - torch.cuda.mem_get_info()[0] >= 3 << 30
+            del scratch
+    torch.cuda.synchronize()
+    assert before - torch.cuda.mem_get_info()[0] < (1 << 30) + 64 * MIB, "scratch given back"
+    del kept
+    torch.cuda.empty_cache()
+    assert before - torch.cuda.mem_get_info()[0] < 64 * MIB, "the survivor given back too"
 
 
 def test_vllm_compat_sleep_and_wake(new_tag: Callable[[], str]) -> None:

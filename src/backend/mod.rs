@@ -100,6 +100,20 @@ pub enum BackendError {
         /// show it once).
         error: std::io::Error,
     },
+    /// A file operation of a file backup ([`crate::Medium::File`]) failed: a full disk, a
+    /// directory that is not writable.
+    #[error(
+        "{op} `{path}` failed: {error}; the move did not happen and nothing was lost — free \
+         disk space, or set another backup directory (set_backup_dir)"
+    )]
+    File {
+        /// What was being done, e.g. `writing the backup file`.
+        op: &'static str,
+        /// The file or directory.
+        path: String,
+        /// The OS error (part of the message, not a `source()`).
+        error: std::io::Error,
+    },
     /// Arguments the backend cannot act on (misaligned, zero-sized, ...).
     #[error("invalid argument to {op}: {reason}")]
     Invalid {

@@ -55,4 +55,35 @@ impl Pager {
         }
         Ok(())
     }
+
+    /// The host address of the backup's copy of `len` bytes of `buf` from `offset`, when the
+    /// region's backup is in host memory ([`crate::Medium::Pinned`] or
+    /// [`crate::Medium::Host`]) and validly holds all of them; `None` otherwise (a file
+    /// backup, a `Discard` region, bytes not saved yet or marked overwritten at the last
+    /// release). Works while the region is released (the bytes the next resume restores) and
+    /// while it is resident (what the last release saved, if the backup is still held).
+    ///
+    /// For zero-copy readers (torch_memory_saver's `get_cpu_backup(zero_copy=True)`). The
+    /// address is plain host memory that the pager keeps using: the next release of the
+    /// region overwrites it, and a resume that gives `Host` backups back, `free_backup`,
+    /// freeing the buffer or removing the region unmap it. Reading it after that is the
+    /// caller's error, as with any raw pointer.
+    pub fn backup_ptr(&self, buf: &Buffer, offset: usize, len: usize) -> Result<Option<u64>> {
+        let slot = self.slot(&buf.tag)?;
+        let r = lock(&slot);
+        if !r.alloc.is_live(buf.offset, buf.id) {
+            return Err(stale(buf));
+        }
+        if offset.checked_add(len).is_none_or(|end| end > buf.len) {
+            return Err(Error::OutOfRange {
+                tag: buf.tag.to_string(),
+                what: "buffer",
+                offset,
+                len,
+                size: buf.len,
+            });
+        }
+        let start = buf.offset + offset;
+        Ok(r.backup_host_ptr(start..start + len))
+    }
 }

@@ -1,4 +1,5 @@
-//! The pinned host backup of a `Preserve` region, kept across cycles.
+//! The backup of a `Preserve` region: pinned host memory (kept across cycles, or given back
+//! after each resume) or a file ([`file`]), chosen per region ([`crate::Medium`]).
 //!
 //! Pinning is slow (about 0.07 s per GiB on the H200 host by registration, 0.44 s with
 //! cudaHostAlloc), so the buffer is allocated once —
@@ -31,6 +32,28 @@ use crate::backend::{Backend, BackendError, HostBuffer};
 use crate::kernels;
 use crate::pump::{Pinned, PinnedMut, Pump, Sink};
 
+pub(crate) mod file;
+
+use file::FileStore;
+
+/// Where a backup's bytes are.
+#[derive(Debug)]
+enum Store {
+    /// Pinned host memory of the backend.
+    Memory(Box<dyn HostBuffer>),
+    /// A file, moved through the pager's pinned staging buffer.
+    File(FileStore),
+}
+
+impl Store {
+    fn len(&self) -> usize {
+        match self {
+            Store::Memory(b) => b.len(),
+            Store::File(f) => f.len(),
+        }
+    }
+}
+
 /// Default hash-chunk size: 32 MiB. Small enough that a partial weight update copies little,
 /// large enough that each copy runs at link speed.
 pub const DEFAULT_HASH_CHUNK_BYTES: usize = 32 << 20;
@@ -55,7 +78,7 @@ struct Hashes {
 /// A pinned host copy of some byte ranges of a region (its live buffers' unmarked bytes).
 #[derive(Debug, Default)]
 pub(crate) struct Backup {
-    buf: Option<Box<dyn HostBuffer>>,
+    buf: Option<Store>,
     /// The byte ranges (from the backup's start; sorted, disjoint) that hold the device
     /// contents as of the last save: exactly what a resume restores. Everything else in
     /// the buffer is stale or never written and must never reach the device.
@@ -105,23 +128,60 @@ impl Backup {
         if !crate::ranges::covers(&self.valid, &range) {
             return false;
         }
-        match self.buf.as_ref().and_then(|b| b.as_slice().get(range)) {
-            Some(src) if src.len() == out.len() => {
-                out.copy_from_slice(src);
-                true
-            }
-            _ => false,
+        match &self.buf {
+            Some(Store::Memory(b)) => match b.as_slice().get(range) {
+                Some(src) if src.len() == out.len() => {
+                    out.copy_from_slice(src);
+                    true
+                }
+                _ => false,
+            },
+            Some(Store::File(f)) => out.len() == range.len() && f.read(range, out).is_ok(),
+            None => false,
         }
     }
 
-    /// Bytes of pinned memory held.
-    pub fn bytes(&self) -> usize {
-        self.buf.as_ref().map_or(0, |b| b.len())
+    /// The host address of the backup's bytes `range` (from its start) when they are in
+    /// host memory and the backup validly holds every one of them.
+    pub fn host_ptr(&self, range: Range<usize>) -> Option<u64> {
+        if !crate::ranges::covers(&self.valid, &range) {
+            return None;
+        }
+        match &self.buf {
+            Some(Store::Memory(b)) if range.end <= b.len() => {
+                Some(b.as_slice().as_ptr() as u64 + range.start as u64)
+            }
+            _ => None,
+        }
     }
 
-    /// Whether the buffer is pinned.
+    /// Bytes the backup holds room for (host memory, or the file's size).
+    pub fn bytes(&self) -> usize {
+        self.buf.as_ref().map_or(0, Store::len)
+    }
+
+    /// Whether the backup has its memory or file.
     pub fn is_pinned(&self) -> bool {
         self.buf.is_some()
+    }
+
+    /// Creates the backup's file of `size` bytes (with `io`) if it has no memory or file
+    /// yet. Returns the time it took.
+    pub fn ensure_file(
+        &mut self,
+        io: &std::sync::Arc<file::FileIo>,
+        size: usize,
+    ) -> Result<Duration, BackendError> {
+        if self.buf.is_some() {
+            return Ok(Duration::ZERO);
+        }
+        let t = Instant::now();
+        let store = io.create(size)?;
+        self.buf = Some(Store::File(store));
+        self.valid.clear();
+        self.hashes = None;
+        self.staged = None;
+        Ok(t.elapsed())
     }
 
     /// Pins `size` bytes if nothing is pinned yet. Returns the time it took.
@@ -138,7 +198,7 @@ impl Backup {
     /// [`Backend::alloc_pinned_many`]) as the backup's buffer, in place of any it had; the
     /// backup then holds nothing.
     pub fn adopt(&mut self, buf: Box<dyn HostBuffer>) {
-        self.buf = Some(buf);
+        self.buf = Some(Store::Memory(buf));
         self.valid.clear();
         self.hashes = None;
         self.staged = None;
@@ -303,22 +363,29 @@ impl Backup {
                 .filter(|(k, part)| !unchanged(*k, part))
                 .map(|(_, part)| part.clone()),
         );
-        let buf = buf.as_mut().ok_or_else(|| BackendError::Invalid {
+        let store = buf.as_mut().ok_or_else(|| BackendError::Invalid {
             op: "save",
             reason: "internal: no backup buffer".to_owned(),
         })?;
-        if buf.len() < len {
+        if store.len() < len {
             return Err(BackendError::Invalid {
                 op: "save",
                 reason: format!(
                     "internal: a backup of {} bytes for {len} device bytes",
-                    buf.len()
+                    store.len()
                 ),
             });
         }
-        // SAFETY: the caller's contract covers the device ranges (inside `base .. base +
-        // len`); the host side is the backup, borrowed by the pump for its scope.
-        out.copied = unsafe { copy_out(PinnedMut::new(buf.as_mut()), base, &runs, pump) }?;
+        out.copied = match store {
+            Store::Memory(buf) => {
+                // SAFETY: the caller's contract covers the device ranges (inside `base ..
+                // base + len`); the host side is the backup, borrowed by the pump for its
+                // scope.
+                unsafe { copy_out(PinnedMut::new(buf.as_mut()), base, &runs, pump) }?
+            }
+            // SAFETY: as above; the file copies finish before this returns.
+            Store::File(f) => unsafe { f.write_from_device(backend, base, &runs) }?,
+        };
         *staged = Some(Staged {
             valid: want,
             hashes: new,
@@ -344,29 +411,44 @@ impl Backup {
     /// `free_backup` synchronize first).
     pub unsafe fn restore<'h>(
         &'h self,
+        backend: &dyn Backend,
         base: u64,
         ranges: &[Range<usize>],
         sink: &mut Sink<'_, '_, 'h>,
     ) -> Result<usize, BackendError> {
         let mut sent = 0;
-        for range in ranges {
-            for span in crate::ranges::clip(&self.valid, range) {
-                let buf = self.buf.as_ref().ok_or_else(|| BackendError::Invalid {
+        let store = match &self.buf {
+            Some(s) => s,
+            None if self.valid.is_empty() => return Ok(0),
+            None => {
+                return Err(BackendError::Invalid {
                     op: "restore",
                     reason: "internal: saved contents without a backup".to_owned(),
-                })?;
-                let src = Pinned::new(buf.as_ref()).get(span.clone()).ok_or_else(|| {
-                    BackendError::Invalid {
-                        op: "restore",
-                        reason: format!(
-                            "internal: backup bytes {span:?} outside its {} bytes",
-                            buf.len()
-                        ),
+                });
+            }
+        };
+        for range in ranges {
+            let spans = crate::ranges::clip(&self.valid, range);
+            match store {
+                Store::Memory(buf) => {
+                    for span in spans {
+                        let src = Pinned::new(buf.as_ref()).get(span.clone()).ok_or_else(|| {
+                            BackendError::Invalid {
+                                op: "restore",
+                                reason: format!(
+                                    "internal: backup bytes {span:?} outside its {} bytes",
+                                    buf.len()
+                                ),
+                            }
+                        })?;
+                        // SAFETY: as this function's contract; `span` lies inside `range`.
+                        unsafe { sink.push_to_device(src, base + span.start as u64) }?;
+                        sent += span.len();
                     }
-                })?;
-                // SAFETY: as this function's contract; `span` lies inside `range`.
-                unsafe { sink.push_to_device(src, base + span.start as u64) }?;
-                sent += span.len();
+                }
+                // SAFETY: as this function's contract; the file copies finish before this
+                // returns, so nothing is left for the sink.
+                Store::File(f) => sent += unsafe { f.read_to_device(backend, base, &spans) }?,
             }
         }
         Ok(sent)
@@ -390,10 +472,9 @@ impl Backup {
         if self.valid.is_empty() {
             return Ok(None);
         }
-        let Some(buf) = &self.buf else {
+        let Some(store) = &self.buf else {
             return Ok(None);
         };
-        let host = buf.as_slice();
         let chunk = Self::hash_chunk(self.len, hash_chunk);
         let stored = self.hashes.as_ref().filter(|h| h.chunk == chunk);
         let mut whole = Vec::new();
@@ -402,7 +483,7 @@ impl Backup {
             match stored.and_then(|h| h.of.get(k).copied().flatten()) {
                 Some(h) if full => whole.push((k, h)),
                 // SAFETY: `part` is held, so mapped and restored (the caller's contract).
-                _ => match unsafe { verify_part(backend, base, host, &part) }? {
+                _ => match unsafe { verify_part(backend, base, store, &part) }? {
                     true => {}
                     false => return Ok(Some(part.start)),
                 },
@@ -480,32 +561,54 @@ unsafe fn copy_out<'h>(
     Ok(copied)
 }
 
-/// Whether device `base + part` equals `host[part]`: the part from its first 16-byte
-/// boundary by one device hash against the host reference, the bytes before it read back.
+/// Whether device `base + part` equals the backup's bytes `part`: the part from its first
+/// 16-byte boundary by one device hash against the host reference, the bytes before it read
+/// back. A file backup's part is read from the file (that part only).
 ///
 /// # Safety
 /// `base + part` must be mapped device memory of `backend`.
 unsafe fn verify_part(
     backend: &dyn Backend,
     base: u64,
-    host: &[u8],
+    store: &Store,
     part: &Range<usize>,
 ) -> Result<bool, BackendError> {
+    let read;
+    let host: &[u8] = match store {
+        Store::Memory(buf) => {
+            buf.as_slice()
+                .get(part.clone())
+                .ok_or_else(|| BackendError::Invalid {
+                    op: "verify",
+                    reason: format!(
+                        "internal: backup bytes {part:?} outside its {} bytes",
+                        buf.len()
+                    ),
+                })?
+        }
+        Store::File(f) => {
+            let mut bytes = vec![0u8; part.len()];
+            f.read(part.clone(), &mut bytes)?;
+            read = bytes;
+            &read
+        }
+    };
     let aligned = ((base + part.start as u64).next_multiple_of(16) - base) as usize;
-    let head = part.start..aligned.min(part.end);
+    let head = 0..aligned.min(part.end) - part.start;
     if !head.is_empty() {
         let mut got = vec![0u8; head.len()];
         // SAFETY: inside `part`, mapped (the caller's contract).
-        unsafe { backend.copy_to_host(&mut got, base + head.start as u64) }?;
+        unsafe { backend.copy_to_host(&mut got, base + part.start as u64) }?;
         if got != host[head.clone()] {
             return Ok(false);
         }
     }
-    if head.end < part.end {
-        let rest = head.end..part.end;
+    if head.end < host.len() {
+        let rest = head.end..host.len();
         let chunk = rest.len().next_multiple_of(16);
+        let at = base + (part.start + rest.start) as u64;
         // SAFETY: inside `part`, mapped, and 16-byte aligned.
-        let got = unsafe { backend.chunk_hash(base + rest.start as u64, rest.len(), chunk) }?;
+        let got = unsafe { backend.chunk_hash(at, rest.len(), chunk) }?;
         let want = kernels::reference::chunk_hash(&host[rest], chunk);
         return Ok(got == want);
     }
@@ -598,7 +701,7 @@ mod tests {
             |p| {
                 let mut sink = Sink::Pump(p);
                 // SAFETY: the caller's contract.
-                unsafe { backup.restore(base, &[range], &mut sink) }
+                unsafe { backup.restore(b, base, &[range], &mut sink) }
             },
             |e| e,
         )

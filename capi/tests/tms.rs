@@ -1,0 +1,303 @@
+//! The torch_memory_saver drop-in's C surface on the host backend: per-thread routing, tag
+//! families over every kind of backup, pause and resume of a tag or of everything, the
+//! CPU backup pointer's visibility and retention, and the preload library's cudaMalloc and
+//! cudaFree paths.
+
+use std::ffi::{CStr, c_void};
+use std::ptr::null_mut;
+
+use gpu_pager::{Medium, Pager, Policy, State};
+use gpu_pager_capi::*;
+
+/// The tests share the process's regions, and one pauses all of them: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn last_error() -> String {
+    // SAFETY: gpu_pager_last_error returns this thread's NUL-terminated message.
+    unsafe { CStr::from_ptr(gpu_pager_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn ok(code: gpu_pager_code) {
+    assert_eq!(code, gpu_pager_code::GPU_PAGER_OK, "{}", last_error());
+}
+
+fn current_tag() -> &'static CStr {
+    // SAFETY: gpu_pager_tms_tag returns this thread's NUL-terminated tag, alive until the
+    // thread's next set_tag (the tests read it before that).
+    unsafe { CStr::from_ptr(gpu_pager_tms_tag()) }
+}
+
+fn current_backend() -> &'static CStr {
+    // SAFETY: gpu_pager_tms_cpu_backend returns a static NUL-terminated string.
+    unsafe { CStr::from_ptr(gpu_pager_tms_cpu_backend()) }
+}
+
+/// A routed allocation through the preload path: (address, routed).
+fn cuda_malloc(size: usize) -> (u64, bool) {
+    let (mut p, mut routed) = (null_mut::<c_void>(), false);
+    // SAFETY: both out-pointers are valid.
+    ok(unsafe { gpu_pager_tms_cuda_malloc(0, size, &mut p, &mut routed) });
+    (p as u64, routed)
+}
+
+fn cuda_free(p: u64) -> bool {
+    let mut freed = false;
+    // SAFETY: the out-pointer is valid.
+    ok(unsafe { gpu_pager_tms_cuda_free(p as *mut c_void, &mut freed) });
+    freed
+}
+
+fn set_tag(tag: &CStr) {
+    // SAFETY: a NUL-terminated literal.
+    ok(unsafe { gpu_pager_tms_set_tag(tag.as_ptr()) });
+}
+
+fn pager() -> std::sync::Arc<Pager> {
+    Pager::for_device(0).unwrap()
+}
+
+fn write(p: u64, data: &[u8]) {
+    let pager = pager();
+    let (buf, off) = pager.buffer_containing(p).unwrap();
+    pager.write(&buf, off, data).unwrap();
+}
+
+fn read(p: u64, len: usize) -> Vec<u8> {
+    let pager = pager();
+    let (buf, off) = pager.buffer_containing(p).unwrap();
+    let mut out = vec![0; len];
+    pager.read(&buf, off, &mut out).unwrap();
+    out
+}
+
+fn pause(tag: Option<&CStr>) -> gpu_pager_code {
+    // SAFETY: NULL or a NUL-terminated literal.
+    unsafe { gpu_pager_tms_pause(tag.map_or(std::ptr::null(), CStr::as_ptr)) }
+}
+
+fn resume(tag: Option<&CStr>) -> gpu_pager_code {
+    // SAFETY: NULL or a NUL-terminated literal.
+    unsafe { gpu_pager_tms_resume(tag.map_or(std::ptr::null(), CStr::as_ptr)) }
+}
+
+fn backup_ptr(p: u64, len: usize) -> *mut u8 {
+    gpu_pager_tms_backup_pointer(p, len as u64)
+}
+
+#[test]
+fn a_thread_outside_a_region_is_not_routed() {
+    let _one = serial();
+    std::thread::spawn(|| {
+        if std::env::var_os("TMS_INIT_ENABLE").is_some() {
+            return;
+        }
+        assert!(!gpu_pager_tms_enabled());
+        assert_eq!(current_tag(), c"default");
+        assert_eq!(current_backend(), c"pinned");
+        assert_eq!(
+            cuda_malloc(1 << 20),
+            (0, false),
+            "not routed: the runtime's"
+        );
+        assert!(!cuda_free(0x1234), "not ours: the runtime's");
+        let p = gpu_pager_tms_torch_malloc(1 << 20, 0, null_mut());
+        assert!(p.is_null());
+        assert!(last_error().contains("region()"), "{}", last_error());
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn one_tag_with_every_kind_of_backup_pauses_and_resumes_as_one() {
+    let _one = serial();
+    std::thread::spawn(|| {
+        let dir = std::env::temp_dir().join(format!("gpu-pager-tms-{}", std::process::id()));
+        let d = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated string.
+        ok(unsafe { gpu_pager_tms_set_disk_dir(d.as_ptr()) });
+        gpu_pager_tms_set_enabled(true);
+        set_tag(c"family");
+        let mut made = Vec::new();
+        for (cpu, backend, disk, keeps) in [
+            (true, c"pinned", false, true),
+            (false, c"pinned", false, false),
+            (true, c"mmap", false, true),
+            (false, c"pinned", true, true),
+        ] {
+            gpu_pager_tms_set_cpu_backup(cpu);
+            // SAFETY: a NUL-terminated literal.
+            ok(unsafe { gpu_pager_tms_set_cpu_backend(backend.as_ptr()) });
+            gpu_pager_tms_set_disk_backup(disk);
+            let (p, routed) = cuda_malloc(3 << 20);
+            assert!(routed);
+            let data: Vec<u8> = (0..4096)
+                .map(|i| (i % 251) as u8 ^ made.len() as u8)
+                .collect();
+            write(p, &data);
+            made.push((p, data, keeps));
+        }
+        let pager = pager();
+        let names = ["family", "family#discard", "family#host", "family#file"];
+        let media = [Medium::Pinned, Medium::Pinned, Medium::Host, Medium::File];
+        for (name, medium) in names.iter().zip(media) {
+            let info = pager.info(name).unwrap();
+            assert!(info.growing, "{name}");
+            assert_eq!(info.medium, medium, "{name}");
+        }
+        assert_eq!(
+            pager.info("family#discard").unwrap().policy,
+            Policy::Discard
+        );
+        // A tag that was never used moves nothing.
+        ok(pause(Some(c"no-such-tag")));
+        ok(pause(Some(c"family")));
+        for name in names {
+            assert_eq!(pager.info(name).unwrap().state, State::Released, "{name}");
+        }
+        ok(pause(Some(c"family")));
+        // While paused, the CPU backups show, the others do not.
+        for (i, (p, data, keeps)) in made.iter().enumerate() {
+            let q = backup_ptr(*p, data.len());
+            let cpu = keeps & (i != 3);
+            assert_eq!(!q.is_null(), cpu, "allocation {i}");
+            if cpu {
+                // SAFETY: a paused region's backup holds these bytes until its next pause.
+                let held = unsafe { std::slice::from_raw_parts(q, data.len()) };
+                assert_eq!(held, &data[..], "allocation {i}");
+            }
+        }
+        ok(resume(Some(c"family")));
+        for (i, (p, data, keeps)) in made.iter().enumerate() {
+            if *keeps {
+                assert_eq!(&read(*p, data.len()), data, "allocation {i}");
+            }
+            assert!(backup_ptr(*p, data.len()).is_null(), "not retained: {i}");
+        }
+        assert_eq!(pager.region_stats("family#host").unwrap().backup_bytes, 0);
+        for (p, _, _) in &made {
+            assert!(cuda_free(*p));
+        }
+        assert!(
+            std::fs::read_dir(&dir).unwrap().next().is_none(),
+            "files gone"
+        );
+        gpu_pager_tms_set_enabled(false);
+        gpu_pager_tms_set_disk_backup(false);
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn a_retained_backup_stays_at_one_address_until_a_resume_without_retain() {
+    let _one = serial();
+    std::thread::spawn(|| {
+        gpu_pager_tms_set_enabled(true);
+        set_tag(c"retained");
+        gpu_pager_tms_set_cpu_backup(true);
+        // SAFETY: a NUL-terminated literal.
+        ok(unsafe { gpu_pager_tms_set_cpu_backend(c"mmap".as_ptr()) });
+        let (p, _) = cuda_malloc(1 << 20);
+        write(p, &[7; 4096]);
+        ok(pause(Some(c"retained")));
+        let first = backup_ptr(p, 4096);
+        assert!(!first.is_null());
+        gpu_pager_tms_set_retain(true);
+        ok(resume(Some(c"retained")));
+        assert_eq!(backup_ptr(p, 4096), first, "retained in place");
+        gpu_pager_tms_set_retain(false);
+        assert_eq!(
+            backup_ptr(p, 4096),
+            first,
+            "still there until the next resume"
+        );
+        write(p, &[8; 4096]);
+        ok(pause(Some(c"retained")));
+        assert_eq!(backup_ptr(p, 4096), first, "the same memory, refreshed");
+        // SAFETY: paused: the backup holds the bytes.
+        let held = unsafe { std::slice::from_raw_parts(first, 4096) };
+        assert_eq!(held, &[8; 4096]);
+        ok(resume(Some(c"retained")));
+        assert!(backup_ptr(p, 4096).is_null());
+        assert_eq!(read(p, 4096), vec![8; 4096]);
+        assert!(cuda_free(p));
+        gpu_pager_tms_set_enabled(false);
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn a_free_while_paused_and_a_pause_of_everything() {
+    let _one = serial();
+    std::thread::spawn(|| {
+        gpu_pager_tms_set_enabled(true);
+        set_tag(c"everything");
+        gpu_pager_tms_set_cpu_backup(false);
+        gpu_pager_tms_set_disk_backup(false);
+        let (a, _) = cuda_malloc(6912);
+        let (b, _) = cuda_malloc(6912);
+        ok(pause(None));
+        assert_eq!(pager().info("everything").unwrap().state, State::Released);
+        assert!(cuda_free(a), "freed while paused");
+        // A new allocation in a paused tag is refused, not handed out unmapped.
+        let mut p = null_mut::<c_void>();
+        let mut routed = false;
+        // SAFETY: valid out-pointers.
+        let code = unsafe { gpu_pager_tms_cuda_malloc(0, 4096, &mut p, &mut routed) };
+        assert_eq!(
+            code,
+            gpu_pager_code::GPU_PAGER_ERROR_NOT_RESIDENT,
+            "{}",
+            last_error()
+        );
+        assert!(p.is_null());
+        ok(resume(None));
+        write(b, &[1; 100]);
+        assert_eq!(read(b, 100), vec![1; 100]);
+        assert!(cuda_free(b));
+        assert!(!cuda_free(b), "a second free is not ours any more");
+        gpu_pager_tms_set_enabled(false);
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn bad_settings_are_refused_and_change_nothing() {
+    let _one = serial();
+    std::thread::spawn(|| {
+        // SAFETY: a NUL-terminated literal.
+        let code = unsafe { gpu_pager_tms_set_cpu_backend(c"disk".as_ptr()) };
+        assert_eq!(code, gpu_pager_code::GPU_PAGER_ERROR_INVALID_ARGUMENT);
+        assert!(
+            last_error().contains("'pinned' or 'mmap'"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(current_backend(), c"pinned");
+        // SAFETY: NULL is allowed (an error).
+        let code = unsafe { gpu_pager_tms_set_tag(std::ptr::null()) };
+        assert_eq!(code, gpu_pager_code::GPU_PAGER_ERROR_INVALID_ARGUMENT);
+        assert_eq!(current_tag(), c"default");
+        // SAFETY: a NUL-terminated literal.
+        let code = unsafe { gpu_pager_tms_set_disk_dir(c"/proc/gpu-pager-nowhere".as_ptr()) };
+        assert_eq!(code, gpu_pager_code::GPU_PAGER_ERROR_INVALID_ARGUMENT);
+        assert!(
+            last_error().contains("/proc/gpu-pager-nowhere"),
+            "{}",
+            last_error()
+        );
+    })
+    .join()
+    .unwrap();
+}

@@ -1,0 +1,31 @@
+//! Builds the preload library (`preload/gpu_pager_preload.c`, plain C: it must load into
+//! any process, Python or not) into the package directory, `gpu_pager/`, so that maturin
+//! puts it in the wheel beside the extension module it loads.
+
+use std::path::PathBuf;
+
+fn main() {
+    let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets it"));
+    let source = manifest.join("../preload/gpu_pager_preload.c");
+    let out = manifest.join("gpu_pager/libgpu_pager_preload.so");
+    println!("cargo:rerun-if-changed={}", source.display());
+    let compiler = cc::Build::new().get_compiler();
+    let status = compiler
+        .to_command()
+        .args([
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-fvisibility=hidden",
+        ])
+        .arg("-o")
+        .arg(&out)
+        .arg(&source)
+        .args(["-ldl", "-lpthread"])
+        .status()
+        .expect("the C compiler runs");
+    assert!(status.success(), "compiling {} failed", source.display());
+}

@@ -1,0 +1,88 @@
+"""Switching an engine to gpu_pager's drop-ins without editing it.
+
+With ``GPU_PAGER_DROP_IN=torch_memory_saver`` (a comma-separated list of the names in
+``ALIASES``, or ``all``) in the environment, ``import torch_memory_saver`` and
+its submodules resolve to ``gpu_pager.compat.torch_memory_saver`` in every Python process
+of that environment, child processes included. The wheel installs ``gpu_pager_drop_in.pth``,
+which Python runs at start-up and which calls :func:`install`; without the variable it does
+nothing and imports nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from types import ModuleType
+from typing import Sequence
+
+ENV = "GPU_PAGER_DROP_IN"
+"""The environment variable that names the drop-ins to switch on."""
+
+ALIASES = {
+    "torch_memory_saver": "gpu_pager.compat.torch_memory_saver",
+}
+"""Module name → the gpu_pager module that stands in for it, by drop-in name."""
+
+
+class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports of ``name`` and ``name.*`` get gpu_pager's module ``target`` (and its
+    submodules), the very module objects, so both names share one state."""
+
+    def __init__(self, name: str, target: str) -> None:
+        self.name = name
+        self.target = target
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name and not fullname.startswith(self.name + "."):
+            return None
+        real = self.target + fullname[len(self.name) :]
+        module = importlib.import_module(real)
+        spec = importlib.machinery.ModuleSpec(
+            fullname, self, is_package=hasattr(module, "__path__")
+        )
+        return spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return importlib.import_module(self.target + spec.name[len(self.name) :])
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing: the module ran when gpu_pager imported it."""
+
+
+def install(names: str | None = None) -> list[str]:
+    """Puts the drop-ins ``names`` (default: ``$GPU_PAGER_DROP_IN``) in front of every other
+    importer; returns the module names now resolved to gpu_pager. Unknown names raise
+    ``ValueError`` naming the known ones."""
+    wanted = os.environ.get(ENV, "") if names is None else names
+    chosen = {n.strip() for n in wanted.split(",") if n.strip()}
+    if "all" in chosen:
+        chosen = set(ALIASES)
+    unknown = chosen - set(ALIASES)
+    if unknown:
+        raise ValueError(
+            f"{ENV}={wanted!r}: unknown drop-in {sorted(unknown)}; known: "
+            f"{', '.join(sorted(ALIASES))} (or all)"
+        )
+    done = []
+    for name in sorted(chosen):
+        if any(isinstance(f, _Alias) and f.name == name for f in sys.meta_path):
+            continue
+        sys.meta_path.insert(0, _Alias(name, ALIASES[name]))
+        done.append(name)
+    return done
+
+
+def _startup() -> None:
+    """What the ``.pth`` file runs: :func:`install` when the variable is set, with a bad
+    value reported on stderr (an exception in a ``.pth`` line would only be a warning)."""
+    if not os.environ.get(ENV):
+        return
+    try:
+        install()
+    except ValueError as e:
+        print(f"gpu_pager: {e}", file=sys.stderr)

@@ -1,0 +1,180 @@
+"""The torch_memory_saver drop-in without a GPU: the preload library's exports and the one
+core it shares with the package, the switch that makes ``import torch_memory_saver``
+resolve here, argument checks, and backup media through ``Pager`` on the host backend."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import gpu_pager
+from gpu_pager.compat.torch_memory_saver import TorchMemorySaver, configure_subprocess
+from gpu_pager.compat.torch_memory_saver.hooks.mode_preload import preload_library_path
+
+MIB = 1 << 20
+
+TMS_SYMBOLS = [
+    "cudaMalloc",
+    "cudaFree",
+    "tms_pause",
+    "tms_resume",
+    "tms_set_current_tag",
+    "tms_get_current_tag",
+    "tms_set_interesting_region",
+    "tms_get_interesting_region",
+    "tms_set_enable_cpu_backup",
+    "tms_get_enable_cpu_backup",
+    "tms_set_cpu_backup_backend",
+    "tms_get_cpu_backup_backend",
+    "tms_set_enable_disk_backup",
+    "tms_get_enable_disk_backup",
+    "tms_set_disk_backup_dir",
+    "tms_set_retain_cpu_backup",
+    "tms_get_retain_cpu_backup",
+    "tms_get_cpu_backup_pointer",
+    "set_memory_margin_bytes",
+]
+
+
+def run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full = dict(os.environ)
+    full.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=120,
+    )
+
+
+def test_the_preload_library_exports_torch_memory_saver_s_entry_points() -> None:
+    path = preload_library_path()
+    assert Path(path).parent == Path(gpu_pager._native.__file__ or "").parent
+    lib = ctypes.CDLL(path)
+    for name in TMS_SYMBOLS:
+        assert hasattr(lib, name), name
+
+
+def test_a_process_that_is_not_python_runs_under_the_preload_library() -> None:
+    done = subprocess.run(
+        ["sh", "-c", "echo ran"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LD_PRELOAD": preload_library_path(), "TMS_INIT_ENABLE": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ran"
+
+
+def test_preloaded_entry_points_reach_the_package_s_own_core() -> None:
+    """In a child started inside configure_subprocess(), the process-wide ``tms_*`` symbols
+    (``ctypes.CDLL(None)``, as torch_memory_saver's examples look them up) and the package
+    share one core: a tag set through one is seen through the other."""
+    code = """
+        import ctypes
+        from gpu_pager.compat.torch_memory_saver import _core
+        api = ctypes.CDLL(None)
+        api.tms_set_current_tag.argtypes = [ctypes.c_char_p]
+        api.tms_get_current_tag.restype = ctypes.c_char_p
+        api.tms_set_current_tag(b"one-core")
+        assert api.tms_get_current_tag() == b"one-core"
+        assert _core.lib().gpu_pager_tms_tag() == b"one-core"
+        assert api.tms_pause(None) == 0 and api.tms_resume(None) == 0
+        print("ok")
+    """
+    with configure_subprocess():
+        assert preload_library_path() in os.environ["LD_PRELOAD"]
+        done = run(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+    assert preload_library_path() not in os.environ.get("LD_PRELOAD", "")
+
+
+def test_the_switch_resolves_torch_memory_saver_to_gpu_pager() -> None:
+    """A process whose code never names gpu_pager gets the drop-in from the environment."""
+    code = """
+        import torch_memory_saver
+        from torch_memory_saver import torch_memory_saver as saver
+        from torch_memory_saver.entrypoint import TorchMemorySaver
+        from torch_memory_saver.utils import change_env
+        import torch_memory_saver.testing_utils
+        assert isinstance(saver, TorchMemorySaver)
+        print(type(saver).__module__)
+    """
+    done = run(code, {"GPU_PAGER_DROP_IN": "torch_memory_saver"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "gpu_pager.compat.torch_memory_saver.entrypoint"
+    off = run("import torch_memory_saver", {"GPU_PAGER_DROP_IN": ""})
+    assert off.returncode != 0 or "gpu_pager" not in off.stdout
+
+
+def test_a_bad_switch_value_names_the_known_ones() -> None:
+    done = run("print('started')", {"GPU_PAGER_DROP_IN": "torch_memory_saverr"})
+    assert done.returncode == 0
+    assert "unknown drop-in" in done.stderr and "torch_memory_saver" in done.stderr
+    from gpu_pager import _drop_in
+
+    with pytest.raises(ValueError, match="known: torch_memory_saver"):
+        _drop_in.install("nope")
+
+
+def test_region_arguments_are_checked_before_anything_happens() -> None:
+    tms = TorchMemorySaver()
+    with pytest.raises(ValueError, match="requires enable_cpu_backup"):
+        with tms.region(enable_cpu_backup=False, cpu_backup_backend="mmap"):
+            pass
+    with pytest.raises(ValueError, match="'pinned' or 'mmap'"):
+        with tms.region(enable_cpu_backup=True, cpu_backup_backend="disk"):  # type: ignore[arg-type]
+            pass
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        with tms.region(enable_cpu_backup=True, enable_disk_backup=True):
+            pass
+    with pytest.raises(ValueError, match="hook_mode"):
+        tms.hook_mode = "ld_preload"  # type: ignore[assignment]
+
+
+def test_preload_mode_without_the_preload_library_says_how_to_get_it() -> None:
+    if "libgpu_pager_preload.so" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("this process runs with the preload library")
+    tms = TorchMemorySaver()
+    with pytest.raises(RuntimeError, match="configure_subprocess"):
+        tms._ensure_initialized()
+
+
+def test_backup_media_through_the_pager(pager: gpu_pager.Pager, tmp_path: Path) -> None:
+    pager.set_backup_dir(str(tmp_path))
+    assert pager.backup_dir == str(tmp_path)
+    for medium in ["pinned", "host", "file"]:
+        tag = f"media-{medium}"
+        info = pager.region(tag, "preserve", 8 * MIB, medium=medium)
+        assert info.medium == medium
+        b = pager.alloc(tag, 4096)
+        pager.write(b, 0, bytes([3]) * 4096)
+        pager.release(tag)
+        if medium == "file":
+            assert len(list(tmp_path.iterdir())) == 1
+        pager.resume(tag, keep_host_backups=False)
+        assert pager.read(b, 0, 4096) == bytes([3]) * 4096
+        held = pager.region_stats(tag).backup_bytes
+        assert (held == 0) == (medium == "host"), medium
+        pager.remove(tag)
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="unknown backup medium"):
+        pager.region("media-bad", "preserve", 8 * MIB, medium="disk")
+    with pytest.raises(gpu_pager.InvalidArgumentError, match="Preserve"):
+        pager.region("media-kv", "discard", 8 * MIB, medium="host")
+    with pytest.raises(gpu_pager.InvalidArgumentError):
+        pager.set_backup_dir("/proc/gpu-pager-nowhere")
+
+
+def test_pager_errors_are_runtime_errors() -> None:
+    assert issubclass(gpu_pager.PagerError, RuntimeError)
+    assert issubclass(gpu_pager.OutOfMemoryError, RuntimeError)
+    assert issubclass(gpu_pager.OutOfMemoryError, MemoryError)

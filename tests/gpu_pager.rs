@@ -354,3 +354,97 @@ fn reference_fill(pattern: u32, len: usize) -> Vec<u8> {
     reference::fill(&mut v, pattern);
     v
 }
+
+/// The process's resident memory, as the kernel counts it.
+fn rss_bytes() -> usize {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: usize = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kib * 1024
+}
+
+/// Every backup medium on the GPU, fixed and growing: contents bit-exact over cycles with
+/// new contents each cycle; host backups give their memory back (the process's resident
+/// memory drops by the backup's size); file backups hold their files while released only
+/// on disk, and the files go with the region.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_every_backup_medium_cycles_bit_exact() {
+    use gpu_pager::{Medium, PagerConfig};
+    let _lock = gpu_lock();
+    let backend = gpu();
+    let dir = std::env::temp_dir().join(format!("gpu-pager-media-{}", std::process::id()));
+    let bytes = 2 * GIB / scale();
+    let mut rng = Rng::seeded("gpu_every_backup_medium_cycles_bit_exact");
+    for medium in [Medium::Pinned, Medium::Host, Medium::File] {
+        for growing in [false, true] {
+            let pager = Pager::with_config(
+                backend.clone(),
+                PagerConfig {
+                    file_chunk_bytes: 16 * MIB,
+                    ..PagerConfig::default()
+                },
+            );
+            pager.set_backup_dir(&dir).unwrap();
+            let options = RegionOptions {
+                medium,
+                ..RegionOptions::default()
+            };
+            let size = if growing { 0 } else { bytes };
+            pager
+                .region_with("w", size, Policy::Preserve, options)
+                .unwrap();
+            let lens = [bytes / 2 + 12_345, bytes / 4 - 777];
+            let bufs: Vec<Buffer> = lens.iter().map(|&n| pager.alloc("w", n).unwrap()).collect();
+            for cycle in 0..2 {
+                let what = format!("{medium:?}, growing {growing}, cycle {cycle}");
+                let want: Vec<u64> = bufs
+                    .iter()
+                    .map(|b| {
+                        pager.fill(b, rng.next_u64() as u32).unwrap();
+                        let head = rng.bytes(4099);
+                        pager.write(b, 7, &head).unwrap();
+                        whole_hash(&pager, b)
+                    })
+                    .collect();
+                let before = rss_bytes();
+                pager.release(&["w"]).unwrap();
+                let released = rss_bytes();
+                if medium == Medium::File {
+                    let files = std::fs::read_dir(&dir).unwrap().count();
+                    assert_eq!(files, if growing { 2 } else { 1 }, "{what}");
+                }
+                pager.resume(&["w"]).unwrap();
+                let resumed = rss_bytes();
+                for (b, w) in bufs.iter().zip(&want) {
+                    assert_eq!(whole_hash(&pager, b), *w, "{what}");
+                }
+                eprintln!(
+                    "{what}: resident memory {:+} MiB at the release, {:+} MiB at the resume",
+                    (released as i64 - before as i64) >> 20,
+                    (resumed as i64 - released as i64) >> 20
+                );
+                if medium == Medium::Host {
+                    let held = lens.iter().sum::<usize>();
+                    assert!(
+                        released as i64 - resumed as i64 >= (held - held / 8) as i64,
+                        "{what}: host memory given back ({released} -> {resumed})"
+                    );
+                }
+                if medium == Medium::File {
+                    assert!(
+                        released < before + bytes / 4,
+                        "{what}: a file backup holds no host memory of its size"
+                    );
+                }
+            }
+            pager.remove("w").unwrap();
+            assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -324,3 +324,38 @@ fn a_buffer_of_one_pager_is_stale_in_another() {
     assert!(matches!(p2.free(&a), Err(Error::StaleBuffer { .. })));
     assert_eq!(read(&p2, &b), vec![2; 4096], "p2's buffer untouched");
 }
+
+/// A pager lives until its process exits and never drops its regions: their backup files
+/// go at the exit.
+#[test]
+fn backup_files_go_when_the_process_exits() {
+    const CHILD: &str = "GPU_PAGER_EXIT_CHILD";
+    if let Some(dir) = std::env::var_os(CHILD) {
+        let pager = Box::leak(Box::new(pager()));
+        pager.set_backup_dir(PathBuf::from(dir)).unwrap();
+        pager
+            .region_with("w", 8 * MIB, Policy::Preserve, with_medium(Medium::File))
+            .unwrap();
+        let b = pager.alloc("w", 4096).unwrap();
+        pager.write(&b, 0, &[1; 4096]).unwrap();
+        pager.release(&["w"]).unwrap();
+        assert_eq!(
+            files_in(&PathBuf::from(std::env::var_os(CHILD).unwrap())).len(),
+            1
+        );
+        return;
+    }
+    let dir = scratch("media-exit");
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "backup_files_go_when_the_process_exits"])
+        .env(CHILD, &dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(files_in(&dir).is_empty(), "{:?}", files_in(&dir));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

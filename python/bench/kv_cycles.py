@@ -131,8 +131,7 @@ def run_one(impl: str, kv_bytes: int, cycles: int) -> dict[str, Any]:
             from gpu_pager.compat.torch_memory_saver import torch_memory_saver as tms
         else:
             from torch_memory_saver import torch_memory_saver as tms
-
-            tms.hook_mode = "torch"  # no LD_PRELOAD needed; the same allocator path as ours
+        tms.hook_mode = "torch"  # no LD_PRELOAD needed; the same allocator path for both
         with tms.region("kv_cache"):
             kv = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(TENSORS)]
         for t in kv:

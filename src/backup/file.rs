@@ -26,6 +26,31 @@ use crate::backend::{
 /// ([`crate::Pager::set_backup_dir`] changes it later).
 pub const BACKUP_DIR_ENV: &str = "GPU_PAGER_BACKUP_DIR";
 
+/// The backup files of this process, deleted at its exit by [`remove_at_exit`]: a pager
+/// lives until then and never drops its regions, so their files would outlive it.
+static LIVE: Mutex<std::collections::BTreeSet<PathBuf>> =
+    Mutex::new(std::collections::BTreeSet::new());
+
+extern "C" fn remove_at_exit() {
+    let live = std::mem::take(&mut *LIVE.lock().unwrap_or_else(PoisonError::into_inner));
+    for path in live {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// Remembers `path` for deletion at exit (registering the exit handler once).
+fn register(path: &Path) {
+    static AT_EXIT: std::sync::Once = std::sync::Once::new();
+    AT_EXIT.call_once(|| {
+        // SAFETY: registers a function without arguments that only removes files; a failure
+        // to register leaves files behind at exit, nothing worse.
+        unsafe { libc::atexit(remove_at_exit) };
+    });
+    LIVE.lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(path.to_owned());
+}
+
 /// What a pager shares between its file backups: the directory new files go to, and the
 /// pinned staging buffer every transfer streams through (one transfer at a time).
 #[derive(Debug)]
@@ -107,6 +132,7 @@ impl FileIo {
             .mode(0o600)
             .open(&path)
             .map_err(|e| file_error("creating the backup file", &path, e))?;
+        register(&path);
         let store = FileStore {
             file,
             path,
@@ -167,6 +193,9 @@ pub(crate) struct FileStore {
 impl Drop for FileStore {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+        LIVE.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.path);
     }
 }
 
@@ -247,6 +276,12 @@ impl FileStore {
             let result = run();
             // No copy may still write the staging buffer once it is handed on.
             settle(inflight.into_iter().flatten().map(|(f, _)| f), result)?;
+            // On the disk before the release unmaps anything, and out of the page cache:
+            // the host memory is what a file backup spares.
+            self.file
+                .sync_data()
+                .map_err(|e| file_error("writing the backup file", &self.path, e))?;
+            self.drop_cached();
             Ok(written)
         })
     }
@@ -315,8 +350,16 @@ impl FileStore {
             };
             let result = run();
             settle(inflight.into_iter().flatten(), result)?;
+            self.drop_cached();
             Ok(read)
         })
+    }
+
+    /// Asks the kernel to drop the file's pages from its cache (advice: failures change
+    /// nothing that matters).
+    fn drop_cached(&self) {
+        // SAFETY: a plain system call on a descriptor this store owns.
+        unsafe { libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
     }
 
     /// `ranges` cut into pieces of at most one staging half.

@@ -52,6 +52,7 @@ torch is imported on first use, so that this module imports without it.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import threading
@@ -227,12 +228,7 @@ def empty_cache(tags: str | Iterable[str] | None = None, device: Any = None) -> 
         # torch 2.11 aborts the process when a pool is destroyed while tensors live in it:
         # refuse (nothing dropped) while any block of the pools is still allocated.
         for key in keys:
-            live = [
-                b
-                for seg in _pools[key].snapshot(include_traces=False)
-                for b in seg.get("blocks", [])
-                if b.get("state", "active_allocated") != "inactive"
-            ]
+            live = _live_blocks(_pools[key])
             if live:
                 err = _native.BusyError(
                     f"gpu_pager.torch.empty_cache({key[0]!r}): {len(live)} tensors still live "
@@ -246,7 +242,51 @@ def empty_cache(tags: str | Iterable[str] | None = None, device: Any = None) -> 
     for p in dropped:
         _let_go(p)
     del dropped
+    drop_retired_pools()
     torch.cuda.empty_cache()
+
+
+def _live_blocks(pool: Any) -> list[dict[str, Any]]:
+    """The blocks of ``pool`` that tensors (or pending frees) still hold."""
+    return [
+        b
+        for seg in pool.snapshot(include_traces=False)
+        for b in seg.get("blocks", [])
+        if b.get("state", "active_allocated") != "inactive"
+    ]
+
+
+# Pools of torch's own allocator that ``disable()`` blocks ended with while tensors still
+# lived in them (torch 2.11 aborts when such a pool is destroyed): dropped once empty.
+_retired: list[Any] = []
+
+
+def retire_pool(pool: Any) -> None:
+    """Drops ``pool`` (a pool of torch's own allocator a ``disable()`` block used) once no
+    tensor lives in it any more: at once when none does (its memory goes back to the
+    device then), else at a later ``drop_retired_pools()``."""
+    with _lock:
+        if not _retired:
+            # Pools still holding tensors at exit are left alone (destroying one aborts).
+            atexit.register(_keep_retired)
+        _retired.append(pool)
+    drop_retired_pools()
+
+
+def _keep_retired() -> None:
+    for p in list(_retired):
+        _keep_forever(p)
+
+
+def drop_retired_pools() -> None:
+    """Drops the retired pools (``retire_pool``) whose tensors all died; their cached memory
+    goes back to the device. ``empty_cache`` and every ``disable()`` block's end call it."""
+    torch = _torch()
+    torch.cuda.synchronize()
+    with _lock:
+        done = [p for p in _retired if not _live_blocks(p)]
+        _retired[:] = [p for p in _retired if _live_blocks(p)]
+    del done
 
 
 def pager(device: Any = None) -> Pager:
@@ -329,20 +369,24 @@ region = use
 def disable(device: Any = None) -> Iterator[None]:
     """Tensors allocated by this thread inside the block are ordinary torch memory, outside
     every region, even inside ``use``: they come from a private pool of torch's own
-    allocator that is dropped at the end of the block, so that what was freed inside goes
-    back to the device then, and what outlives the block goes back once freed, at
-    ``torch.cuda.empty_cache()`` (torch keeps a dropped pool's blocks until they die)."""
+    allocator, dropped at the end of the block, so that what was allocated and freed inside
+    goes back to the device then. A tensor that outlives the block keeps the pool until it
+    dies; its memory goes back at the next ``empty_cache()`` of this module (or the end of
+    a later ``disable()`` block) after that."""
     torch = _torch()
     index = _index(device)
     previous = current_tag(index)
     use_tag(index, None)
+    plain = None
     try:
         with torch.cuda.device(index):
             plain = torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(plain, device=index):
             yield
-        del plain
     finally:
+        if plain is not None:
+            retire_pool(plain)
+            plain = None
         use_tag(index, previous)
 
 

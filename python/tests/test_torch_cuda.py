@@ -90,7 +90,7 @@ def test_torch_memory_saver_compat(new_tag: Callable[[], str]) -> None:
 def test_disable_gives_its_memory_back_at_empty_cache(tag: str) -> None:
     """Memory allocated and freed inside ``disable()`` is torch's ordinary memory: free
     device memory comes back once the block ends (and, for a tensor that outlived the
-    block, at ``empty_cache()`` after it died)."""
+    block, at ``gpu_pager.torch.empty_cache()`` after it died)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.mem_get_info()[0]
@@ -104,7 +104,7 @@ def test_disable_gives_its_memory_back_at_empty_cache(tag: str) -> None:
     torch.cuda.synchronize()
     assert before - torch.cuda.mem_get_info()[0] < (1 << 30) + 64 * MIB, "scratch given back"
     del kept
-    torch.cuda.empty_cache()
+    gpt.empty_cache()
     assert before - torch.cuda.mem_get_info()[0] < 64 * MIB, "the survivor given back too"
 
 

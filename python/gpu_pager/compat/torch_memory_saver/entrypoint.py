@@ -347,16 +347,21 @@ class _TorchMemorySaverImpl:
                 "TMS_INIT_ENABLE=1); outside, allocations are ordinary already"
             )
         torch = _torch()
+        import gpu_pager.torch as gpt
+
         cdll.tms_set_interesting_region(False)
+        pool = None
         try:
             # A pool of torch's own allocator for the block, dropped at its end so that what
             # was allocated and freed inside goes back to the device (what torch_memory_saver
-            # does too; slime relies on it).
+            # does too; slime relies on it); kept until they die when tensors outlive it.
             pool = torch.cuda.MemPool()
             with torch.cuda.use_mem_pool(pool):
                 yield
-            del pool
         finally:
+            if pool is not None:
+                gpt.retire_pool(pool)
+                pool = None
             cdll.tms_set_interesting_region(True)
 
     def pause(self, tag: str | None) -> None:

@@ -246,6 +246,27 @@ def empty_cache(tags: str | Iterable[str] | None = None, device: Any = None) -> 
     torch.cuda.empty_cache()
 
 
+_threads = threading.local()
+
+
+@contextmanager
+def _routing(index: int, pool_id: Any) -> Iterator[None]:
+    """Records, for ``disable()``, that this thread's allocations on ``index`` go to
+    ``pool_id`` inside."""
+    stack: list[tuple[int, Any]] = _threads.__dict__.setdefault("pools", [])
+    stack.append((index, pool_id))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _innermost_pool(index: int) -> Any:
+    """The pool this thread's allocations on ``index`` go to now (``use``), or ``None``."""
+    stack: list[tuple[int, Any]] = _threads.__dict__.get("pools", [])
+    return next((p for i, p in reversed(stack) if i == index), None)
+
+
 def _live_blocks(pool: Any) -> list[dict[str, Any]]:
     """The blocks of ``pool`` that tensors (or pending frees) still hold."""
     return [
@@ -256,15 +277,16 @@ def _live_blocks(pool: Any) -> list[dict[str, Any]]:
     ]
 
 
-# Pools of torch's own allocator that ``disable()`` blocks ended with while tensors still
-# lived in them (torch 2.11 aborts when such a pool is destroyed): dropped once empty.
+# Pools of torch's own allocator that torch_memory_saver's ``disable()`` blocks ended with
+# while tensors still lived in them (torch 2.11 aborts when such a pool is destroyed):
+# dropped once empty.
 _retired: list[Any] = []
 
 
 def retire_pool(pool: Any) -> None:
-    """Drops ``pool`` (a pool of torch's own allocator a ``disable()`` block used) once no
-    tensor lives in it any more: at once when none does (its memory goes back to the
-    device then), else at a later ``drop_retired_pools()``."""
+    """Drops ``pool`` (a pool of torch's own allocator that a torch_memory_saver
+    ``disable()`` block used) once no tensor lives in it any more: at once when none does
+    (its memory goes back to the device then), else at a later ``drop_retired_pools()``."""
     with _lock:
         if not _retired:
             # Pools still holding tensors at exit are left alone (destroying one aborts).
@@ -280,7 +302,7 @@ def _keep_retired() -> None:
 
 def drop_retired_pools() -> None:
     """Drops the retired pools (``retire_pool``) whose tensors all died; their cached memory
-    goes back to the device. ``empty_cache`` and every ``disable()`` block's end call it."""
+    goes back to the device. ``empty_cache`` and every ``retire_pool`` call it."""
     torch = _torch()
     torch.cuda.synchronize()
     with _lock:
@@ -356,8 +378,9 @@ def use(
     torch = _torch()
     index = _index(device)
     info = _ensure_region(Pager.for_device(index), tag, policy, bytes, prepin)
-    with _expandable_segments_off(), torch.cuda.use_mem_pool(pool(tag, index), device=index):
-        with _tagged(index, tag):
+    mem = pool(tag, index)
+    with _expandable_segments_off(), torch.cuda.use_mem_pool(mem, device=index):
+        with _tagged(index, tag), _routing(index, mem.id):
             yield info
 
 
@@ -367,26 +390,26 @@ region = use
 
 @contextmanager
 def disable(device: Any = None) -> Iterator[None]:
-    """Tensors allocated by this thread inside the block are ordinary torch memory, outside
-    every region, even inside ``use``: they come from a private pool of torch's own
-    allocator, dropped at the end of the block, so that what was allocated and freed inside
-    goes back to the device then. A tensor that outlives the block keeps the pool until it
-    dies; its memory goes back at the next ``empty_cache()`` of this module (or the end of
-    a later ``disable()`` block) after that."""
+    """Tensors allocated by this thread inside the block on ``device`` are ordinary torch
+    memory, outside every region, even inside ``use``: the tag's pool stops receiving this
+    thread's allocations for the block, which go to torch's default pool, so that what is
+    freed goes back to the device at ``torch.cuda.empty_cache()`` as any tensor's memory
+    does; tensors may outlive the block."""
     torch = _torch()
     index = _index(device)
     previous = current_tag(index)
+    outer = _innermost_pool(index)
+    if outer is not None:
+        # Stop routing this thread's allocations to the tag's pool (use_mem_pool's begin took
+        # a reference on the pool: give it back too), and take it up again after the block.
+        torch._C._cuda_endAllocateToPool(index, outer)
+        torch._C._cuda_releasePool(index, outer)
     use_tag(index, None)
-    plain = None
     try:
-        with torch.cuda.device(index):
-            plain = torch.cuda.MemPool()
-        with torch.cuda.use_mem_pool(plain, device=index):
-            yield
+        yield
     finally:
-        if plain is not None:
-            retire_pool(plain)
-            plain = None
+        if outer is not None:
+            torch._C._cuda_beginAllocateCurrentThreadToPool(index, outer)
         use_tag(index, previous)
 
 

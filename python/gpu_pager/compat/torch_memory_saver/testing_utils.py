@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpu_pager.compat.torch_memory_saver.utils import is_xpu
+
+__all__ = ["is_xpu", "get_device", "empty_cache", "get_and_print_gpu_memory"]
+
 
 def _torch() -> Any:
     import torch

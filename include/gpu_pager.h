@@ -439,6 +439,10 @@ bool gpu_pager_tms_disk_backup(void);
 // `dir` is NULL or a NUL-terminated string.
 gpu_pager_code gpu_pager_tms_set_disk_dir(const char *dir);
 
+// Routed allocations that would leave fewer than `bytes` of the device free fail as out of
+// memory instead (torch_memory_saver's `memory_margin_bytes`); 0 turns the margin off.
+void gpu_pager_tms_set_margin(uint64_t bytes);
+
 // Whether resumes keep the CPU backups (torch_memory_saver's `retain_cpu_backup`,
 // process-wide; initially `TMS_RETAIN_CPU_BACKUP`).
 void gpu_pager_tms_set_retain(bool on);

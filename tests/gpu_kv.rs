@@ -4,7 +4,7 @@
 //! device memory really returned by trim and release.
 //!
 //! Every test is `#[ignore = "needs a CUDA GPU"]` and fails (never passes) without one.
-//! Run on the H200 with `bash .gpu/on-device gpu-tests` (see ../shared/gpu/README.md), and
+//! Run on the H200 with `bash .gpu/on-device gpu-tests` after `scripts/gpu-pack` (see `scripts/gpu-check`), and
 //! under the memory checker with `scripts/gpu-check tests gpu_kv`.
 
 mod common;

@@ -3,7 +3,7 @@
 //! own chunk size (`PagerConfig::discard_chunk_bytes`), on a GPU.
 //!
 //! Every test is `#[ignore = "needs a CUDA GPU"]` and fails (never passes) without one.
-//! Run on the H200 with `bash .gpu/on-device gpu-tests` (see ../shared/gpu/README.md).
+//! Run on the H200 with `bash .gpu/on-device gpu-tests` after `scripts/gpu-pack` (see `scripts/gpu-check`).
 
 mod common;
 

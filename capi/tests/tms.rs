@@ -301,3 +301,46 @@ fn bad_settings_are_refused_and_change_nothing() {
     .join()
     .unwrap();
 }
+
+#[test]
+fn a_resume_out_of_memory_loses_nothing_and_a_retry_succeeds() {
+    let _one = serial();
+    std::thread::spawn(|| {
+        gpu_pager_tms_set_enabled(true);
+        set_tag(c"oom");
+        gpu_pager_tms_set_cpu_backup(true);
+        // SAFETY: a NUL-terminated literal.
+        ok(unsafe { gpu_pager_tms_set_cpu_backend(c"pinned".as_ptr()) });
+        gpu_pager_tms_set_disk_backup(false);
+        let (p, _) = cuda_malloc(4 << 20);
+        write(p, &[6; 4096]);
+        ok(pause(Some(c"oom")));
+        // Another user (the trainer) takes every byte left.
+        let pager = pager();
+        let free = pager.backend().mem_info().unwrap().free;
+        let g = pager.backend().info().granularity;
+        pager
+            .region("oom-filler", free / g * g, Policy::Discard)
+            .unwrap();
+        let code = resume(Some(c"oom"));
+        assert_eq!(
+            code,
+            gpu_pager_code::GPU_PAGER_ERROR_OUT_OF_MEMORY,
+            "{}",
+            last_error()
+        );
+        assert!(
+            last_error().contains("nothing was lost"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(pager.info("oom").unwrap().state, State::Released);
+        pager.remove("oom-filler").unwrap();
+        ok(resume(Some(c"oom")));
+        assert_eq!(read(p, 4096), vec![6; 4096]);
+        assert!(cuda_free(p));
+        gpu_pager_tms_set_enabled(false);
+    })
+    .join()
+    .unwrap();
+}

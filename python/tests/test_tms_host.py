@@ -178,3 +178,26 @@ def test_pager_errors_are_runtime_errors() -> None:
     assert issubclass(gpu_pager.PagerError, RuntimeError)
     assert issubclass(gpu_pager.OutOfMemoryError, RuntimeError)
     assert issubclass(gpu_pager.OutOfMemoryError, MemoryError)
+
+
+def test_a_failed_core_call_raises_gpu_pager_s_exception() -> None:
+    """What pause and resume raise: the code's class, a RuntimeError (what callers of
+    torch and vLLM catch), with the core's message."""
+    from gpu_pager.compat.torch_memory_saver import _core
+
+    oom = dict((n, c) for c, n in gpu_pager.error_codes())["OutOfMemory"]
+    with pytest.raises(gpu_pager.OutOfMemoryError) as e:
+        _core.check(oom, "resume('weights')")
+    assert isinstance(e.value, RuntimeError) and isinstance(e.value, MemoryError)
+    _core.check(0, "nothing")
+
+
+def test_a_missing_preload_library_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu_pager.compat.torch_memory_saver.hooks import mode_preload
+
+    monkeypatch.setattr(mode_preload, "PRELOAD_LIBRARY", "libgpu_pager_preload_gone.so")
+    with pytest.raises(FileNotFoundError, match="hook_mode = 'torch'"):
+        mode_preload.preload_library_path()
+    with pytest.raises(FileNotFoundError, match="reinstall"):
+        with configure_subprocess():
+            pass

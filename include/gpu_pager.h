@@ -329,6 +329,19 @@ gpu_pager_code gpu_pager_release(int device,
                                  size_t n_tags,
                                  struct gpu_pager_report *report);
 
+// `gpu_pager_release` that drops, for this cycle, the contents of the `n_drop` regions
+// `drop` (each also one of `tags`) instead of backing them up: they come back zeroed at the
+// next resume (a `GPU_PAGER_DISCARD` region: uninitialised). All or nothing.
+//
+// # Safety
+// As `gpu_pager_release`, for `tags` and for `drop`.
+gpu_pager_code gpu_pager_release_dropping(int device,
+                                          const char *const *tags,
+                                          size_t n_tags,
+                                          const char *const *drop,
+                                          size_t n_drop,
+                                          struct gpu_pager_report *report);
+
 // Maps physical memory back under the `n_tags` regions `tags` of device `device`, at the
 // same addresses, and restores `GPU_PAGER_PRESERVE` contents; returns when they are in
 // place. All or nothing: on `GPU_PAGER_ERROR_OUT_OF_MEMORY` (a trainer still holds the

@@ -57,7 +57,7 @@ pub use map_ahead::ABSORBED_MAP_ERROR;
 pub use pager::{
     Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, DEFAULT_COPY_GAP_BYTES,
     DEFAULT_DISCARD_CHUNK_BYTES, DEFAULT_FILE_CHUNK_BYTES, Lease, Pager, PagerConfig,
-    ResumeOptions, Stats,
+    ReleaseOptions, ResumeOptions, Stats,
 };
 pub use pump::CopyRoute;
 pub use region::{Medium, Policy, RegionInfo, RegionOptions, RegionStats, State, chunk_sizes};

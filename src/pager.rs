@@ -128,6 +128,14 @@ pub struct PagerConfig {
 /// I/O at full speed, small enough that the staging buffer is a small fraction of the host.
 pub const DEFAULT_FILE_CHUNK_BYTES: usize = 64 << 20;
 
+/// What a release does beyond backing up and unmapping ([`Pager::release_with`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReleaseOptions {
+    /// Tags (among those released) whose contents are dropped for this cycle instead of
+    /// backed up: they come back zeroed at the next resume.
+    pub drop: Vec<String>,
+}
+
 /// What a resume does beyond restoring ([`Pager::resume_with`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ResumeOptions {
@@ -1024,6 +1032,25 @@ impl Pager {
     /// reported as such. All or nothing: if any region is leased, or a copy fails, nothing
     /// is released.
     pub fn release(&self, tags: &[&str]) -> Result<Report> {
+        self.release_with(tags, &ReleaseOptions::default())
+    }
+
+    /// [`Pager::release`] that drops the contents of the regions named in
+    /// [`ReleaseOptions::drop`] for this cycle instead of backing them up: they are unmapped
+    /// without a copy, and the resume after maps them back **zeroed** (a `Discard` region:
+    /// uninitialised, as always). Their backups (if any) hold nothing from then on, so the
+    /// resume restores nothing; the release after that backs up as usual. A dropped tag must
+    /// be one of `tags` (`InvalidArgument` otherwise, nothing released). All or nothing, as
+    /// every release. vLLM chooses this way at each sleep which tags keep their contents.
+    pub fn release_with(&self, tags: &[&str], options: &ReleaseOptions) -> Result<Report> {
+        if let Some(d) = options.drop.iter().find(|d| !tags.contains(&d.as_str())) {
+            return Err(Error::InvalidArgument {
+                tag: d.clone(),
+                reason: "a tag to drop must also be one of the tags released; add it to the \
+                         tags, or leave it out of the drop list"
+                    .to_owned(),
+            });
+        }
         let start = Instant::now();
         let slots = self.slots(tags)?;
         let mut regions: Vec<_> = slots.iter().map(lock).collect();
@@ -1043,9 +1070,14 @@ impl Pager {
 
         let mut steps = vec![Steps::default(); regions.len()];
         let mut saved = vec![Saved::default(); regions.len()];
+        let dropping: Vec<bool> = regions
+            .iter()
+            .map(|r| r.is_resident() && options.drop.iter().any(|d| *d == r.tag))
+            .collect();
         let saving: Vec<bool> = regions
             .iter()
-            .map(|r| r.is_resident() && r.policy == Policy::Preserve)
+            .zip(&dropping)
+            .map(|(r, &d)| r.is_resident() && r.policy == Policy::Preserve && !d)
             .collect();
         let backend = self.backend.as_ref();
         // Bytes copied into first backups while they were pinned (first_save_overlap).
@@ -1109,6 +1141,9 @@ impl Pager {
             }
             let (bytes, unmap) = r.unmap_all();
             steps[i].unmap = unmap;
+            if dropping[i] {
+                r.drop_contents();
+            }
             r.set_released();
             out.push(RegionReport {
                 tag: r.tag.clone(),
@@ -1253,6 +1288,7 @@ impl Pager {
                     continue;
                 }
                 match r.policy {
+                    _ if r.zero_on_resume => steps[i].fill = r.zero(backend)?,
                     Policy::DiscardZeroed => steps[i].fill = r.zero(backend)?,
                     Policy::Preserve if self.config.verify_restore && stream.is_none() => {
                         let t = Instant::now();

@@ -200,6 +200,9 @@ pub(crate) struct Region {
     /// release does not save them. Cleared where a buffer is freed.
     marks: RangeSet,
     pub state: State,
+    /// The last release dropped the contents (`ReleaseOptions::drop`): the next resume
+    /// zero-fills what it maps.
+    pub zero_on_resume: bool,
     /// After `resume_on`: the restore copies still in flight on the caller's stream.
     pending: Option<std::sync::Arc<dyn Fence>>,
     pub alloc: SubAllocator,
@@ -296,6 +299,7 @@ impl Region {
             backups: BTreeMap::new(),
             marks: RangeSet::default(),
             state: State::Released,
+            zero_on_resume: false,
             pending: None,
             alloc: SubAllocator::new(shape.size),
             leases: 0,
@@ -1046,9 +1050,21 @@ impl Region {
         self.releases += 1;
     }
 
+    /// Forgets what the backups hold (a release dropped the contents for this cycle): the
+    /// resume restores nothing and zero-fills what it maps, a `Discard` region excepted,
+    /// whose memory comes back uninitialised as always. Host memory backups are given back.
+    pub fn drop_contents(&mut self) {
+        for b in self.backups.values_mut() {
+            b.forget();
+        }
+        self.give_back_host_backups();
+        self.zero_on_resume = self.policy != Policy::Discard;
+    }
+
     /// Marks the region resident after its memory was mapped and its contents restored
     /// (or, with `pending`, enqueued behind that fence).
     pub fn set_resident(&mut self, pending: Option<std::sync::Arc<dyn Fence>>) {
+        self.zero_on_resume = false;
         self.state = State::Resident;
         self.pending = pending;
     }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use gpu_pager::backend::RawStream;
-use gpu_pager::{Error, Lease, Pager, RegionOptions, Result, ResumeOptions};
+use gpu_pager::{Error, Lease, Pager, RegionOptions, ReleaseOptions, Result, ResumeOptions};
 
 use crate::boundary::{self, call, invalid, pager, required, write_out};
 use crate::types::{
@@ -429,6 +429,36 @@ pub unsafe extern "C" fn gpu_pager_release(
         // SAFETY: as this function's contract.
         let tags = unsafe { boundary::tags(tags, n_tags) }?;
         let r = pager(device)?.release(&tags)?;
+        // SAFETY: `report` is NULL or valid for a write (the contract).
+        unsafe { write_out(report, gpu_pager_report::from(&r)) };
+        Ok(())
+    })
+}
+
+/// `gpu_pager_release` that drops, for this cycle, the contents of the `n_drop` regions
+/// `drop` (each also one of `tags`) instead of backing them up: they come back zeroed at the
+/// next resume (a `GPU_PAGER_DISCARD` region: uninitialised). All or nothing.
+///
+/// # Safety
+/// As `gpu_pager_release`, for `tags` and for `drop`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_release_dropping(
+    device: c_int,
+    tags: *const *const c_char,
+    n_tags: usize,
+    drop: *const *const c_char,
+    n_drop: usize,
+    report: *mut gpu_pager_report,
+) -> gpu_pager_code {
+    call("gpu_pager_release_dropping", || {
+        // SAFETY: as this function's contract.
+        let tags = unsafe { boundary::tags(tags, n_tags) }?;
+        // SAFETY: as this function's contract.
+        let drop = unsafe { boundary::tags(drop, n_drop) }?;
+        let options = ReleaseOptions {
+            drop: drop.into_iter().map(str::to_owned).collect(),
+        };
+        let r = pager(device)?.release_with(&tags, &options)?;
         // SAFETY: `report` is NULL or valid for a write (the contract).
         unsafe { write_out(report, gpu_pager_report::from(&r)) };
         Ok(())

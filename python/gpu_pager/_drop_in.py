@@ -1,7 +1,7 @@
 """Switching an engine to gpu_pager's drop-ins without editing it.
 
 With ``GPU_PAGER_DROP_IN=torch_memory_saver`` (a comma-separated list of the names in
-``ALIASES``, or ``all``) in the environment, ``import torch_memory_saver`` and
+``NAMES``, or ``all``) in the environment, ``import torch_memory_saver`` and
 its submodules resolve to ``gpu_pager.compat.torch_memory_saver`` in every Python process
 of that environment, child processes included. The wheel installs ``gpu_pager_drop_in.pth``,
 which Python runs at start-up and which calls :func:`install`; without the variable it does
@@ -25,6 +25,16 @@ ALIASES = {
     "torch_memory_saver": "gpu_pager.compat.torch_memory_saver",
 }
 """Module name → the gpu_pager module that stands in for it, by drop-in name."""
+
+NAMES = (*ALIASES, "vllm")
+"""Every drop-in the variable can name: the aliased modules, and ``vllm`` (switched on by
+the ``vllm.general_plugins`` entry point that vLLM loads, ``gpu_pager.compat.vllm``)."""
+
+
+def wanted(name: str) -> bool:
+    """Whether ``$GPU_PAGER_DROP_IN`` names drop-in ``name`` (or ``all``)."""
+    chosen = {n.strip() for n in os.environ.get(ENV, "").split(",")}
+    return name in chosen or "all" in chosen
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -58,18 +68,18 @@ def install(names: str | None = None) -> list[str]:
     """Puts the drop-ins ``names`` (default: ``$GPU_PAGER_DROP_IN``) in front of every other
     importer; returns the module names now resolved to gpu_pager. Unknown names raise
     ``ValueError`` naming the known ones."""
-    wanted = os.environ.get(ENV, "") if names is None else names
-    chosen = {n.strip() for n in wanted.split(",") if n.strip()}
+    asked = os.environ.get(ENV, "") if names is None else names
+    chosen = {n.strip() for n in asked.split(",") if n.strip()}
     if "all" in chosen:
-        chosen = set(ALIASES)
-    unknown = chosen - set(ALIASES)
+        chosen = set(NAMES)
+    unknown = chosen - set(NAMES)
     if unknown:
         raise ValueError(
-            f"{ENV}={wanted!r}: unknown drop-in {sorted(unknown)}; known: "
-            f"{', '.join(sorted(ALIASES))} (or all)"
+            f"{ENV}={asked!r}: unknown drop-in {sorted(unknown)}; known: "
+            f"{', '.join(sorted(NAMES))} (or all)"
         )
     done = []
-    for name in sorted(chosen):
+    for name in sorted(chosen & set(ALIASES)):
         if any(isinstance(f, _Alias) and f.name == name for f in sys.meta_path):
             continue
         sys.meta_path.insert(0, _Alias(name, ALIASES[name]))

@@ -443,14 +443,17 @@ def _tags(tags: str | Iterable[str]) -> list[str]:
     return [tags] if isinstance(tags, str) else list(tags)
 
 
-def release(tags: str | Iterable[str], device: Any = None) -> Report:
-    """Waits for torch's work on ``device`` and releases ``tags`` (see ``Pager.release``).
+def release(
+    tags: str | Iterable[str], device: Any = None, drop: str | Iterable[str] | None = None
+) -> Report:
+    """Waits for torch's work on ``device`` and releases ``tags`` (see ``Pager.release``);
+    those also in ``drop`` lose their contents for this cycle (they come back zeroed).
     Tensors in them keep their addresses; touching them with a kernel before ``resume``
     faults (see the module docs); ``read``/``write`` raise ``NotResidentError``."""
     torch = _torch()
     index = _index(device)
     torch.cuda.synchronize(index)
-    return Pager.for_device(index).release(_tags(tags))
+    return Pager.for_device(index).release(_tags(tags), None if drop is None else _tags(drop))
 
 
 def resume(tags: str | Iterable[str], device: Any = None) -> Report:

@@ -326,12 +326,22 @@ impl PyPager {
 
     /// Gives the physical memory of ``tags`` (a str or a sequence of str) back to the
     /// device: waits for outstanding device work, copies ``PRESERVE`` regions to their
-    /// pinned backups, unmaps. All or nothing (``BusyError`` if one is leased). Regions
-    /// already released are reported as such.
-    fn release(&self, py: Python<'_>, tags: &Bound<'_, PyAny>) -> PyResult<Report> {
+    /// backups, unmaps. All or nothing (``BusyError`` if one is leased). Regions already
+    /// released are reported as such. ``drop`` (tags among ``tags``) drops those regions'
+    /// contents for this cycle instead of backing them up: they come back zeroed at the next
+    /// resume (a ``DISCARD`` region: undefined).
+    #[pyo3(signature = (tags, drop = None))]
+    fn release(
+        &self,
+        py: Python<'_>,
+        tags: &Bound<'_, PyAny>,
+        drop: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Report> {
         let tags = args::tags(tags)?;
+        let drop = drop.map(args::tags).transpose()?.unwrap_or_default();
         let p = &self.inner;
-        run(py, || p.release(&as_strs(&tags))).map(Report::from)
+        let options = gpu_pager::ReleaseOptions { drop };
+        run(py, || p.release_with(&as_strs(&tags), &options)).map(Report::from)
     }
 
     /// Maps physical memory back under ``tags`` at the same addresses and restores

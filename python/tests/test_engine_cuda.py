@@ -230,7 +230,6 @@ def test_vllm_compat_scenario(tags: dict[str, str]) -> None:
     are offloaded, the KV cache discarded; vLLM keeps its graphs' memory)."""
     alloc = CuMemAllocator()
     w, kv = tags["weights"], tags["kv"]
-    alloc.policies[w] = gpu_pager.Policy.PRESERVE
 
     def pool(tag: str) -> AbstractContextManager[Any]:
         return alloc.use_memory_pool(tag=tag)
@@ -296,3 +295,18 @@ def test_torchrun_one_rank_per_gpu() -> None:
         timeout=900,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_vllm_sleep_sequence_on_a_real_model() -> None:
+    """vLLM's sleep sequence through the drop-in, in a process of its own (vLLM's fixed tag
+    names): level 1, level 2, discard of the KV cache, and an out-of-memory wake-up that
+    raises a RuntimeError and then succeeds; each ends with logits equal to the run that
+    never slept (``vllm_sequence.py`` checks and says which step failed)."""
+    script = os.path.join(os.path.dirname(__file__), "vllm_sequence.py")
+    done = subprocess.run(
+        [sys.executable, script, "large"], capture_output=True, text=True, timeout=600
+    )
+    out = done.stdout + done.stderr[-3000:]
+    assert done.returncode == 0, out
+    for step in ("level 1", "level 2", "discard kv_cache", "out of memory", "retry"):
+        assert f'"step": "{step}"' in done.stdout, out

@@ -155,6 +155,14 @@ impl Backup {
         }
     }
 
+    /// Forgets what the backup holds (its memory or file stays): a resume restores nothing,
+    /// and the next save copies everything it saves.
+    pub fn forget(&mut self) {
+        self.valid.clear();
+        self.hashes = None;
+        self.staged = None;
+    }
+
     /// Bytes the backup holds room for (host memory, or the file's size).
     pub fn bytes(&self) -> usize {
         self.buf.as_ref().map_or(0, Store::len)

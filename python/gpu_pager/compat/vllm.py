@@ -1,46 +1,79 @@
-"""A drop-in for vLLM's ``CuMemAllocator`` (``vllm/device_allocator/cumem.py``) on
+"""A drop-in for vLLM's sleep-mode allocator as it is on vLLM's main branch
+(``vllm/device_allocator/``: the ``MemAllocator`` protocol and ``CuMemAllocator``), on
 gpu_pager::
 
-    from gpu_pager.compat.vllm import CuMemAllocator
+    from gpu_pager.compat.vllm import get_mem_allocator_instance
 
-    allocator = CuMemAllocator.get_instance()
+    allocator = get_mem_allocator_instance()
     with allocator.use_memory_pool(tag="weights"):
         model = load_model()
     with allocator.use_memory_pool(tag="kv_cache"):
         kv = allocate_kv_cache()
-    allocator.sleep(offload_tags=("weights",))  # level 1
-    allocator.wake_up(tags=["weights"])  # update the weights, then
+    with allocator.use_cudagraph_pool() as pool:  # graphs' memory sleeps too
+        with torch.cuda.graph(graph, pool=pool):
+            ...
+    allocator.sleep(offload_tags=("weights",))  # level 1; level 2: offload_tags=()
+    allocator.wake_up(tags=["weights"])  # also wakes every tag that is not deferrable
+    update_weights(model)
     allocator.wake_up(tags=["kv_cache"])
 
-A tag's policy is fixed when its region is created: ``policies[tag]`` (default
-``Policy.PRESERVE`` for ``"weights"``, ``Policy.DISCARD`` for every other tag). ``sleep``
-backs up exactly the ``PRESERVE`` regions; naming a ``DISCARD`` region in
-``offload_tags`` is a ``ValueError`` (create it as ``PRESERVE``), and a ``PRESERVE``
-region left out of ``offload_tags`` is backed up anyway (its contents are then defined
-where vLLM promises nothing). Sleeping or waking twice does nothing; a wake-up that runs
-out of memory raises ``gpu_pager.OutOfMemoryError`` and leaves every tag asleep with its
-backup.
+To switch vLLM without editing it, install the wheel and set
+``GPU_PAGER_DROP_IN=vllm`` (or ``all``): vLLM loads the ``vllm.general_plugins`` entry point
+``gpu_pager`` (:func:`register`) in every process, which then puts this allocator behind
+``vllm.device_allocator.get_mem_allocator_instance()``. The entry point always registers the
+``gpu_pager`` sleep-mode backend where vLLM has that registry (``--sleep-mode-backend
+gpu_pager``).
 
-Region sizes: regions grow with torch's segments; ``region_bytes[tag]`` set before the
-first ``use_memory_pool(tag)`` makes a fixed region of that size instead.
+vLLM's semantics, kept: which tags keep their contents is chosen at each ``sleep`` (the
+tags in ``offload_tags``, default ``("default",)``; every other tag is discarded and comes
+back zeroed); ``discard(tags)`` drops tags without a backup; a wake-up may defer only the
+``DEFERRABLE_TAGS`` and always restores every other tag (``default``, block tables,
+scratch, the graph pool); ``sleep`` and ``wake_up`` are idempotent; tags already asleep keep
+how they went to sleep. Differences, on the safe side: a wake-up that runs out of memory
+raises ``gpu_pager.OutOfMemoryError`` (a ``RuntimeError``, as vLLM's CUDA errors are, and a
+``MemoryError``), restores nothing and loses nothing, and a retry succeeds; waking or
+discarding a tag that was never allocated is a ``ValueError`` naming the known tags; an
+allocation under a sleeping tag fails (``torch.OutOfMemoryError``, the reason in
+``gpu_pager.torch.last_error()``) instead of handing out memory that is not mapped.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from gpu_pager import Policy
+__all__ = [
+    "DEFERRABLE_TAGS",
+    "GRAPH_TAG",
+    "CuMemAllocator",
+    "get_mem_allocator_instance",
+    "register",
+]
 
-__all__ = ["CuMemAllocator"]
+logger = logging.getLogger(__name__)
+
+DEFERRABLE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
+"""The tags a selective wake-up may leave asleep; any wake-up restores every other tag."""
+
+GRAPH_TAG = "cuda_graph"
+"""The tag of the memory of CUDA graphs captured in ``use_cudagraph_pool()``."""
+
+
+def _gpt() -> Any:
+    import gpu_pager.torch as gpt
+
+    return gpt
 
 
 class CuMemAllocator:
     """vLLM's ``CuMemAllocator`` on gpu_pager (see the module docs). One per process:
-    ``CuMemAllocator.get_instance()``."""
+    ``CuMemAllocator.get_instance()``. Each tag is a growing ``PRESERVE`` region of the
+    device's pager; whether its contents survive is chosen at each ``sleep``."""
 
     instance: CuMemAllocator | None = None
     default_tag: str = "default"
@@ -55,73 +88,189 @@ class CuMemAllocator:
             return CuMemAllocator.instance
 
     def __init__(self) -> None:
-        self.policies: dict[str, Policy] = {"weights": Policy.PRESERVE}
-        """The policy of each tag's region, read when the region is created."""
-        self.region_bytes: dict[str, int] = {}
-        """Sizes of fixed regions not yet created, by tag (default: growing regions)."""
         self.current_tag: str = CuMemAllocator.default_tag
+        self.allocator_and_pools: dict[str, Any] = {}
+        """Each tag's torch pool and allocator, as vLLM keeps them (``release_pools``)."""
         self._tags: list[str] = []
         self._device: int | None = None
+        # Tags asleep, and whether their contents were kept (offloaded) when they fell asleep.
+        self._kept: dict[str, bool] = {}
 
-    def _policy(self, tag: str) -> Policy:
-        return self.policies.get(tag, Policy.DISCARD)
+    def _ensure(self, tag: str) -> Any:
+        """Makes tag ``tag``'s region and pool if they are new; returns the pool."""
+        gpt = _gpt()
+        if self._device is None:
+            import torch
+
+            self._device = int(torch.cuda.current_device())
+        if tag in self._kept:
+            raise RuntimeError(
+                f"tag {tag!r} is asleep: wake it up (wake_up([{tag!r}])) before allocating in it"
+            )
+        gpt._ensure_region(gpt.pager(self._device), tag, "preserve", None, False)
+        if tag not in self._tags:
+            self._tags.append(tag)
+        pool = gpt.pool(tag, self._device)
+        self.allocator_and_pools[tag] = (pool, gpt.allocator())
+        return pool
 
     @contextmanager
     def use_memory_pool(self, tag: str | None = None) -> Iterator[None]:
-        """Tensors allocated inside come from region ``tag`` (default ``"default"``)."""
-        import torch
-
-        import gpu_pager.torch as gpt
-
+        """Tensors allocated inside come from tag ``tag``'s region (default ``"default"``)."""
         tag = CuMemAllocator.default_tag if tag is None else tag
-        device = int(torch.cuda.current_device())
-        if self._device is None:
-            self._device = device
+        self._ensure(tag)
         previous, self.current_tag = self.current_tag, tag
         try:
-            with gpt.region(tag, self._policy(tag), bytes=self.region_bytes.get(tag)):
-                if tag not in self._tags:
-                    self._tags.append(tag)
+            with _gpt().use(tag, "preserve", device=self._device):
                 yield
         finally:
             self.current_tag = previous
 
-    def _pager(self) -> Any:
-        import gpu_pager.torch as gpt
+    @contextmanager
+    def reuse_memory_pool(self, tag: str) -> Iterator[None]:
+        """Enters the existing pool of ``tag`` again (``ValueError`` when there is none)."""
+        if tag not in self._tags:
+            raise ValueError(f"Memory pool for tag {tag!r} does not exist.")
+        with self.use_memory_pool(tag):
+            yield
 
-        return gpt.pager(self._device)
+    @contextmanager
+    def use_cudagraph_pool(self) -> Iterator[tuple[int, int]]:
+        """Yields the pool to capture CUDA graphs into (``torch.cuda.graph(g, pool=...)``):
+        the graphs' memory lives in tag ``GRAPH_TAG``, which sleeps with the rest (its
+        contents discarded unless offloaded) and wakes with any wake-up, at the same
+        addresses, so the graphs replay without a capture."""
+        pool = self._ensure(GRAPH_TAG)
+        # The capture itself routes the graph's allocations to the pool; this thread's
+        # tag says which region they land in.
+        with _gpt()._tagged(self._device, GRAPH_TAG):
+            yield pool.id
+
+    def _pager(self) -> Any:
+        return _gpt().pager(self._device)
+
+    def _known(self, tags: Sequence[str], call: str) -> list[str]:
+        unknown = [t for t in tags if t not in self._tags]
+        if unknown:
+            raise ValueError(
+                f"{call}: {unknown} never allocated through this allocator; its tags are "
+                f"{self._tags} (allocate in use_memory_pool(tag) first)"
+            )
+        return list(tags)
 
     def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
-        """Releases every tag's region; those in ``offload_tags`` (default ``("default",)``)
-        keep their contents (they must be ``PRESERVE`` regions)."""
+        """Gives every tag's memory back: the tags in ``offload_tags`` (default
+        ``("default",)``) keep their contents in pinned host memory, the others are
+        discarded (zeroed when they wake). Tags already asleep keep how they went to sleep.
+        Idempotent."""
         if offload_tags is None:
             offload_tags = (CuMemAllocator.default_tag,)
         elif isinstance(offload_tags, str):
             offload_tags = (offload_tags,)
-        for tag in offload_tags:
-            if tag in self._tags and self._policy(tag) != Policy.PRESERVE:
-                raise ValueError(
-                    f"tag {tag!r} is a {self._policy(tag).value} region, so sleep cannot "
-                    f"offload it; set policies[{tag!r}] = Policy.PRESERVE before creating it"
-                )
-        if self._tags:
-            import gpu_pager.torch as gpt
+        awake = [t for t in self._tags if t not in self._kept]
+        changed = [t for t in self._tags if t in self._kept and self._kept[t] != (t in offload_tags)]
+        if changed:
+            logger.warning(
+                "gpu_pager vLLM allocator: sleep cannot change how %s went to sleep; kept it",
+                changed,
+            )
+        if awake:
+            drop = [t for t in awake if t not in offload_tags]
+            _gpt().release(awake, self._device, drop=drop)
+            for t in awake:
+                self._kept[t] = t in offload_tags
+            gc.collect()
+            import torch
 
-            gpt.release(self._tags, self._device)
-        gc.collect()
+            torch.cuda.empty_cache()
 
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Resumes ``tags`` (default: all). All or nothing."""
-        names = list(self._tags) if tags is None else [t for t in tags if t in self._tags]
-        if names:
-            import gpu_pager.torch as gpt
+    def discard(self, tags: Sequence[str] | str) -> None:
+        """Gives the memory of ``tags`` back without keeping their contents (they come back
+        zeroed when they wake), after the device's work. Tags already asleep are left as
+        they are."""
+        names = self._known((tags,) if isinstance(tags, str) else tuple(tags), "discard")
+        awake = [t for t in names if t not in self._kept]
+        if awake:
+            _gpt().release(awake, self._device, drop=awake)
+            for t in awake:
+                self._kept[t] = False
 
-            gpt.resume(names, self._device)
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Maps the memory of ``tags`` back at the same addresses, with the contents of
+        those that kept them (default: every tag); a selective wake-up also wakes every tag
+        that is not in ``DEFERRABLE_TAGS``. All or nothing: out of memory raises
+        ``gpu_pager.OutOfMemoryError`` (a ``RuntimeError``) and every tag stays asleep with
+        its backup. Idempotent."""
+        if tags is not None:
+            self._known(tags, "wake_up")
+        asleep = [t for t in self._tags if t in self._kept]
+        want = [t for t in asleep if tags is None or t in tags or t not in DEFERRABLE_TAGS]
+        if want:
+            _gpt().resume(want, self._device)
+            for t in want:
+                del self._kept[t]
 
     def get_current_usage(self) -> int:
-        """Bytes of the segments torch holds in this allocator's regions, asleep or not (as
+        """Bytes of the segments torch holds in this allocator's tags, asleep or not (as
         vLLM counts them)."""
         if not self._tags:
             return 0
         stats = self._pager().stats()
-        return sum(r.allocated_bytes for r in stats.regions if r.tag in self._tags)
+        return int(sum(r.allocated_bytes for r in stats.regions if r.tag in self._tags))
+
+    def release_pools(self) -> None:
+        """Drops this allocator's references to its pools (vLLM calls it before exit).
+        gpu_pager keeps torch's allocator and pools alive to the end of the process, so
+        their destruction can never call into a freed allocator (vLLM's "pure virtual
+        method called" at exit). Safe to call more than once."""
+        self.allocator_and_pools.clear()
+
+    def close(self) -> None:
+        """``release_pools()``."""
+        self.release_pools()
+
+
+def get_mem_allocator_instance() -> CuMemAllocator:
+    """The process's sleep-mode allocator (vLLM's ``get_mem_allocator_instance``)."""
+    return CuMemAllocator.get_instance()
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM's backend registry imports the class by name when a backend is selected.
+    if name == "GpuPagerBackend":
+        from gpu_pager.compat._vllm_backend import GpuPagerBackend
+
+        return GpuPagerBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def register() -> None:
+    """vLLM's ``vllm.general_plugins`` entry point, run in every vLLM process. Registers the
+    ``gpu_pager`` sleep-mode backend where vLLM has the registry; with ``GPU_PAGER_DROP_IN``
+    naming ``vllm`` (or ``all``) it also puts this allocator behind
+    ``vllm.device_allocator.get_mem_allocator_instance()`` and
+    ``vllm.device_allocator.cumem.CuMemAllocator``, so that vLLM's default path uses it."""
+    try:
+        from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+    except ImportError:
+        pass
+    else:
+        try:
+            SleepModeBackendFactory.register_backend(
+                "gpu_pager", "gpu_pager.compat.vllm", "GpuPagerBackend"
+            )
+        except ValueError:
+            pass  # registered already (a second call in this process)
+    from gpu_pager._drop_in import wanted
+
+    if not wanted("vllm"):
+        return
+    import vllm.device_allocator as allocators
+
+    setattr(allocators, "get_mem_allocator_instance", get_mem_allocator_instance)
+    try:
+        import vllm.device_allocator.cumem as cumem
+    except ImportError:
+        return
+    setattr(cumem, "CuMemAllocator", CuMemAllocator)
+    logger.info("gpu_pager: vLLM's sleep-mode allocator is gpu_pager's (%s)", os.environ.get("GPU_PAGER_DROP_IN"))

@@ -1,0 +1,27 @@
+"""vLLM's sleep-mode backend on gpu_pager's allocator, ``gpu_pager.compat.vllm.GpuPagerBackend``
+(imported by vLLM's backend registry when ``--sleep-mode-backend gpu_pager`` is chosen; it
+needs vLLM)."""
+
+from __future__ import annotations
+
+from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
+
+from gpu_pager.compat.vllm import get_mem_allocator_instance
+
+
+class GpuPagerBackend(SleepModeBackend):  # type: ignore[misc,unused-ignore]
+    """The ``gpu_pager`` sleep-mode backend: vLLM's sleep levels on gpu_pager's allocator
+    (level 1 keeps the weights in pinned host memory, level 2 keeps nothing)."""
+
+    def suspend(self, level: int = 1) -> None:
+        self._state = "SUSPENDED"
+        get_mem_allocator_instance().sleep(offload_tags=("weights",) if level == 1 else ())
+
+    def resume(self, tags: list[str] | None = None) -> None:
+        self._state = "RESUMING"
+        get_mem_allocator_instance().wake_up(tags)
+        self._state = "RUNNING"
+
+    @classmethod
+    def preserves_communicators(cls) -> bool:
+        return True

@@ -1,0 +1,86 @@
+"""The vLLM drop-in without a GPU: the ``MemAllocator`` surface and its refusals, and the
+``vllm.general_plugins`` entry point against a stand-in package with vLLM's module paths
+(``tests/vllm_standin``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from gpu_pager.compat import vllm as drop_in
+
+STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_standin")
+
+
+def run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full = dict(os.environ)
+    full["PYTHONPATH"] = STANDIN + os.pathsep + full.get("PYTHONPATH", "")
+    full.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=120,
+    )
+
+
+def test_the_protocol_surface_and_its_refusals() -> None:
+    a = drop_in.get_mem_allocator_instance()
+    assert a is drop_in.CuMemAllocator.get_instance()
+    assert drop_in.DEFERRABLE_TAGS == ("weights", "kv_cache")
+    assert a.get_current_usage() == 0
+    a.sleep()  # nothing allocated: nothing to do
+    a.wake_up()
+    with pytest.raises(ValueError, match="never allocated"):
+        a.wake_up(["weights"])
+    with pytest.raises(ValueError, match="never allocated"):
+        a.discard("kv_cache")
+    with pytest.raises(ValueError, match="does not exist"):
+        with a.reuse_memory_pool("weights"):
+            pass
+    a.release_pools()
+    a.close()
+
+
+def test_the_entry_point_switches_vllm_only_when_asked() -> None:
+    """vLLM's plugin loader finds gpu_pager's entry point (installed with the wheel); the
+    sleep-mode backend is registered either way, the allocator swapped only on request."""
+    code = """
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm.device_allocator import get_mem_allocator_instance
+        from vllm.device_allocator.sleep_mode_backend import SleepModeBackend, SleepModeBackendFactory
+        import vllm.device_allocator.cumem as cumem
+        backend = SleepModeBackendFactory.get_backend_class("gpu_pager")
+        assert issubclass(backend, SleepModeBackend)
+        b = backend()
+        b.suspend(level=1)  # nothing allocated: a no-op sleep of gpu_pager's allocator
+        b.resume(None)
+        assert b.state() == "RUNNING" and backend.preserves_communicators()
+        print(type(get_mem_allocator_instance()).__module__, cumem.CuMemAllocator.__module__)
+    """
+    off = run(code, GPU_PAGER_DROP_IN="")
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.split() == ["vllm.device_allocator.cumem"] * 2
+    on = run(code, GPU_PAGER_DROP_IN="vllm")
+    assert on.returncode == 0, on.stderr
+    assert on.stdout.split() == ["gpu_pager.compat.vllm"] * 2
+
+
+def test_the_entry_point_without_vllm_s_registry_still_switches() -> None:
+    code = """
+        import sys
+        sys.modules["vllm.device_allocator.sleep_mode_backend"] = None  # an older vLLM
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm.device_allocator import get_mem_allocator_instance
+        print(type(get_mem_allocator_instance()).__module__)
+    """
+    done = run(code, GPU_PAGER_DROP_IN="all")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "gpu_pager.compat.vllm"

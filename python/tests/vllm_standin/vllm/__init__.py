@@ -1,0 +1,3 @@
+"""A stand-in for the vllm package in gpu_pager's tests: just the module paths and names
+that gpu_pager's vLLM drop-in reaches (vLLM itself does not install offline on the GPU
+machine, nor without CUDA here). Not vLLM's code."""

@@ -342,6 +342,11 @@ impl Error {
             Error::BackupInUse { .. } => ErrorCode::BackupInUse,
             Error::InvalidArgument { .. } => ErrorCode::InvalidArgument,
             Error::Kv { .. } => ErrorCode::Kv,
+            // Host memory that cannot be had is out-of-memory for every binding's user.
+            Error::Backend {
+                error: BackendError::HostOutOfMemory { .. },
+                ..
+            } => ErrorCode::OutOfMemory,
             Error::Backend { .. } => ErrorCode::Backend,
         }
     }

@@ -237,3 +237,40 @@ fn extreme_settings_are_rounded_not_a_panic() {
         assert!(got == data, "contents changed across a cycle");
     }
 }
+
+/// A host backup that cannot be allocated is an out-of-memory error (host memory), not an
+/// abort of the process, and nothing moves: the region stays resident with its contents.
+/// The region is larger than the machine's memory and swap, which Linux's default
+/// overcommit heuristic refuses in one allocation.
+#[test]
+fn a_host_backup_that_cannot_be_allocated_is_an_error_not_an_abort() {
+    let mode = std::fs::read_to_string("/proc/sys/vm/overcommit_memory").unwrap_or_default();
+    if mode.trim() != "0" {
+        eprintln!("skipped: this needs Linux's default overcommit heuristic (mode 0)");
+        return;
+    }
+    let page = 4096usize;
+    let phys = {
+        // SAFETY: sysconf has no memory-safety preconditions.
+        let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
+        usize::try_from(pages).unwrap() * page
+    };
+    let g = 1usize << 30;
+    let bytes = (4 * phys).next_multiple_of(g);
+    let pager = gpu_pager::Pager::new(Arc::new(HostBackend::new(HostConfig {
+        capacity: bytes,
+        granularity: 2 << 20,
+    })));
+    pager
+        .region("huge", bytes, gpu_pager::Policy::Preserve)
+        .unwrap();
+    let b = pager.alloc("huge", page).unwrap();
+    pager.write(&b, 0, &[9; 4096]).unwrap();
+    let e = pager.release(&["huge"]).unwrap_err();
+    assert_eq!(e.code(), gpu_pager::ErrorCode::OutOfMemory, "{e}");
+    assert!(e.to_string().contains("host memory"), "{e}");
+    assert_eq!(pager.info("huge").unwrap().state, gpu_pager::State::Resident);
+    let mut back = [0u8; 4096];
+    pager.read(&b, 0, &mut back).unwrap();
+    assert_eq!(back, [9; 4096]);
+}

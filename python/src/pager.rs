@@ -45,7 +45,16 @@ impl PyPager {
                     size: b.len(),
                 });
             }
-            let mut out = vec![0u8; n];
+            // A failed allocation is an error, not an abort of the interpreter.
+            let mut out = Vec::new();
+            out.try_reserve_exact(n).map_err(|_| {
+                gpu_pager::Error::backend(
+                    b.tag(),
+                    "allocating the bytes to read",
+                    gpu_pager::backend::BackendError::HostOutOfMemory { requested: n },
+                )
+            })?;
+            out.resize(n, 0);
             read(p, b, offset, &mut out)?;
             Ok(out)
         })?;

@@ -66,9 +66,26 @@ impl HostConfig {
                     "{CAPACITY_ENV}={v:?} is not a byte count; write e.g. 8G, 512M or 1073741824"
                 ),
             })?;
+            check_capacity(&v, config.capacity, physical_memory())?;
         }
         Ok(config)
     }
+}
+
+/// Refuses a capacity above the machine's memory: the host backend's "device" memory is host
+/// memory, and a process that counts on more than there is gets killed instead of an error.
+fn check_capacity(asked: &str, capacity: usize, physical: usize) -> BackendResult<()> {
+    if capacity > physical {
+        return Err(BackendError::Invalid {
+            op: "reading the host capacity",
+            reason: format!(
+                "{CAPACITY_ENV}={asked} is more than this machine's {physical} bytes of memory (the \
+                 host backend's device memory is host memory, and a Preserve region's backup \
+                 takes as much again); ask for at most half of it"
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Parses `"1073741824"`, `"512M"`, `"8G"`, `"1T"` (binary units; a trailing `B` or `iB`
@@ -99,6 +116,22 @@ fn physical_memory() -> usize {
         .and_then(|p| p.checked_mul(page_size()))
         .filter(|&b| b > 0)
         .unwrap_or(MAX_DEFAULT_CAPACITY)
+}
+
+/// `bytes` (non-zero) zeroed bytes, or `None` when the allocator cannot provide them (a
+/// failure `vec![0; n]` would turn into an abort).
+pub(crate) fn zeroed(bytes: usize) -> Option<Vec<u8>> {
+    let layout = std::alloc::Layout::array::<u8>(bytes)
+        .ok()
+        .filter(|l| l.size() > 0)?;
+    // SAFETY: the layout has a non-zero size (checked).
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: `p` comes from the global allocator with this layout (capacity and length
+    // `bytes`, alignment 1) and its bytes are initialised (zeroed).
+    Some(unsafe { Vec::from_raw_parts(p, bytes, bytes) })
 }
 
 /// Host-memory implementation of [`Backend`].
@@ -478,7 +511,8 @@ impl Backend for HostBackend {
                 reason: "zero bytes".to_owned(),
             });
         }
-        Ok(Box::new(HostVec(vec![0u8; bytes])))
+        let v = zeroed(bytes).ok_or(BackendError::HostOutOfMemory { requested: bytes })?;
+        Ok(Box::new(HostVec(v)))
     }
 
     unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()> {
@@ -703,6 +737,25 @@ unsafe fn span_mut<'a>(addr: u64, len: usize) -> &'a mut [u8] {
 #[cfg(test)]
 mod capacity_tests {
     use super::*;
+
+    #[test]
+    fn a_capacity_above_the_machine_s_memory_is_refused() {
+        assert!(check_capacity("8G", 8 << 30, 16 << 30).is_ok());
+        let e = check_capacity("1T", 1 << 40, 16 << 30)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("GPU_PAGER_HOST_CAPACITY=1T") && e.contains("at most half"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn zeroed_memory_is_an_option_not_an_abort() {
+        assert_eq!(zeroed(3), Some(vec![0, 0, 0]));
+        assert_eq!(zeroed(0), None);
+        assert_eq!(zeroed(usize::MAX / 2), None);
+    }
 
     #[test]
     fn byte_counts_parse() {

@@ -83,6 +83,15 @@ pub enum BackendError {
         /// Bytes asked for in the failing call.
         requested: usize,
     },
+    /// Host memory could not be allocated (a backup, a staging or swap buffer).
+    #[error(
+        "out of host memory: {requested} bytes could not be allocated; free host memory, or \
+         back the region up to a file (the file backup medium)"
+    )]
+    HostOutOfMemory {
+        /// Bytes asked for.
+        requested: usize,
+    },
     /// A driver call failed.
     #[error("{op} failed: {message}")]
     Driver {

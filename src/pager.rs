@@ -308,6 +308,8 @@ pub struct Pager {
     config: PagerConfig,
     /// The backup directory and staging buffer of file backups.
     files: Arc<FileIo>,
+    /// The process that made the pager: every call in another one (a fork) fails.
+    pid: u32,
     regions: RwLock<BTreeMap<String, Slot>>,
     /// The same regions by base address, for [`Pager::buffer_at`]. Changed only while
     /// `regions` is write-locked (lock order: `regions`, then `by_base`, then a region).
@@ -413,6 +415,7 @@ impl Pager {
         Pager {
             backend,
             files: Arc::new(FileIo::new(serial, config.file_chunk_bytes)),
+            pid: std::process::id(),
             config: PagerConfig {
                 chunk_bytes: chunk,
                 discard_chunk_bytes: discard_chunk,
@@ -517,7 +520,32 @@ impl Pager {
         }
     }
 
+    /// Fails in a forked child of the process that made the pager, before any lock is taken
+    /// (a lock a parent thread held at the fork is never released in the child).
+    fn check_process(&self) -> Result<()> {
+        let here = std::process::id();
+        if here == self.pid {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument {
+            tag: "*".to_owned(),
+            reason: format!(
+                "this pager was made in process {} and this process ({here}) is a fork of it: \
+                 device memory and its bookkeeping cannot be shared across a fork (CUDA forbids \
+                 it too); make the pager in this process (start it with spawn rather than \
+                 fork), or fork before the first pager call",
+                self.pid
+            ),
+        })
+    }
+
+    /// Whether this is the process that made the pager (see `check_process`).
+    fn in_own_process(&self) -> bool {
+        std::process::id() == self.pid
+    }
+
     fn slot(&self, tag: &str) -> Result<Slot> {
+        self.check_process()?;
         let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
         map.get(tag).cloned().ok_or_else(|| unknown_tag(&map, tag))
     }
@@ -580,6 +608,7 @@ impl Pager {
         options: RegionOptions,
         exclusive: bool,
     ) -> Result<RegionInfo> {
+        self.check_process()?;
         if tag.is_empty() || tag == "*" {
             return Err(Error::InvalidArgument {
                 tag: tag.to_owned(),
@@ -746,6 +775,7 @@ impl Pager {
     }
 
     fn remove_impl(&self, tag: &str, id: Option<u64>) -> Result<bool> {
+        self.check_process()?;
         let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
         let slot = map.get(tag).ok_or_else(|| unknown_tag(&map, tag))?;
         let base = {
@@ -788,6 +818,9 @@ impl Pager {
 
     /// Tags of all regions, in order.
     pub fn tags(&self) -> Vec<String> {
+        if !self.in_own_process() {
+            return Vec::new();
+        }
         let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
         map.keys().cloned().collect()
     }
@@ -874,6 +907,9 @@ impl Pager {
     /// The live buffer whose bytes include device address `ptr`, and `ptr`'s offset in it
     /// (what [`Pager::write`] and [`Pager::read`] take). Same cost as [`Pager::buffer_at`].
     pub fn buffer_containing(&self, ptr: u64) -> Option<(Buffer, usize)> {
+        if !self.in_own_process() {
+            return None;
+        }
         let slot = {
             let by_base = self.by_base.read().unwrap_or_else(|p| p.into_inner());
             by_base.range(..=ptr).next_back()?.1.clone()
@@ -1481,8 +1517,15 @@ impl Pager {
 
     /// Statistics of every region.
     pub fn stats(&self) -> Stats {
-        let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
         let errors = self.backend.deferred_errors();
+        if !self.in_own_process() {
+            return Stats {
+                regions: Vec::new(),
+                deferred_errors: Vec::new(),
+                deferred_errors_total: 0,
+            };
+        }
+        let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
         Stats {
             regions: map.values().map(|s| lock(s).stats()).collect(),
             deferred_errors: errors.unread(),
@@ -1506,6 +1549,9 @@ impl Pager {
     /// [`Pager::stats`]) to notice leaks; the backend's sink is shared by every pager on it,
     /// so one drain takes them all.
     pub fn take_deferred_errors(&self) -> Vec<String> {
+        if !self.in_own_process() {
+            return Vec::new();
+        }
         self.backend.deferred_errors().take()
     }
 }

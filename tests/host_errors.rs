@@ -269,7 +269,10 @@ fn a_host_backup_that_cannot_be_allocated_is_an_error_not_an_abort() {
     let e = pager.release(&["huge"]).unwrap_err();
     assert_eq!(e.code(), gpu_pager::ErrorCode::OutOfMemory, "{e}");
     assert!(e.to_string().contains("host memory"), "{e}");
-    assert_eq!(pager.info("huge").unwrap().state, gpu_pager::State::Resident);
+    assert_eq!(
+        pager.info("huge").unwrap().state,
+        gpu_pager::State::Resident
+    );
     let mut back = [0u8; 4096];
     pager.read(&b, 0, &mut back).unwrap();
     assert_eq!(back, [9; 4096]);

@@ -56,8 +56,8 @@ pub use error::{Error, ErrorCode, Result};
 pub use map_ahead::ABSORBED_MAP_ERROR;
 pub use pager::{
     Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, DEFAULT_COPY_GAP_BYTES,
-    DEFAULT_DISCARD_CHUNK_BYTES, DEFAULT_FILE_CHUNK_BYTES, Lease, Pager, PagerConfig,
-    ReleaseOptions, ResumeOptions, Stats,
+    DEFAULT_DISCARD_CHUNK_BYTES, DEFAULT_FILE_CHUNK_BYTES, Lease, MAX_TAG_BYTES, Pager,
+    PagerConfig, ReleaseOptions, ResumeOptions, Stats,
 };
 pub use pump::CopyRoute;
 pub use region::{Medium, Policy, RegionInfo, RegionOptions, RegionStats, State, chunk_sizes};

@@ -32,6 +32,10 @@ pub const DEFAULT_CHUNK_BYTES: usize = 512 << 20;
 /// handles in one run.
 pub const DEFAULT_DISCARD_CHUNK_BYTES: usize = 2 << 30;
 
+/// The longest tag, in bytes: tags are names, and a bounded length bounds the cost of the
+/// "did you mean" of an unknown tag.
+pub const MAX_TAG_BYTES: usize = 256;
+
 /// Default buffer alignment: 256 bytes, what CUDA's own allocators guarantee.
 pub const DEFAULT_ALIGN: usize = 256;
 
@@ -371,11 +375,34 @@ fn describe(policy: Policy, medium: Medium, bytes: usize, elastic: bool, growing
     format!("{article} {elastic}{policy:?} region{backup} of {bytes} bytes")
 }
 
+/// What a region creation asks for, compared with an existing region of the tag.
+struct Wanted {
+    policy: Policy,
+    size: usize,
+    growing: bool,
+    elastic: bool,
+    medium: Medium,
+    prepin: bool,
+    exclusive: bool,
+}
+
 /// [`Error::UnknownTag`] for `tag`, suggesting the nearest existing tag.
-fn unknown_tag(map: &BTreeMap<String, Slot>, tag: &str) -> Error {
+/// The tags of `map`, for [`unknown_tag`] once the map's lock is given back.
+fn known_tags(map: &BTreeMap<String, Slot>) -> Vec<String> {
+    map.keys().cloned().collect()
+}
+
+/// [`Error::UnknownTag`] for `tag`, suggesting the nearest of `known` (no suggestion for a
+/// tag longer than any tag can be). Called without the region map's lock.
+fn unknown_tag(known: &[String], tag: &str) -> Error {
+    let nearest = if tag.len() > MAX_TAG_BYTES {
+        None
+    } else {
+        nearest_tag(tag, known.iter().map(String::as_str))
+    };
     Error::UnknownTag {
         tag: tag.to_owned(),
-        nearest: nearest_tag(tag, map.keys().map(String::as_str)),
+        nearest,
     }
 }
 
@@ -546,8 +573,14 @@ impl Pager {
 
     fn slot(&self, tag: &str) -> Result<Slot> {
         self.check_process()?;
-        let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
-        map.get(tag).cloned().ok_or_else(|| unknown_tag(&map, tag))
+        let known = {
+            let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
+            match map.get(tag) {
+                Some(slot) => return Ok(slot.clone()),
+                None => known_tags(&map),
+            }
+        };
+        Err(unknown_tag(&known, tag))
     }
 
     /// The slots for `tags`, deduplicated, in tag order (the lock order).
@@ -609,10 +642,15 @@ impl Pager {
         exclusive: bool,
     ) -> Result<RegionInfo> {
         self.check_process()?;
-        if tag.is_empty() || tag == "*" {
+        if tag.is_empty() || tag == "*" || tag.len() > MAX_TAG_BYTES || tag.contains('\0') {
+            let shown: String = tag.chars().take(64).collect();
             return Err(Error::InvalidArgument {
-                tag: tag.to_owned(),
-                reason: "a tag must be a non-empty name other than `*`".to_owned(),
+                tag: shown,
+                reason: format!(
+                    "a tag must be a name of 1 to {MAX_TAG_BYTES} bytes, other than `*` and \
+                     without NUL bytes (C cannot name one), not one of {} bytes",
+                    tag.len()
+                ),
             });
         }
         let info = self.backend.info();
@@ -684,45 +722,22 @@ impl Pager {
                 ),
             });
         }
-        let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
-        if let Some(slot) = map.get(tag) {
-            let r = lock(slot);
-            if exclusive {
-                return Err(Error::InvalidArgument {
-                    tag: tag.to_owned(),
-                    reason: "the region exists already, and this owner needs a region of its \
-                             own (one KvCache per region); use another tag or remove it first"
-                        .to_owned(),
-                });
-            }
-            let elastic = options.elastic || growing;
-            if r.policy == policy
-                && r.growing == growing
-                && (growing || r.size() == size)
-                && r.elastic == elastic
-                && r.medium == options.medium
-            {
-                return Ok(r.info());
-            }
-            let differs: Vec<&str> = [
-                (r.policy != policy, "policy"),
-                (r.growing != growing, "growing (0 bytes) or fixed size"),
-                (!growing && !r.growing && r.size() != size, "size"),
-                (
-                    r.elastic != elastic && r.growing == growing,
-                    "elastic option",
-                ),
-                (r.medium != options.medium, "backup medium"),
-            ]
-            .into_iter()
-            .filter_map(|(d, what)| d.then_some(what))
-            .collect();
-            return Err(Error::TagConflict {
-                tag: tag.to_owned(),
-                existing: describe(r.policy, r.medium, r.size(), r.elastic, r.growing),
-                requested: describe(policy, options.medium, size, elastic, growing),
-                differs: differs.join(" and "),
-            });
+        let want = Wanted {
+            policy,
+            size,
+            growing,
+            elastic: options.elastic || growing,
+            medium: options.medium,
+            prepin: options.prepin,
+            exclusive,
+        };
+        // An existing region is answered without building anything.
+        let existing = {
+            let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
+            map.get(tag).cloned()
+        };
+        if let Some(slot) = existing {
+            return self.existing(tag, &slot, &want);
         }
         // A Discard region that is mapped whole (fixed) or buffer by buffer (growing: a
         // torch KV cache's segments) has nothing to copy while it maps: as few handles as
@@ -753,6 +768,14 @@ impl Pager {
         )?;
         region.exclusive = exclusive;
         let info = region.info();
+        // Built without the map's lock (mapping and pinning take time); published under a
+        // short write lock, unless another thread made the tag meanwhile.
+        let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(slot) = map.get(tag).cloned() {
+            drop(map);
+            drop(region);
+            return self.existing(tag, &slot, &want);
+        }
         let slot = Arc::new(Mutex::new(region));
         map.insert(tag.to_owned(), slot.clone());
         self.by_base
@@ -760,6 +783,58 @@ impl Pager {
             .unwrap_or_else(|p| p.into_inner())
             .insert(info.base, slot);
         Ok(info)
+    }
+
+    /// The answer to a creation of `tag` that exists as `slot`: its description when it
+    /// is what `want` asks for (pinning its backup now if `want.prepin` and it is not
+    /// pinned yet), else `TagConflict` naming what differs (`InvalidArgument` for an owner
+    /// that needs a region of its own).
+    fn existing(&self, tag: &str, slot: &Slot, want: &Wanted) -> Result<RegionInfo> {
+        let mut r = lock(slot);
+        if want.exclusive {
+            return Err(Error::InvalidArgument {
+                tag: tag.to_owned(),
+                reason: "the region exists already, and this owner needs a region of its \
+                         own (one KvCache per region); use another tag or remove it first"
+                    .to_owned(),
+            });
+        }
+        if r.policy == want.policy
+            && r.growing == want.growing
+            && (want.growing || r.size() == want.size)
+            && r.elastic == want.elastic
+            && r.medium == want.medium
+        {
+            if want.prepin && want.policy == Policy::Preserve {
+                r.prepin_now(self.backend.as_ref())?;
+            }
+            return Ok(r.info());
+        }
+        let differs: Vec<&str> = [
+            (r.policy != want.policy, "policy"),
+            (r.growing != want.growing, "growing (0 bytes) or fixed size"),
+            (!want.growing && !r.growing && r.size() != want.size, "size"),
+            (
+                r.elastic != want.elastic && r.growing == want.growing,
+                "elastic option",
+            ),
+            (r.medium != want.medium, "backup medium"),
+        ]
+        .into_iter()
+        .filter_map(|(d, what)| d.then_some(what))
+        .collect();
+        Err(Error::TagConflict {
+            tag: tag.to_owned(),
+            existing: describe(r.policy, r.medium, r.size(), r.elastic, r.growing),
+            requested: describe(
+                want.policy,
+                want.medium,
+                want.size,
+                want.elastic,
+                want.growing,
+            ),
+            differs: differs.join(" and "),
+        })
     }
 
     /// Removes a region: unmaps it, frees its backup and its address range. Refused while
@@ -775,44 +850,67 @@ impl Pager {
     }
 
     fn remove_impl(&self, tag: &str, id: Option<u64>) -> Result<bool> {
-        self.check_process()?;
-        let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
-        let slot = map.get(tag).ok_or_else(|| unknown_tag(&map, tag))?;
-        let base = {
-            let mut r = lock(slot);
-            if id.is_some_and(|id| id != r.id) {
+        let slot = self.slot(tag)?;
+        if !Self::removable(tag, &mut lock(&slot), id)? {
+            return Ok(false);
+        }
+        // Work on the device may still use the region: wait for it holding no lock, so that
+        // calls on other tags go on meanwhile.
+        self.backend
+            .synchronize()
+            .map_err(|e| Error::backend(tag, "waiting for device work", e))?;
+        // Unlink under a short write lock, checking again: the tag may name another region
+        // by now, or the region may have been leased meanwhile.
+        let removed = {
+            let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
+            if !map.get(tag).is_some_and(|s| Arc::ptr_eq(s, &slot)) {
                 return Ok(false);
             }
-            if id.is_some() {
-                // Its owner is going away: whatever happens below, a plain `remove` may
-                // take the region from now on (it is nobody's any more).
-                r.exclusive = false;
-            }
-            if id.is_none() && r.exclusive {
-                return Err(Error::InvalidArgument {
-                    tag: tag.to_owned(),
-                    reason: "the region belongs to its owner (a KvCache) and is removed when \
-                             that owner is dropped; drop the KvCache instead of removing its \
-                             region"
-                        .to_owned(),
-                });
-            }
-            if r.leases > 0 {
-                return Err(Error::Busy {
-                    tag: tag.to_owned(),
-                    leases: r.leases,
-                });
-            }
-            self.backend
-                .synchronize()
-                .map_err(|e| Error::backend(tag, "waiting for device work", e))?;
-            r.base()
+            let base = {
+                let mut r = lock(&slot);
+                if !Self::removable(tag, &mut r, id)? {
+                    return Ok(false);
+                }
+                r.base()
+            };
+            self.by_base
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&base);
+            map.remove(tag)
         };
-        self.by_base
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&base);
-        map.remove(tag);
+        // The region is unmapped and freed when its last handle goes, outside every lock.
+        drop(removed);
+        drop(slot);
+        Ok(true)
+    }
+
+    /// Whether region `r` (of `tag`) may be removed by this call: `Ok(false)` when it is no
+    /// longer the region with identity `id`; `Busy` while leased; `InvalidArgument` for a
+    /// region that belongs to an owner (unless the owner removes it).
+    fn removable(tag: &str, r: &mut Region, id: Option<u64>) -> Result<bool> {
+        if id.is_some_and(|id| id != r.id) {
+            return Ok(false);
+        }
+        if id.is_some() {
+            // Its owner is going away: whatever happens below, a plain `remove` may take
+            // the region from now on (it is nobody's any more).
+            r.exclusive = false;
+        }
+        if id.is_none() && r.exclusive {
+            return Err(Error::InvalidArgument {
+                tag: tag.to_owned(),
+                reason: "the region belongs to its owner (a KvCache) and is removed when that \
+                         owner is dropped; drop the KvCache instead of removing its region"
+                    .to_owned(),
+            });
+        }
+        if r.leases > 0 {
+            return Err(Error::Busy {
+                tag: tag.to_owned(),
+                leases: r.leases,
+            });
+        }
         Ok(true)
     }
 

@@ -760,6 +760,22 @@ impl Region {
         }
     }
 
+    /// Pins the backups now, for a creation that asks again for this region with `prepin`:
+    /// a fixed `Preserve` region's one backup, or (growing) each live buffer's, and every
+    /// later buffer's when it is allocated. Nothing for other policies or `Medium::Host`.
+    pub fn prepin_now(&mut self, backend: &dyn Backend) -> Result<()> {
+        if self.policy != Policy::Preserve || self.medium == Medium::Host {
+            return Ok(());
+        }
+        if self.growing {
+            self.prepin = true;
+            self.ensure_backup(backend, 0)?;
+        } else {
+            self.pin(backend, 0, self.size())?;
+        }
+        Ok(())
+    }
+
     /// Gives back the host memory of a [`Medium::Host`] region's backups (after a resume
     /// restored them). Returns the bytes given back.
     pub fn give_back_host_backups(&mut self) -> usize {

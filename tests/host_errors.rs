@@ -277,3 +277,33 @@ fn a_host_backup_that_cannot_be_allocated_is_an_error_not_an_abort() {
     pager.read(&b, 0, &mut back).unwrap();
     assert_eq!(back, [9; 4096]);
 }
+
+/// Tags are short names (review item 6): a long one is refused at creation, and an unknown
+/// long one gets no "did you mean" (whose cost grows with both lengths), so that one bad
+/// call cannot stall the others.
+#[test]
+fn tags_have_a_bounded_length_and_a_bounded_suggestion() {
+    let pager = Pager::new(Arc::new(HostBackend::new(HostConfig {
+        capacity: 64 << 20,
+        granularity: 2 << 20,
+    })));
+    let long = "w".repeat(gpu_pager::MAX_TAG_BYTES + 1);
+    let e = pager.region(&long, 2 << 20, Policy::Discard).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .contains(&gpu_pager::MAX_TAG_BYTES.to_string()),
+        "{e}"
+    );
+    let longest = "w".repeat(gpu_pager::MAX_TAG_BYTES);
+    pager.region(&longest, 2 << 20, Policy::Discard).unwrap();
+    pager.region("weights", 2 << 20, Policy::Discard).unwrap();
+    match pager.info(&"w".repeat(1_000_000)).unwrap_err() {
+        Error::UnknownTag { nearest, .. } => assert_eq!(nearest, None),
+        other => panic!("{other}"),
+    }
+    match pager.info("weight").unwrap_err() {
+        Error::UnknownTag { nearest, .. } => assert_eq!(nearest.as_deref(), Some("weights")),
+        other => panic!("{other}"),
+    }
+}

@@ -142,8 +142,60 @@ impl fmt::Display for FaultCounts {
     }
 }
 
+/// A call that can be made to wait ([`FaultyBackend::hold_next`]), to test that one slow
+/// call does not stall the calls on other tags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HoldPoint {
+    /// [`Backend::map`] (region creation, resume).
+    Map,
+    /// [`Backend::synchronize`] (release, remove, trim).
+    Synchronize,
+}
+
+/// A call held by [`FaultyBackend::hold_next`]: it waits inside the backend until
+/// [`Hold::open`] (or the hold is dropped).
+#[derive(Debug)]
+pub struct Hold {
+    state: Arc<(Mutex<HoldState>, std::sync::Condvar)>,
+}
+
+#[derive(Debug, Default)]
+struct HoldState {
+    /// A call is waiting in the hold.
+    entered: bool,
+    /// The call may go on.
+    open: bool,
+}
+
+impl Hold {
+    /// Blocks until a call has entered the hold; false if none did within `timeout`.
+    pub fn wait_entered(&self, timeout: std::time::Duration) -> bool {
+        let (m, cv) = &*self.state;
+        let guard = m.lock().unwrap_or_else(|p| p.into_inner());
+        let (guard, _) = cv
+            .wait_timeout_while(guard, timeout, |s| !s.entered)
+            .unwrap_or_else(|p| p.into_inner());
+        guard.entered
+    }
+
+    /// Lets the held call go on.
+    pub fn open(&self) {
+        let (m, cv) = &*self.state;
+        m.lock().unwrap_or_else(|p| p.into_inner()).open = true;
+        cv.notify_all();
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.open();
+    }
+}
+
 /// Delegates to another backend, injecting faults; see the module docs.
 pub struct FaultyBackend {
+    /// Holds armed per [`HoldPoint`] (map, synchronize), taken by the next such call.
+    holds: [Mutex<Option<Arc<(Mutex<HoldState>, std::sync::Condvar)>>>; 2],
     inner: Arc<dyn Backend>,
     plan: FaultPlan,
     enabled: AtomicBool,
@@ -228,6 +280,34 @@ impl FaultyBackend {
             injected: Default::default(),
             unmap_faults: Default::default(),
             pin_batches: AtomicU64::new(0),
+            holds: Default::default(),
+        }
+    }
+
+    /// Makes the next call at `point` (from any thread) wait inside the backend until the
+    /// returned [`Hold`] is opened or dropped.
+    pub fn hold_next(&self, point: HoldPoint) -> Hold {
+        let state = Arc::new((Mutex::new(HoldState::default()), std::sync::Condvar::new()));
+        *self.holds[point as usize]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(state.clone());
+        Hold { state }
+    }
+
+    /// Waits in an armed hold at `point`, if one is armed (and disarms it).
+    fn held(&self, point: HoldPoint) {
+        let armed = self.holds[point as usize]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(state) = armed {
+            let (m, cv) = &*state;
+            let mut s = m.lock().unwrap_or_else(|p| p.into_inner());
+            s.entered = true;
+            cv.notify_all();
+            while !s.open {
+                s = cv.wait(s).unwrap_or_else(|p| p.into_inner());
+            }
         }
     }
 
@@ -370,6 +450,7 @@ impl Backend for FaultyBackend {
         offset: usize,
         chunk_sizes: &[usize],
     ) -> BackendResult<Vec<Box<dyn Mapping>>> {
+        self.held(HoldPoint::Map);
         self.check(FaultPoint::Map, "map")?;
         // SAFETY: the caller upholds `map`'s contract, which is the wrapped backend's (its
         // reservations are the wrapped backend's).
@@ -388,6 +469,7 @@ impl Backend for FaultyBackend {
     }
 
     fn synchronize(&self) -> BackendResult<()> {
+        self.held(HoldPoint::Synchronize);
         self.inner.synchronize()
     }
 

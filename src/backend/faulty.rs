@@ -156,8 +156,11 @@ pub enum HoldPoint {
 /// [`Hold::open`] (or the hold is dropped).
 #[derive(Debug)]
 pub struct Hold {
-    state: Arc<(Mutex<HoldState>, std::sync::Condvar)>,
+    state: HoldCell,
 }
+
+/// A hold's state and the condition its waiters wait on.
+type HoldCell = Arc<(Mutex<HoldState>, std::sync::Condvar)>;
 
 #[derive(Debug, Default)]
 struct HoldState {
@@ -195,7 +198,7 @@ impl Drop for Hold {
 /// Delegates to another backend, injecting faults; see the module docs.
 pub struct FaultyBackend {
     /// Holds armed per [`HoldPoint`] (map, synchronize), taken by the next such call.
-    holds: [Mutex<Option<Arc<(Mutex<HoldState>, std::sync::Condvar)>>>; 2],
+    holds: [Mutex<Option<HoldCell>>; 2],
     inner: Arc<dyn Backend>,
     plan: FaultPlan,
     enabled: AtomicBool,

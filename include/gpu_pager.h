@@ -275,7 +275,11 @@ gpu_pager_code gpu_pager_remove(int device, const char *tag);
 gpu_pager_code gpu_pager_alloc(int device, const char *tag, size_t bytes, uint64_t *ptr_out);
 
 // Frees the buffer that starts at `ptr` on device `device`. An address that is not the
-// start of a live buffer (freed already, inside a buffer) is an error and frees nothing.
+// start of a live buffer (freed already, inside a buffer) is
+// `GPU_PAGER_ERROR_INVALID_ARGUMENT` and frees nothing. Buffers are named by their address,
+// and addresses are reused: once a buffer is freed (or its region removed), a later
+// allocation may get the same address, and a call with the old address then acts on the new
+// buffer. Free each buffer once, and forget the addresses of a removed region.
 gpu_pager_code gpu_pager_free(int device, uint64_t ptr);
 
 // Copies `bytes` from host memory `src` to device address `dst` of device `device`,

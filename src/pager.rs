@@ -960,6 +960,7 @@ impl Pager {
                         let _ = r.alloc.free(a.offset, id);
                         return Err(e);
                     }
+                    r.lens.insert(a.offset, bytes);
                 }
                 Ok(Buffer {
                     tag: Arc::from(tag),
@@ -1018,12 +1019,17 @@ impl Pager {
             return None;
         }
         let a = r.alloc.live_containing(offset)?;
+        // A growing region rounds its buffers up to the granularity: the rest is padding.
+        let len = r.lens.get(&a.offset).copied().unwrap_or(a.len);
+        if offset - a.offset >= len {
+            return None;
+        }
         Some((
             Buffer {
                 tag: Arc::from(r.tag.as_str()),
                 id: a.id,
                 offset: a.offset,
-                len: a.len,
+                len,
             },
             offset - a.offset,
         ))
@@ -1093,6 +1099,19 @@ impl Pager {
     /// is stable across cycles, but see the type's docs on using it.
     pub fn ptr(&self, buf: &Buffer) -> Result<u64> {
         self.with_resident(buf, 0, buf.len, "a pointer lookup", |_, addr| Ok(addr))
+    }
+
+    /// The device address of a live buffer, resident or released (unlike [`Pager::ptr`],
+    /// which needs the memory mapped): where it is and will be. `StaleBuffer` for a buffer
+    /// freed, or of a region removed (even if a region of the same tag was made again: its
+    /// addresses belong to that one).
+    pub fn address(&self, buf: &Buffer) -> Result<u64> {
+        let slot = self.slot(&buf.tag)?;
+        let r = lock(&slot);
+        if !r.alloc.is_live(buf.offset, buf.id) {
+            return Err(stale(buf));
+        }
+        Ok(r.base() + buf.offset as u64)
     }
 
     /// Copies `data` from the host into `buf` at `offset` and waits for it.

@@ -206,6 +206,9 @@ pub(crate) struct Region {
     /// After `resume_on`: the restore copies still in flight on the caller's stream.
     pending: Option<std::sync::Arc<dyn Fence>>,
     pub alloc: SubAllocator,
+    /// A growing region's buffers' lengths as asked for, by offset (the allocator holds
+    /// them rounded up to the granularity): a buffer has one length wherever it is found.
+    pub lens: BTreeMap<usize, usize>,
     pub leases: usize,
     pub last_release: Option<RegionReport>,
     pub last_resume: Option<RegionReport>,
@@ -302,6 +305,7 @@ impl Region {
             zero_on_resume: false,
             pending: None,
             alloc: SubAllocator::new(shape.size),
+            lens: BTreeMap::new(),
             leases: 0,
             last_release: None,
             last_resume: None,
@@ -596,6 +600,7 @@ impl Region {
     /// once it is freed: its marks (a new buffer there starts unmarked).
     pub fn forget_buffer(&mut self, offset: usize, len: usize) {
         self.marks.remove(offset..offset + len);
+        self.lens.remove(&offset);
     }
 
     /// Maps the region and sends the restore of its backups to `sink`, overlapping the two:

@@ -114,12 +114,20 @@ fn prepin_on_an_existing_region_pins_then() {
             prepin: true,
             ..Default::default()
         };
-        pager.region_with(tag, bytes, Policy::Preserve, prepin).unwrap();
-        assert!(pager.region_stats(tag).unwrap().backup_bytes >= 3 * MIB, "{tag}");
+        pager
+            .region_with(tag, bytes, Policy::Preserve, prepin)
+            .unwrap();
+        assert!(
+            pager.region_stats(tag).unwrap().backup_bytes >= 3 * MIB,
+            "{tag}"
+        );
         if bytes == 0 {
             // Later buffers of a growing region are pinned as they are allocated.
             pager.alloc(tag, 2 * MIB).unwrap();
-            assert!(pager.region_stats(tag).unwrap().backup_bytes >= 5 * MIB, "{tag}");
+            assert!(
+                pager.region_stats(tag).unwrap().backup_bytes >= 5 * MIB,
+                "{tag}"
+            );
         }
     }
 }

@@ -259,22 +259,21 @@ pub unsafe extern "C" fn gpu_pager_alloc(
         required(ptr_out, "ptr_out")?;
         let pager = pager(device)?;
         let buf = pager.alloc(tag, bytes)?;
-        let base = match pager.info(tag) {
-            Ok(info) => info.base,
-            Err(e) => {
-                // Removed by another thread in between: give nothing out.
-                let _ = pager.free(&buf);
-                return Err(e);
-            }
-        };
+        // The buffer's own address: a region removed and made again by another thread in
+        // between makes it stale instead of naming memory of the new region.
+        let addr = pager.address(&buf)?;
         // SAFETY: `ptr_out` is non-NULL (checked) and valid for a write (the contract).
-        unsafe { write_out(ptr_out, base + buf.offset() as u64) };
+        unsafe { write_out(ptr_out, addr) };
         Ok(())
     })
 }
 
 /// Frees the buffer that starts at `ptr` on device `device`. An address that is not the
-/// start of a live buffer (freed already, inside a buffer) is an error and frees nothing.
+/// start of a live buffer (freed already, inside a buffer) is
+/// `GPU_PAGER_ERROR_INVALID_ARGUMENT` and frees nothing. Buffers are named by their address,
+/// and addresses are reused: once a buffer is freed (or its region removed), a later
+/// allocation may get the same address, and a call with the old address then acts on the new
+/// buffer. Free each buffer once, and forget the addresses of a removed region.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_free(device: c_int, ptr: u64) -> gpu_pager_code {
     call("gpu_pager_free", || {
@@ -318,7 +317,10 @@ pub unsafe extern "C" fn gpu_pager_write(
         let d = boundary::device(device)?;
         let pager = pager(device)?;
         let (buf, offset) = buffer_containing(&pager, d, dst)?;
-        // SAFETY: `src` is non-NULL (checked) and readable for `bytes` (the contract).
+        // The range first: no slice is formed for a length beyond the buffer.
+        within(&buf, offset, bytes)?;
+        // SAFETY: `src` is non-NULL (checked) and readable for `bytes` (the contract), a
+        // length that fits in the buffer (checked), so in memory.
         let data = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), bytes) };
         pager.write(&buf, offset, data)
     })
@@ -346,8 +348,9 @@ pub unsafe extern "C" fn gpu_pager_read(
         let d = boundary::device(device)?;
         let pager = pager(device)?;
         let (buf, offset) = buffer_containing(&pager, d, src)?;
-        // SAFETY: `dst` is non-NULL (checked) and writable for `bytes` (the contract); the
-        // caller does not touch it during the call.
+        within(&buf, offset, bytes)?;
+        // SAFETY: `dst` is non-NULL (checked) and writable for `bytes` (the contract), a
+        // length that fits in the buffer (checked); the caller does not touch it meanwhile.
         let out = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), bytes) };
         pager.read(&buf, offset, out)
     })
@@ -401,6 +404,20 @@ pub extern "C" fn gpu_pager_set_overwritten(
         })?;
         pager.set_overwritten(&buf, offset..end, on)
     })
+}
+
+/// `OutOfRange` unless `bytes` from `offset` lie inside `buf`.
+fn within(buf: &gpu_pager::Buffer, offset: usize, bytes: usize) -> Result<()> {
+    if offset.checked_add(bytes).is_none_or(|end| end > buf.len()) {
+        return Err(Error::OutOfRange {
+            tag: buf.tag().to_owned(),
+            what: "buffer",
+            offset,
+            len: bytes,
+            size: buf.len(),
+        });
+    }
+    Ok(())
 }
 
 fn zero_copy(name: &str) -> Error {

@@ -142,6 +142,12 @@ pub(crate) unsafe fn tags<'a>(tags: *const *const c_char, n: usize) -> Result<Ve
             format!("the tag list is NULL but its count is {n}; pass an array of {n} tags"),
         ));
     }
+    if n > isize::MAX as usize / std::mem::size_of::<*const c_char>() {
+        return Err(invalid(
+            "*",
+            format!("{n} tags are more than any array holds; pass the list's length"),
+        ));
+    }
     // SAFETY: non-NULL and, by this function's contract, `n` readable pointers.
     let list = unsafe { std::slice::from_raw_parts(tags, n) };
     list.iter()

@@ -1,10 +1,12 @@
 //! The C ABI of gpu-pager: every `gpu_pager_*` symbol, declared in `include/gpu_pager.h`
 //! (generated from this crate by cbindgen; `tests/header.rs` fails when it is stale).
 //!
-//! This is an rlib on purpose: the shared library (`libgpu_pager.so`, the `cdylib` member,
-//! a one-line re-export of this crate) and the Python extension both link it, so a process
-//! that loads both still holds one copy of gpu-pager's statics, hence one pager per device
-//! ([`gpu_pager::registry`]).
+//! This is an rlib that two shared objects link: `libgpu_pager.so` (the `cdylib` member, a
+//! one-line re-export of this crate) and the Python extension module, which exports the same
+//! C ABI. Each shared object holds its own copy of gpu-pager's statics, hence its own pager
+//! per device ([`gpu_pager::registry`]): C code in a process that imports the Python package
+//! must call the extension module's C ABI (its path is `gpu_pager.torch.library_path()`),
+//! not load `libgpu_pager.so` beside it.
 //!
 //! The boundary, as in rustls-ffi:
 //! - Every exported body runs in a panic guard: a panic becomes `GPU_PAGER_ERROR_PANIC`

@@ -146,3 +146,22 @@ def test_modules_import_without_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_c_code_in_a_python_process_shares_the_package_s_pager(lib: ctypes.CDLL) -> None:
+    """The documented way for C code in a Python process: the extension module's own C ABI
+    (``library_path()``); what it makes is the package's, one pager per device."""
+    lib.gpu_pager_region.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint32,
+        ctypes.c_size_t,
+        ctypes.c_bool,
+        ctypes.c_void_p,
+    ]
+    lib.gpu_pager_region.restype = ctypes.c_int
+    assert lib.gpu_pager_region(0, b"made-in-c", 1, 4 * MIB, False, None) == 0
+    pager = gpu_pager.Pager.for_device(0)
+    assert "made-in-c" in pager.tags()
+    assert pager.info("made-in-c").policy == gpu_pager.Policy.DISCARD
+    pager.remove("made-in-c")

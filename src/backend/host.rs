@@ -3,8 +3,8 @@
 //! A reservation is an anonymous `PROT_NONE` mapping: touching an unmapped part faults, just
 //! as a GPU kernel touching an unmapped VMM range does, instead of reading stale data. A
 //! physical chunk is a memfd of the chunk's size, mapped `MAP_FIXED | MAP_SHARED` over its
-//! slice of the reservation; dropping it puts the `PROT_NONE` placeholder back and closes the
-//! memfd, so the memory really goes back to the system. A capacity limit stands in for the
+//! slice of the reservation (the descriptor is closed once mapped); dropping it puts the
+//! `PROT_NONE` placeholder back, so the memory really goes back to the system. A capacity limit stands in for the
 //! device's memory size, and `HostBackend::hold` (with the `testing` feature) stands in for another user of the device
 //! (the trainer), so out-of-memory paths run in CI.
 
@@ -282,7 +282,6 @@ impl Drop for HostReservation {
 struct HostMapping {
     ptr: u64,
     len: usize,
-    _memfd: OwnedFd,
     used: Arc<AtomicUsize>,
     errors: Arc<DeferredErrors>,
     _reservation: Arc<dyn Reservation>,
@@ -299,8 +298,8 @@ impl Mapping for HostMapping {
 
 impl Drop for HostMapping {
     fn drop(&mut self) {
-        // Unmap (put the placeholder back so the address stays reserved), then the memfd
-        // closes as the field drops and its memory goes back to the system.
+        // Unmap (put the placeholder back so the address stays reserved): the mapping was
+        // the memfd's last reference, so its memory goes back to the system.
         if let Err(e) = map_placeholder(self.ptr, self.len) {
             self.errors.record(format!(
                 "unmapping a {}-byte host chunk at {:#x} failed: {e}",
@@ -358,10 +357,12 @@ impl HostBackend {
         if p == libc::MAP_FAILED {
             return Err(uncharge(os_error("mmap(memfd)")));
         }
+        // The mapping holds the memory: the descriptor closes here, so that a region of many
+        // chunks needs no descriptor per chunk.
+        drop(memfd);
         Ok(HostMapping {
             ptr: at,
             len,
-            _memfd: memfd,
             used: self.used.clone(),
             errors: self.errors.clone(),
             _reservation: reservation.clone(),

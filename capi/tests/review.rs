@@ -1,0 +1,117 @@
+//! The C ABI's review items with the tests that showed them: a length is checked against
+//! the buffer before any slice is formed (item 8), and `gpu_pager_alloc` hands out the
+//! address of the buffer it made (item 12).
+
+use std::ffi::{CStr, c_char};
+
+use gpu_pager_capi::*;
+
+fn last_error() -> String {
+    // SAFETY: gpu_pager_last_error returns this thread's NUL-terminated message.
+    unsafe { CStr::from_ptr(gpu_pager_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn region(tag: &CStr) -> u64 {
+    let mut base = 0u64;
+    // SAFETY: a NUL-terminated literal and a valid out-pointer.
+    let code = unsafe {
+        gpu_pager_region(
+            0,
+            tag.as_ptr(),
+            gpu_pager_policy::GPU_PAGER_DISCARD as u32,
+            4 << 20,
+            false,
+            &mut base,
+        )
+    };
+    assert_eq!(code, gpu_pager_code::GPU_PAGER_OK, "{}", last_error());
+    base
+}
+
+#[test]
+fn a_length_beyond_the_buffer_is_out_of_range_before_anything_is_touched() {
+    region(c"review-range");
+    let mut p = 0u64;
+    // SAFETY: a NUL-terminated literal and a valid out-pointer.
+    let code = unsafe { gpu_pager_alloc(0, c"review-range".as_ptr(), 4096, &mut p) };
+    assert_eq!(code, gpu_pager_code::GPU_PAGER_OK, "{}", last_error());
+    let mut byte = 0u8;
+    let huge = isize::MAX as usize + 1;
+    // SAFETY: the length is refused before the pointer is read (what is tested).
+    let code = unsafe { gpu_pager_write(0, p, (&raw const byte).cast(), huge) };
+    assert_eq!(
+        code,
+        gpu_pager_code::GPU_PAGER_ERROR_OUT_OF_RANGE,
+        "{}",
+        last_error()
+    );
+    // SAFETY: as above; nothing is written.
+    let code = unsafe { gpu_pager_read(0, p, (&raw mut byte).cast(), huge) };
+    assert_eq!(
+        code,
+        gpu_pager_code::GPU_PAGER_ERROR_OUT_OF_RANGE,
+        "{}",
+        last_error()
+    );
+    // SAFETY: one valid byte; 4097 bytes from the start reach past the buffer.
+    let code = unsafe { gpu_pager_write(0, p, (&raw const byte).cast(), 4097) };
+    assert_eq!(
+        code,
+        gpu_pager_code::GPU_PAGER_ERROR_OUT_OF_RANGE,
+        "{}",
+        last_error()
+    );
+    let tags: [*const c_char; 1] = [c"review-range".as_ptr()];
+    // SAFETY: a count larger than any array is refused before the list is read.
+    let code = unsafe { gpu_pager_release(0, tags.as_ptr(), usize::MAX, std::ptr::null_mut()) };
+    assert_eq!(
+        code,
+        gpu_pager_code::GPU_PAGER_ERROR_INVALID_ARGUMENT,
+        "{}",
+        last_error()
+    );
+}
+
+#[test]
+fn alloc_returns_its_own_buffer_s_address() {
+    let base = region(c"review-alloc");
+    let mut p = 0u64;
+    // SAFETY: a NUL-terminated literal and a valid out-pointer.
+    let code = unsafe { gpu_pager_alloc(0, c"review-alloc".as_ptr(), 4096, &mut p) };
+    assert_eq!(code, gpu_pager_code::GPU_PAGER_OK, "{}", last_error());
+    assert!(p >= base && p < base + (4 << 20));
+}
+
+/// The promise of item 3, reworded: an address names the buffer there now; a second free of
+/// it before it is reused is an error that frees nothing.
+#[test]
+fn an_address_names_the_buffer_there_now() {
+    region(c"review-free");
+    let alloc = || {
+        let mut p = 0u64;
+        // SAFETY: a NUL-terminated literal and a valid out-pointer.
+        let code = unsafe { gpu_pager_alloc(0, c"review-free".as_ptr(), 4096, &mut p) };
+        assert_eq!(code, gpu_pager_code::GPU_PAGER_OK, "{}", last_error());
+        p
+    };
+    let p = alloc();
+    assert_eq!(gpu_pager_free(0, p), gpu_pager_code::GPU_PAGER_OK);
+    assert_eq!(
+        gpu_pager_free(0, p),
+        gpu_pager_code::GPU_PAGER_ERROR_INVALID_ARGUMENT
+    );
+    assert!(
+        last_error().contains("not inside a live buffer"),
+        "{}",
+        last_error()
+    );
+    let q = alloc();
+    assert_eq!(q, p, "the address is handed out again");
+    assert_eq!(
+        gpu_pager_free(0, p),
+        gpu_pager_code::GPU_PAGER_OK,
+        "and names the new buffer"
+    );
+}

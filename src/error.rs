@@ -179,7 +179,7 @@ pub enum Error {
     },
 
     /// An argument other than a size is not acceptable.
-    #[error("invalid argument for `{tag}`: {reason}")]
+    #[error("invalid argument{}: {reason}", for_tag(.tag))]
     InvalidArgument {
         /// The region (or `*` when none applies).
         tag: String,
@@ -198,7 +198,7 @@ pub enum Error {
     },
 
     /// The device or the operating system failed.
-    #[error("{op} on `{tag}` failed: {error}")]
+    #[error("{op}{} failed: {error}", on_tag(.tag))]
     Backend {
         /// The region (or `*` when none applies).
         tag: String,
@@ -379,6 +379,24 @@ impl Error {
             op,
             error,
         }
+    }
+}
+
+/// `" for `tag`"`, or nothing for `*` (an error that concerns no region).
+fn for_tag(tag: &str) -> String {
+    if tag == "*" {
+        String::new()
+    } else {
+        format!(" for `{tag}`")
+    }
+}
+
+/// `" on `tag`"`, or nothing for `*` (an error that concerns no region).
+fn on_tag(tag: &str) -> String {
+    if tag == "*" {
+        String::new()
+    } else {
+        format!(" on `{tag}`")
     }
 }
 

@@ -180,7 +180,8 @@ pub fn run(pager: &Arc<Pager>, t: &Timeline, gib_budget: f64) -> Result<bool, Er
     let (before, free_before) = (p.mapped()?, free(pager));
     let trimmed = p.cache.trim()?;
     let (after, free_after) = (p.mapped()?, free(pager));
-    ok &= trimmed == before - after && after < before;
+    // Nothing to give back when the survivors' blocks span every chunk (a small cache).
+    ok &= trimmed == before - after && after <= before;
     for (s, e) in &seqs {
         ok &= p.matches(*s, e)?;
     }

@@ -50,11 +50,12 @@ struct StressArgs {
     /// How long to run: e.g. 500ms, 30s, 10m, 1h (a bare number is seconds).
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     duration: Duration,
-    /// Seed of the random choices and of the fault plan [default: from the clock, printed].
-    #[arg(long)]
+    /// Seed of the random choices and of the fault plan, decimal or 0x-hex [default: from
+    /// the clock, printed].
+    #[arg(long, value_parser = parse_seed)]
     seed: Option<u64>,
-    /// Worker threads.
-    #[arg(long, default_value_t = 4)]
+    /// Worker threads (at least 1).
+    #[arg(long, default_value_t = 4, value_parser = positive)]
     threads: usize,
     /// Do not inject faults (no failing copies or maps, no memory hog).
     #[arg(long)]
@@ -75,8 +76,9 @@ struct Workload {
     /// Number of weight allocations (tensors).
     #[arg(long, default_value_t = 291)]
     buffers: usize,
-    /// Physical chunk size in MiB.
-    #[arg(long, default_value_t = 512)]
+    /// Physical chunk size in MiB (at least 1; rounded up to the granularity and to a power
+    /// of two).
+    #[arg(long, default_value_t = 512, value_parser = positive)]
     chunk_mib: usize,
 }
 
@@ -488,6 +490,23 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     n.checked_mul(secs)
         .map(Duration::from_secs)
         .ok_or_else(|| format!("`{s}` is too long"))
+}
+
+/// A count of at least 1.
+fn positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("`{s}`: expected a whole number of at least 1")),
+    }
+}
+
+/// A seed: decimal, or hexadecimal with `0x`.
+fn parse_seed(s: &str) -> Result<u64, String> {
+    let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => s.parse(),
+    };
+    parsed.map_err(|_| format!("`{s}`: expected a number, decimal or 0x-hex (e.g. 42 or 0x2a)"))
 }
 
 fn stress(backend: Arc<dyn Backend>, a: &StressArgs) -> Result<(), Error> {

@@ -346,11 +346,11 @@ impl fmt::Display for StressSummary {
         let gib = |b: f64| b / GIB as f64;
         writeln!(
             f,
-            "stress on {}: {:.1} s, {} threads, seed {:#x}",
+            "stress on {}: {:.1} s, {} threads, seed {seed} (replay with --seed {seed})",
             self.device,
             self.elapsed.as_secs_f64(),
             self.threads,
-            self.seed
+            seed = self.seed
         )?;
         writeln!(f, "  cycles          {}", self.cycles)?;
         writeln!(

@@ -1,0 +1,79 @@
+//! The `gpu-pager` program as a user runs it (on the host backend here): review items 13
+//! (a small KV cache is no failure), 14 (the seed it prints is one `--seed` takes) and 15
+//! (errors say what is wrong without a placeholder tag, before any banner).
+
+use std::process::Command;
+
+fn gpu_pager(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_gpu-pager"))
+        .args(args)
+        .env("GPU_PAGER_HOST_CAPACITY", "2G")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+#[test]
+fn a_demo_with_a_small_kv_cache_passes() {
+    let (ok, out) = gpu_pager(&[
+        "demo",
+        "--weights-gib",
+        "0.25",
+        "--kv-gib",
+        "0.5",
+        "--cycles",
+        "1",
+    ]);
+    assert!(ok, "{out}");
+    assert!(!out.contains("FAILED"), "{out}");
+}
+
+#[test]
+fn the_printed_seed_replays() {
+    let (ok, out) = gpu_pager(&[
+        "stress",
+        "--duration",
+        "300ms",
+        "--seed",
+        "0x2a",
+        "--threads",
+        "1",
+    ]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("seed 42"),
+        "the seed in the form --seed takes: {out}"
+    );
+    assert!(!out.contains("0x2a"), "{out}");
+    let (ok, out) = gpu_pager(&[
+        "stress",
+        "--duration",
+        "300ms",
+        "--seed",
+        "42",
+        "--threads",
+        "1",
+    ]);
+    assert!(ok, "{out}");
+}
+
+#[test]
+fn bad_arguments_are_refused_before_anything_runs() {
+    let (ok, out) = gpu_pager(&["stress", "--threads", "0"]);
+    assert!(!ok);
+    assert!(
+        !out.contains("stress:"),
+        "no banner before the refusal: {out}"
+    );
+    let (ok, out) = gpu_pager(&["demo", "--chunk-mib", "0"]);
+    assert!(!ok);
+    assert!(out.contains("chunk-mib"), "{out}");
+    let (ok, out) = gpu_pager(&["demo", "--weights-gib", "-1"]);
+    assert!(!ok);
+    assert!(
+        !out.contains("`*`"),
+        "no placeholder tag in the message: {out}"
+    );
+}

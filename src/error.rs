@@ -17,7 +17,11 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// [`ErrorCode`] inside this crate, and the C and Python layers take their codes and
 /// exception classes from that one table, so a new variant cannot fall silently into a
 /// catch-all arm elsewhere.
-#[derive(Debug, thiserror::Error)]
+///
+/// `Debug` shows the variant's name and the message (`NotResident: region `weights` is
+/// released, …`), so that `fn main() -> Result<(), Error>`, `unwrap` and `{:?}` show the
+/// tag and the fix as `Display` does; every field a variant holds is in its message.
+#[derive(thiserror::Error)]
 pub enum Error {
     /// The region is released; the operation needs it resident.
     #[error(
@@ -141,9 +145,9 @@ pub enum Error {
 
     /// The tag exists with another policy, size or `elastic` option.
     #[error(
-        "region `{tag}` exists as {existing} but was asked for again as {requested}: the {differs} \
-         differ; ask with the same policy, size and options, remove the region first, or use \
-         another tag"
+        "region `{tag}` exists as {existing} but was asked for again as {requested}: they differ \
+         in {differs}; ask with the same policy, size and options, remove the region first, or \
+         use another tag"
     )]
     TagConflict {
         /// The region.
@@ -323,7 +327,24 @@ impl std::fmt::Display for ErrorCode {
     }
 }
 
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {self}", self.code())
+    }
+}
+
 impl Error {
+    /// The [`Error::InvalidArgument`] for a range whose start lies past its end.
+    pub(crate) fn reversed_range(tag: &str, range: &std::ops::Range<usize>) -> Error {
+        Error::InvalidArgument {
+            tag: tag.to_string(),
+            reason: format!(
+                "the range {}..{} is reversed; pass start <= end",
+                range.start, range.end
+            ),
+        }
+    }
+
     /// The stable code of this error's variant (an exhaustive match: adding a variant
     /// without a code does not compile).
     pub fn code(&self) -> ErrorCode {

@@ -273,7 +273,13 @@ impl std::fmt::Display for Stats {
         for r in &self.regions {
             let kind = format!(
                 "{}{:?}",
-                if r.info.elastic { "elastic " } else { "" },
+                if r.info.growing {
+                    "growing "
+                } else if r.info.elastic {
+                    "elastic "
+                } else {
+                    ""
+                },
                 r.info.policy
             );
             let state = match r.info.state {
@@ -581,6 +587,15 @@ impl Pager {
             }
         };
         Err(unknown_tag(&known, tag))
+    }
+
+    /// The slot of `buf`'s region; a region removed since is `StaleBuffer` (the buffer went
+    /// with it), not an unknown tag.
+    fn slot_of(&self, buf: &Buffer) -> Result<Slot> {
+        self.slot(&buf.tag).map_err(|e| match e {
+            Error::UnknownTag { .. } => stale(buf),
+            e => e,
+        })
     }
 
     /// The slots for `tags`, deduplicated, in tag order (the lock order).
@@ -935,13 +950,24 @@ impl Pager {
     }
 
     /// Allocates a buffer of `bytes` in region `tag` at an offset that is a multiple of
-    /// `align` (a power of two). Works whether the region is resident or released.
+    /// `align` (a power of two, at most the granularity: `InvalidArgument` otherwise, as a
+    /// region's base is aligned to no more). Works whether the region is resident or released.
     pub fn alloc_aligned(&self, tag: &str, bytes: usize, align: usize) -> Result<Buffer> {
         let slot = self.slot(tag)?;
         let mut r = lock(&slot);
         let id = next_id();
         // A growing region maps each buffer by itself, so buffers own whole granules.
         let g = self.backend.info().granularity;
+        // A region's base is aligned to the granularity and no more, so an offset cannot
+        // give an address a larger alignment.
+        if align > g {
+            return Err(Error::InvalidArgument {
+                tag: tag.to_owned(),
+                reason: format!(
+                    "an alignment of {align} bytes is above the device's granularity ({g}                      bytes), the most a region's addresses are aligned to; ask for at most {g}"
+                ),
+            });
+        }
         let (want, align) = if r.growing && bytes > 0 {
             let Some(rounded) = bytes.checked_next_multiple_of(g) else {
                 return Err(Error::InvalidSize {
@@ -1040,7 +1066,7 @@ impl Pager {
     /// In a growing region the free gives the buffer's memory back to the device at once:
     /// it waits for all outstanding device work (as a release does), then unmaps the buffer.
     pub fn free(&self, buf: &Buffer) -> Result<()> {
-        let slot = self.slot(&buf.tag)?;
+        let slot = self.slot_of(buf)?;
         let mut r = lock(&slot);
         if !r.alloc.is_live(buf.offset, buf.id) {
             return Err(stale(buf));
@@ -1066,7 +1092,7 @@ impl Pager {
         op: &'static str,
         f: impl FnOnce(&Region, u64) -> Result<T>,
     ) -> Result<T> {
-        let slot = self.slot(&buf.tag)?;
+        let slot = self.slot_of(buf)?;
         let mut r = lock(&slot);
         if !r.alloc.is_live(buf.offset, buf.id) {
             return Err(stale(buf));
@@ -1106,7 +1132,7 @@ impl Pager {
     /// freed, or of a region removed (even if a region of the same tag was made again: its
     /// addresses belong to that one).
     pub fn address(&self, buf: &Buffer) -> Result<u64> {
-        let slot = self.slot(&buf.tag)?;
+        let slot = self.slot_of(buf)?;
         let r = lock(&slot);
         if !r.alloc.is_live(buf.offset, buf.id) {
             return Err(stale(buf));
@@ -1115,8 +1141,12 @@ impl Pager {
     }
 
     /// Copies `data` from the host into `buf` at `offset` and waits for it.
+    /// Zero bytes copy nothing, after the same checks.
     pub fn write(&self, buf: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
         self.with_resident(buf, offset, data.len(), "a write", |r, addr| {
+            if data.is_empty() {
+                return Ok(());
+            }
             // SAFETY: the range is inside a live buffer of a resident region (checked), and
             // the region's lock is held, so it is mapped for the whole copy.
             unsafe { self.backend.copy_to_device(addr, data) }
@@ -1125,8 +1155,12 @@ impl Pager {
     }
 
     /// Copies `out.len()` bytes of `buf` at `offset` to the host and waits for it.
+    /// Zero bytes copy nothing, after the same checks.
     pub fn read(&self, buf: &Buffer, offset: usize, out: &mut [u8]) -> Result<()> {
         self.with_resident(buf, offset, out.len(), "a read", |r, addr| {
+            if out.is_empty() {
+                return Ok(());
+            }
             // SAFETY: as in `write`: mapped, live, locked.
             unsafe { self.backend.copy_to_host(out, addr) }
                 .map_err(|e| Error::backend(&r.tag, "copying device data to the host", e))

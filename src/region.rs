@@ -122,8 +122,8 @@ pub struct RegionInfo {
     pub medium: Medium,
     /// Current state.
     pub state: State,
-    /// Whether memory is mapped only where backed ([`RegionOptions::elastic`], and every
-    /// growing region).
+    /// Whether the region was made elastic ([`RegionOptions::elastic`]): memory mapped only
+    /// where backed. A growing region reports `false` here and `true` in `growing`.
     pub elastic: bool,
     /// Whether the region grows with its buffers (created with 0 bytes): memory is mapped
     /// exactly under live buffers.
@@ -341,7 +341,7 @@ impl Region {
             policy: self.policy,
             medium: self.medium,
             state: self.state,
-            elastic: self.elastic,
+            elastic: self.elastic && !self.growing,
             growing: self.growing,
             id: self.id,
             releases: self.releases,
@@ -405,9 +405,13 @@ impl Region {
         range.start / c * c..range.end.div_ceil(c).saturating_mul(c).min(self.size())
     }
 
-    /// Errors with `OutOfRange` unless `range` lies inside the region (`start <= end`).
+    /// Errors with `InvalidArgument` for a reversed range (`start > end`) and with
+    /// `OutOfRange` unless `range` lies inside the region.
     pub fn check_range(&self, range: &Range<usize>) -> Result<()> {
-        if range.start > range.end || range.end > self.size() {
+        if range.start > range.end {
+            return Err(Error::reversed_range(&self.tag, range));
+        }
+        if range.end > self.size() {
             return Err(Error::OutOfRange {
                 tag: self.tag.clone(),
                 what: "region",

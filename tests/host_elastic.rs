@@ -329,7 +329,7 @@ fn misuse_is_refused_with_a_typed_error() {
     let reversed = 10..5;
     assert!(matches!(
         pager.back("kv", reversed),
-        Err(Error::OutOfRange { .. })
+        Err(Error::InvalidArgument { .. })
     ));
     assert!(matches!(
         pager.back("nope", 0..1),

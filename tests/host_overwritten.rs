@@ -445,7 +445,7 @@ fn bad_marks_are_typed_errors() {
     let backwards = 10..5;
     assert!(matches!(
         pager.set_overwritten(&b, backwards, true),
-        Err(Error::OutOfRange { .. })
+        Err(Error::InvalidArgument { .. })
     ));
     pager.set_overwritten(&b, 1000..1000, true).unwrap();
     assert!(
@@ -456,7 +456,7 @@ fn bad_marks_are_typed_errors() {
     pager.release(&["weights"]).unwrap();
     pager.remove("weights").unwrap();
     let e = pager.mark_overwritten(&b).unwrap_err();
-    assert!(matches!(e, Error::UnknownTag { .. }), "{e:?}");
+    assert!(matches!(e, Error::StaleBuffer { .. }), "{e:?}");
     assert!(e.to_string().contains("weights"), "{e}");
     // A buffer of an earlier region under the same tag is stale in the new one.
     pager.region("weights", 4 * MIB, Policy::Preserve).unwrap();

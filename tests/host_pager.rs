@@ -411,7 +411,7 @@ fn remove_and_backup_freeing() {
     pager.remove("weights").unwrap();
     assert_eq!(backend.used_bytes(), 0);
     assert!(pager.tags().is_empty());
-    assert!(matches!(pager.ptr(&b), Err(Error::UnknownTag { .. })));
+    assert!(matches!(pager.ptr(&b), Err(Error::StaleBuffer { .. })));
 }
 
 #[test]

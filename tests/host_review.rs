@@ -1,11 +1,13 @@
 //! Review items with a wrong answer, each with the test that showed it: a growing region's
 //! buffer has one length (item 10), the host backend keeps no descriptor per mapped chunk
-//! (item 11), an address is handed out only for a live buffer (item 12).
+//! (item 11), an address is handed out only for a live buffer (item 12), a removed region's
+//! buffer is stale (item 16), a growing region is not called elastic (item 17), reversed
+//! ranges are named as such (item 18), `Debug` of an error carries its message (item 20).
 
 use std::sync::Arc;
 
 use gpu_pager::backend::host::{HostBackend, HostConfig};
-use gpu_pager::{Error, Pager, Policy};
+use gpu_pager::{Error, Pager, Policy, RegionOptions};
 
 const MIB: usize = 1 << 20;
 
@@ -94,4 +96,88 @@ fn an_address_is_only_handed_out_for_a_live_buffer() {
     pager.remove("w").unwrap();
     pager.region("w", 8 * MIB, Policy::Discard).unwrap();
     assert!(matches!(pager.address(&b), Err(Error::StaleBuffer { .. })));
+}
+
+/// Review item 16: a buffer of a removed region is stale (as the docs say), not an unknown
+/// tag to create.
+#[test]
+fn a_buffer_of_a_removed_region_is_stale() {
+    let pager = pager();
+    pager.region("gone", 8 * MIB, Policy::Preserve).unwrap();
+    let b = pager.alloc("gone", 4096).unwrap();
+    pager.remove("gone").unwrap();
+    for e in [
+        pager.write(&b, 0, &[1]).unwrap_err(),
+        pager.free(&b).unwrap_err(),
+        pager.address(&b).unwrap_err(),
+        pager.set_overwritten(&b, 0..1, true).unwrap_err(),
+    ] {
+        assert!(matches!(e, Error::StaleBuffer { .. }), "{e}");
+    }
+}
+
+/// Review item 17: a region of 0 bytes grows; it is not an elastic region (which a Preserve
+/// region may not be), in its info or in the stats' words.
+#[test]
+fn a_growing_region_is_not_reported_elastic() {
+    let pager = pager();
+    let info = pager.region("g", 0, Policy::Preserve).unwrap();
+    assert!(info.growing && !info.elastic, "{info:?}");
+    let shown = pager.stats().to_string();
+    assert!(shown.contains("growing Preserve"), "{shown}");
+    assert!(!shown.contains("elastic"), "{shown}");
+    let kv = pager
+        .region_with(
+            "kv",
+            8 * MIB,
+            Policy::Discard,
+            RegionOptions {
+                elastic: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert!(kv.elastic && !kv.growing, "{kv:?}");
+}
+
+/// Review item 18: a reversed range is an invalid argument that says so, not "0 bytes at
+/// offset 10".
+#[test]
+fn a_reversed_range_is_named_reversed() {
+    let pager = pager();
+    pager.region("w", 8 * MIB, Policy::Preserve).unwrap();
+    let b = pager.alloc("w", 4096).unwrap();
+    #[allow(clippy::reversed_empty_ranges)]
+    let e = pager.set_overwritten(&b, 10..5, true).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+    assert!(e.to_string().contains("10..5 is reversed"), "{e}");
+}
+
+/// Review item 20: `fn main() -> Result<(), Error>` prints `Debug`; it carries the message
+/// (the tag and the fix), not only the fields.
+#[test]
+fn debug_of_an_error_carries_its_message() {
+    let pager = pager();
+    pager.region("weights", 8 * MIB, Policy::Preserve).unwrap();
+    let b = pager.alloc("weights", 4096).unwrap();
+    pager.release(&["weights"]).unwrap();
+    let e = pager.write(&b, 0, &[1]).unwrap_err();
+    let debug = format!("{e:?}");
+    assert!(debug.starts_with("NotResident: "), "{debug}");
+    assert!(debug.ends_with(&e.to_string()), "{debug}");
+    assert!(debug.contains("resume it first"), "{debug}");
+}
+
+/// Review item 18: the conflict's words agree in number ("they differ in policy", not "the
+/// policy differ").
+#[test]
+fn a_tag_conflict_says_what_differs_in_plain_words() {
+    let pager = pager();
+    pager.region("w", 8 * MIB, Policy::Preserve).unwrap();
+    let e = pager.region("w", 16 * MIB, Policy::Discard).unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.contains("as a Preserve region") && text.contains("they differ in policy and size;"),
+        "{text}"
+    );
 }

@@ -316,3 +316,35 @@ fn kv_calls_race_release_and_resume_safely() {
     eprintln!("{cycles} release/resume cycles, {ok} of 20,000 steps clean");
     assert!(cycles > 0 && ok > 0, "{cycles} cycles, {ok} clean steps");
 }
+
+/// Review item 18: KV errors name the cache's own tag and no other region, and a reversed
+/// token range names its start, not its end.
+#[test]
+fn kv_errors_name_the_cache_s_tag_and_a_reversed_range_s_start() {
+    let backend = Arc::new(HostBackend::new(HostConfig {
+        capacity: 64 << 20,
+        granularity: CHUNK,
+    }));
+    let pager = Arc::new(Pager::new(backend));
+    let cache = KvCache::new(
+        pager,
+        "ctx",
+        layout(),
+        8,
+        KvCacheConfig { chunk_bytes: CHUNK },
+    )
+    .unwrap();
+    let s = cache.create_seq().unwrap();
+    cache.append_tokens(s, 6).unwrap();
+    #[allow(clippy::reversed_empty_ranges)]
+    let e = cache.prepare_write(s, 5..2).unwrap_err().to_string();
+    assert!(
+        e.contains("start of the token range") && e.contains('5'),
+        "{e}"
+    );
+    let e = cache.append_tokens(s, 1000).unwrap_err().to_string();
+    assert!(e.contains("`ctx`") && !e.contains("kv_cache"), "{e}");
+    cache.free_seq(s).unwrap();
+    let e = cache.append_tokens(s, 1).unwrap_err().to_string();
+    assert!(e.contains("`ctx`") && !e.contains("kv_cache"), "{e}");
+}

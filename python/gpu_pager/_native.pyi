@@ -108,7 +108,9 @@ class RegionInfo:
     @property
     def state(self) -> State: ...
     @property
-    def elastic(self) -> bool: ...
+    def elastic(self) -> bool:
+        """Whether the region was made elastic (memory mapped only where backed); a growing
+        region reports ``False`` here and ``True`` in ``growing``."""
     @property
     def growing(self) -> bool:
         """Whether the region grows with its buffers (created with ``bytes=None``)."""

@@ -130,7 +130,8 @@ pub struct RegionInfo {
     pub medium: String,
     /// State when the call returned.
     pub state: State,
-    /// Whether chunks are mapped only where backed.
+    /// Whether the region was made elastic (chunks mapped only where backed); a growing
+    /// region reports `False` here and `True` in `growing`.
     pub elastic: bool,
     /// Whether the region grows with its buffers (created with 0 bytes or `bytes=None`).
     pub growing: bool,

@@ -323,10 +323,18 @@ impl KvCache {
     pub fn prepare_write(&self, seq: SeqId, tokens: Range<u64>) -> Result<Vec<i64>> {
         let (_lease, mut st) = self.begin("a KV cache allocation", &[])?;
         let len = st.pool.seq_tokens(seq).map_err(|e| self.kv_err(e))?;
-        if tokens.start > tokens.end || tokens.end > len {
+        if tokens.start > tokens.end {
+            // A reversed range: its start is what is out of range (at most its end).
+            return Err(self.kv_err(KvError::OutOfRange {
+                what: "start of the token range to write (after its end)",
+                index: tokens.start,
+                limit: tokens.end + 1,
+            }));
+        }
+        if tokens.end > len {
             return Err(self.kv_err(KvError::OutOfRange {
                 what: "end of the token range to write",
-                index: tokens.end.max(tokens.start),
+                index: tokens.end,
                 limit: len + 1,
             }));
         }

@@ -15,7 +15,7 @@ impl Pager {
     /// backup does not hold every requested byte (a `Discard` region, or bytes marked
     /// overwritten at the release, see [`Pager::set_overwritten`]).
     pub fn read_backup(&self, buf: &Buffer, offset: usize, out: &mut [u8]) -> Result<()> {
-        let slot = self.slot(&buf.tag)?;
+        let slot = self.slot_of(buf)?;
         let r = lock(&slot);
         if !r.alloc.is_live(buf.offset, buf.id) {
             return Err(stale(buf));
@@ -69,7 +69,7 @@ impl Pager {
     /// freeing the buffer or removing the region unmap it. Reading it after that is the
     /// caller's error, as with any raw pointer.
     pub fn backup_ptr(&self, buf: &Buffer, offset: usize, len: usize) -> Result<Option<u64>> {
-        let slot = self.slot(&buf.tag)?;
+        let slot = self.slot_of(buf)?;
         let r = lock(&slot);
         if !r.alloc.is_live(buf.offset, buf.id) {
             return Err(stale(buf));

@@ -36,18 +36,21 @@ impl Pager {
     /// contents are dropped on release anyway), so that a caller can mark tensors without
     /// asking where they live. An empty range changes nothing.
     ///
-    /// Errors: [`Error::UnknownTag`] when the region is gone, [`Error::StaleBuffer`] when the
-    /// buffer was freed, [`Error::OutOfRange`] unless `range` lies inside the buffer
-    /// (`start <= end <= buf.len()`). Takes the region's lock, so it is ordered with the
+    /// Errors: [`Error::StaleBuffer`] when the buffer was freed or its region removed,
+    /// [`Error::InvalidArgument`] for a reversed range, [`Error::OutOfRange`] unless `range`
+    /// ends inside the buffer (`end <= buf.len()`). Takes the region's lock, so it is ordered with the
     /// region's moves like any other call.
     pub fn set_overwritten(&self, buf: &Buffer, range: Range<usize>, on: bool) -> Result<()> {
-        let slot = self.slot(&buf.tag)?;
+        let slot = self.slot_of(buf)?;
         let mut r = lock(&slot);
         let alloc_len = match r.alloc.get(buf.offset) {
             Some(a) if a.id == buf.id => a.len,
             _ => return Err(stale(buf)),
         };
-        if range.start > range.end || range.end > buf.len {
+        if range.start > range.end {
+            return Err(Error::reversed_range(&buf.tag, &range));
+        }
+        if range.end > buf.len {
             return Err(Error::OutOfRange {
                 tag: buf.tag.to_string(),
                 what: "buffer",
@@ -86,7 +89,7 @@ impl Pager {
     /// buffer's start, in order, merged where they touch); see [`Pager::set_overwritten`].
     /// [`Error::StaleBuffer`] when the buffer was freed.
     pub fn overwritten(&self, buf: &Buffer) -> Result<Vec<Range<usize>>> {
-        let slot = self.slot(&buf.tag)?;
+        let slot = self.slot_of(buf)?;
         let r = lock(&slot);
         if !r.alloc.is_live(buf.offset, buf.id) {
             return Err(stale(buf));

@@ -108,7 +108,7 @@ pub enum KvError {
     /// Not enough free blocks.
     #[error(
         "KV cache exhausted: {requested} block(s) requested but only {free} free; free or preempt \
-         sequences, or grow the kv_cache region"
+         sequences, or give the cache more blocks"
     )]
     KvExhausted {
         /// Blocks requested.
@@ -120,7 +120,8 @@ pub enum KvError {
     /// The sequence id is unknown (never created, already freed, or dropped by
     /// [`BlockPool::invalidate_all`](crate::kv::BlockPool::invalidate_all)).
     #[error(
-        "sequence {seq} is unknown (freed, or dropped when kv_cache was released); create a new one"
+        "sequence {seq} is unknown (freed, or dropped when the cache's region was released); create \
+         a new one"
     )]
     UnknownSeq {
         /// The sequence id given.

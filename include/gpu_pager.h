@@ -285,17 +285,18 @@ gpu_pager_code gpu_pager_free(int device, uint64_t ptr);
 // Copies `bytes` from host memory `src` to device address `dst` of device `device`,
 // through the pager: `dst .. dst + bytes` must lie in one live buffer, and the region must
 // be resident (`GPU_PAGER_ERROR_NOT_RESIDENT` otherwise, naming the tag; nothing faults).
-// Waits for the copy.
+// Waits for the copy. Zero bytes copy nothing after the same checks of `dst` (as
+// `memcpy`, and as the Rust and Python calls do).
 //
 // # Safety
-// `src` is NULL (an error) or readable for `bytes` bytes.
+// `src` is readable for `bytes` bytes; NULL is an error unless `bytes` is 0.
 gpu_pager_code gpu_pager_write(int device, uint64_t dst, const void *src, size_t bytes);
 
 // Copies `bytes` from device address `src` of device `device` to host memory `dst`,
 // checked as `gpu_pager_write` is. Waits for the copy.
 //
 // # Safety
-// `dst` is NULL (an error) or writable for `bytes` bytes.
+// `dst` is writable for `bytes` bytes; NULL is an error unless `bytes` is 0.
 gpu_pager_code gpu_pager_read(int device, uint64_t src, void *dst, size_t bytes);
 
 // Marks (`on`) or unmarks the device bytes `ptr .. ptr + len` of device `device` as

@@ -296,10 +296,11 @@ pub extern "C" fn gpu_pager_free(device: c_int, ptr: u64) -> gpu_pager_code {
 /// Copies `bytes` from host memory `src` to device address `dst` of device `device`,
 /// through the pager: `dst .. dst + bytes` must lie in one live buffer, and the region must
 /// be resident (`GPU_PAGER_ERROR_NOT_RESIDENT` otherwise, naming the tag; nothing faults).
-/// Waits for the copy.
+/// Waits for the copy. Zero bytes copy nothing after the same checks of `dst` (as
+/// `memcpy`, and as the Rust and Python calls do).
 ///
 /// # Safety
-/// `src` is NULL (an error) or readable for `bytes` bytes.
+/// `src` is readable for `bytes` bytes; NULL is an error unless `bytes` is 0.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpu_pager_write(
     device: c_int,
@@ -308,17 +309,17 @@ pub unsafe extern "C" fn gpu_pager_write(
     bytes: usize,
 ) -> gpu_pager_code {
     call("gpu_pager_write", || {
-        if src.is_null() {
+        if src.is_null() && bytes > 0 {
             return Err(invalid("*", "src is NULL; pass the host bytes to copy"));
-        }
-        if bytes == 0 {
-            return Err(zero_copy("gpu_pager_write"));
         }
         let d = boundary::device(device)?;
         let pager = pager(device)?;
         let (buf, offset) = buffer_containing(&pager, d, dst)?;
         // The range first: no slice is formed for a length beyond the buffer.
         within(&buf, offset, bytes)?;
+        if bytes == 0 {
+            return pager.write(&buf, offset, &[]);
+        }
         // SAFETY: `src` is non-NULL (checked) and readable for `bytes` (the contract), a
         // length that fits in the buffer (checked), so in memory.
         let data = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), bytes) };
@@ -330,7 +331,7 @@ pub unsafe extern "C" fn gpu_pager_write(
 /// checked as `gpu_pager_write` is. Waits for the copy.
 ///
 /// # Safety
-/// `dst` is NULL (an error) or writable for `bytes` bytes.
+/// `dst` is writable for `bytes` bytes; NULL is an error unless `bytes` is 0.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpu_pager_read(
     device: c_int,
@@ -339,16 +340,16 @@ pub unsafe extern "C" fn gpu_pager_read(
     bytes: usize,
 ) -> gpu_pager_code {
     call("gpu_pager_read", || {
-        if dst.is_null() {
+        if dst.is_null() && bytes > 0 {
             return Err(invalid("*", "dst is NULL; pass where to copy the bytes"));
-        }
-        if bytes == 0 {
-            return Err(zero_copy("gpu_pager_read"));
         }
         let d = boundary::device(device)?;
         let pager = pager(device)?;
         let (buf, offset) = buffer_containing(&pager, d, src)?;
         within(&buf, offset, bytes)?;
+        if bytes == 0 {
+            return pager.read(&buf, offset, &mut []);
+        }
         // SAFETY: `dst` is non-NULL (checked) and writable for `bytes` (the contract), a
         // length that fits in the buffer (checked); the caller does not touch it meanwhile.
         let out = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), bytes) };
@@ -418,13 +419,6 @@ fn within(buf: &gpu_pager::Buffer, offset: usize, bytes: usize) -> Result<()> {
         });
     }
     Ok(())
-}
-
-fn zero_copy(name: &str) -> Error {
-    Error::InvalidSize {
-        tag: "*".to_owned(),
-        reason: format!("{name} of 0 bytes; pass at least one byte"),
-    }
 }
 
 /// Gives the physical memory of the `n_tags` regions `tags` of device `device` back to the

@@ -1,6 +1,7 @@
 //! The C ABI's review items with the tests that showed them: a length is checked against
 //! the buffer before any slice is formed (item 8), and `gpu_pager_alloc` hands out the
-//! address of the buffer it made (item 12).
+//! address of the buffer it made (item 12), and a copy of zero bytes is checked and copies
+//! nothing, as in the other bindings (item 19).
 
 use std::ffi::{CStr, c_char};
 
@@ -114,4 +115,41 @@ fn an_address_names_the_buffer_there_now() {
         gpu_pager_code::GPU_PAGER_OK,
         "and names the new buffer"
     );
+}
+
+/// Review item 19: a copy of zero bytes copies nothing after the same checks of the address,
+/// as in Rust and Python (it was refused here alone).
+#[test]
+fn zero_byte_copies_check_the_address_and_copy_nothing() {
+    region(c"review-zero");
+    let mut p = 0u64;
+    // SAFETY: a NUL-terminated literal and a valid out-pointer.
+    let code = unsafe { gpu_pager_alloc(0, c"review-zero".as_ptr(), 4096, &mut p) };
+    assert_eq!(code, gpu_pager_code::GPU_PAGER_OK, "{}", last_error());
+    // SAFETY: zero bytes: the NULL pointers are never read or written.
+    let code = unsafe { gpu_pager_write(0, p, std::ptr::null(), 0) };
+    assert_eq!(code, gpu_pager_code::GPU_PAGER_OK, "{}", last_error());
+    // SAFETY: as above.
+    let code = unsafe { gpu_pager_read(0, p, std::ptr::null_mut(), 0) };
+    assert_eq!(code, gpu_pager_code::GPU_PAGER_OK, "{}", last_error());
+    // SAFETY: as above; the region holds no buffer past the first one.
+    let code = unsafe { gpu_pager_write(0, p + (1 << 20), std::ptr::null(), 0) };
+    assert_eq!(
+        code,
+        gpu_pager_code::GPU_PAGER_ERROR_INVALID_ARGUMENT,
+        "{}",
+        last_error()
+    );
+    let byte = 0u8;
+    // SAFETY: one valid byte, but a NULL source for a copy of one byte is refused first.
+    let code = unsafe { gpu_pager_write(0, p, std::ptr::null(), 1) };
+    assert_eq!(
+        code,
+        gpu_pager_code::GPU_PAGER_ERROR_INVALID_ARGUMENT,
+        "{}",
+        last_error()
+    );
+    // SAFETY: one valid byte.
+    let code = unsafe { gpu_pager_write(0, p, (&raw const byte).cast(), 1) };
+    assert_eq!(code, gpu_pager_code::GPU_PAGER_OK, "{}", last_error());
 }

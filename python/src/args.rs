@@ -68,11 +68,12 @@ pub(crate) fn size(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
             type_name(obj)
         )));
     }
-    let v: i128 = obj.extract()?;
-    usize::try_from(v).map_err(|_| {
+    // Any int past usize (2^64 or 2^200 alike) is the same ValueError.
+    obj.extract::<usize>().map_err(|_| {
         PyValueError::new_err(format!(
-            "{what} must be between 0 and {}, not {v}",
-            usize::MAX
+            "{what} must be between 0 and {}, not {}",
+            usize::MAX,
+            obj.str().map_or_else(|_| "that".into(), |s| s.to_string())
         ))
     })
 }

@@ -82,10 +82,12 @@ impl PyPager {
     /// The pager of CUDA device ``device`` (default 0), created on first use. Device 0 runs
     /// on host memory when there is no GPU (see ``backend`` and ``host_fallback``); its
     /// capacity is then read from the environment variable ``GPU_PAGER_HOST_CAPACITY``
-    /// (e.g. ``"8G"``) when the pager is created.
+    /// (e.g. ``"8G"``) when the pager is created. ``device`` is an int ``>= 0``: a bool is
+    /// ``TypeError``, a negative number ``ValueError``.
     #[staticmethod]
-    #[pyo3(signature = (device = 0))]
-    fn for_device(py: Python<'_>, device: usize) -> PyResult<Self> {
+    #[pyo3(signature = (device = None), text_signature = "(device=0)")]
+    fn for_device(py: Python<'_>, device: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let device = device.map_or(Ok(0), |d| args::size(d, "device"))?;
         let inner = run(py, || gpu_pager::Pager::for_device(device))?;
         Ok(PyPager { device, inner })
     }

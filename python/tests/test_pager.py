@@ -298,7 +298,7 @@ def test_bad_python_types(pager: gpu_pager.Pager, tag: str) -> None:
         pager.release([tag, 5])  # type: ignore[list-item]
     with pytest.raises(TypeError):
         gpu_pager.Pager()
-    with pytest.raises(OverflowError):
+    with pytest.raises(ValueError):
         gpu_pager.Pager.for_device(-1)
 
 

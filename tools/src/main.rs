@@ -62,17 +62,10 @@ struct StressArgs {
     no_faults: bool,
 }
 
-/// The workload of `demo` and `bench`.
+/// The shape of the weights shared by `demo` and `bench` (their sizes are each command's own,
+/// so each `--help` shows its own defaults).
 #[derive(clap::Args)]
 struct Workload {
-    /// GiB of weights (Preserve) [default: demo 4, bench 16 on a GPU (bench scales down to
-    /// fit); demo 1, bench 0.25 on the host backend, where first-touch page faults dominate].
-    #[arg(long)]
-    weights_gib: Option<f64>,
-    /// GiB of KV cache (Discard) [default: demo 8, bench 64 on a GPU; demo 2, bench 1 on the
-    /// host backend].
-    #[arg(long)]
-    kv_gib: Option<f64>,
     /// Number of weight allocations (tensors).
     #[arg(long, default_value_t = 291)]
     buffers: usize,
@@ -84,6 +77,15 @@ struct Workload {
 
 #[derive(clap::Args)]
 struct BenchArgs {
+    /// GiB of weights (Preserve) [default: 16 on a GPU, scaled down with the KV cache to fit
+    /// when neither size is given; 0.25 on the host backend, where first-touch page faults
+    /// dominate].
+    #[arg(long)]
+    weights_gib: Option<f64>,
+    /// GiB of KV cache (Discard) [default: 64 on a GPU, scaled down with the weights; 1 on the
+    /// host backend].
+    #[arg(long)]
+    kv_gib: Option<f64>,
     #[command(flatten)]
     load: Workload,
     /// Repetitions of each timed move.
@@ -103,6 +105,12 @@ struct BenchArgs {
 
 #[derive(clap::Args)]
 struct DemoArgs {
+    /// GiB of weights (Preserve) [default: 4 on a GPU, 1 on the host backend].
+    #[arg(long)]
+    weights_gib: Option<f64>,
+    /// GiB of KV cache (Discard) [default: 8 on a GPU, 2 on the host backend].
+    #[arg(long)]
+    kv_gib: Option<f64>,
     #[command(flatten)]
     load: Workload,
     /// Sleep/wake cycles.
@@ -199,8 +207,8 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), Error> {
         reason: reason.into(),
     };
     let on_gpu = backend.info().kind == BackendKind::Cuda;
-    let weights_gib = a.load.weights_gib.unwrap_or(if on_gpu { 4.0 } else { 1.0 });
-    let kv_gib = a.load.kv_gib.unwrap_or(if on_gpu { 8.0 } else { 2.0 });
+    let weights_gib = a.weights_gib.unwrap_or(if on_gpu { 4.0 } else { 1.0 });
+    let kv_gib = a.kv_gib.unwrap_or(if on_gpu { 8.0 } else { 2.0 });
     if !(weights_gib > 0.0 && kv_gib > 0.0 && a.load.buffers > 0 && a.cycles > 0) {
         return Err(bad(
             "--weights-gib, --kv-gib, --buffers and --cycles must be positive",
@@ -378,7 +386,7 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), Error> {
     );
     // The paged KV cache, in the memory the plain kv_cache region leaves.
     pager.remove("kv_cache")?;
-    ok &= kv_demo::run(&pager, &t, a.load.kv_gib.map_or(kv_gib / 4.0, |k| k / 4.0))?;
+    ok &= kv_demo::run(&pager, &t, a.kv_gib.map_or(kv_gib / 4.0, |k| k / 4.0))?;
     if ok {
         Ok(())
     } else {
@@ -388,6 +396,14 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), Error> {
 
 fn line(t: &Timeline, what: &str, r: &Report, link: f64) {
     let copy: Duration = r.regions.iter().map(|x| x.steps.copy).sum();
+    // A release that pins the backup copies while it pins (its `copy` step is then empty):
+    // its rate is over the pinning.
+    let pin: Duration = r.regions.iter().map(|x| x.steps.pin).sum();
+    let (moved, how) = if copy.is_zero() {
+        (pin, " while pinning")
+    } else {
+        (copy, "")
+    };
     let floor = if link > 0.0 {
         r.copied() as f64 / link / 1e6
     } else {
@@ -395,9 +411,9 @@ fn line(t: &Timeline, what: &str, r: &Report, link: f64) {
     };
     let copied = if r.copied() > 0 {
         format!(
-            "; copied {:.2} GiB at {:.1} GB/s ({:.2}× the link floor {:.1} ms)",
+            "; copied {:.2} GiB{how} at {:.1} GB/s ({:.2}× the link floor {:.1} ms)",
             gib(r.copied()),
-            gbps(r.copied(), copy),
+            gbps(r.copied(), moved),
             if floor > 0.0 {
                 ms(r.total) / floor
             } else {
@@ -439,10 +455,10 @@ fn bench(backend: Arc<dyn Backend>, a: &BenchArgs) -> Result<(), Error> {
     } else {
         BenchConfig::small()
     };
-    if let Some(w) = a.load.weights_gib {
+    if let Some(w) = a.weights_gib {
         cfg.weights_bytes = (w * GIB as f64) as usize;
     }
-    if let Some(k) = a.load.kv_gib {
+    if let Some(k) = a.kv_gib {
         cfg.kv_bytes = (k * GIB as f64) as usize;
     }
     cfg.weight_buffers = a.load.buffers;
@@ -460,7 +476,7 @@ fn bench(backend: Arc<dyn Backend>, a: &BenchArgs) -> Result<(), Error> {
     cfg.both_directions &= !skip("both");
     cfg.marked &= !skip("marked");
     cfg.sweep = a.sweep_mib.iter().map(|m| m << 20).collect();
-    if on_gpu && a.load.weights_gib.is_none() && a.load.kv_gib.is_none() {
+    if on_gpu && a.weights_gib.is_none() && a.kv_gib.is_none() {
         let free = backend.mem_info().map(|m| m.free).unwrap_or(0);
         cfg = cfg.fit(free);
     }

@@ -1,6 +1,7 @@
 //! The `gpu-pager` program as a user runs it (on the host backend here): review items 13
 //! (a small KV cache is no failure), 14 (the seed it prints is one `--seed` takes) and 15
-//! (errors say what is wrong without a placeholder tag, before any banner).
+//! (errors say what is wrong without a placeholder tag, before any banner) and 18 (the first
+//! cycle's copy rate is no 0.0 GB/s; each command's `--help` shows its own defaults).
 
 use std::process::Command;
 
@@ -28,6 +29,20 @@ fn a_demo_with_a_small_kv_cache_passes() {
     ]);
     assert!(ok, "{out}");
     assert!(!out.contains("FAILED"), "{out}");
+    assert!(!out.contains(" 0.0 GB/s"), "every copy has a rate: {out}");
+    assert!(out.contains("while pinning"), "{out}");
+}
+
+#[test]
+fn each_command_s_help_shows_its_own_defaults() {
+    let (ok, demo) = gpu_pager(&["demo", "--help"]);
+    assert!(ok, "{demo}");
+    assert!(demo.contains("default: 4 on a GPU"), "{demo}");
+    assert!(!demo.contains("bench") && !demo.contains("16"), "{demo}");
+    let (ok, bench) = gpu_pager(&["bench", "--help"]);
+    assert!(ok, "{bench}");
+    assert!(bench.contains("default: 16 on a GPU"), "{bench}");
+    assert!(!bench.contains("demo"), "{bench}");
 }
 
 #[test]

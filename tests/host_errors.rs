@@ -307,3 +307,15 @@ fn tags_have_a_bounded_length_and_a_bounded_suggestion() {
         other => panic!("{other}"),
     }
 }
+
+/// Review item 1, the KV side: swap space that cannot be allocated is an out-of-memory
+/// error, not an abort (more bytes than any address space holds).
+#[test]
+fn kv_swap_space_that_cannot_be_allocated_is_an_error_not_an_abort() {
+    let pager = Arc::new(pager(64 * MIB));
+    let layout = KvLayout::new(32, 8, 128, 16, KvDtype::Bf16, KvOrder::Nhd).unwrap();
+    let cache = KvCache::new(pager, "kv", layout, 4, KvCacheConfig::default()).unwrap();
+    let e = cache.alloc_host(u32::MAX).map(|_| ()).unwrap_err();
+    assert_eq!(e.code(), gpu_pager::ErrorCode::OutOfMemory, "{e}");
+    assert!(e.to_string().contains("host memory"), "{e}");
+}

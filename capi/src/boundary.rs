@@ -21,23 +21,27 @@ thread_local! {
 /// Records a failure as this thread's last error.
 pub(crate) fn set_last(code: gpu_pager_code, message: String) {
     let message = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
-    LAST.with(|l| *l.borrow_mut() = (code, message));
+    // A call from a thread-exit destructor may find the thread's locals gone: the message
+    // is then lost, but no panic reaches C.
+    let _ = LAST.try_with(|l| *l.borrow_mut() = (code, message));
 }
 
 /// The last error's code.
 pub(crate) fn last_code() -> gpu_pager_code {
-    LAST.with(|l| l.borrow().0)
+    LAST.try_with(|l| l.borrow().0)
+        .unwrap_or(gpu_pager_code::GPU_PAGER_OK)
 }
 
 /// The last error's message, valid until this thread's next failure or clear (the
 /// `CString`'s heap buffer does not move while it is stored).
 pub(crate) fn last_message() -> *const c_char {
-    LAST.with(|l| l.borrow().1.as_ptr())
+    LAST.try_with(|l| l.borrow().1.as_ptr())
+        .unwrap_or(c"".as_ptr())
 }
 
 /// Clears this thread's last error.
 pub(crate) fn clear_last() {
-    LAST.with(|l| *l.borrow_mut() = (gpu_pager_code::GPU_PAGER_OK, CString::default()));
+    let _ = LAST.try_with(|l| *l.borrow_mut() = (gpu_pager_code::GPU_PAGER_OK, CString::default()));
 }
 
 /// Runs an exported function's body: a returned error or a panic becomes this thread's last

@@ -202,10 +202,9 @@ fn disk_dir() -> PathBuf {
 /// Allocates `size` bytes on device `d` as this thread's config says, or `None` when the
 /// thread is not in a region.
 fn routed_alloc(d: usize, size: usize) -> Result<Option<u64>> {
-    let route = ROUTE.with(|r| r.borrow().clone());
-    if !route.enabled {
+    let Some(route) = with_route(|r| r.clone()).filter(|r| r.enabled) else {
         return Ok(None);
-    }
+    };
     let name = region_for(d, &route)?;
     let margin = MARGIN.load(Ordering::Relaxed) as usize;
     if margin > 0 {
@@ -310,8 +309,13 @@ fn backup_pointer(ptr: u64, size: usize) -> Result<Option<u64>> {
     Ok(None)
 }
 
-fn with_route<T>(f: impl FnOnce(&mut Route) -> T) -> T {
-    ROUTE.with(|r| f(&mut r.borrow_mut()))
+/// Runs `f` on this thread's route; `None` once the thread's locals are gone (a call from a
+/// thread-exit destructor), so that no panic reaches C.
+fn with_route<T>(f: impl FnOnce(&mut Route) -> T) -> Option<T> {
+    ROUTE
+        .try_with(|r| r.try_borrow_mut().ok().map(|mut r| f(&mut r)))
+        .ok()
+        .flatten()
 }
 
 /// Enters (`true`) or leaves this thread's region: while in one, allocations are routed
@@ -324,7 +328,7 @@ pub extern "C" fn gpu_pager_tms_set_enabled(on: bool) {
 /// Whether this thread is in a region (torch_memory_saver's `tms_get_interesting_region`).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_enabled() -> bool {
-    with_route(|r| r.enabled)
+    with_route(|r| r.enabled).unwrap_or(false)
 }
 
 /// Sets this thread's tag. NULL, or a string that is not UTF-8 or empty, is
@@ -351,7 +355,7 @@ pub unsafe extern "C" fn gpu_pager_tms_set_tag(tag: *const c_char) -> gpu_pager_
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_tag() -> *const c_char {
     // The CString's heap buffer stays where it is until the route's tag is replaced.
-    with_route(|r| r.tag.as_ptr())
+    with_route(|r| r.tag.as_ptr()).unwrap_or(c"default".as_ptr())
 }
 
 /// Whether this thread's allocations keep a CPU backup across a pause.
@@ -363,7 +367,7 @@ pub extern "C" fn gpu_pager_tms_set_cpu_backup(on: bool) {
 /// See [`gpu_pager_tms_set_cpu_backup`].
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_cpu_backup() -> bool {
-    with_route(|r| r.cpu_backup)
+    with_route(|r| r.cpu_backup).unwrap_or(false)
 }
 
 /// Sets this thread's CPU backup backend: `"pinned"` (pinned host memory kept across
@@ -395,7 +399,7 @@ pub unsafe extern "C" fn gpu_pager_tms_set_cpu_backend(backend: *const c_char) -
 /// This thread's CPU backup backend, `"pinned"` or `"mmap"` (a static string).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_cpu_backend() -> *const c_char {
-    if with_route(|r| r.host) {
+    if with_route(|r| r.host).unwrap_or(false) {
         c"mmap".as_ptr()
     } else {
         c"pinned".as_ptr()
@@ -412,7 +416,7 @@ pub extern "C" fn gpu_pager_tms_set_disk_backup(on: bool) {
 /// See [`gpu_pager_tms_set_disk_backup`].
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_disk_backup() -> bool {
-    with_route(|r| r.disk)
+    with_route(|r| r.disk).unwrap_or(false)
 }
 
 /// Sets the directory of disk backups for every device (created if missing, and checked

@@ -344,3 +344,35 @@ fn a_resume_out_of_memory_loses_nothing_and_a_retry_succeeds() {
     .join()
     .unwrap();
 }
+
+/// A free from a thread-exit destructor (torch frees cached blocks there) may reach the
+/// drop-in after the thread's own locals are gone: it answers from defaults instead of
+/// panicking across the C boundary (an abort of the process).
+#[test]
+fn calls_from_a_thread_exit_destructor_do_not_abort() {
+    struct AtExit;
+    impl Drop for AtExit {
+        fn drop(&mut self) {
+            assert!(!gpu_pager_tms_enabled());
+            gpu_pager_tms_set_enabled(true);
+            // SAFETY: the returned string is static or this thread's, read at once.
+            let tag = unsafe { CStr::from_ptr(gpu_pager_tms_tag()) };
+            assert_eq!(tag.to_bytes(), b"default");
+            gpu_pager_clear_error();
+            // SAFETY: as above.
+            let _ = unsafe { CStr::from_ptr(gpu_pager_last_error()) };
+        }
+    }
+    thread_local! {
+        static AT_EXIT: AtExit = const { AtExit };
+    }
+    std::thread::spawn(|| {
+        // Destructors run in the reverse order of first use: the drop-in's locals (used
+        // after this one) are gone when AtExit's runs.
+        AT_EXIT.with(|_| ());
+        gpu_pager_tms_set_enabled(false);
+        gpu_pager_clear_error();
+    })
+    .join()
+    .unwrap();
+}

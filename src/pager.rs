@@ -1094,29 +1094,17 @@ impl Pager {
     ) -> Result<T> {
         let slot = self.slot_of(buf)?;
         let mut r = lock(&slot);
-        if !r.alloc.is_live(buf.offset, buf.id) {
-            return Err(stale(buf));
-        }
-        if offset.checked_add(len).is_none_or(|end| end > buf.len) {
-            return Err(Error::OutOfRange {
-                tag: buf.tag.to_string(),
-                what: "buffer",
-                offset,
-                len,
-                size: buf.len,
-            });
-        }
+        let range = buffer_range(&r, buf, offset, len)?;
         r.require_resident(op)?;
-        let start = buf.offset + offset;
-        if r.elastic && !r.is_backed(&(start..start + len)) {
+        if r.elastic && !r.is_backed(&range) {
             return Err(Error::NotBacked {
                 tag: buf.tag.to_string(),
-                offset: start,
+                offset: range.start,
                 len,
             });
         }
         r.settle()?;
-        let addr = r.base() + start as u64;
+        let addr = r.base() + range.start as u64;
         f(&r, addr)
     }
 
@@ -1738,6 +1726,25 @@ fn charge(steps: &mut [Steps], bytes: &[usize], time: Duration) {
     for (s, &b) in steps.iter_mut().zip(bytes) {
         s.copy += time.mul_f64(b as f64 / total as f64);
     }
+}
+
+/// The region's bytes `offset .. offset + len` of `buf`: [`Error::StaleBuffer`] unless `buf`
+/// is live in `r`, [`Error::OutOfRange`] unless the range lies inside it.
+fn buffer_range(r: &Region, buf: &Buffer, offset: usize, len: usize) -> Result<Range<usize>> {
+    if !r.alloc.is_live(buf.offset, buf.id) {
+        return Err(stale(buf));
+    }
+    if offset.checked_add(len).is_none_or(|end| end > buf.len) {
+        return Err(Error::OutOfRange {
+            tag: buf.tag.to_string(),
+            what: "buffer",
+            offset,
+            len,
+            size: buf.len,
+        });
+    }
+    let start = buf.offset + offset;
+    Ok(start..start + len)
 }
 
 fn stale(buf: &Buffer) -> Error {

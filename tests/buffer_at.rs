@@ -1,15 +1,11 @@
 //! `Pager::buffer_at` / `buffer_containing`: from a device address back to its buffer.
 
-use std::sync::Arc;
+mod common;
 
-use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Pager, Policy};
 
 fn pager() -> Pager {
-    Pager::new(Arc::new(HostBackend::new(HostConfig {
-        capacity: 256 << 20,
-        granularity: 2 << 20,
-    })))
+    common::host_pager(256 << 20)
 }
 
 #[test]

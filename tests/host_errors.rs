@@ -1,6 +1,8 @@
 //! What a new user trips over: every mistake is a typed error whose message says what is
 //! wrong, with the numbers, and what to do.
 
+mod common;
+
 use std::error::Error as _;
 use std::sync::Arc;
 
@@ -10,12 +12,7 @@ use gpu_pager::{Error, Pager, Policy, RegionOptions};
 
 const MIB: usize = 1 << 20;
 
-fn pager(capacity: usize) -> Pager {
-    Pager::new(Arc::new(HostBackend::new(HostConfig {
-        capacity,
-        granularity: 2 * MIB,
-    })))
-}
+use common::host_pager as pager;
 
 #[test]
 fn an_unknown_tag_suggests_the_nearest_one() {

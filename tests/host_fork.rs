@@ -3,11 +3,12 @@
 //! host backend's chunks are shared mappings) or hanging on a lock a parent thread held at
 //! the fork. Each case runs in a process of its own (`--exact`), as fork wants.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Pager, Policy};
 
 const MIB: usize = 1 << 20;
@@ -59,10 +60,7 @@ fn fork_and_check(child: impl FnOnce() -> bool) -> bool {
 }
 
 fn pager() -> Pager {
-    Pager::new(Arc::new(HostBackend::new(HostConfig {
-        capacity: 256 * MIB,
-        granularity: 2 * MIB,
-    })))
+    common::host_pager(256 * MIB)
 }
 
 #[test]

@@ -4,18 +4,14 @@
 //! buffer is stale (item 16), a growing region is not called elastic (item 17), reversed
 //! ranges are named as such (item 18), `Debug` of an error carries its message (item 20).
 
-use std::sync::Arc;
+mod common;
 
-use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Error, Pager, Policy, RegionOptions};
 
 const MIB: usize = 1 << 20;
 
 fn pager() -> Pager {
-    Pager::new(Arc::new(HostBackend::new(HostConfig {
-        capacity: 1024 * MIB,
-        granularity: 2 * MIB,
-    })))
+    common::host_pager(1024 * MIB)
 }
 
 #[test]

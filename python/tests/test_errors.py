@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 
 import gpu_pager
+from fresh import run_python
 
 MIB = 1 << 20
 
@@ -64,22 +60,10 @@ def test_unknown_tag_suggests_the_nearest(pager: gpu_pager.Pager, tag: str) -> N
     assert f"did you mean `{tag}`" in str(e.value)
 
 
-def run_isolated(code: str, capacity: str) -> subprocess.CompletedProcess[str]:
-    """Runs `code` in a fresh interpreter whose host backend holds `capacity` bytes."""
-    env = dict(os.environ, GPU_PAGER_HOST_CAPACITY=capacity)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_out_of_memory_loses_nothing(pager: gpu_pager.Pager) -> None:
     if pager.backend != "host":
         pytest.skip("GPU_PAGER_HOST_CAPACITY sets only the host backend's capacity")
-    done = run_isolated(
+    done = run_python(
         """
         import gpu_pager
         MIB = 1 << 20
@@ -109,7 +93,7 @@ def test_out_of_memory_loses_nothing(pager: gpu_pager.Pager) -> None:
         assert p.read(w, 0, 4096) == b"w" * 4096
         print("ok")
         """,
-        "64M",
+        GPU_PAGER_HOST_CAPACITY="64M",
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
@@ -118,7 +102,7 @@ def test_out_of_memory_loses_nothing(pager: gpu_pager.Pager) -> None:
 def test_bad_capacity_is_refused_naming_the_variable(pager: gpu_pager.Pager) -> None:
     if pager.backend != "host":
         pytest.skip("GPU_PAGER_HOST_CAPACITY matters only without a GPU")
-    done = run_isolated(
+    done = run_python(
         """
         import gpu_pager
         try:
@@ -126,7 +110,7 @@ def test_bad_capacity_is_refused_naming_the_variable(pager: gpu_pager.Pager) -> 
         except gpu_pager.InvalidArgumentError as e:
             print("refused:", e)
         """,
-        "lots",
+        GPU_PAGER_HOST_CAPACITY="lots",
     )
     assert done.returncode == 0, done.stderr
     assert "refused:" in done.stdout and "GPU_PAGER_HOST_CAPACITY" in done.stdout

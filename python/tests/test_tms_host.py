@@ -7,8 +7,6 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import pytest
 import gpu_pager
 from gpu_pager.compat.torch_memory_saver import TorchMemorySaver, configure_subprocess
 from gpu_pager.compat.torch_memory_saver.hooks.mode_preload import preload_library_path
+from fresh import run_python
 
 MIB = 1 << 20
 
@@ -40,18 +39,6 @@ TMS_SYMBOLS = [
     "tms_get_cpu_backup_pointer",
     "set_memory_margin_bytes",
 ]
-
-
-def run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full = dict(os.environ)
-    full.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=full,
-        timeout=120,
-    )
 
 
 def test_the_preload_library_exports_torch_memory_saver_s_entry_points() -> None:
@@ -91,7 +78,7 @@ def test_preloaded_entry_points_reach_the_package_s_own_core() -> None:
     """
     with configure_subprocess():
         assert preload_library_path() in os.environ["LD_PRELOAD"]
-        done = run(code)
+        done = run_python(code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
     assert preload_library_path() not in os.environ.get("LD_PRELOAD", "")
@@ -108,15 +95,15 @@ def test_the_switch_resolves_torch_memory_saver_to_gpu_pager() -> None:
         assert isinstance(saver, TorchMemorySaver)
         print(type(saver).__module__)
     """
-    done = run(code, {"GPU_PAGER_DROP_IN": "torch_memory_saver"})
+    done = run_python(code, GPU_PAGER_DROP_IN="torch_memory_saver")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "gpu_pager.compat.torch_memory_saver.entrypoint"
-    off = run("import torch_memory_saver", {"GPU_PAGER_DROP_IN": ""})
+    off = run_python("import torch_memory_saver", GPU_PAGER_DROP_IN="")
     assert off.returncode != 0 or "gpu_pager" not in off.stdout
 
 
 def test_a_bad_switch_value_names_the_known_ones() -> None:
-    done = run("print('started')", {"GPU_PAGER_DROP_IN": "torch_memory_saverr"})
+    done = run_python("print('started')", GPU_PAGER_DROP_IN="torch_memory_saverr")
     assert done.returncode == 0
     assert "unknown drop-in" in done.stderr and "torch_memory_saver" in done.stderr
     from gpu_pager import _drop_in

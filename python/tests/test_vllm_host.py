@@ -6,27 +6,19 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import textwrap
 
 import pytest
 
 from gpu_pager.compat import vllm as drop_in
+from fresh import run_python
 
 STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_standin")
 
 
 def run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    full = dict(os.environ)
-    full["PYTHONPATH"] = STANDIN + os.pathsep + full.get("PYTHONPATH", "")
-    full.update(env)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=full,
-        timeout=120,
-    )
+    """``run_python`` with the stand-in vLLM importable."""
+    path = STANDIN + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return run_python(code, PYTHONPATH=path, **env)
 
 
 def test_the_protocol_surface_and_its_refusals() -> None:

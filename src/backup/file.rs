@@ -98,12 +98,7 @@ impl FileIo {
             std::process::id(),
             self.owner
         ));
-        let written = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&probe)
-            .and_then(|f| f.write_all_at(&[0u8], 0));
+        let written = create_private(&probe).and_then(|f| f.write_all_at(&[0u8], 0));
         let _ = std::fs::remove_file(&probe);
         written.map_err(|e| file_error("writing a file in the backup directory", dir, e))?;
         *self.dir.write().unwrap_or_else(PoisonError::into_inner) = Some(dir.to_owned());
@@ -125,13 +120,8 @@ impl FileIo {
             std::process::id(),
             self.owner
         ));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(|e| file_error("creating the backup file", &path, e))?;
+        let file =
+            create_private(&path).map_err(|e| file_error("creating the backup file", &path, e))?;
         register(&path);
         let store = FileStore {
             file,
@@ -420,6 +410,17 @@ fn settle(
         }
     }
     out
+}
+
+/// Creates a new file at `path`, readable and writable by this user only; fails if one is
+/// there (a backup never takes over a file it did not make).
+fn create_private(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
 }
 
 /// A failed file operation, with what to do about it.

@@ -1,6 +1,6 @@
 //! Reading a released buffer's contents from its pinned host backup, without resuming.
 
-use super::{Buffer, Pager, lock, stale};
+use super::{Buffer, Pager, buffer_range, lock};
 use crate::error::{Error, Result};
 
 impl Pager {
@@ -17,21 +17,7 @@ impl Pager {
     pub fn read_backup(&self, buf: &Buffer, offset: usize, out: &mut [u8]) -> Result<()> {
         let slot = self.slot_of(buf)?;
         let r = lock(&slot);
-        if !r.alloc.is_live(buf.offset, buf.id) {
-            return Err(stale(buf));
-        }
-        if offset
-            .checked_add(out.len())
-            .is_none_or(|end| end > buf.len)
-        {
-            return Err(Error::OutOfRange {
-                tag: buf.tag.to_string(),
-                what: "buffer",
-                offset,
-                len: out.len(),
-                size: buf.len,
-            });
-        }
+        let range = buffer_range(&r, buf, offset, out.len())?;
         if r.is_resident() {
             return Err(Error::InvalidArgument {
                 tag: buf.tag.to_string(),
@@ -40,8 +26,7 @@ impl Pager {
                     .to_owned(),
             });
         }
-        let start = buf.offset + offset;
-        if !out.is_empty() && !r.read_backup(start..start + out.len(), out) {
+        if !out.is_empty() && !r.read_backup(range, out) {
             return Err(Error::InvalidArgument {
                 tag: buf.tag.to_string(),
                 reason: format!(
@@ -71,19 +56,6 @@ impl Pager {
     pub fn backup_ptr(&self, buf: &Buffer, offset: usize, len: usize) -> Result<Option<u64>> {
         let slot = self.slot_of(buf)?;
         let r = lock(&slot);
-        if !r.alloc.is_live(buf.offset, buf.id) {
-            return Err(stale(buf));
-        }
-        if offset.checked_add(len).is_none_or(|end| end > buf.len) {
-            return Err(Error::OutOfRange {
-                tag: buf.tag.to_string(),
-                what: "buffer",
-                offset,
-                len,
-                size: buf.len,
-            });
-        }
-        let start = buf.offset + offset;
-        Ok(r.backup_host_ptr(start..start + len))
+        Ok(r.backup_host_ptr(buffer_range(&r, buf, offset, len)?))
     }
 }

@@ -198,3 +198,12 @@ pub fn faulty_host_pager(
     let pager = gpu_pager::Pager::with_config(faulty.clone(), config);
     (host, faulty, pager)
 }
+
+/// A pager on a host backend of `capacity` bytes in 2 MiB granules, as on a GPU.
+pub fn host_pager(capacity: usize) -> gpu_pager::Pager {
+    use gpu_pager::backend::host::{HostBackend, HostConfig};
+    gpu_pager::Pager::new(std::sync::Arc::new(HostBackend::new(HostConfig {
+        capacity,
+        granularity: 2 << 20,
+    })))
+}

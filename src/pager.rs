@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -72,27 +72,23 @@ pub struct PagerConfig {
     /// On resume, map `Preserve` regions in groups of doubling size, ahead on a helper
     /// thread, and copy each group as soon as it is mapped (default on). Off: map the whole
     /// region with one call, then copy.
-    /// Also switchable at run time with [`Pager::set_overlap_restore`].
     pub overlap_restore: bool,
     /// Which movers restore `Preserve` contents on resume ([`crate::pump`]; default
     /// [`CopyRoute::Fastest`]: each mover is timed on the first bytes and the faster takes
     /// the rest, so that a resume right after a trainer's free, when the copy engine runs
-    /// at half the link, is carried by the kernel, and a settled one by the copy engine).
-    /// Also switchable with [`Pager::set_restore_route`].
+    /// below the link, is carried by the kernel, and a settled one by the copy engine).
     pub restore_route: CopyRoute,
     /// Which movers copy `Preserve` contents to the backup on release (default
-    /// [`CopyRoute::Engine`]). Also switchable with [`Pager::set_save_route`].
+    /// [`CopyRoute::Engine`]: it leaves the SMs to the application).
     pub save_route: CopyRoute,
-    /// Bytes per unit of a pumped copy (default [`pump::DEFAULT_UNIT_BYTES`], 256 MiB; rounded
-    /// up to a multiple of [`pump::MIN_UNIT_BYTES`]). Also switchable with
-    /// [`Pager::set_copy_units`].
+    /// Bytes per unit of a pumped copy (default [`pump::DEFAULT_UNIT_BYTES`]; rounded up to a
+    /// multiple of [`pump::MIN_UNIT_BYTES`]).
     pub copy_unit_bytes: usize,
-    /// Units' worth of bytes queued per mover at most (default [`pump::DEFAULT_DEPTH`], 2;
+    /// Units' worth of bytes queued per mover at most (default [`pump::DEFAULT_DEPTH`];
     /// copies shorter than a unit fill a slot together, see [`pump::PumpConfig::depth`]). A
     /// call has at most twice this many units' worth in flight (five times while the copy
     /// kernel carries a restore alone: [`pump::KERNEL_DEPTH_FACTOR`]), which is all that a
-    /// concurrent release of another tag waits for. Also switchable with
-    /// [`Pager::set_copy_units`].
+    /// concurrent release of another tag waits for.
     pub copy_depth: usize,
     /// The mover [`Pager::resume_on`] enqueues its restore with on the caller's stream
     /// (default [`Mover::CopyEngine`]; [`Mover::CopyKernel`] launches the copy kernel there).
@@ -118,8 +114,7 @@ pub struct PagerConfig {
     /// [`crate::report::RegionReport::copied`]. A backup whose device range holds marked
     /// bytes ([`Pager::set_overwritten`]) is not filled this way (marked bytes are never
     /// copied out): it is pinned, then saved through the pump. Off: pin, then save through
-    /// the pump (only the unmarked bytes of live buffers). Also switchable with
-    /// [`Pager::set_first_save_overlap`].
+    /// the pump (only the unmarked bytes of live buffers).
     pub first_save_overlap: bool,
     /// Bytes per chunk of a file backup's transfers ([`crate::Medium::File`]): the pager
     /// pins a staging buffer of twice this size on the first file transfer, and one chunk
@@ -167,25 +162,6 @@ impl Default for PagerConfig {
             first_save_overlap: true,
             file_chunk_bytes: DEFAULT_FILE_CHUNK_BYTES,
         }
-    }
-}
-
-/// A [`CopyRoute`] kept in an atomic.
-fn route_code(route: CopyRoute) -> u8 {
-    match route {
-        CopyRoute::Engine => 0,
-        CopyRoute::Kernel => 1,
-        CopyRoute::Adaptive => 2,
-        CopyRoute::Fastest => 3,
-    }
-}
-
-fn route_of(code: u8) -> CopyRoute {
-    match code {
-        0 => CopyRoute::Engine,
-        1 => CopyRoute::Kernel,
-        2 => CopyRoute::Adaptive,
-        _ => CopyRoute::Fastest,
     }
 }
 
@@ -324,16 +300,9 @@ pub struct Pager {
     /// The same regions by base address, for [`Pager::buffer_at`]. Changed only while
     /// `regions` is write-locked (lock order: `regions`, then `by_base`, then a region).
     by_base: RwLock<BTreeMap<u64, Slot>>,
-    overlap_restore: AtomicBool,
-    restore_route: AtomicU8,
-    save_route: AtomicU8,
-    /// [`PagerConfig::copy_unit_bytes`] and [`PagerConfig::copy_depth`] as they are now.
-    copy_unit: AtomicUsize,
-    copy_depth: AtomicUsize,
     /// The copies in flight on this device's link, per direction, over every call's pump
     /// (an adaptive or fastest restore stays off the copy kernel while a release copies out).
     traffic: pump::Traffic,
-    first_save_overlap: AtomicBool,
 }
 
 impl std::fmt::Debug for Pager {
@@ -459,56 +428,16 @@ impl Pager {
             },
             regions: RwLock::new(BTreeMap::new()),
             by_base: RwLock::new(BTreeMap::new()),
-            overlap_restore: AtomicBool::new(config.overlap_restore),
-            restore_route: AtomicU8::new(route_code(config.restore_route)),
-            save_route: AtomicU8::new(route_code(config.save_route)),
-            copy_unit: AtomicUsize::new(copies.unit_bytes),
-            copy_depth: AtomicUsize::new(copies.depth),
             traffic: pump::Traffic::default(),
-            first_save_overlap: AtomicBool::new(config.first_save_overlap),
         }
-    }
-
-    /// Switches [`PagerConfig::overlap_restore`] for later resumes.
-    pub fn set_overlap_restore(&self, on: bool) {
-        self.overlap_restore.store(on, Ordering::Relaxed);
-    }
-
-    /// Switches [`PagerConfig::restore_route`] for later resumes.
-    pub fn set_restore_route(&self, route: CopyRoute) {
-        self.restore_route
-            .store(route_code(route), Ordering::Relaxed);
-    }
-
-    /// Switches [`PagerConfig::save_route`] for later releases.
-    pub fn set_save_route(&self, route: CopyRoute) {
-        self.save_route.store(route_code(route), Ordering::Relaxed);
-    }
-
-    /// Switches [`PagerConfig::copy_unit_bytes`] and [`PagerConfig::copy_depth`] for later
-    /// calls (normalized as at creation: the unit rounded up to 4 KiB, the depth at least 1).
-    pub fn set_copy_units(&self, unit_bytes: usize, depth: usize) {
-        let c = PumpConfig {
-            route: CopyRoute::Adaptive,
-            unit_bytes,
-            depth,
-        }
-        .normalized();
-        self.copy_unit.store(c.unit_bytes, Ordering::Relaxed);
-        self.copy_depth.store(c.depth, Ordering::Relaxed);
-    }
-
-    /// Switches [`PagerConfig::first_save_overlap`] for later releases.
-    pub fn set_first_save_overlap(&self, on: bool) {
-        self.first_save_overlap.store(on, Ordering::Relaxed);
     }
 
     /// The pump settings of a copy on `route`.
-    fn pump_config(&self, route: &AtomicU8) -> PumpConfig {
+    fn pump_config(&self, route: CopyRoute) -> PumpConfig {
         PumpConfig {
-            route: route_of(route.load(Ordering::Relaxed)),
-            unit_bytes: self.copy_unit.load(Ordering::Relaxed),
-            depth: self.copy_depth.load(Ordering::Relaxed),
+            route,
+            unit_bytes: self.config.copy_unit_bytes,
+            depth: self.config.copy_depth,
         }
     }
 
@@ -540,17 +469,9 @@ impl Pager {
         self.backend.info().kind
     }
 
-    /// The effective settings (chunk size rounded; the switches as they are now).
+    /// The effective settings (sizes rounded as [`Pager::with_config`] rounds them).
     pub fn config(&self) -> PagerConfig {
-        PagerConfig {
-            overlap_restore: self.overlap_restore.load(Ordering::Relaxed),
-            restore_route: route_of(self.restore_route.load(Ordering::Relaxed)),
-            save_route: route_of(self.save_route.load(Ordering::Relaxed)),
-            copy_unit_bytes: self.copy_unit.load(Ordering::Relaxed),
-            copy_depth: self.copy_depth.load(Ordering::Relaxed),
-            first_save_overlap: self.first_save_overlap.load(Ordering::Relaxed),
-            ..self.config
-        }
+        self.config
     }
 
     /// Fails in a forked child of the process that made the pager, before any lock is taken
@@ -1257,8 +1178,7 @@ impl Pager {
         let backend = self.backend.as_ref();
         // Bytes copied into first backups while they were pinned (first_save_overlap).
         let mut seeded = vec![0usize; regions.len()];
-        let overlap_first =
-            self.config.skip_unchanged && self.first_save_overlap.load(Ordering::Relaxed);
+        let overlap_first = self.config.skip_unchanged && self.config.first_save_overlap;
         // Pins and copies first, for every region: a failure leaves everything resident.
         for (i, r) in regions.iter_mut().enumerate() {
             if saving[i] {
@@ -1280,7 +1200,7 @@ impl Pager {
             // hashed while the copies of the ones before it run.
             let ((), pumped) = pump::scope(
                 backend,
-                self.pump_config(&self.save_route),
+                self.pump_config(self.config.save_route),
                 &self.traffic,
                 |p| {
                     for (i, r) in regions.iter_mut().enumerate() {
@@ -1394,7 +1314,7 @@ impl Pager {
         let mut copied = vec![0usize; regions.len()];
         let backend = self.backend.as_ref();
         let preserve = |r: &Region| r.policy == Policy::Preserve;
-        let overlap = self.overlap_restore.load(Ordering::Relaxed);
+        let overlap = self.config.overlap_restore;
         let mut copies = PumpStats::default();
         // Restores of the Preserve regions to do, in order.
         let restoring: Vec<bool> = regions
@@ -1417,7 +1337,7 @@ impl Pager {
                     // exactly its own copies.
                     let ((), pumped) = pump::scope(
                         backend,
-                        self.pump_config(&self.restore_route),
+                        self.pump_config(self.config.restore_route),
                         &self.traffic,
                         |p| {
                             let sink = &mut Sink::Pump(p);

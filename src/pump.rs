@@ -2,19 +2,19 @@
 //! and the copy kernel, a few units at a time, each call waiting for exactly its own units.
 //!
 //! Why two movers: right after a trainer frees a large allocation, the copy engine copies
-//! host→device at about half the link for a second, while the copy kernel (`gp_copy`, which
-//! reads the pinned host memory directly over the link) does not slow down; settled, the
-//! copy engine is the faster (BENCHMARKS.md, "H200, 2026-12-02, later run"). The pump cuts
-//! every copy into units ([`PumpConfig::unit_bytes`], default 256 MiB) and keeps at most
-//! [`PumpConfig::depth`] units' worth of bytes (default 2 × 256 MiB) queued on each mover's
+//! host→device well below the link for about a second, while the copy kernel (`gp_copy`,
+//! which reads the pinned host memory directly over the link) does not slow down; settled,
+//! the copy engine is the faster. The pump cuts every copy into units
+//! ([`PumpConfig::unit_bytes`]) and keeps at most [`PumpConfig::depth`] units' worth of
+//! bytes queued on each mover's
 //! stream, each unit followed by a fence; whenever a mover has room it gets the next unit.
 //! Copies shorter than a unit (a growing region's buffers, the runs between marked buffers)
 //! are units of their own, several to a slot, so that the movers stay as busy as with whole
 //! units while the feeding thread maps or hashes. With [`CopyRoute::Fastest`] (the
 //! pager's default for restores) each mover is timed alone on the first [`PROBE_BYTES`]
-//! and the faster takes the rest; with [`CopyRoute::Adaptive`] both movers run side by side
-//! and whichever is faster takes more units; [`CopyRoute::Engine`] and
-//! [`CopyRoute::Kernel`] use one.
+//! and the faster takes the rest; [`CopyRoute::Engine`] and [`CopyRoute::Kernel`] use one.
+//! (Both movers side by side lose: the kernel wins the link's arbitration and slows the
+//! copy engine more than it adds.)
 //!
 //! The calling thread feeds the movers: every [`Pump::push_to_device`] / [`Pump::push_to_host`] and
 //! [`Pump::poll`] starts what fits, without blocking, so a caller can interleave other work
@@ -28,11 +28,10 @@
 //!
 //! **Both directions at once.** The pumps of one link (one [`crate::Pager`]) share a
 //! [`Traffic`]: the units each has in flight, per direction. While another pump has units
-//! in flight the other way, an [`CopyRoute::Adaptive`] or [`CopyRoute::Fastest`] pump
-//! gives its units to the copy engine only: the two directions of the link run side by
-//! side on the two copy engines, while the copy kernel competes for the link and the SMs with the other direction's
-//! copy (on the H200, a release and a resume of 16 GiB each took as long as one after the
-//! other with the kernel in the mix, 1.37× faster on the copy engines alone).
+//! in flight the other way, a [`CopyRoute::Fastest`] pump gives its units to the copy
+//! engine only: the two directions of the link run side by side on the two copy engines,
+//! while the copy kernel would compete for the link and the SMs with the other direction's
+//! copy.
 //!
 //! **Ownership.** A pump exists only inside [`scope`], which waits for every unit it started
 //! before it returns — on success, on error, and when the closure panics (the pump's `Drop`
@@ -59,12 +58,10 @@ use crate::backend::{
     RawCopy, RawStream,
 };
 
-/// Default unit size: 256 MiB (about 5 ms at 55 GB/s). Measured on the H200 (BENCHMARKS.md,
-/// 2026-12-03, second run), the adaptive resume of 16 GiB took 1.07× the link 1 s after the
-/// release with 256 MiB units against 1.11× with 64 MiB, 1.09× with 64 MiB × 4 and 1.08×
-/// with 16 MiB × 8; right after a trainer's free all four shapes took 1.22–1.23×. A
-/// concurrent release of another tag waits for at most `2 × depth` units' worth of bytes
-/// (more while the kernel carries a restore alone: [`KERNEL_DEPTH_FACTOR`]).
+/// Default unit size: 256 MiB (about 5 ms at 55 GB/s): smaller units resumed no faster and
+/// cost more fences. A concurrent release of another tag waits for at most `2 × depth`
+/// units' worth of bytes (more while the kernel carries a restore alone:
+/// [`KERNEL_DEPTH_FACTOR`]).
 pub const DEFAULT_UNIT_BYTES: usize = 256 << 20;
 
 /// Default slots per mover: 2 (a unit's worth copying, one ready behind it, so that the
@@ -81,22 +78,19 @@ pub const MAX_UNITS_PER_SLOT: usize = 8;
 
 /// How much faster than the copy engine the copy kernel must have been for a
 /// [`CopyRoute::Fastest`] pump to choose it: 1.25. The copy engine leaves the SMs to the
-/// application, and its first units land in memory mapped just before, which costs it up
-/// to 10% (the copy kernel is within 8% of it settled on the H200); right after a
-/// trainer's free the kernel is about 1.8 times as fast.
+/// application and its first units pay for landing in memory mapped just before, so only a
+/// clear win (right after a trainer's free) moves the copy to the kernel.
 pub const KERNEL_MARGIN: f64 = 1.25;
 
-/// What a [`CopyRoute::Fastest`] pump times each mover on (at most a unit): 64 MiB, about
-/// 1.2 ms at 55 GB/s, and 2.4 ms on the copy engine at half the link right after a
-/// trainer's free.
+/// What a [`CopyRoute::Fastest`] pump times each mover on (at most a unit): 64 MiB, about a
+/// millisecond over the link, long enough to time and short next to a weights restore.
 pub const PROBE_BYTES: usize = 64 << 20;
 
 /// How many times the configured depth the copy kernel gets when it carries the whole copy
 /// ([`CopyRoute::Kernel`], or [`CopyRoute::Fastest`] once it chose the kernel): 4. Right
 /// after a trainer's free the resume's map calls, made ahead on a helper thread, wait for
-/// the driver's scrubbing of the freed memory, and the copy kernel ran dry between the
-/// feeding thread's launches with 2 × 256 MiB queued: 1.17× the link, against 1.15× with
-/// 8 × 256 MiB (H200, BENCHMARKS.md, fourth session).
+/// the driver's scrubbing of the freed memory, and the copy kernel runs dry between the
+/// feeding thread's launches with only the default depth queued.
 pub const KERNEL_DEPTH_FACTOR: usize = 4;
 
 /// How long the feeding thread sleeps when nothing finished and nothing could start.
@@ -109,37 +103,27 @@ pub enum CopyRoute {
     Engine,
     /// The copy kernel only (zero-copy loads or stores of the pinned host memory).
     Kernel,
-    /// Both, side by side: a mover with a free slot takes the next unit, so the faster one
-    /// takes more.
-    Adaptive,
     /// Times each mover alone on the copy's first bytes (the copy engine, then the copy
     /// kernel, [`PROBE_BYTES`] each, at most a unit), then gives every later unit to the
     /// faster (the kernel only when it was more than [`KERNEL_MARGIN`] times as fast).
-    /// Right after a trainer's free the copy engine runs host→device at half the link for
+    /// Right after a trainer's free the copy engine runs host→device below the link for
     /// about a second while the kernel keeps its pace; settled the copy engine is the
-    /// faster; and side by side the kernel wins the link's arbitration, which makes
-    /// [`CopyRoute::Adaptive`] slower than the faster mover alone in both states (H200,
-    /// BENCHMARKS.md). While another pump of the link has units in flight the other way,
-    /// only the copy engine takes units, as with `Adaptive`, and nothing is timed: the
-    /// timing starts again once the link carries this direction only.
+    /// faster. While another pump of the link has units in flight the other way, only the
+    /// copy engine takes units and nothing is timed: the timing starts again once the link
+    /// carries this direction only.
     Fastest,
 }
 
 impl CopyRoute {
     /// Every route.
-    pub const ALL: [CopyRoute; 4] = [
-        CopyRoute::Engine,
-        CopyRoute::Kernel,
-        CopyRoute::Adaptive,
-        CopyRoute::Fastest,
-    ];
+    pub const ALL: [CopyRoute; 3] = [CopyRoute::Engine, CopyRoute::Kernel, CopyRoute::Fastest];
 
     /// Whether `mover` may take units on this route.
     pub fn allows(self, mover: Mover) -> bool {
         match self {
             CopyRoute::Engine => mover == Mover::CopyEngine,
             CopyRoute::Kernel => mover == Mover::CopyKernel,
-            CopyRoute::Adaptive | CopyRoute::Fastest => true,
+            CopyRoute::Fastest => true,
         }
     }
 }
@@ -149,7 +133,6 @@ impl std::fmt::Display for CopyRoute {
         f.write_str(match self {
             CopyRoute::Engine => "copy engine",
             CopyRoute::Kernel => "copy kernel",
-            CopyRoute::Adaptive => "adaptive",
             CopyRoute::Fastest => "fastest",
         })
     }
@@ -171,11 +154,11 @@ pub struct PumpConfig {
 }
 
 impl Default for PumpConfig {
-    /// Adaptive, 256 MiB units, 2 per mover. (The pager's own defaults differ by direction:
-    /// `Fastest` for restores, `Engine` for saves; see [`crate::PagerConfig`].)
+    /// Fastest, [`DEFAULT_UNIT_BYTES`] units, [`DEFAULT_DEPTH`] per mover. (The pager saves
+    /// on the copy engine alone; see [`crate::PagerConfig`].)
     fn default() -> Self {
         PumpConfig {
-            route: CopyRoute::Adaptive,
+            route: CopyRoute::Fastest,
             unit_bytes: DEFAULT_UNIT_BYTES,
             depth: DEFAULT_DEPTH,
         }
@@ -200,7 +183,7 @@ impl PumpConfig {
 
 /// The units in flight on one link, per direction, over all the pumps that share it (the
 /// pumps of one [`crate::Pager`]). A pump adds its units as it starts them and takes them
-/// off as it sees them finish; an [`CopyRoute::Adaptive`] or [`CopyRoute::Fastest`] pump
+/// off as it sees them finish; a [`CopyRoute::Fastest`] pump
 /// reads the other direction's count to decide whether the copy kernel may take units (see
 /// the module docs).
 #[derive(Debug, Default)]
@@ -815,7 +798,7 @@ impl<'h> Pump<'_, 'h> {
             && match self.config.route {
                 CopyRoute::Kernel => true,
                 CopyRoute::Fastest => self.chosen == Some(Mover::CopyKernel),
-                CopyRoute::Engine | CopyRoute::Adaptive => false,
+                CopyRoute::Engine => false,
             };
         if deep {
             self.config.depth.saturating_mul(KERNEL_DEPTH_FACTOR)
@@ -824,16 +807,15 @@ impl<'h> Pump<'_, 'h> {
         }
     }
 
-    /// The movers a unit going `direction` may take now: the route's, except that an
-    /// adaptive pump leaves the copy kernel out while another pump of the link has units in
-    /// flight the other way (see the module docs).
+    /// The movers a unit going `direction` may take now: the route's, except that a fastest
+    /// pump leaves the copy kernel out while another pump of the link has units in flight
+    /// the other way (see the module docs).
     fn allowed(&self, mover: Mover, direction: Direction) -> bool {
         if !self.config.route.allows(mover) {
             return false;
         }
         let others_back = self.others_back(direction);
         match self.config.route {
-            CopyRoute::Adaptive => !(mover == Mover::CopyKernel && others_back > 0),
             CopyRoute::Fastest if others_back > 0 => mover == Mover::CopyEngine,
             CopyRoute::Fastest => match self.chosen {
                 Some(chosen) => mover == chosen,
@@ -1322,7 +1304,7 @@ mod tests {
         // Restores of parts starting at odd offsets (`Fastest` also cuts its timed units),
         // then a save of a part.
         for (route, push) in [
-            (CopyRoute::Adaptive, 700_001),
+            (CopyRoute::Kernel, 700_001),
             (CopyRoute::Fastest, 700_001),
             (CopyRoute::Fastest, len),
         ] {
@@ -1432,24 +1414,6 @@ mod tests {
             assert!(c.max_in_flight[e] <= most_units, "{piece}: {c:?}");
             assert_eq!(c.max_in_flight[e], most_units, "{piece}: the slots filled");
             assert_eq!((c.in_flight, c.in_flight_bytes), ([0, 0], [0, 0]));
-        }
-    }
-
-    #[test]
-    fn adaptive_gives_the_faster_mover_more_units() {
-        for (cost, fast) in [([40, 10], Mover::CopyKernel), ([10, 40], Mover::CopyEngine)] {
-            let script = Script::costing(cost);
-            let buf = buffer(64 * MIB);
-            let stats =
-                restore(&script, config(CopyRoute::Adaptive), buf.as_ref(), 64 * MIB).unwrap();
-            let slow = Mover::ALL.into_iter().find(|&m| m != fast).unwrap();
-            assert_eq!(stats.total_bytes(), 64 * MIB);
-            assert!(
-                2 * stats.units[fast.index()] >= 5 * stats.units[slow.index()],
-                "{cost:?}: {:?}",
-                stats.units
-            );
-            assert!(stats.units[slow.index()] > 0, "{cost:?}: both movers work");
         }
     }
 
@@ -1601,7 +1565,7 @@ mod tests {
             };
             let buf = buffer(20 * MIB);
             let err =
-                restore(&script, config(CopyRoute::Adaptive), buf.as_ref(), 4 * MIB).unwrap_err();
+                restore(&script, config(CopyRoute::Engine), buf.as_ref(), 4 * MIB).unwrap_err();
             assert!(
                 matches!(err, BackendError::Injected { op: "start" }),
                 "{err}"
@@ -1623,8 +1587,7 @@ mod tests {
         };
         let buf = buffer(20 * MIB);
         // One piece: the failure shows up while the scope waits.
-        let err =
-            restore(&script, config(CopyRoute::Adaptive), buf.as_ref(), 20 * MIB).unwrap_err();
+        let err = restore(&script, config(CopyRoute::Engine), buf.as_ref(), 20 * MIB).unwrap_err();
         assert!(
             matches!(err, BackendError::Injected { op: "fence" }),
             "{err}"
@@ -1665,16 +1628,17 @@ mod tests {
     }
 
     #[test]
-    fn adaptive_leaves_the_kernel_out_while_the_other_direction_is_busy() {
+    fn fastest_leaves_the_kernel_out_while_the_other_direction_is_busy() {
         for (busy_back, kernel_used) in [(0, true), (1, false)] {
-            let script = Script::costing([10, 10]);
+            // The kernel four times as fast: alone on the link, it takes the copy.
+            let script = Script::costing([40, 10]);
             // Another pump of the link copying device→host.
             for _ in 0..busy_back {
                 script.traffic.add(Direction::ToHost);
             }
             let buf = buffer(16 * MIB);
             let stats =
-                restore(&script, config(CopyRoute::Adaptive), buf.as_ref(), 16 * MIB).unwrap();
+                restore(&script, config(CopyRoute::Fastest), buf.as_ref(), 16 * MIB).unwrap();
             assert_eq!(stats.total_bytes(), 16 * MIB);
             assert_eq!(
                 stats.bytes_by(Mover::CopyKernel) > 0,
@@ -1701,13 +1665,13 @@ mod tests {
         let all = Pinned::new(buf.as_ref());
         let ((), _) = run(
             &script,
-            config(CopyRoute::Adaptive),
+            config(CopyRoute::Engine),
             &script.traffic,
             |p| {
                 // SAFETY: the scripted movers touch no memory.
                 unsafe { p.push_to_device(all, 0x1000) }?;
-                // Two units per mover started, none finished yet.
-                assert_eq!(script.traffic.in_flight(Direction::ToDevice), 4);
+                // Two units on the copy engine started, none finished yet.
+                assert_eq!(script.traffic.in_flight(Direction::ToDevice), 2);
                 assert_eq!(script.traffic.in_flight(Direction::ToHost), 0);
                 Ok::<(), BackendError>(())
             },
@@ -1725,7 +1689,7 @@ mod tests {
         let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let _: Result<((), PumpStats), BackendError> = run(
                 &script,
-                config(CopyRoute::Adaptive),
+                config(CopyRoute::Engine),
                 &script.traffic,
                 |p| {
                     // SAFETY: the scripted movers touch no memory.
@@ -1737,7 +1701,7 @@ mod tests {
         }));
         assert!(caught.is_err());
         let c = script.state.lock().unwrap();
-        assert_eq!(c.starts.len(), 4, "two per mover were in flight");
+        assert_eq!(c.starts.len(), 2, "two were in flight");
         assert_eq!(c.in_flight, [0, 0]);
         assert_eq!(script.traffic.in_flight(Direction::ToDevice), 0);
     }

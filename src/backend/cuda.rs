@@ -741,11 +741,11 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// Sets the piece size of later first backups ([`Backend::alloc_pinned_from_device`],
-    /// default [`FIRST_BACKUP_PIECE_BYTES`]; rounded up to [`HUGE_PAGE_BYTES`] when
-    /// pinned, 0: one piece), and the part size of later batches of them
-    /// ([`Backend::alloc_pinned_many_from_device`]). For the benchmark's piece sweep and for tests that need many
-    /// pieces in a small buffer.
+    /// Test fixture: sets the piece size of later first backups
+    /// ([`Backend::alloc_pinned_from_device`], default [`FIRST_BACKUP_PIECE_BYTES`]), and the
+    /// part size of later batches of them ([`Backend::alloc_pinned_many_from_device`]), so
+    /// that a small buffer has many pieces.
+    #[cfg(feature = "testing")]
     pub fn set_first_backup_piece_bytes(&self, bytes: usize) {
         self.first_backup_piece.store(bytes, Ordering::Relaxed);
     }
@@ -928,31 +928,24 @@ impl Backend for CudaBackend {
         bytes: usize,
         src: u64,
     ) -> BackendResult<Box<dyn HostBuffer>> {
-        let opts = PinOptions {
-            piece_bytes: self.first_backup_piece.load(Ordering::Relaxed),
-            ..PinOptions::default()
-        };
+        let piece = self.first_backup_piece.load(Ordering::Relaxed);
         // SAFETY: forwarded from the caller (mapped device memory of this context, not
         // written until this returns).
         Ok(Box::new(unsafe {
-            self.pin_from_device(bytes, &opts, src)
+            self.pin_from_device(bytes, piece, &PinOptions::default(), src)
         }?))
     }
 
     /// The batch pinned and filled in one pipeline ([`CudaBackend::pin_many_from_device`]),
-    /// in parts of the first backups' piece size
-    /// ([`CudaBackend::set_first_backup_piece_bytes`]).
+    /// in parts of the first backups' piece size ([`FIRST_BACKUP_PIECE_BYTES`]).
     unsafe fn alloc_pinned_many_from_device(
         &self,
         ranges: &[DeviceRange],
     ) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
-        let opts = PinOptions {
-            piece_bytes: self.first_backup_piece.load(Ordering::Relaxed),
-            ..PinOptions::default()
-        };
+        let part = self.first_backup_piece.load(Ordering::Relaxed);
         // SAFETY: forwarded from the caller (every range mapped device memory of this
         // context, not written until this returns).
-        let pinned = unsafe { self.pin_many_from_device(ranges, &opts) }?;
+        let pinned = unsafe { self.pin_many_from_device(ranges, part, &PinOptions::default()) }?;
         Ok(pinned
             .into_iter()
             .map(|p| Box::new(p) as Box<dyn HostBuffer>)

@@ -22,7 +22,6 @@ fn resume_latency(c: &mut Criterion) {
         let free = backend.mem_info().map(|m| m.free).unwrap_or(0);
         BenchConfig {
             cold_release: false,
-            pinning: false,
             ..BenchConfig::design()
         }
         .fit(free)

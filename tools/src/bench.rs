@@ -21,11 +21,7 @@ use gpu_pager::chunk_sizes;
 use gpu_pager::report::{gbps, ms};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, Result};
 
-mod kv_order;
 mod marked;
-mod pinning;
-mod routes;
-mod vmm_probe;
 
 const GIB: usize = 1 << 30;
 const MIB: usize = 1 << 20;
@@ -45,26 +41,15 @@ pub struct BenchConfig {
     pub repeats: usize,
     /// Also time a first release without prepin (pins on the critical path).
     pub cold_release: bool,
-    /// Also time pinning the weights' size by each method, a copy across two registrations,
-    /// and pinning overlapped with the copy (CUDA only; about a minute).
-    pub pinning: bool,
-    /// Chunk sizes for the bare map/unmap sweep (empty: no sweep).
-    pub sweep: Vec<usize>,
     /// Also cycle the weights in a growing region (created with 0 bytes, one mapping per
     /// buffer) next to the fixed one.
     pub growing: bool,
     /// Buffer sizes whose allocation latency in a growing region is timed against a bare
     /// `cuMemCreate` + `cuMemMap` + `cuMemSetAccess` of the same size (empty: none).
     pub alloc_sizes: Vec<usize>,
-    /// Also time the link and the weights' resume right after a trainer-like allocation of
-    /// all but a small margin of the free memory was written and freed.
+    /// Also time the weights' resume right after a trainer-like allocation of all but a
+    /// small margin of the free memory was written and freed.
     pub after_free: bool,
-    /// Also time the copy pump's routes: the link per mover, the weights' resume and
-    /// release by route (settled and right after a free).
-    pub routes: bool,
-    /// Also time a release and a resume of two tags at once (both directions of the link),
-    /// next to the bare copy engines' duplex.
-    pub both_directions: bool,
     /// Also time update-aware release: the weights marked overwritten (all, half), and the
     /// RL wake-up with them (see `bench/marked.rs`).
     pub marked: bool,
@@ -80,13 +65,9 @@ impl BenchConfig {
             chunk_bytes: gpu_pager::DEFAULT_CHUNK_BYTES,
             repeats: 5,
             cold_release: true,
-            pinning: true,
-            sweep: Vec::new(),
             growing: true,
             alloc_sizes: vec![2 * MIB, 20 * MIB, 128 * MIB, GIB],
             after_free: true,
-            routes: true,
-            both_directions: true,
             marked: true,
         }
     }
@@ -100,13 +81,9 @@ impl BenchConfig {
             chunk_bytes: 64 * MIB,
             repeats: 3,
             cold_release: false,
-            pinning: false,
-            sweep: Vec::new(),
             growing: true,
             alloc_sizes: vec![2 * MIB, 20 * MIB],
             after_free: true,
-            routes: true,
-            both_directions: true,
             marked: true,
         }
     }
@@ -318,8 +295,6 @@ pub struct Table {
     pub link_end: Link,
     /// The rows.
     pub rows: Vec<Row>,
-    /// Bare map / unmap of the KV size per chunk size: (chunk, map, unmap).
-    pub sweep: Vec<(usize, Spread, Spread)>,
 }
 
 fn ms_spread(s: &Spread) -> String {
@@ -380,24 +355,6 @@ impl fmt::Display for Table {
                 r.ratio(),
                 target
             )?;
-        }
-        if !self.sweep.is_empty() {
-            writeln!(
-                f,
-                "\nbare VMM, {:.0} GiB: chunk size → map (create+map+one set-access) / unmap+release, ms",
-                self.config.kv_bytes as f64 / GIB as f64
-            )?;
-            writeln!(f, "| chunk | map ms | unmap ms |")?;
-            writeln!(f, "|---|---|---|")?;
-            for (chunk, map, unmap) in &self.sweep {
-                writeln!(
-                    f,
-                    "| {} MiB | {} | {} |",
-                    chunk / MIB,
-                    ms_spread(map),
-                    ms_spread(unmap)
-                )?;
-            }
         }
         Ok(())
     }
@@ -613,7 +570,7 @@ pub fn run(
     let first_row = (first.total, first.copied());
 
     let (mut resume, mut changed, mut unchanged) = (vec![], vec![], vec![]);
-    let (mut resume_idle, mut resume_flat) = (vec![], vec![]);
+    let mut resume_idle = vec![];
     let mut changed_bytes = 0;
     let (mut writes, mut changed_steps) = (vec![], vec![]);
     let idle = Duration::from_secs(1);
@@ -625,12 +582,6 @@ pub fn run(
         // ... and after an idle second, as when a trainer ran in between.
         std::thread::sleep(idle);
         resume_idle.push(pager.resume(&["weights"])?.total);
-        pager.release(&["weights"])?;
-        std::thread::sleep(idle);
-        pager.set_overlap_restore(false);
-        let flat = pager.resume(&["weights"]);
-        pager.set_overlap_restore(true);
-        resume_flat.push(flat?.total);
         writes.push(timed_writes(&pager, &bufs, rep as u32 + 1)?);
         let r = pager.release(&["weights"])?;
         changed.push(r.total);
@@ -674,13 +625,6 @@ pub fn run(
         Some(1.05),
     ));
     rows.push(copy_row(
-        "resume weights, 1 s after, map all then copy (no overlap)",
-        &resume_flat,
-        restored,
-        Direction::ToDevice,
-        None,
-    ));
-    rows.push(copy_row(
         "release weights, contents changed",
         &changed,
         changed_bytes,
@@ -699,10 +643,7 @@ pub fn run(
     pager.resume(&["weights"])?;
 
     if cfg.cold_release {
-        pinning::first_release_rows(&pager, cfg, &link, repeats, log, &mut rows)?;
-    }
-    if cfg.pinning {
-        pinning::pin_rows(&backend, &pager, cfg, &link, log, &mut rows)?;
+        first_release_rows(&pager, cfg, &link, repeats, log, &mut rows)?;
     }
 
     log("kv_cache: release/resume alternated with the bare VMM loop");
@@ -743,8 +684,6 @@ pub fn run(
         target: Some(1.1),
         over: None,
     });
-    // The same 64 GiB as 1, 32 and 128 handles, pager and bare loop alternated.
-    pinning::kv_pattern_rows(&pager, kv_size, repeats, log, &mut rows)?;
 
     // The rows added for growing regions and the after-free sequence run last, so that
     // the trainer-like allocations cannot disturb the rows above (the KV cache stays
@@ -829,37 +768,12 @@ pub fn run(
     }
 
     if cfg.after_free {
-        after_free_rows(&pager, cfg, &link, repeats, log, &mut rows)?;
-    }
-    if cfg.routes {
-        routes::rows(&pager, cfg, &link, &bufs, log, &mut rows)?;
-    }
-    if cfg.both_directions {
-        routes::both_directions_rows(&pager, cfg, &link, &bufs, log, &mut rows)?;
+        after_free_rows(&pager, &link, repeats, log, &mut rows)?;
     }
     if cfg.marked {
         marked::rows(&pager, cfg, &link, &bufs, repeats, log, &mut rows)?;
     }
 
-    let mut sweep = Vec::new();
-    if !cfg.sweep.is_empty() {
-        pager.release(&["kv_cache", "weights"])?;
-        for &chunk in &cfg.sweep {
-            let g = backend.info().granularity;
-            let chunk = chunk.max(g).next_multiple_of(g);
-            log(&format!(
-                "sweep: bare map/unmap in {} MiB chunks",
-                chunk / MIB
-            ));
-            let (mut m, mut u) = (vec![], vec![]);
-            for _ in 0..repeats.min(3) {
-                let (a, b) = bare.cycle(backend.as_ref(), chunk)?;
-                m.push(a);
-                u.push(b);
-            }
-            sweep.push((chunk, Spread::of(&m), Spread::of(&u)));
-        }
-    }
     log("measuring the link again (the rows over the link are judged against the best measure)");
     let link_end = measure_link(&pager, cfg.link_bytes())?;
     let best = link.best(&link_end);
@@ -872,7 +786,6 @@ pub fn run(
         link_start: link,
         link_end,
         rows,
-        sweep,
     })
 }
 
@@ -886,13 +799,12 @@ fn rejudge(rows: &mut [Row], link: &Link) {
 }
 
 /// The rows of the sequence RL really runs: release, a trainer allocates, writes and frees
-/// nearly all free memory, resume at once. Measures the copy engine into memory mapped right
-/// after the free against settled memory (and, on a GPU, back to the host from that memory
-/// right after the settled copy), a copy split over two streams, and the KV swap-in kernel
-/// (an SM-driven zero-copy read of pinned memory) against the copy engine, then the pager's
-/// resume of the weights in that state. Needs the weights resident and released
-/// (backup current) around it; leaves them resident.
-fn after_free_rows(
+/// A first release without `prepin` of the weights' size, in a fixed region (one buffer) and
+/// in a growing one (`cfg.weight_buffers` buffers): the backup pinned and filled in one pass
+/// (`first_save_overlap`), the save after it copying nothing. The total against 1 s per
+/// 16 GiB, and the pinning with the copy in it against the link. Each sample is a first
+/// release (the backup is freed between samples). Leaves no region.
+fn first_release_rows(
     pager: &Pager,
     cfg: &BenchConfig,
     link: &Link,
@@ -900,190 +812,95 @@ fn after_free_rows(
     log: &mut dyn FnMut(&str),
     rows: &mut Vec<Row>,
 ) -> Result<()> {
-    use gpu_pager::backend::{Mover, RawCopy};
-    use gpu_pager::kv::{KvCache, KvCacheConfig, KvDtype, KvLayout, KvOrder};
-    let backend = pager.backend().clone();
-    let b = backend.as_ref();
-    let margin = 2 * GIB;
-    let bytes = cfg.link_bytes();
-    log(&format!(
-        "after a trainer's allocate/write/free of all but {} GiB: {} probes",
-        margin / GIB,
-        size_name(bytes)
-    ));
-    pager.region("probe", bytes, Policy::Discard)?;
-    let pb = pager.alloc("probe", bytes)?;
-    let dst = pager.ptr(&pb)?;
-    let host = b
-        .alloc_pinned(bytes)
-        .map_err(backend_err("probe", "pinning"))?;
-    // The SM-driven copy: the KV swap-in kernel over 256 KiB blocks.
-    let layout = KvLayout::new(1, 8, 128, 64, KvDtype::Bf16, KvOrder::Nhd)?;
-    let bpb = layout.bytes_per_block() as usize;
-    let blocks = (bytes / bpb) as u32;
-    let kv = KvCache::new(
-        Arc::new(Pager::new(backend.clone())),
-        "probe_kv",
-        layout,
-        blocks,
-        KvCacheConfig::default(),
-    )?;
-    let space = kv.alloc_host(blocks)?;
-    let streams = crate::bench::streams::two(b)?;
+    let budget = Duration::from_secs(1).mul_f64(cfg.weights_bytes as f64 / (16 * GIB) as f64);
+    for growing in [false, true] {
+        let (tag, what) = if growing {
+            let what = format!("growing region ({} buffers)", cfg.weight_buffers);
+            ("weights_cold_grow", what)
+        } else {
+            ("weights_cold", "fixed region".to_owned())
+        };
+        log(&format!(
+            "first release without prepin, {what}: pinning on the critical path"
+        ));
+        let bufs = if growing {
+            pager.region(tag, 0, Policy::Preserve)?;
+            weight_buffers(pager, tag, cfg)?
+        } else {
+            pager.region(tag, cfg.weights_bytes, Policy::Preserve)?;
+            vec![pager.alloc(tag, cfg.weights_bytes)?]
+        };
+        let (mut total, mut pin) = (vec![], vec![]);
+        let mut copied = 0;
+        for rep in 0..repeats.clamp(1, 3) {
+            if rep > 0 {
+                pager.resume(&[tag])?;
+                pager.free_backup(tag)?;
+            }
+            for b in &bufs {
+                pager.fill(b, 0x5A5A_5A5A ^ rep as u32)?;
+            }
+            let r = pager.release(&[tag])?;
+            total.push(r.total);
+            pin.push(r.region(tag).map(|x| x.steps.pin).unwrap_or_default());
+            copied = r.copied();
+        }
+        rows.push(Row {
+            name: format!("first release, no prepin, {what}: pin + copy"),
+            figure: Spread::of(&total),
+            limit: Spread::of(&[budget]),
+            limit_name: format!(
+                "1 s per 16 GiB (target; {:.2} GiB)",
+                copied as f64 / GIB as f64
+            ),
+            target: Some(1.0),
+            over: None,
+        });
+        rows.push(Row::over_link(
+            format!("  … of which pinning the backup with the copy in it ({what})"),
+            &pin,
+            OverLink::d2h(copied),
+            link,
+            format!("{:.2} GiB / D2H", copied as f64 / GIB as f64),
+            None,
+        ));
+        pager.remove(tag)?;
+    }
+    Ok(())
+}
 
-    let (mut ce_fresh, mut ce_settled, mut ce_two, mut sm_fresh, mut sm_settled) =
-        (vec![], vec![], vec![], vec![], vec![]);
-    let mut ce_back = vec![];
+/// The weights' resume right after a trainer-like allocation of all but 2 GiB of the free
+/// memory was written and freed, when the driver still scrubs the freed memory and the copy
+/// engine runs host→device below the link. Needs the weights resident with a current backup;
+/// leaves them resident.
+fn after_free_rows(
+    pager: &Pager,
+    link: &Link,
+    repeats: usize,
+    log: &mut dyn FnMut(&str),
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    let backend = pager.backend().clone();
+    let margin = 2 * GIB;
     let (mut resume_after, mut after_steps) = (vec![], vec![]);
-    let mut after_split = gpu_pager::pump::PumpStats::default();
     let mut restored = 0;
-    let copy = |samples: &mut Vec<Duration>| -> Result<()> {
-        let t = Instant::now();
-        // SAFETY: `dst .. dst + bytes` is the live, resident probe buffer.
-        unsafe { b.copy_to_device(dst, host.as_slice()) }.map_err(backend_err("probe", "copy"))?;
-        samples.push(t.elapsed());
-        Ok(())
-    };
-    let swap_in = |samples: &mut Vec<Duration>| -> Result<()> {
-        let seq = kv.create_seq()?;
-        let ids = kv.append_tokens(seq, u64::from(blocks) * 64)?;
-        let t = Instant::now();
-        kv.swap_in(&ids, &space)?;
-        samples.push(t.elapsed());
-        kv.free_seq(seq)?;
-        kv.trim()?;
-        Ok(())
-    };
     for rep in 0..repeats {
         log(&format!(
-            "after-free probes: round {} of {repeats}",
+            "resume right after a trainer's allocate/write/free of all but {} GiB: {} of {repeats}",
+            margin / GIB,
             rep + 1
         ));
-        // Copy engine, one stream, into memory mapped right after the trainer's free.
-        pager.release(&["probe"])?;
-        trainer_step(b, margin)?;
-        pager.resume(&["probe"])?;
-        copy(&mut ce_fresh)?;
-        // The same a second later, and back to the host from the memory mapped right after
-        // the free.
-        std::thread::sleep(Duration::from_secs(1));
-        copy(&mut ce_settled)?;
-        if let Some((s1, _)) = &streams {
-            let back = RawCopy::whole(Direction::ToHost, host.as_ref(), dst);
-            let t = Instant::now();
-            // SAFETY: `dst .. dst + bytes` is the live, resident probe buffer; the host
-            // buffer is this backend's pinned memory, which nothing reads or writes until
-            // the stream is synchronized below.
-            unsafe {
-                b.copy_on(&back, Mover::CopyEngine, s1.raw())
-                    .map_err(backend_err("probe", "copy"))?;
-            }
-            s1.sync()?;
-            ce_back.push(t.elapsed());
-        }
-        // Two streams, right after a free.
-        if let Some((s1, s2)) = &streams {
-            trainer_step(b, margin)?;
-            let half = bytes / 2;
-            let first = RawCopy {
-                bytes: half,
-                ..RawCopy::whole(Direction::ToDevice, host.as_ref(), dst)
-            };
-            let second = RawCopy {
-                host: first.host + half as u64,
-                host_device: first.host_device + half as u64,
-                device: dst + half as u64,
-                bytes: bytes - half,
-                ..first
-            };
-            let t = Instant::now();
-            // SAFETY: both halves lie in the live probe buffer; the host buffer is this
-            // backend's pinned memory, and lives and is not written until both streams are
-            // synchronized below.
-            unsafe {
-                b.copy_on(&first, Mover::CopyEngine, s1.raw())
-                    .map_err(backend_err("probe", "copy"))?;
-            }
-            // SAFETY: as above.
-            unsafe {
-                b.copy_on(&second, Mover::CopyEngine, s2.raw())
-                    .map_err(backend_err("probe", "copy"))?;
-            }
-            s1.sync()?;
-            s2.sync()?;
-            ce_two.push(t.elapsed());
-        }
-        // The SM kernel, right after a free (into fresh memory) and settled.
-        trainer_step(b, margin)?;
-        swap_in(&mut sm_fresh)?;
-        std::thread::sleep(Duration::from_secs(1));
-        swap_in(&mut sm_settled)?;
-        // The pager's resume of the weights right after the trainer.
         pager.release(&["weights"])?;
-        trainer_step(b, margin)?;
+        trainer_step(backend.as_ref(), margin)?;
         let r = pager.resume(&["weights"])?;
         resume_after.push(r.total);
         after_steps.push((r.sync, marked::steps(&r)));
-        after_split.add(&r.copies);
         restored = r.copied();
     }
     log(&format!(
-        "resume of the weights right after a trainer's free: {} (medians); moved {}",
-        marked::breakdown(&after_steps),
-        routes::mover_split(&after_split)
+        "resume of the weights right after a trainer's free: {} (medians)",
+        marked::breakdown(&after_steps)
     ));
-    drop(kv);
-    if let Some((s1, _)) = &streams {
-        let probe = vmm_probe::Probe {
-            backend: b,
-            dst,
-            host: host.as_ref(),
-            stream: s1,
-            link,
-        };
-        vmm_probe::rows(&probe, margin, repeats, log, rows)?;
-    }
-    drop(host);
-    pager.remove("probe")?;
-    let name = size_name(bytes);
-    let mut probe_row = |what: String, samples: &[Duration], direction| {
-        if !samples.is_empty() {
-            let (dir, over) = over_link(direction, bytes);
-            let limit = format!("{name} / {dir} (settled)");
-            rows.push(Row::over_link(what, samples, over, link, limit, None));
-        }
-    };
-    let h2d = Direction::ToDevice;
-    probe_row(
-        format!("copy engine {name} H2D, right after a free"),
-        &ce_fresh,
-        h2d,
-    );
-    probe_row(
-        format!("copy engine {name} H2D, 1 s later"),
-        &ce_settled,
-        h2d,
-    );
-    probe_row(
-        format!("copy engine {name} H2D on 2 streams, right after a free"),
-        &ce_two,
-        h2d,
-    );
-    probe_row(
-        format!("SM zero-copy kernel {name} H2D, right after a free"),
-        &sm_fresh,
-        h2d,
-    );
-    probe_row(
-        format!("SM zero-copy kernel {name} H2D, 1 s later"),
-        &sm_settled,
-        h2d,
-    );
-    probe_row(
-        format!("copy engine {name} D2H from memory mapped right after a free, 1 s later"),
-        &ce_back,
-        Direction::ToHost,
-    );
     rows.push(Row::over_link(
         "resume weights right after a trainer's allocate/write/free",
         &resume_after,
@@ -1093,42 +910,4 @@ fn after_free_rows(
         Some(1.15),
     ));
     Ok(())
-}
-
-/// Extra CUDA streams for the multi-stream probe (none on the host backend).
-mod streams {
-    use gpu_pager::backend::{Backend, BackendKind, RawStream};
-    use gpu_pager::{Error, Result};
-    use std::sync::Arc;
-
-    /// A stream of the device's primary context (the backend's context).
-    pub struct Stream(Arc<cudarc::driver::CudaStream>);
-
-    impl Stream {
-        pub fn raw(&self) -> RawStream {
-            RawStream(self.0.cu_stream() as usize)
-        }
-        pub fn sync(&self) -> Result<()> {
-            self.0.synchronize().map_err(|e| Error::InvalidArgument {
-                tag: "probe".into(),
-                reason: format!("stream synchronize failed: {e:?}"),
-            })
-        }
-    }
-
-    /// Two streams on a CUDA backend's device 0, `None` on the host backend.
-    pub fn two(b: &dyn Backend) -> Result<Option<(Stream, Stream)>> {
-        if b.info().kind != BackendKind::Cuda {
-            return Ok(None);
-        }
-        let err = |e: cudarc::driver::DriverError| Error::InvalidArgument {
-            tag: "probe".into(),
-            reason: format!("creating probe streams failed: {e:?}"),
-        };
-        let ctx = cudarc::driver::CudaContext::new(0).map_err(err)?;
-        Ok(Some((
-            Stream(ctx.new_stream().map_err(err)?),
-            Stream(ctx.new_stream().map_err(err)?),
-        )))
-    }
 }

@@ -94,12 +94,9 @@ struct BenchArgs {
     /// Skip the first release without prepin (it pins the whole backup on the critical path).
     #[arg(long)]
     no_cold: bool,
-    /// Also sweep bare map/unmap over these chunk sizes in MiB (e.g. 2,64,256,512,1024,2048).
-    #[arg(long, value_delimiter = ',')]
-    sweep_mib: Vec<usize>,
-    /// Skip these groups of rows (comma-separated): cold, pinning, growing, alloc,
-    /// after-free, routes, both, marked. The base rows (link, weights, KV) always run.
-    #[arg(long, value_delimiter = ',', value_parser = ["cold", "pinning", "growing", "alloc", "after-free", "routes", "both", "marked"])]
+    /// Skip these groups of rows (comma-separated): cold, growing, alloc, after-free,
+    /// marked. The base rows (link, weights, KV) always run.
+    #[arg(long, value_delimiter = ',', value_parser = ["cold", "growing", "alloc", "after-free", "marked"])]
     skip: Vec<String>,
 }
 
@@ -466,16 +463,12 @@ fn bench(backend: Arc<dyn Backend>, a: &BenchArgs) -> Result<(), Error> {
     cfg.chunk_bytes = a.load.chunk_mib << 20;
     let skip = |group: &str| a.skip.iter().any(|s| s == group);
     cfg.cold_release &= !a.no_cold && !skip("cold");
-    cfg.pinning &= !skip("pinning");
     cfg.growing &= !skip("growing");
     if skip("alloc") {
         cfg.alloc_sizes.clear();
     }
     cfg.after_free &= !skip("after-free");
-    cfg.routes &= !skip("routes");
-    cfg.both_directions &= !skip("both");
     cfg.marked &= !skip("marked");
-    cfg.sweep = a.sweep_mib.iter().map(|m| m << 20).collect();
     if on_gpu && a.weights_gib.is_none() && a.kv_gib.is_none() {
         let free = backend.mem_info().map(|m| m.free).unwrap_or(0);
         cfg = cfg.fit(free);

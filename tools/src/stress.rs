@@ -426,6 +426,8 @@ pub fn run(
             hash_chunk_bytes: cfg.hash_chunk_bytes,
             skip_unchanged: cfg.skip_unchanged,
             verify_restore: cfg.verify_restore,
+            // Both restore paths (overlapped with mapping, or map then copy), by seed.
+            overlap_restore: cfg.seed % 2 == 0,
             ..PagerConfig::default()
         },
     ));

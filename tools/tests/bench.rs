@@ -21,8 +21,6 @@ fn rows_over_the_link_are_judged_against_the_best_measure_of_the_run() {
         repeats: 1,
         growing: false,
         alloc_sizes: Vec::new(),
-        routes: false,
-        both_directions: false,
         ..BenchConfig::small()
     };
     let table = bench::run(backend.clone(), &cfg, &mut |_| {}).expect("the bench runs");

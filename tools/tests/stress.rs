@@ -1,7 +1,7 @@
 //! Short stress runs on the host backend (no GPU needed): random concurrent releases,
 //! resumes, writes and leases with injected faults, every buffer checked, no leak.
 
-#[path = "../../tests/common/mod.rs"]
+#[path = "../../tests/it/common/mod.rs"]
 mod common;
 
 use std::sync::Arc;

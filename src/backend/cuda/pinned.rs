@@ -1,23 +1,20 @@
 //! Pinned host memory by registration: anonymous memory, first touched on every core, then
 //! page-locked with `cuMemHostRegister`.
 //!
-//! `cuMemHostAlloc` faults, zeroes and locks its pages on one thread inside the driver: about
-//! 0.44 s per GiB on the H200 host, 7–10 s for a 16 GiB backup on the first release of a
-//! region without `prepin`. Registering memory the process has already touched is the
-//! cheaper half (measured there: 4 GiB in 0.15 s, against 1.2–1.4 s for memory not touched
-//! yet), and touching parallelises. So [`CudaBackend::pin`]:
+//! `cuMemHostAlloc` faults, zeroes and locks its pages on one thread inside the driver, which
+//! puts seconds on the first release of a large region without `prepin`. Registering memory
+//! the process has already touched is the cheaper half, and touching parallelises. So
+//! [`CudaBackend::pin`]:
 //!
 //! 1. maps anonymous private memory (`mmap`), aligned to [`HUGE_PAGE_BYTES`], and asks for
 //!    transparent huge pages (`madvise(MADV_HUGEPAGE)`; refused or not, it goes on) and for
 //!    the mapping to stay out of forked children (`MADV_DONTFORK`: a child of a process with
 //!    pinned pages would otherwise get copies of all of them at fork);
-//! 2. first-touches it on up to `available_parallelism` threads (a write per page by default,
-//!    which measured faster than `MADV_POPULATE_WRITE`: see [`PinOptions::populate`]), at
-//!    least [`MIN_TOUCH_BYTES_PER_THREAD`] each, so that a small buffer is touched on the
-//!    calling thread without spawning;
-//! 3. registers it with `CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP`: one
-//!    registration by default, or pieces registered one after another or on parallel threads
-//!    ([`PinOptions::piece_bytes`], for the benchmark that decides whether pieces pay);
+//! 2. first-touches it with a write per page (faster than `MADV_POPULATE_WRITE`) on up to
+//!    `available_parallelism` threads, at least [`MIN_TOUCH_BYTES_PER_THREAD`] each, so that
+//!    a small buffer is touched on the calling thread without spawning;
+//! 3. registers it with `CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP`, one
+//!    registration (pieces cost a fixed price each that only a pipeline hides, below);
 //! 4. takes the device address kernels use (zero-copy) from `cuMemHostGetDevicePointer`.
 //!
 //! The contents are initialised: anonymous memory reads as zeros from the moment it is
@@ -73,17 +70,14 @@ mod batch;
 pub const HUGE_PAGE_BYTES: usize = 2 << 20;
 
 /// The fewest bytes one touching thread is given: a buffer of less than twice this is
-/// touched on the calling thread. Spawning a thread costs some 20–50 µs, touching 8 MiB
-/// about 0.8 ms on one core (4 GiB took 0.42 s on the H200 host), so a helper pays for
-/// itself many times; a growing region's 291 buffers of ~55 MiB get 6 threads each.
+/// touched on the calling thread. Spawning a thread costs tens of µs, touching 8 MiB about a
+/// millisecond, so a helper pays for itself many times.
 pub const MIN_TOUCH_BYTES_PER_THREAD: usize = 8 << 20;
 
 /// Piece size of the pager's first backups ([`crate::backend::Backend::alloc_pinned_from_device`]
-/// through [`CudaBackend::pin_from_device`]): 2 GiB, 8 pieces for 16 GiB. Measured on the
-/// H200 host (BENCHMARKS.md, 2026-12-03, second run), 16 GiB pinned and copied in one pass
-/// took 1.53 s in 256 MiB pieces, 1.38 s in 512 MiB, 1.13 s in 1 GiB and 1.07 s in 2 GiB:
-/// every piece's registration pays a fixed cost that the overlap does not hide, while the
-/// first piece's touch and the last piece's copy stay short next to the whole.
+/// through [`CudaBackend::pin_from_device`]): 2 GiB. Every piece's registration pays a fixed
+/// cost that the overlap does not hide, so pieces are large; the first piece's touch and the
+/// last piece's copy, which nothing overlaps, stay short next to a whole weights backup.
 pub const FIRST_BACKUP_PIECE_BYTES: usize = 2 << 30;
 
 /// How [`CudaBackend::pin`] makes pinned host memory. The default is what
@@ -93,29 +87,16 @@ pub struct PinOptions {
     /// Threads that first-touch the memory; 0: `std::thread::available_parallelism`. Each
     /// gets at least [`MIN_TOUCH_BYTES_PER_THREAD`] bytes, so fewer run on small buffers.
     pub touch_threads: usize,
-    /// Touch with `madvise(MADV_POPULATE_WRITE)` (one call per thread) instead of a write
-    /// per page; a kernel without it (before Linux 5.14) gets the writes anyway. Off by
-    /// default: on the H200 host, 16 threads touched 16 GiB in 321 ms with a write per page
-    /// and in 776 ms with `MADV_POPULATE_WRITE` (same run, transparent huge pages both).
-    pub populate: bool,
     /// Ask for transparent huge pages (`madvise(MADV_HUGEPAGE)`); ignored where the kernel
     /// refuses.
     pub huge_pages: bool,
-    /// Bytes per `cuMemHostRegister` call, rounded up to [`HUGE_PAGE_BYTES`]; 0 (or at least
-    /// the size): one registration.
-    pub piece_bytes: usize,
-    /// Register the pieces on parallel threads (as many as touch), not one after another.
-    pub parallel_register: bool,
 }
 
 impl Default for PinOptions {
     fn default() -> Self {
         PinOptions {
             touch_threads: 0,
-            populate: false,
             huge_pages: true,
-            piece_bytes: 0,
-            parallel_register: false,
         }
     }
 }
@@ -369,24 +350,9 @@ fn pieces(len: usize, piece: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
-/// Backs every page of `part` (page-aligned) with memory: `MADV_POPULATE_WRITE` when
-/// `populate` and the kernel has it, else a write of 0 (what the page reads as already) at
-/// each page.
-fn touch_part(part: &mut [u8], populate: bool, page: usize) {
-    if populate && !part.is_empty() {
-        // SAFETY: `part` is a page-aligned range of a live private anonymous mapping that
-        // this thread borrows mutably; populating only backs it with (zero-filled) pages.
-        if unsafe {
-            libc::madvise(
-                part.as_mut_ptr().cast(),
-                part.len(),
-                libc::MADV_POPULATE_WRITE,
-            )
-        } == 0
-        {
-            return;
-        }
-    }
+/// Backs every page of `part` (page-aligned) with memory: a write of 0 (what the page reads
+/// as already) at each page.
+fn touch_part(part: &mut [u8], page: usize) {
     for i in (0..part.len()).step_by(page) {
         part[i] = 0;
     }
@@ -424,18 +390,18 @@ fn on_threads<T: Send>(threads: usize, items: Vec<T>, work: impl Fn(T) + Sync) {
 /// First-touches `mem` (page-aligned) on `threads` threads (1: the calling thread alone),
 /// in parts of whole huge pages so that no huge page is faulted by two threads, four parts
 /// per thread so that a slow thread holds the others up less.
-fn touch(mem: &mut [u8], threads: usize, populate: bool) {
-    touch_each(vec![mem], threads, populate);
+fn touch(mem: &mut [u8], threads: usize) {
+    touch_each(vec![mem], threads);
 }
 
 /// [`touch`] for several ranges (each page-aligned; the slices of one batch) at once: their
 /// parts, cut from each range's start, share one set of threads.
-fn touch_each(mems: Vec<&mut [u8]>, threads: usize, populate: bool) {
+fn touch_each(mems: Vec<&mut [u8]>, threads: usize) {
     let page = page_size();
     let total: usize = mems.iter().map(|m| m.len()).sum();
     if threads <= 1 || total <= HUGE_PAGE_BYTES {
         for m in mems {
-            touch_part(m, populate, page);
+            touch_part(m, page);
         }
         return;
     }
@@ -445,7 +411,7 @@ fn touch_each(mems: Vec<&mut [u8]>, threads: usize, populate: bool) {
     let parts: Vec<&mut [u8]> = mems.into_iter().flat_map(|m| m.chunks_mut(part)).collect();
     // A touch cannot panic (its indices stay inside its part); were a helper to, its pages
     // would be backed by the registration instead: slower, never wrong.
-    on_threads(threads, parts, |p| touch_part(p, populate, page));
+    on_threads(threads, parts, |p| touch_part(p, page));
 }
 
 /// Page-locked host memory: anonymous memory registered with the driver in one or more
@@ -493,53 +459,13 @@ impl CudaPinned {
         &self.regs
     }
 
-    /// Registers `pieces` (offsets into the memory) one after another on this thread.
-    fn register_serial(&mut self, pieces: &[Range<usize>]) -> BackendResult<()> {
+    /// Registers the buffer's whole mapping, one registration.
+    fn register_whole(&mut self) -> BackendResult<()> {
         let _scope = self.dev.scope()?;
-        let base = self.mem.ptr.as_ptr() as usize;
-        for r in pieces {
-            register(base + r.start, r.len())?;
-            self.regs.push(r.clone());
-        }
+        let whole = 0..self.mem.len;
+        register(self.mem.ptr.as_ptr() as usize, whole.len())?;
+        self.regs.push(whole);
         Ok(())
-    }
-
-    /// Registers `pieces` on up to `threads` threads (this one included). Every piece that
-    /// was registered is kept for `Drop`, also when another failed; a failure returns after
-    /// the others finished (no new piece starts once one failed).
-    fn register_parallel(&mut self, pieces: &[Range<usize>], threads: usize) -> BackendResult<()> {
-        let base = self.mem.ptr.as_ptr() as usize;
-        let dev: &Dev = &self.dev;
-        let done = Mutex::new(Vec::with_capacity(pieces.len()));
-        let failed: Mutex<Option<BackendError>> = Mutex::new(None);
-        on_threads(
-            threads.min(pieces.len()),
-            pieces.to_vec(),
-            |r: Range<usize>| {
-                let mut first = failed.lock().unwrap_or_else(|p| p.into_inner());
-                if first.is_some() {
-                    return;
-                }
-                drop(first);
-                let outcome = dev
-                    .scope()
-                    .and_then(|_scope| register(base + r.start, r.len()));
-                match outcome {
-                    Ok(()) => done.lock().unwrap_or_else(|p| p.into_inner()).push(r),
-                    Err(e) => {
-                        first = failed.lock().unwrap_or_else(|p| p.into_inner());
-                        first.get_or_insert(e);
-                    }
-                }
-            },
-        );
-        let mut done = done.into_inner().unwrap_or_else(|p| p.into_inner());
-        done.sort_by_key(|r| r.start);
-        self.regs = done;
-        match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
     }
 
     /// The device address of the memory, checked to be one contiguous range over all
@@ -670,8 +596,8 @@ fn pipeline_touch_threads(requested: usize) -> usize {
 
 /// The pipeline's touch of one piece of [`CudaBackend::pin_from_device`]: on
 /// `touch_threads(len, helpers)` threads.
-fn touch_piece(helpers: usize, populate: bool) -> impl Fn(&mut (Range<usize>, &mut [u8])) + Sync {
-    move |(_, part)| touch(part, touch_threads(part.len(), helpers), populate)
+fn touch_piece(helpers: usize) -> impl Fn(&mut (Range<usize>, &mut [u8])) + Sync {
+    move |(_, part)| touch(part, touch_threads(part.len(), helpers))
 }
 
 /// Registers `part` (piece `r` of a buffer of `bytes` usable bytes), notes it in `regs` (to be
@@ -760,36 +686,33 @@ impl Drop for CudaPinned {
 }
 
 impl CudaBackend {
-    /// Pins `bytes` of host memory as `opts` says (see the module documentation); the
-    /// contents read as zeros. [`crate::backend::Backend::alloc_pinned`] is
-    /// `pin(bytes, &PinOptions::default())`: one registration, touched on every core.
+    /// Pins `bytes` of host memory as `opts` says (see the module documentation), in one
+    /// registration; the contents read as zeros. [`crate::backend::Backend::alloc_pinned`]
+    /// is `pin(bytes, &PinOptions::default())`: touched on every core.
     ///
     /// Errors: [`BackendError::Invalid`] for 0 bytes; [`BackendError::Os`] when the memory
     /// cannot be mapped; [`BackendError::Driver`] when the driver refuses to register it.
     /// Nothing stays mapped or registered after an error.
     pub fn pin(&self, bytes: usize, opts: &PinOptions) -> BackendResult<CudaPinned> {
-        let (mut pinned, pieces) = self.map_and_touch(bytes, opts)?;
+        let mut pinned = self.map_only(bytes, opts)?;
+        (pinned.timings.touch, pinned.timings.touch_threads) = touch_timed(&mut pinned.mem, opts);
+        pinned.timings.pieces = 1;
         // On any error below, dropping `pinned` unregisters what was registered and unmaps.
         let t = Instant::now();
-        if opts.parallel_register && pieces.len() > 1 {
-            pinned.register_parallel(&pieces, pinned.timings.touch_threads)?;
-        } else {
-            pinned.register_serial(&pieces)?;
-        }
+        pinned.register_whole()?;
         pinned.device_ptr = pinned.lookup_device_ptr()?;
         pinned.timings.register = t.elapsed();
         Ok(pinned)
     }
 
     /// Pins `bytes` as [`CudaBackend::pin`] does and fills them with a copy of device memory
-    /// at `src`, as a three-stage pipeline over the pieces ([`PinOptions::piece_bytes`]; 0:
-    /// one piece, nothing overlaps; the pager's first backups use
+    /// at `src`, as a three-stage pipeline over pieces of `piece_bytes` (rounded up to
+    /// [`HUGE_PAGE_BYTES`]; 0: one piece, nothing overlaps; the pager's first backups use
     /// [`FIRST_BACKUP_PIECE_BYTES`]): a scoped helper thread first-touches the pieces in order
     /// (on `touch_threads` threads, 0: all cores but one) and hands each finished piece to
     /// this thread through a channel; this thread registers each piece it receives and
     /// enqueues its copy on the backend's device→host stream at once. So piece k+1 is
-    /// touched while piece k registers and piece k-1 copies. `parallel_register` is ignored.
-    /// Every copy stays inside one registration. Waits for the copies before it returns,
+    /// touched while piece k registers and piece k-1 copies. Every copy stays inside one registration. Waits for the copies before it returns,
     /// also on error; when that wait fails, the buffer is leaked rather than unmapped under
     /// a copy that may still run (recorded in the backend's [`DeferredErrors`]).
     ///
@@ -810,19 +733,19 @@ impl CudaBackend {
     pub unsafe fn pin_from_device(
         &self,
         bytes: usize,
+        piece_bytes: usize,
         opts: &PinOptions,
         src: u64,
     ) -> BackendResult<CudaPinned> {
         let mut pinned = self.map_only(bytes, opts)?;
         let scope = self.dev.scope()?;
-        let pieces = pieces(pinned.mem.len, opts.piece_bytes);
+        let pieces = pieces(pinned.mem.len, piece_bytes);
         let helpers = pipeline_touch_threads(opts.touch_threads);
         pinned.timings.pieces = pieces.len();
         pinned.timings.touch_threads = pieces
             .first()
             .map_or(1, |r| touch_threads(r.len(), helpers));
         let stream = self.d2h.cu_stream();
-        let populate = opts.populate;
         let CudaPinned {
             mem, regs, timings, ..
         } = &mut pinned;
@@ -836,7 +759,7 @@ impl CudaBackend {
             parts.push((r.clone(), part));
             rest = tail;
         }
-        let touch = touch_piece(helpers, populate);
+        let touch = touch_piece(helpers);
         let (enqueued, held) = pipeline(parts, touch, timings, |(r, part)| {
             // SAFETY: `src .. src + bytes` is mapped and unwritten (the caller's contract);
             // `part` is piece `r` of this buffer, touched, borrowed exclusively by this
@@ -913,29 +836,14 @@ impl CudaBackend {
             dev: self.dev.clone(),
         })
     }
-
-    /// The steps before registration: maps `bytes` (> 0, else `Invalid`) and touches them;
-    /// returns the buffer, nothing registered yet, and the pieces to register.
-    fn map_and_touch(
-        &self,
-        bytes: usize,
-        opts: &PinOptions,
-    ) -> BackendResult<(CudaPinned, Vec<Range<usize>>)> {
-        let mut pinned = self.map_only(bytes, opts)?;
-        (pinned.timings.touch, pinned.timings.touch_threads) = touch_timed(&mut pinned.mem, opts);
-        let pieces = pieces(pinned.mem.len, opts.piece_bytes);
-        pinned.timings.pieces = pieces.len();
-        pinned.regs.reserve(pieces.len());
-        Ok((pinned, pieces))
-    }
 }
 
-/// First-touches all of `mem` as `opts` says ([`touch_threads`], `populate`); returns the
+/// First-touches all of `mem` on [`touch_threads`] threads; returns the
 /// time it took and the threads that touched.
 fn touch_timed(mem: &mut AnonMemory, opts: &PinOptions) -> (Duration, usize) {
     let threads = touch_threads(mem.len, opts.touch_threads);
     let t = Instant::now();
-    touch(mem.as_mut_slice(), threads, opts.populate);
+    touch(mem.as_mut_slice(), threads);
     (t.elapsed(), threads)
 }
 
@@ -1021,16 +929,12 @@ mod tests {
     #[test]
     fn touch_backs_every_page_on_threads_or_not() {
         let errors = Arc::new(DeferredErrors::new());
-        for (threads, populate) in [(1, true), (1, false), (4, true), (4, false), (64, false)] {
+        for threads in [1, 4, 64] {
             let bytes = 48 * MIB + 4096;
             let mut m = AnonMemory::map(bytes, true, errors.clone()).expect("mmap");
             assert!(missing_pages(m.as_mut_slice()) > 0);
-            touch(m.as_mut_slice(), threads, populate);
-            assert_eq!(
-                missing_pages(m.as_mut_slice()),
-                0,
-                "{threads} threads, populate {populate}"
-            );
+            touch(m.as_mut_slice(), threads);
+            assert_eq!(missing_pages(m.as_mut_slice()), 0, "{threads} threads");
             assert!(
                 m.as_mut_slice().iter().all(|&b| b == 0),
                 "touching changed the contents"
@@ -1056,7 +960,7 @@ mod tests {
     fn the_pipeline_hands_over_every_piece_touched_in_order_on_the_calling_thread() {
         let errors = Arc::new(DeferredErrors::new());
         let here = std::thread::current().id();
-        for (helpers, populate, piece) in [(3, true, 8 * MIB), (1, false, 6 * MIB), (2, true, 0)] {
+        for (helpers, piece) in [(3, 8 * MIB), (1, 6 * MIB), (2, 0)] {
             let bytes = 48 * MIB + 4096;
             let mut m = AnonMemory::map(bytes, true, errors.clone()).expect("mmap");
             let len = m.len;
@@ -1065,7 +969,7 @@ mod tests {
             let mut timings = PinTimings::default();
             let (outcome, held) = pipeline(
                 parts(&mut m, piece),
-                touch_piece(helpers, populate),
+                touch_piece(helpers),
                 &mut timings,
                 |(r, part)| {
                     let part: &mut [u8] = part;
@@ -1093,7 +997,7 @@ mod tests {
         let mut m = AnonMemory::map(40 * MIB, true, errors.clone()).expect("mmap");
         let mut calls = 0;
         let mut timings = PinTimings::default();
-        let touch = touch_piece(2, true);
+        let touch = touch_piece(2);
         let (outcome, held) = pipeline(parts(&mut m, 4 * MIB), touch, &mut timings, |(r, _)| {
             calls += 1;
             if r.start == 8 * MIB {

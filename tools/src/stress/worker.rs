@@ -162,8 +162,6 @@ impl<'a> Worker<'a> {
             830..860 => self.mark_own(),
             860..940 => self.readback_random(),
             940..945 => self.free_backup_random(),
-            // Both restore paths (overlapped with mapping, or map then copy) get exercised.
-            945..950 => self.pager.set_overlap_restore(self.rng.below(2) == 0),
             _ if self.cfg.faults && self.rng.chance(400) => self.hog_cycle(),
             _ => self.verify_random(),
         }

@@ -3,11 +3,10 @@
 //! pinned ([`CudaBackend::pin_many_from_device`]). See the parent module's "Batches".
 
 use std::ops::Range;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{
-    AnonMemory, CudaPinned, HUGE_PAGE_BYTES, PinOptions, PinTimings, on_threads, pipeline,
+    AnonMemory, CudaPinned, HUGE_PAGE_BYTES, PinOptions, PinTimings, pipeline,
     pipeline_touch_threads, register_and_copy, touch_each, touch_threads, touch_timed,
 };
 use crate::backend::cuda::CudaBackend;
@@ -93,13 +92,12 @@ impl CudaBackend {
     /// up to [`HUGE_PAGE_BYTES`], one registration per buffer, each buffer droppable on its
     /// own), and fills each with a copy of its device range, as a pipeline like
     /// [`CudaBackend::pin_from_device`]'s: the buffers are grouped, in order, into parts of
-    /// at most `opts.piece_bytes` (0: one part, nothing overlaps; a buffer larger than that is
+    /// at most `part_bytes` (0: one part, nothing overlaps; a buffer larger than that is
     /// a part of its own, never split: one registration per buffer, and no copy spans two);
     /// a scoped helper thread first-touches the parts in order (each on `touch_threads`
     /// threads, 0: all cores but one) and hands each to this thread, which registers each
     /// buffer of it and enqueues its copy on the backend's device→host stream at once. So
-    /// part k+1 is touched while part k registers and part k-1 copies. `parallel_register`
-    /// is ignored. Waits for the copies before it returns, also on error; when that wait
+    /// part k+1 is touched while part k registers and part k-1 copies. Waits for the copies before it returns, also on error; when that wait
     /// fails, the whole batch is leaked rather than unmapped under a copy that may still
     /// run (recorded in the backend's [`crate::backend::DeferredErrors`]). No ranges: no
     /// buffers.
@@ -121,6 +119,7 @@ impl CudaBackend {
     pub unsafe fn pin_many_from_device(
         &self,
         ranges: &[DeviceRange],
+        part_bytes: usize,
         opts: &PinOptions,
     ) -> BackendResult<Vec<CudaPinned>> {
         let sizes: Vec<usize> = ranges.iter().map(|r| r.bytes).collect();
@@ -135,9 +134,9 @@ impl CudaBackend {
         // registered, and the last buffer to drop unmaps the memory.
         let mut out = self.unregistered(&sizes, mem, &slices)?;
         let scope = self.dev.scope()?;
-        let groups = groups(&slices, opts.piece_bytes);
+        let groups = groups(&slices, part_bytes);
         let helpers = pipeline_touch_threads(opts.touch_threads);
-        let part_bytes = |g: &Range<usize>| {
+        let group_bytes = |g: &Range<usize>| {
             slices
                 .get(g.clone())
                 .map_or(0, |s| s.iter().map(Range::len).sum())
@@ -146,12 +145,11 @@ impl CudaBackend {
             map,
             touch_threads: groups
                 .first()
-                .map_or(1, |g| touch_threads(part_bytes(g), helpers)),
+                .map_or(1, |g| touch_threads(group_bytes(g), helpers)),
             pieces: out.len(),
             ..PinTimings::default()
         };
         let stream = self.d2h.cu_stream();
-        let populate = opts.populate;
         // Each buffer's registrations, and its bytes borrowed mutably from its slice: the
         // helper touches a part, then hands its borrows to this thread, which keeps them
         // until the copies are waited for below (the copy engine writes into them meanwhile).
@@ -167,11 +165,7 @@ impl CudaBackend {
         let touch = |part: &mut Part<'_>| {
             let bytes = part.iter().map(|(_, b)| b.len()).sum();
             let threads = touch_threads(bytes, helpers);
-            touch_each(
-                part.iter_mut().map(|(_, b)| &mut **b).collect(),
-                threads,
-                populate,
-            );
+            touch_each(part.iter_mut().map(|(_, b)| &mut **b).collect(), threads);
         };
         let (enqueued, held) = pipeline(parts, touch, &mut timings, |part| {
             for (k, buf) in part.iter_mut() {
@@ -209,12 +203,9 @@ impl CudaBackend {
 
     /// Pins one buffer per entry of `sizes` (each at least one byte), reading as zeros, in
     /// one batch: one mapping of their sizes each rounded up to [`HUGE_PAGE_BYTES`], touched
-    /// once as [`CudaBackend::pin`] touches (`opts`' `touch_threads`, `populate` and
-    /// `huge_pages`), then each buffer's slice registered with its own `cuMemHostRegister`
-    /// (`piece_bytes` is ignored): one after another on this thread, or with
-    /// `parallel_register` on as many threads as touched (each thread registers whole
-    /// buffers, disjoint ranges; the default is serial, for the benchmark to compare), and
-    /// its device address taken from that registration. Each buffer may be dropped on its
+    /// once as [`CudaBackend::pin`] touches (`opts`), then each buffer's slice registered
+    /// with its own `cuMemHostRegister`, one after another, and its device address taken from
+    /// that registration. Each buffer may be dropped on its
     /// own, in any order (see the module documentation). No sizes: no buffers.
     ///
     /// Every buffer carries the whole batch's [`PinTimings`] (the same on each, not to be
@@ -239,9 +230,7 @@ impl CudaBackend {
         // Nothing registered yet. On any error below, dropping `out` unregisters what was
         // registered, and the last buffer to drop unmaps the memory.
         let mut out = self.unregistered(sizes, mem, &slices)?;
-        if opts.parallel_register && out.len() > 1 {
-            register_each_parallel(&mut out, threads)?;
-        } else {
+        {
             // One scope for the whole loop: the buffers' own scopes then find the context
             // current.
             let _scope = self.dev.scope()?;
@@ -268,45 +257,6 @@ impl CudaBackend {
         }
         Ok(out)
     }
-}
-
-impl CudaPinned {
-    /// Registers the buffer's whole slice, one registration.
-    fn register_whole(&mut self) -> BackendResult<()> {
-        let whole = 0..self.mem.len;
-        self.register_serial(std::slice::from_ref(&whole))
-    }
-}
-
-/// Registers each of `bufs` whole on up to `threads` threads (this one included). A buffer
-/// that was registered keeps its registration for its `Drop`, also when another failed; a
-/// failure returns after the others finished (no new buffer starts once one failed).
-fn register_each_parallel(bufs: &mut [CudaPinned], threads: usize) -> BackendResult<()> {
-    let failed: Mutex<Option<BackendError>> = Mutex::new(None);
-    let first = || failed.lock().unwrap_or_else(|p| p.into_inner());
-    on_threads(
-        threads.min(bufs.len()),
-        bufs.iter_mut().collect(),
-        |p: &mut CudaPinned| {
-            if first().is_some() {
-                return;
-            }
-            if let Err(e) = p.register_whole() {
-                first().get_or_insert(e);
-            }
-        },
-    );
-    if let Some(e) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        return Err(e);
-    }
-    // A helper thread that panicked left its buffers unregistered (`on_threads`).
-    if bufs.iter().any(|p| p.regs.is_empty()) {
-        return Err(BackendError::Invalid {
-            op: "alloc_pinned_many",
-            reason: "a registering thread stopped before it registered its buffers".to_owned(),
-        });
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -386,7 +336,7 @@ mod tests {
     fn touch_each_backs_every_page_of_every_slice() {
         let errors = Arc::new(DeferredErrors::new());
         let (s, total) = slices(&[1, 3 * MIB + 5, 2 * MIB, 9 * MIB]).unwrap();
-        for (threads, populate) in [(1, false), (3, false), (4, true)] {
+        for threads in [1, 3, 4] {
             let mem = AnonMemory::map(total, true, errors.clone()).expect("mmap");
             let mut parts = mem.split(&s).expect("split");
             assert!(
@@ -397,7 +347,6 @@ mod tests {
             touch_each(
                 parts.iter_mut().map(AnonMemory::as_mut_slice).collect(),
                 threads,
-                populate,
             );
             for (k, p) in parts.iter_mut().enumerate() {
                 let page = crate::backend::host::page_size();
@@ -439,7 +388,7 @@ mod tests {
         }
 
         let mut mem = AnonMemory::map(total, true, errors.clone()).expect("mmap");
-        touch(mem.as_mut_slice(), 2, true);
+        touch(mem.as_mut_slice(), 2);
         let base2 = mem.ptr.as_ptr() as usize;
         let mut parts = mem.split(&s).expect("split");
         for (p, r) in parts.iter_mut().zip(&s) {

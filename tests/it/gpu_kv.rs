@@ -7,7 +7,7 @@
 //! Run on the H200 with `bash .gpu/on-device gpu-tests` after `scripts/gpu-pack` (see `scripts/gpu-check`), and
 //! under the memory checker with `scripts/gpu-check tests gpu_kv`.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

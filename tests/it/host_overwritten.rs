@@ -1,7 +1,7 @@
 //! Update-aware release on the host backend: bytes marked "overwritten by the next update"
 //! are neither saved nor restored; everything else comes back bit-exact. Runs in CI.
 
-mod common;
+use crate::common;
 
 use std::ops::Range;
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! The pager on the host backend: the multi-stage wake-up, misuse, out-of-memory rollback,
 //! leases, idempotence, bad input and concurrency. Runs in CI (no GPU needed).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

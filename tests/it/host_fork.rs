@@ -3,7 +3,7 @@
 //! host backend's chunks are shared mappings) or hanging on a lock a parent thread held at
 //! the fork. Each case runs in a process of its own (`--exact`), as fork wants.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,7 +20,12 @@ fn in_own_process(name: &str) -> bool {
         return false;
     }
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", name, "--test-threads", "1"])
+        .args([
+            "--exact",
+            &common::test_path(module_path!(), name),
+            "--test-threads",
+            "1",
+        ])
         .env(CHILD, "1")
         .output()
         .unwrap();

@@ -5,7 +5,7 @@
 //! and every `Preserve` buffer reads back bit-exact, but for the bytes marked overwritten at
 //! the last release (undefined after the resume, yet mapped and writable).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -3,7 +3,7 @@
 //! marked overwritten at a release are undefined after the resume; every other known byte
 //! must read back bit-exact after every step.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -1,6 +1,6 @@
 //! `Pager::buffer_at` / `buffer_containing`: from a device address back to its buffer.
 
-mod common;
+use crate::common;
 
 use gpu_pager::{Pager, Policy};
 

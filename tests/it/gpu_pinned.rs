@@ -5,7 +5,7 @@
 //! Every test is `#[ignore = "needs a CUDA GPU"]` and fails (never passes) without one.
 //! Run on the H200 with `bash .gpu/on-device gpu-tests` after `scripts/gpu-pack` (see `scripts/gpu-check`).
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
@@ -19,13 +19,9 @@ use gpu_pager::{Pager, PagerConfig, Policy};
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
 
-/// Registered in pieces of `piece_bytes`, on parallel threads or one after another.
-fn pieces(piece_bytes: usize, parallel_register: bool) -> PinOptions {
-    PinOptions {
-        piece_bytes,
-        parallel_register,
-        ..PinOptions::default()
-    }
+/// Pieces of `piece_bytes` (the pipeline's), with default options.
+fn pieces(piece_bytes: usize) -> (usize, PinOptions) {
+    (piece_bytes, PinOptions::default())
 }
 
 /// Byte `i` of a region filled with the 32-bit `pattern` (see `Backend::fill`).
@@ -143,15 +139,19 @@ fn kernels_use_registered_memory_through_its_device_pointer() {
         blocks,
     };
     b.context().bind_to_thread().expect("bind the context");
-    for (what, opts) in [
-        ("one registration", PinOptions::default()),
-        ("2 MiB pieces, serial", pieces(2 * MIB, false)),
-        ("2 MiB pieces, parallel", pieces(2 * MIB, true)),
-    ] {
+    for (what, piece) in [("one registration", 0), ("2 MiB pieces", 2 * MIB)] {
         let bytes = cache_bytes + 40; // an odd tail past the blocks
-        let mut host = b.pin(bytes, &opts).expect("pin");
+        let src = pager.ptr(&cache).unwrap();
+        let mut host = if piece == 0 {
+            b.pin(bytes, &PinOptions::default()).expect("pin")
+        } else {
+            // SAFETY: `src .. src + cache_bytes` is the live cache buffer, not written
+            // meanwhile.
+            unsafe { b.pin_from_device(cache_bytes, piece, &PinOptions::default(), src) }
+                .expect("pin_from_device")
+        };
         let regs = host.registrations().to_vec();
-        if opts.piece_bytes == 0 {
+        if piece == 0 {
             assert_eq!(regs.len(), 1, "{what}");
         } else {
             assert!(regs.len() >= 2, "{what}: {} registrations", regs.len());
@@ -240,11 +240,12 @@ fn pin_from_device_copies_bit_exact() {
     let data = rng.bytes(bytes);
     pager.write(&src, 0, &data).unwrap();
     let at = pager.ptr(&src).unwrap();
-    for opts in [PinOptions::default(), pieces(2 * MIB, false)] {
+    for piece in [0, 2 * MIB] {
         // SAFETY: `at .. at + bytes` is the live `src` buffer, not written meanwhile.
-        let host = unsafe { b.pin_from_device(bytes, &opts, at) }.expect("pin_from_device");
+        let host = unsafe { b.pin_from_device(bytes, piece, &PinOptions::default(), at) }
+            .expect("pin_from_device");
         assert_eq!(host.len(), bytes);
-        let want_pieces = if opts.piece_bytes == 0 { 1 } else { 2 };
+        let want_pieces = if piece == 0 { 1 } else { 2 };
         assert!(host.registrations().len() >= want_pieces);
         assert_bytes_eq(
             &format!("{} registrations", host.registrations().len()),
@@ -260,8 +261,8 @@ fn pin_from_device_copies_bit_exact() {
 /// The pipelined `pin_from_device` (a helper touching piece k+1 while piece k registers and
 /// piece k-1 copies) over odd sizes and piece sizes: no pieces, pieces smaller than the
 /// buffer (a multiple of it and not), a piece size that is not a multiple of 2 MiB, a piece
-/// larger than the buffer; one touching thread and all, with and without
-/// `MADV_POPULATE_WRITE`. Bit-exact against the device source (random, at an odd address),
+/// larger than the buffer; one touching thread and all, with and without huge pages.
+/// Bit-exact against the device source (random, at an odd address),
 /// the registrations back to back over the whole mapping, and `piece_bytes` as registered.
 /// (Restores from such a buffer through the pump, cut at its pieces, are checked by
 /// `first_release_without_prepin_pins_in_one_pass_and_restores_bit_exact`.)
@@ -290,28 +291,32 @@ fn pipelined_pin_from_device_odd_sizes_and_pieces_bit_exact() {
         largest,
     ];
     let opts = [
-        PinOptions::default(),
-        pieces(2 * MIB, false),
-        pieces(3 * MIB, false), // rounded up to 4 MiB
-        pieces(8 * MIB, false),
-        pieces(usize::MAX / 2, false),
-        PinOptions {
-            touch_threads: 1,
-            populate: false,
-            ..pieces(4 * MIB, false)
-        },
-        PinOptions {
-            touch_threads: 3,
-            huge_pages: false,
-            ..pieces(2 * MIB, false)
-        },
+        pieces(0),
+        pieces(2 * MIB),
+        pieces(3 * MIB), // rounded up to 4 MiB
+        pieces(8 * MIB),
+        pieces(usize::MAX / 2),
+        (
+            4 * MIB,
+            PinOptions {
+                touch_threads: 1,
+                ..PinOptions::default()
+            },
+        ),
+        (
+            2 * MIB,
+            PinOptions {
+                touch_threads: 3,
+                huge_pages: false,
+            },
+        ),
     ];
     for &bytes in &sizes {
         for o in &opts {
             let what = format!("{bytes} bytes, {o:?}");
             // SAFETY: `at .. at + bytes` lies inside the live `src` buffer, not written
             // meanwhile.
-            let host = unsafe { b.pin_from_device(bytes, o, at) }.expect(&what);
+            let host = unsafe { b.pin_from_device(bytes, o.0, &o.1, at) }.expect(&what);
             assert_eq!(host.len(), bytes, "{what}");
             assert_bytes_eq(&what, host.as_slice(), &data[..bytes]);
             let regs = host.registrations();
@@ -320,7 +325,7 @@ fn pipelined_pin_from_device_odd_sizes_and_pieces_bit_exact() {
             for w in regs.windows(2) {
                 assert_eq!(w[0].end, w[1].start, "{what}: back to back");
             }
-            let piece = o.piece_bytes.checked_next_multiple_of(2 * MIB).unwrap_or(0);
+            let piece = o.0.checked_next_multiple_of(2 * MIB).unwrap_or(0);
             let mapped = regs.last().map_or(0, |r| r.end);
             let want = if piece == 0 || piece >= mapped {
                 1
@@ -481,7 +486,7 @@ fn pinning_100_times_returns_the_memory() {
         drop(p);
     }
     for _ in 0..10 {
-        drop(b.pin(bytes, &pieces(8 * MIB, true)).expect("pin in pieces"));
+        drop(b.pin(bytes, &PinOptions::default()).expect("pin"));
     }
     let after = ["VmRSS", "VmLck", "VmPin"].map(status_bytes);
     eprintln!("VmRSS, VmLck, VmPin before {before:?}, after {after:?}");
@@ -676,9 +681,9 @@ fn pinned_batches_of_odd_sizes_are_disjoint_and_copy_bit_exact() {
     let at = pager.ptr(&dev).unwrap() + 7;
     let poison = 0xDEAD_BEEFu32;
 
-    // Registered on parallel threads here, one after another through the trait.
+    // One touching thread here, all of them through the trait.
     let parallel = PinOptions {
-        parallel_register: true,
+        touch_threads: 1,
         ..PinOptions::default()
     };
     // `driver_device_ptr` calls the driver directly: it needs the context current here.
@@ -813,7 +818,7 @@ fn pinned_batches_dropped_one_by_one_return_the_memory() {
         }
     }
     let parallel = PinOptions {
-        parallel_register: true,
+        touch_threads: 1,
         ..PinOptions::default()
     };
     for _ in 0..10 {
@@ -842,7 +847,7 @@ fn pinned_batches_dropped_one_by_one_return_the_memory() {
 /// (`pin_many_from_device`, and `alloc_pinned_many_from_device` through the trait in 6 MiB
 /// parts): grouped into no parts, 6 MiB parts (several buffers each, a larger buffer alone),
 /// 2 MiB parts (every buffer alone) and 3 MiB parts (rounded up to 4); touched by one thread
-/// or several, with and without huge pages or `MADV_POPULATE_WRITE`. Every buffer is
+/// or several, with and without huge pages. Every buffer is
 /// bit-exact against its device source (random, at odd addresses), has one registration over
 /// its own huge-page-aligned slice whose device address is the driver's, and carries the
 /// batch's timings; the slices are disjoint; the buffers are dropped one by one in a
@@ -890,26 +895,30 @@ fn pin_many_from_device_odd_sizes_and_parts_bit_exact() {
         .collect();
     let want = |k: usize| &data[offsets[k]..offsets[k] + sizes[k]];
     let opts = [
-        PinOptions::default(),
-        pieces(6 * MIB, false),
-        pieces(2 * MIB, false),
-        PinOptions {
-            touch_threads: 1,
-            ..pieces(3 * MIB, false)
-        },
-        PinOptions {
-            touch_threads: 3,
-            huge_pages: false,
-            populate: true,
-            ..pieces(6 * MIB, false)
-        },
+        pieces(0),
+        pieces(6 * MIB),
+        pieces(2 * MIB),
+        (
+            3 * MIB,
+            PinOptions {
+                touch_threads: 1,
+                ..PinOptions::default()
+            },
+        ),
+        (
+            6 * MIB,
+            PinOptions {
+                touch_threads: 3,
+                huge_pages: false,
+            },
+        ),
     ];
     // `driver_device_ptr` calls the driver directly: it needs the context current here.
     b.context().bind_to_thread().expect("bind the context");
     for o in &opts {
         let what = format!("{o:?}");
         // SAFETY: every range lies inside the live `src` buffer, not written meanwhile.
-        let mut bufs = unsafe { b.pin_many_from_device(&ranges, o) }.expect(&what);
+        let mut bufs = unsafe { b.pin_many_from_device(&ranges, o.0, &o.1) }.expect(&what);
         assert_eq!(bufs.len(), sizes.len(), "{what}");
         let timings = bufs[0].timings();
         assert_eq!(timings.pieces, sizes.len(), "{what}: one registration each");
@@ -917,7 +926,7 @@ fn pin_many_from_device_odd_sizes_and_parts_bit_exact() {
         if o == &opts[1] {
             eprintln!("{what}: {timings:?}");
         }
-        let spans = batch_spans(&bufs, &sizes, &what, o.huge_pages);
+        let spans = batch_spans(&bufs, &sizes, &what, o.1.huge_pages);
         for (k, p) in bufs.iter().enumerate() {
             let w = format!("{what}, buffer {k}");
             assert_eq!(p.piece_bytes(), 0, "{w}: one piece");
@@ -947,7 +956,7 @@ fn pin_many_from_device_odd_sizes_and_parts_bit_exact() {
     }
     drop(bufs);
     // SAFETY: no ranges.
-    let none = unsafe { b.pin_many_from_device(&[], &PinOptions::default()) };
+    let none = unsafe { b.pin_many_from_device(&[], 0, &PinOptions::default()) };
     assert!(none.expect("no ranges").is_empty());
     let zero = [
         ranges[0],
@@ -957,7 +966,7 @@ fn pin_many_from_device_odd_sizes_and_parts_bit_exact() {
         },
     ];
     // SAFETY: the first range is as above; the second reads nothing.
-    let refused = unsafe { b.pin_many_from_device(&zero, &PinOptions::default()) };
+    let refused = unsafe { b.pin_many_from_device(&zero, 0, &PinOptions::default()) };
     assert!(matches!(refused, Err(BackendError::Invalid { .. })));
     pager.remove("src").unwrap();
     drop(pager);

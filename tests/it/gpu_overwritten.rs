@@ -4,7 +4,7 @@
 //!
 //! Every test is `#[ignore = "needs a CUDA GPU"]` and fails (never passes) without one.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

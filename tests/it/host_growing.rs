@@ -1,7 +1,7 @@
 //! Growing regions (created with 0 bytes) on the host backend: memory follows the buffers,
 //! release and resume move exactly the buffers, failures roll back.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 
@@ -227,8 +227,19 @@ fn growing_regions_refuse_what_does_not_apply_and_report_conflicts() {
 /// mapping (freeing one afterwards gives back exactly its granules).
 #[test]
 fn a_growing_region_resumes_back_to_back_buffers_in_few_map_calls() {
+    // Overlapped (groups mapped ahead), then mapped whole with one call.
+    for (overlap, most) in [(true, 12), (false, 1)] {
+        back_to_back(overlap, most);
+    }
+}
+
+fn back_to_back(overlap: bool, most: u64) {
     use gpu_pager::backend::faulty::FaultPoint;
-    let (host, faulty, pager) = common::faulty_host_pager(1 << 30, G, common::small_chunks());
+    let config = gpu_pager::PagerConfig {
+        overlap_restore: overlap,
+        ..common::small_chunks()
+    };
+    let (host, faulty, pager) = common::faulty_host_pager(1 << 30, G, config);
     pager.region("w", 0, Policy::Preserve).unwrap();
     let mut rng = Rng::seeded("back_to_back");
     let mut bufs = Vec::new();
@@ -251,20 +262,19 @@ fn a_growing_region_resumes_back_to_back_buffers_in_few_map_calls() {
             assert!(read(&pager, b) == *data, "{when}: buffer {k} differs");
         }
     };
-    for (overlap, most) in [(true, 12), (false, 1)] {
-        pager.set_overlap_restore(overlap);
-        pager.release(&["w"]).unwrap();
-        let before = faulty.calls(FaultPoint::Map);
-        pager.resume(&["w"]).unwrap();
-        let calls = faulty.calls(FaultPoint::Map) - before;
-        assert!(
-            (1..=most).contains(&calls),
-            "overlap {overlap}: 200 buffers in {calls} map calls"
-        );
-        check(&bufs, "after the resume");
+    pager.release(&["w"]).unwrap();
+    let before = faulty.calls(FaultPoint::Map);
+    pager.resume(&["w"]).unwrap();
+    let calls = faulty.calls(FaultPoint::Map) - before;
+    assert!(
+        (1..=most).contains(&calls),
+        "overlap {overlap}: 200 buffers in {calls} map calls"
+    );
+    check(&bufs, "after the resume");
+    if overlap {
+        return;
     }
     // A hole in the middle: two runs.
-    pager.set_overlap_restore(false);
     let (hole, _) = bufs.remove(100);
     let used = host.used_bytes();
     let hole_bytes = hole.len().div_ceil(G) * G;

@@ -4,7 +4,7 @@
 //! buffer is stale (item 16), a growing region is not called elastic (item 17), reversed
 //! ranges are named as such (item 18), `Debug` of an error carries its message (item 20).
 
-mod common;
+use crate::common;
 
 use gpu_pager::{Error, Pager, Policy, RegionOptions};
 
@@ -61,7 +61,7 @@ fn many_mapped_chunks_need_no_descriptor_each() {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "many_mapped_chunks_need_no_descriptor_each",
+            &common::test_path(module_path!(), "many_mapped_chunks_need_no_descriptor_each"),
             "--test-threads",
             "1",
         ])

@@ -5,7 +5,7 @@
 //!
 //! Every test is `#[ignore = "needs a CUDA GPU"]` and fails (never passes) without one.
 
-mod common;
+use crate::common;
 
 use common::{Rng, assert_bytes_eq, free_bytes, gpu, gpu_lock, scale};
 use gpu_pager::backend::Backend;

@@ -5,7 +5,7 @@
 //! Every test is `#[ignore = "needs a CUDA GPU"]` and fails (never passes) without one.
 //! Run on the H200 with `bash .gpu/on-device gpu-tests` after `scripts/gpu-pack` (see `scripts/gpu-check`).
 
-mod common;
+use crate::common;
 
 use common::{Rng, assert_bytes_eq, free_bytes, gpu, gpu_lock, scale};
 

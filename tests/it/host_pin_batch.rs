@@ -2,7 +2,7 @@
 //! host backend: one call per first release, all or nothing under an injected pinning
 //! fault, contents bit-exact across cycles, buffers added and freed between them.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -207,3 +207,14 @@ pub fn host_pager(capacity: usize) -> gpu_pager::Pager {
         granularity: 2 << 20,
     })))
 }
+
+/// The name libtest gives test `name` of the module at `module` (its `module_path!()`): the
+/// path inside the test binary, for running that one test alone in a child process.
+pub fn test_path(module: &str, name: &str) -> String {
+    let inside = module.split_once("::").map_or("", |(_, rest)| rest);
+    if inside.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{inside}::{name}")
+    }
+}

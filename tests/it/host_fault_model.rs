@@ -55,11 +55,6 @@ enum Op {
     FreeBackup {
         tag: usize,
     },
-    /// Switches `first_save_overlap` (first backups pinned and filled in one pass, or pinned
-    /// and then saved through the pump).
-    Overlap {
-        on: bool,
-    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -74,7 +69,6 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (1..4u8).prop_map(|mask| Op::Resume { mask }),
         3 => (0..4usize, 0..6u64).prop_map(|(point, after)| Op::Fault { point, after }),
         1 => (0..2usize).prop_map(|tag| Op::FreeBackup { tag }),
-        1 => any::<bool>().prop_map(|on| Op::Overlap { on }),
     ]
 }
 
@@ -111,11 +105,13 @@ proptest! {
         route in prop_oneof![
             Just(CopyRoute::Engine),
             Just(CopyRoute::Kernel),
-            Just(CopyRoute::Adaptive),
             Just(CopyRoute::Fastest)
         ],
+        // First backups pinned and filled in one pass, or pinned and then saved through
+        // the pump.
+        first_save_overlap in any::<bool>(),
     ) {
-        check(ops, gap, route)?;
+        check(ops, gap, route, first_save_overlap)?;
     }
 }
 
@@ -142,7 +138,12 @@ fn get(host: &HostBackend, pager: &Pager, buf: &Buffer) -> Vec<u8> {
     out
 }
 
-fn check(ops: Vec<Op>, gap: usize, route: CopyRoute) -> Result<(), TestCaseError> {
+fn check(
+    ops: Vec<Op>,
+    gap: usize,
+    route: CopyRoute,
+    first_save_overlap: bool,
+) -> Result<(), TestCaseError> {
     let host = Arc::new(HostBackend::new(HostConfig {
         capacity: 4 << 20,
         granularity: G,
@@ -159,6 +160,7 @@ fn check(ops: Vec<Op>, gap: usize, route: CopyRoute) -> Result<(), TestCaseError
             skip_unchanged: true,
             restore_route: route,
             save_route: route,
+            first_save_overlap,
             ..PagerConfig::default()
         },
     );
@@ -279,7 +281,6 @@ fn check(ops: Vec<Op>, gap: usize, route: CopyRoute) -> Result<(), TestCaseError
             Op::FreeBackup { tag } => {
                 let _ = pager.free_backup(TAGS[tag].0);
             }
-            Op::Overlap { on } => pager.set_first_save_overlap(on),
         }
         for m in &bufs {
             if !resident[m.tag] {

@@ -1,7 +1,7 @@
 //! Backup media on the host backend: pinned (kept), host memory given back after each
 //! resume, and files; the choices they refuse; a full disk that loses nothing.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -298,7 +298,13 @@ fn a_full_disk_fails_the_release_and_loses_nothing() {
     let dir = scratch("media-full");
     let mut child = std::process::Command::new(std::env::current_exe().unwrap());
     child
-        .args(["--exact", "a_full_disk_fails_the_release_and_loses_nothing"])
+        .args([
+            "--exact",
+            &common::test_path(
+                module_path!(),
+                "a_full_disk_fails_the_release_and_loses_nothing",
+            ),
+        ])
         .env(CHILD, &dir);
     let out = child.output().unwrap();
     let log =
@@ -347,7 +353,10 @@ fn backup_files_go_when_the_process_exits() {
     }
     let dir = scratch("media-exit");
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "backup_files_go_when_the_process_exits"])
+        .args([
+            "--exact",
+            &common::test_path(module_path!(), "backup_files_go_when_the_process_exits"),
+        ])
         .env(CHILD, &dir)
         .output()
         .unwrap();

@@ -1,7 +1,7 @@
 //! The KV kernels through `KvKernels::kv` on the host backend (CI): the same matrix the GPU
 //! test runs (tests/gpu_kv.rs), against the reference, plus the checks every launcher makes.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

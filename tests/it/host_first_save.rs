@@ -6,7 +6,7 @@
 //! off) the first save goes through the pump as before, for a growing region too (whose
 //! one-pass first release is tested in `host_first_save_growing.rs`). Runs in CI.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,6 +31,11 @@ fn host() -> Arc<HostBackend> {
 /// A pager with small hash chunks and units, `copy_gap_bytes` 0 (exactly the unmarked bytes
 /// are saved) and `verify_restore` on (every resume checks what it restored).
 fn pager(backend: Arc<dyn Backend>, skip_unchanged: bool) -> Pager {
+    pager_with(backend, skip_unchanged, true)
+}
+
+/// [`pager`] with `first_save_overlap` as given.
+fn pager_with(backend: Arc<dyn Backend>, skip_unchanged: bool, first_save_overlap: bool) -> Pager {
     Pager::with_config(
         backend,
         PagerConfig {
@@ -40,6 +45,7 @@ fn pager(backend: Arc<dyn Backend>, skip_unchanged: bool) -> Pager {
             copy_gap_bytes: 0,
             verify_restore: true,
             skip_unchanged,
+            first_save_overlap,
             ..PagerConfig::default()
         },
     )
@@ -216,13 +222,11 @@ fn a_fault_while_pinning_or_copying_leaves_the_region_resident_and_intact() {
 
 #[test]
 fn with_the_switch_off_the_first_save_goes_through_the_pump() {
-    // The switch at run time (fixed and growing), and `skip_unchanged` off: the old path.
+    // The switch off (fixed and growing), and `skip_unchanged` off: the old path.
     for case in ["switch off", "skip_unchanged off", "growing"] {
-        let pager = pager(host(), case != "skip_unchanged off");
-        if case != "skip_unchanged off" {
-            pager.set_first_save_overlap(false);
-            assert!(!pager.config().first_save_overlap);
-        }
+        let skip = case != "skip_unchanged off";
+        let pager = pager_with(host(), skip, !skip);
+        assert_eq!(pager.config().first_save_overlap, !skip);
         let mut rng = Rng::seeded("with_the_switch_off");
         let tag = "weights";
         let bufs = if case == "growing" {
@@ -257,8 +261,7 @@ fn with_the_switch_off_the_first_save_goes_through_the_pump() {
         let res = pager.resume(&[tag]).unwrap();
         assert_eq!(entry(&res, tag).copied, saved, "{case}");
         assert_intact(&pager, &bufs, case);
-        // Switched on later, an existing backup is used as it is.
-        pager.set_first_save_overlap(true);
+        // The backup exists now: the next release copies only what changed (nothing).
         let rel = pager.release(&[tag]).unwrap();
         let expect = if case == "skip_unchanged off" {
             saved

@@ -6,7 +6,7 @@
 //! fault in the batch leaves the region resident, intact and releasable. (With the switch
 //! off, the old path: `host_first_save.rs`.) Runs in CI.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -6,7 +6,7 @@
 //! GPU is present. Random data comes from a seeded PRNG; the seed is printed, and
 //! `GPU_PAGER_SEED=<seed>` replays a run.
 
-mod common;
+use crate::common;
 
 use common::{Rng, assert_bytes_eq, gpu_lock};
 use cudarc::driver::sys;

@@ -1,7 +1,7 @@
 //! What a new user trips over: every mistake is a typed error whose message says what is
 //! wrong, with the numbers, and what to do.
 
-mod common;
+use crate::common;
 
 use std::error::Error as _;
 use std::sync::Arc;

@@ -104,6 +104,29 @@ typedef uint32_t gpu_pager_policy;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// How a region's memory is mapped while resident (`gpu_pager_region`'s `kind`). (The
+// core's third kind, elastic, backs chunks on request for a paged KV cache, which the C ABI
+// does not offer.)
+enum gpu_pager_region_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Mapped whole, in chunks: `bytes` must fit in the device.
+  GPU_PAGER_FIXED = 0,
+  // Exactly the memory under live buffers (each `gpu_pager_alloc` /
+  // `gpu_pager_torch_malloc` maps its buffer, each free unmaps it); `bytes` is the address
+  // range it reserves, 0 for 4 times the device's memory.
+  GPU_PAGER_GROWING = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum gpu_pager_region_kind gpu_pager_region_kind;
+#else
+typedef uint32_t gpu_pager_region_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // Where a `GPU_PAGER_PRESERVE` region's contents go while it is released
 // (`gpu_pager_region_medium`'s `medium`).
 enum gpu_pager_medium
@@ -216,13 +239,14 @@ gpu_pager_code gpu_pager_device(int device, struct gpu_pager_device_info *out);
 
 // Creates region `tag` of `bytes` (rounded up to the granularity) on device `device`,
 // resident, at a device address that never changes while it exists; stores that address
-// in `*base_out` unless `base_out` is NULL. `policy` is a `gpu_pager_policy`. `prepin`
-// pins a `GPU_PAGER_PRESERVE` region's host backup now, so that the first release does
-// not pay for pinning. Creating an existing tag again with the same size and policy
-// returns it; otherwise `GPU_PAGER_ERROR_TAG_CONFLICT`. `bytes == 0` creates a growing
-// region: a large address range with memory mapped only under live buffers (each
-// `gpu_pager_alloc` / `gpu_pager_torch_malloc` maps its buffer, each free unmaps it). The
-// backup is pinned host memory kept across cycles (`gpu_pager_region_medium` chooses).
+// in `*base_out` unless `base_out` is NULL. `policy` is a `gpu_pager_policy`, `kind` a
+// `gpu_pager_region_kind`: `GPU_PAGER_FIXED` maps all `bytes`, `GPU_PAGER_GROWING` maps
+// memory only under live buffers (each `gpu_pager_alloc` / `gpu_pager_torch_malloc` maps
+// its buffer, each free unmaps it). `prepin` pins a `GPU_PAGER_PRESERVE` region's host
+// backup now, so that the first release does not pay for pinning. Creating an existing
+// tag again with the same kind, size and policy returns it; otherwise
+// `GPU_PAGER_ERROR_TAG_CONFLICT`. The backup is pinned host memory kept across cycles
+// (`gpu_pager_region_medium` chooses).
 //
 // # Safety
 // `tag` is NULL (an error) or a NUL-terminated string; `base_out` is NULL or valid for a
@@ -230,6 +254,7 @@ gpu_pager_code gpu_pager_device(int device, struct gpu_pager_device_info *out);
 gpu_pager_code gpu_pager_region(int device,
                                 const char *tag,
                                 uint32_t policy,
+                                uint32_t kind,
                                 size_t bytes,
                                 bool prepin,
                                 uint64_t *base_out);
@@ -244,6 +269,7 @@ gpu_pager_code gpu_pager_region(int device,
 gpu_pager_code gpu_pager_region_medium(int device,
                                        const char *tag,
                                        uint32_t policy,
+                                       uint32_t kind,
                                        size_t bytes,
                                        bool prepin,
                                        uint32_t medium,

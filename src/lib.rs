@@ -60,7 +60,9 @@ pub use pager::{
     PagerConfig, ReleaseOptions, ResumeOptions, Stats,
 };
 pub use pump::CopyRoute;
-pub use region::{Medium, Policy, RegionInfo, RegionOptions, RegionStats, State, chunk_sizes};
+pub use region::{
+    Medium, Policy, RegionInfo, RegionKind, RegionOptions, RegionStats, State, chunk_sizes,
+};
 pub use report::{Move, Outcome, RegionReport, Report, Steps};
 
 /// Every Rust code block of README.md, compiled and run as a doctest, so the README's

@@ -12,7 +12,7 @@ use crate::backup::file::FileIo;
 use crate::error::{Error, Result, nearest_tag};
 use crate::pump::{self, CopyRoute, PumpConfig, PumpStats, Sink};
 use crate::region::{
-    Medium, Policy, Region, RegionInfo, RegionOptions, RegionStats, Shape, remember,
+    Medium, Policy, Region, RegionInfo, RegionKind, RegionOptions, RegionStats, Shape, remember,
 };
 use crate::report::{Move, Outcome, RegionReport, Report, Steps};
 use crate::suballoc::AllocError;
@@ -247,17 +247,10 @@ impl std::fmt::Display for Stats {
             bytes_h(self.backup_bytes())
         )?;
         for r in &self.regions {
-            let kind = format!(
-                "{}{:?}",
-                if r.info.growing {
-                    "growing "
-                } else if r.info.elastic {
-                    "elastic "
-                } else {
-                    ""
-                },
-                r.info.policy
-            );
+            let kind = match r.info.kind {
+                RegionKind::Fixed => format!("{:?}", r.info.policy),
+                k => format!("{k} {:?}", r.info.policy),
+            };
             let state = match r.info.state {
                 crate::State::Resident => "resident",
                 crate::State::Released => "released",
@@ -332,30 +325,29 @@ fn lock(slot: &Slot) -> MutexGuard<'_, Region> {
 /// An elastic region may reserve up to this many times the device's memory.
 pub(crate) const MAX_RESERVE_FACTOR: usize = 4;
 
-/// Describes a region's kind for error messages.
-fn describe(policy: Policy, medium: Medium, bytes: usize, elastic: bool, growing: bool) -> String {
+/// Describes a region for error messages.
+fn describe(policy: Policy, medium: Medium, bytes: usize, kind: RegionKind) -> String {
     let backup = if policy == Policy::Preserve {
         format!(" with a {medium} backup")
     } else {
         String::new()
     };
-    if growing {
-        return format!("a growing {policy:?} region{backup} (reserving {bytes} bytes)");
-    }
-    let elastic = if elastic { "elastic " } else { "" };
-    let article = match elastic.chars().chain(format!("{policy:?}").chars()).next() {
-        Some('a' | 'e' | 'i' | 'o' | 'u' | 'A' | 'E' | 'I' | 'O' | 'U') => "an",
-        _ => "a",
+    let article = match kind {
+        RegionKind::Elastic => "an",
+        RegionKind::Fixed | RegionKind::Growing => "a",
     };
-    format!("{article} {elastic}{policy:?} region{backup} of {bytes} bytes")
+    let size = match kind {
+        RegionKind::Growing => format!("reserving {bytes} bytes"),
+        RegionKind::Fixed | RegionKind::Elastic => format!("of {bytes} bytes"),
+    };
+    format!("{article} {kind} {policy:?} region{backup} {size}")
 }
 
 /// What a region creation asks for, compared with an existing region of the tag.
 struct Wanted {
     policy: Policy,
     size: usize,
-    growing: bool,
-    elastic: bool,
+    kind: RegionKind,
     medium: Medium,
     prepin: bool,
     exclusive: bool,
@@ -591,25 +583,25 @@ impl Pager {
         }
         let info = self.backend.info();
         let g = info.granularity;
-        let growing = bytes == 0;
-        // A growing region reserves a multiple of the device's memory (address space is
-        // cheap) and maps only under its buffers.
-        let bytes = if growing {
+        let kind = options.kind;
+        // A growing region reserves a multiple of the device's memory unless told otherwise
+        // (address space is cheap) and maps only under its buffers.
+        let bytes = if kind == RegionKind::Growing && bytes == 0 {
             info.total_bytes.saturating_mul(MAX_RESERVE_FACTOR) / g * g
         } else {
             bytes
         };
-        // A region that maps all of its memory while resident must fit in the device; an
-        // elastic one only reserves addresses, of which there are plenty.
-        let (limit, why) = if options.elastic || growing {
+        // A region that maps all of its memory while resident must fit in the device; the
+        // others only reserve addresses, of which there are plenty.
+        let (limit, why) = if kind == RegionKind::Fixed {
             (
-                info.total_bytes.saturating_mul(MAX_RESERVE_FACTOR),
-                "an elastic region reserves at most 4 times",
+                info.total_bytes,
+                "a fixed region is mapped whole while resident and must fit in",
             )
         } else {
             (
-                info.total_bytes,
-                "a region mapped whole while resident must fit in",
+                info.total_bytes.saturating_mul(MAX_RESERVE_FACTOR),
+                "an elastic or growing region reserves at most 4 times",
             )
         };
         let size = bytes
@@ -618,15 +610,15 @@ impl Pager {
             .ok_or_else(|| Error::InvalidSize {
                 tag: tag.to_owned(),
                 reason: format!(
-                    "{bytes} bytes: a region needs at most {limit} bytes ({why} the device's {} \
-                     bytes, {}); ask for fewer bytes (or 0 for a region that grows with its \
-                     buffers){}",
+                    "{bytes} bytes: a region needs 1 to {limit} bytes ({why} the device's {} \
+                     bytes, {}); ask for fewer bytes{}",
                     info.total_bytes,
                     info.name,
-                    if options.elastic {
-                        ""
-                    } else {
-                        ", or make it elastic to map only what is used"
+                    match kind {
+                        RegionKind::Fixed =>
+                            ", or create it growing to map only under its \
+                                              buffers, or elastic to map only what is backed",
+                        RegionKind::Elastic | RegionKind::Growing => "",
                     }
                 ),
             })?;
@@ -661,8 +653,7 @@ impl Pager {
         let want = Wanted {
             policy,
             size,
-            growing,
-            elastic: options.elastic || growing,
+            kind,
             medium: options.medium,
             prepin: options.prepin,
             exclusive,
@@ -678,7 +669,7 @@ impl Pager {
         // A Discard region that is mapped whole (fixed) or buffer by buffer (growing: a
         // torch KV cache's segments) has nothing to copy while it maps: as few handles as
         // the driver maps fastest. Everything else maps and copies (or backs) chunk by chunk.
-        let default_chunk = if policy != Policy::Preserve && !options.elastic {
+        let default_chunk = if policy != Policy::Preserve && kind != RegionKind::Elastic {
             self.config.discard_chunk_bytes
         } else {
             self.config.chunk_bytes
@@ -691,7 +682,6 @@ impl Pager {
         let shape = Shape {
             size,
             chunk_bytes: chunk,
-            growing,
         };
         let mut region = Region::create(
             self.backend.as_ref(),
@@ -735,10 +725,10 @@ impl Pager {
                     .to_owned(),
             });
         }
+        let growing = want.kind == RegionKind::Growing;
         if r.policy == want.policy
-            && r.growing == want.growing
-            && (want.growing || r.size() == want.size)
-            && r.elastic == want.elastic
+            && r.kind == want.kind
+            && (growing || r.size() == want.size)
             && r.medium == want.medium
         {
             if want.prepin && want.policy == Policy::Preserve {
@@ -748,11 +738,10 @@ impl Pager {
         }
         let differs: Vec<&str> = [
             (r.policy != want.policy, "policy"),
-            (r.growing != want.growing, "growing (0 bytes) or fixed size"),
-            (!want.growing && !r.growing && r.size() != want.size, "size"),
+            (r.kind != want.kind, "kind (fixed, elastic or growing)"),
             (
-                r.elastic != want.elastic && r.growing == want.growing,
-                "elastic option",
+                !growing && r.kind != RegionKind::Growing && r.size() != want.size,
+                "size",
             ),
             (r.medium != want.medium, "backup medium"),
         ]
@@ -761,14 +750,8 @@ impl Pager {
         .collect();
         Err(Error::TagConflict {
             tag: tag.to_owned(),
-            existing: describe(r.policy, r.medium, r.size(), r.elastic, r.growing),
-            requested: describe(
-                want.policy,
-                want.medium,
-                want.size,
-                want.elastic,
-                want.growing,
-            ),
+            existing: describe(r.policy, r.medium, r.size(), r.kind),
+            requested: describe(want.policy, want.medium, want.size, want.kind),
             differs: differs.join(" and "),
         })
     }
@@ -889,7 +872,7 @@ impl Pager {
                 ),
             });
         }
-        let (want, align) = if r.growing && bytes > 0 {
+        let (want, align) = if r.growing() && bytes > 0 {
             let Some(rounded) = bytes.checked_next_multiple_of(g) else {
                 return Err(Error::InvalidSize {
                     tag: tag.to_owned(),
@@ -902,7 +885,7 @@ impl Pager {
         };
         match r.alloc.alloc(want, align, id) {
             Ok(a) => {
-                if r.growing {
+                if r.growing() {
                     if let Err(e) = r.map_buffer(self.backend.as_ref(), a.offset, a.len) {
                         let _ = r.alloc.free(a.offset, id);
                         return Err(e);
@@ -993,7 +976,7 @@ impl Pager {
             return Err(stale(buf));
         }
         let len = r.alloc.get(buf.offset).map_or(0, |a| a.len);
-        if r.growing {
+        if r.growing() {
             r.settle()?;
             r.unmap_buffer(self.backend.as_ref(), buf.offset, len)?;
         }
@@ -1017,7 +1000,7 @@ impl Pager {
         let mut r = lock(&slot);
         let range = buffer_range(&r, buf, offset, len)?;
         r.require_resident(op)?;
-        if r.elastic && !r.is_backed(&range) {
+        if r.on_demand() && !r.is_backed(&range) {
             return Err(Error::NotBacked {
                 tag: buf.tag.to_string(),
                 offset: range.start,
@@ -1512,11 +1495,11 @@ impl Pager {
     pub fn trim(&self, tag: &str, keep: &[Range<usize>]) -> Result<usize> {
         let slot = self.slot(tag)?;
         let mut r = lock(&slot);
-        if !r.elastic {
+        if !r.on_demand() {
             return Err(Error::InvalidArgument {
                 tag: tag.to_owned(),
-                reason: "only elastic regions can be trimmed; create the region with \
-                         RegionOptions { elastic: true, .. }, or release it instead"
+                reason: "only elastic regions can be trimmed; create the region elastic, or \
+                         release it instead"
                     .to_owned(),
             });
         }

@@ -5,7 +5,7 @@
 //! - a **fixed** region maps its whole range, in chunks, while resident;
 //! - an **elastic** region maps chunks only where asked ([`crate::Pager::back`], a paged KV
 //!   cache) and maps nothing on resume;
-//! - a **growing** region (created with 0 bytes) reserves a large range and maps exactly the
+//! - a **growing** region reserves a large range and maps exactly the
 //!   memory under its live buffers: an allocation maps its buffer (one piece per chunk size),
 //!   a free unmaps it, a release backs up and unmaps what is mapped, and a resume maps and
 //!   restores exactly that again, at the same addresses.
@@ -81,6 +81,34 @@ pub enum State {
     Released,
 }
 
+/// How a region's memory is mapped while it is resident.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum RegionKind {
+    /// The whole region, in chunks: its size must fit in the device.
+    #[default]
+    Fixed,
+    /// Only the chunks asked for ([`crate::Pager::back`], given back with
+    /// [`crate::Pager::trim`]): a paged KV cache. Created and resumed with nothing mapped,
+    /// so its contents cannot be preserved: [`Policy::Discard`] and
+    /// [`Policy::DiscardZeroed`] only. Reserves at most 4 times the device's memory.
+    Elastic,
+    /// Exactly the memory under its live buffers: an allocation maps its buffer, a free
+    /// unmaps it (the memory torch's caching allocator asks for, segment by segment). Any
+    /// policy. Its size is the address range it reserves, 0 for 4 times the device's
+    /// memory.
+    Growing,
+}
+
+impl std::fmt::Display for RegionKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RegionKind::Fixed => "fixed",
+            RegionKind::Elastic => "elastic",
+            RegionKind::Growing => "growing",
+        })
+    }
+}
+
 /// Options fixed when a region is created.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RegionOptions {
@@ -88,12 +116,8 @@ pub struct RegionOptions {
     /// pinning on its critical path. In a growing region each buffer's backup is pinned
     /// when the buffer is allocated.
     pub prepin: bool,
-    /// Map physical chunks only where asked ([`crate::Pager::back`]) and give them back
-    /// with [`crate::Pager::trim`], instead of mapping the whole region while resident (a
-    /// paged KV cache). The region is created, and resumed, with nothing mapped. Only for
-    /// [`Policy::Discard`] and [`Policy::DiscardZeroed`]. (A growing region, created with
-    /// 0 bytes, is elastic by nature and may be of any policy.)
-    pub elastic: bool,
+    /// How the region's memory is mapped (default [`RegionKind::Fixed`]).
+    pub kind: RegionKind,
     /// Physical chunk size for this region instead of [`crate::PagerConfig::chunk_bytes`],
     /// rounded the same way (up to the granularity and to a power of two). Elastic regions
     /// map and unmap whole chunks, so smaller chunks follow their use more closely.
@@ -101,6 +125,23 @@ pub struct RegionOptions {
     /// Where the contents go while released ([`Policy::Preserve`] only; default
     /// [`Medium::Pinned`]).
     pub medium: Medium,
+}
+
+impl RegionOptions {
+    /// The defaults, for a [`RegionKind::Growing`] region.
+    pub const GROWING: RegionOptions = RegionOptions::of(RegionKind::Growing);
+    /// The defaults, for a [`RegionKind::Elastic`] region.
+    pub const ELASTIC: RegionOptions = RegionOptions::of(RegionKind::Elastic);
+
+    /// The defaults, for a region of `kind`.
+    pub const fn of(kind: RegionKind) -> RegionOptions {
+        RegionOptions {
+            prepin: false,
+            kind,
+            chunk_bytes: None,
+            medium: Medium::Pinned,
+        }
+    }
 }
 
 /// A public description of a region.
@@ -122,12 +163,8 @@ pub struct RegionInfo {
     pub medium: Medium,
     /// Current state.
     pub state: State,
-    /// Whether the region was made elastic ([`RegionOptions::elastic`]): memory mapped only
-    /// where backed. A growing region reports `false` here and `true` in `growing`.
-    pub elastic: bool,
-    /// Whether the region grows with its buffers (created with 0 bytes): memory is mapped
-    /// exactly under live buffers.
-    pub growing: bool,
+    /// How its memory is mapped.
+    pub kind: RegionKind,
     /// Identity of the region: unique among the regions and buffers of the process, so a region
     /// removed and created again under the same tag has a new id.
     pub id: u64,
@@ -178,10 +215,7 @@ pub(crate) struct Region {
     /// The pager's file I/O, for [`Medium::File`].
     files: Option<Arc<FileIo>>,
     pub chunk_bytes: usize,
-    /// Memory is mapped on demand, not all at once (elastic and growing regions).
-    pub elastic: bool,
-    /// Memory is mapped exactly under live buffers (created with 0 bytes).
-    pub growing: bool,
+    pub kind: RegionKind,
     /// Pin each buffer's backup when it is allocated (growing `Preserve` with `prepin`).
     prepin: bool,
     /// Releases that changed this region (a KV cache invalidates its block ids on a change).
@@ -224,7 +258,7 @@ impl std::fmt::Debug for Region {
             .field("state", &self.state)
             .field("base", &format_args!("{:#x}", self.base()))
             .field("size", &self.size())
-            .field("growing", &self.growing)
+            .field("kind", &self.kind)
             .finish_non_exhaustive()
     }
 }
@@ -257,8 +291,6 @@ pub(crate) struct Shape {
     pub size: usize,
     /// Chunk size (fixed, elastic) or largest piece (growing).
     pub chunk_bytes: usize,
-    /// Grows with its buffers.
-    pub growing: bool,
 }
 
 impl Region {
@@ -273,12 +305,12 @@ impl Region {
         options: RegionOptions,
         files: &Arc<FileIo>,
     ) -> Result<Region> {
-        if options.elastic && !shape.growing && policy == Policy::Preserve {
+        if options.kind == RegionKind::Elastic && policy == Policy::Preserve {
             return Err(Error::InvalidArgument {
                 tag: tag.to_owned(),
-                reason: "a Preserve region cannot be elastic (resuming an elastic region maps \
-                         nothing, so there is nowhere to restore to); use Policy::Discard or \
-                         Policy::DiscardZeroed, elastic: false, or a growing region (0 bytes)"
+                reason: "a preserve region cannot be elastic (resuming an elastic region maps \
+                         nothing, so there is nowhere to restore to); make it discard or \
+                         discard-zeroed, or fixed or growing"
                     .to_owned(),
             });
         }
@@ -292,9 +324,10 @@ impl Region {
             medium: options.medium,
             files: (options.medium == Medium::File).then(|| files.clone()),
             chunk_bytes: shape.chunk_bytes,
-            elastic: options.elastic || shape.growing,
-            growing: shape.growing,
-            prepin: options.prepin && shape.growing && policy == Policy::Preserve,
+            kind: options.kind,
+            prepin: options.prepin
+                && options.kind == RegionKind::Growing
+                && policy == Policy::Preserve,
             releases: 0,
             exclusive: false,
             mapped: Mapped::default(),
@@ -311,14 +344,14 @@ impl Region {
             last_resume: None,
             errors: backend.deferred_errors().clone(),
         };
-        if !region.elastic {
+        if !region.on_demand() {
             region.map_all(backend, "region creation")?;
             if policy == Policy::DiscardZeroed {
                 region.zero(backend)?;
             }
         }
         region.state = State::Resident;
-        if options.prepin && policy == Policy::Preserve && !shape.growing {
+        if options.prepin && policy == Policy::Preserve && !region.growing() {
             region.pin(backend, 0, shape.size)?;
         }
         Ok(region)
@@ -326,6 +359,16 @@ impl Region {
 
     pub fn base(&self) -> u64 {
         self.reservation.base()
+    }
+
+    /// Memory is mapped exactly under live buffers.
+    pub fn growing(&self) -> bool {
+        self.kind == RegionKind::Growing
+    }
+
+    /// Memory is mapped on demand, not all at once (elastic and growing regions).
+    pub fn on_demand(&self) -> bool {
+        self.kind != RegionKind::Fixed
     }
 
     pub fn size(&self) -> usize {
@@ -341,8 +384,7 @@ impl Region {
             policy: self.policy,
             medium: self.medium,
             state: self.state,
-            elastic: self.elastic && !self.growing,
-            growing: self.growing,
+            kind: self.kind,
             id: self.id,
             releases: self.releases,
         }
@@ -350,7 +392,7 @@ impl Region {
 
     pub fn stats(&self) -> RegionStats {
         let resident = self.mapped_bytes();
-        let wanted = if self.growing {
+        let wanted = if self.growing() {
             self.extents().iter().map(|e| e.len()).sum()
         } else {
             self.size()
@@ -445,9 +487,9 @@ impl Region {
     /// What a resident region has mapped, at most: the whole range (fixed), the buffers'
     /// extents (growing), or nothing it maps by itself (elastic: `back` decides).
     fn wanted(&self) -> Vec<Range<usize>> {
-        if self.growing {
+        if self.growing() {
             self.extents()
-        } else if self.elastic {
+        } else if self.on_demand() {
             Vec::new()
         } else {
             std::iter::once(0..self.size()).collect()
@@ -497,7 +539,7 @@ impl Region {
     /// Maps the unmapped chunks sharing a byte with `range` (inside the region) and, for
     /// `DiscardZeroed`, zero-fills them. All or nothing. Returns the bytes newly mapped.
     pub fn back(&mut self, backend: &dyn Backend, range: &Range<usize>) -> Result<usize> {
-        if self.growing {
+        if self.growing() {
             return Err(Error::InvalidArgument {
                 tag: self.tag.clone(),
                 reason: "a growing region maps memory under its buffers by itself; allocate \
@@ -541,7 +583,7 @@ impl Region {
     /// back. The caller has synchronized the device. A growing region keeps exactly its
     /// buffers mapped, so there is nothing to trim (0).
     pub fn trim(&mut self, keep: &[Range<usize>]) -> usize {
-        if self.growing {
+        if self.growing() {
             return 0;
         }
         self.mapped.remove_where(|m| {
@@ -736,7 +778,7 @@ impl Region {
     /// bytes between two such spans (marked bytes, or free space between buffers) is saved
     /// too, as one copy costs less than two.
     fn save_plan(&self, gap: usize) -> Vec<(usize, usize, Vec<Range<usize>>)> {
-        if self.growing {
+        if self.growing() {
             self.extents()
                 .into_iter()
                 .map(|e| {
@@ -776,7 +818,7 @@ impl Region {
         if self.policy != Policy::Preserve || self.medium == Medium::Host {
             return Ok(());
         }
-        if self.growing {
+        if self.growing() {
             self.prepin = true;
             self.ensure_backup(backend, 0)?;
         } else {
@@ -844,7 +886,7 @@ impl Region {
         }
         match missing[..] {
             [] => Ok(Duration::ZERO),
-            [(start, len)] if !self.growing => self.pin(backend, start, len),
+            [(start, len)] if !self.growing() => self.pin(backend, start, len),
             _ => {
                 let t = Instant::now();
                 let sizes: Vec<usize> = missing.iter().map(|&(_, len)| len).collect();
@@ -889,7 +931,7 @@ impl Region {
         if self.policy != Policy::Preserve || !self.is_resident() || self.files.is_some() {
             return Ok(none);
         }
-        if self.growing {
+        if self.growing() {
             return self.first_backups_of_buffers(backend, gap, hash_chunk);
         }
         let Some((start, len, want)) = self.save_plan(gap).into_iter().next() else {

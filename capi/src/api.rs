@@ -13,7 +13,7 @@ use gpu_pager::{Error, Lease, Pager, RegionOptions, ReleaseOptions, Result, Resu
 use crate::boundary::{self, call, invalid, pager, required, write_out};
 use crate::types::{
     GPU_PAGER_RESUME_KEEP_HOST_BACKUPS, gpu_pager_code, gpu_pager_device_info, gpu_pager_medium,
-    gpu_pager_policy, gpu_pager_report, gpu_pager_stats,
+    gpu_pager_policy, gpu_pager_region_kind, gpu_pager_report, gpu_pager_stats,
 };
 
 /// The live buffer containing `ptr` in `pager`, and `ptr`'s offset in it.
@@ -122,13 +122,14 @@ pub unsafe extern "C" fn gpu_pager_device(
 
 /// Creates region `tag` of `bytes` (rounded up to the granularity) on device `device`,
 /// resident, at a device address that never changes while it exists; stores that address
-/// in `*base_out` unless `base_out` is NULL. `policy` is a `gpu_pager_policy`. `prepin`
-/// pins a `GPU_PAGER_PRESERVE` region's host backup now, so that the first release does
-/// not pay for pinning. Creating an existing tag again with the same size and policy
-/// returns it; otherwise `GPU_PAGER_ERROR_TAG_CONFLICT`. `bytes == 0` creates a growing
-/// region: a large address range with memory mapped only under live buffers (each
-/// `gpu_pager_alloc` / `gpu_pager_torch_malloc` maps its buffer, each free unmaps it). The
-/// backup is pinned host memory kept across cycles (`gpu_pager_region_medium` chooses).
+/// in `*base_out` unless `base_out` is NULL. `policy` is a `gpu_pager_policy`, `kind` a
+/// `gpu_pager_region_kind`: `GPU_PAGER_FIXED` maps all `bytes`, `GPU_PAGER_GROWING` maps
+/// memory only under live buffers (each `gpu_pager_alloc` / `gpu_pager_torch_malloc` maps
+/// its buffer, each free unmaps it). `prepin` pins a `GPU_PAGER_PRESERVE` region's host
+/// backup now, so that the first release does not pay for pinning. Creating an existing
+/// tag again with the same kind, size and policy returns it; otherwise
+/// `GPU_PAGER_ERROR_TAG_CONFLICT`. The backup is pinned host memory kept across cycles
+/// (`gpu_pager_region_medium` chooses).
 ///
 /// # Safety
 /// `tag` is NULL (an error) or a NUL-terminated string; `base_out` is NULL or valid for a
@@ -138,6 +139,7 @@ pub unsafe extern "C" fn gpu_pager_region(
     device: c_int,
     tag: *const c_char,
     policy: u32,
+    kind: u32,
     bytes: usize,
     prepin: bool,
     base_out: *mut u64,
@@ -148,6 +150,7 @@ pub unsafe extern "C" fn gpu_pager_region(
             device,
             tag,
             policy,
+            kind,
             bytes,
             prepin,
             gpu_pager_medium::GPU_PAGER_MEDIUM_PINNED as u32,
@@ -168,6 +171,7 @@ pub unsafe extern "C" fn gpu_pager_region_medium(
     device: c_int,
     tag: *const c_char,
     policy: u32,
+    kind: u32,
     bytes: usize,
     prepin: bool,
     medium: u32,
@@ -194,9 +198,19 @@ pub unsafe extern "C" fn gpu_pager_region_medium(
                 ),
             )
         })?;
+        let kind = gpu_pager_region_kind::from_number(kind).ok_or_else(|| {
+            invalid(
+                tag,
+                format!(
+                    "kind {kind} is not a gpu_pager_region_kind; pass GPU_PAGER_FIXED or \
+                     GPU_PAGER_GROWING"
+                ),
+            )
+        })?;
         let options = RegionOptions {
             prepin,
             medium,
+            kind,
             ..RegionOptions::default()
         };
         let info = pager(device)?.region_with(tag, bytes, policy, options)?;

@@ -178,7 +178,7 @@ fn region_for(d: usize, route: &Route) -> Result<String> {
     let (policy, medium) = keep.policy();
     let options = RegionOptions {
         medium,
-        ..RegionOptions::default()
+        ..RegionOptions::GROWING
     };
     pager.region_with(&name, 0, policy, options)?;
     locked(&MADE).insert(

@@ -212,5 +212,7 @@ pub extern "C" fn gpu_pager_torch_free(
 /// buffer (the pager also waits for the whole device first; waiting for the allocator's
 /// stream here keeps that ordering explicit); in a fixed region it is bookkeeping.
 fn free_may_unmap(pager: &Pager, buf: &Buffer) -> bool {
-    pager.info(buf.tag()).is_ok_and(|i| i.growing)
+    pager
+        .info(buf.tag())
+        .is_ok_and(|i| i.kind == gpu_pager::RegionKind::Growing)
 }

@@ -4,7 +4,7 @@
 
 use gpu_pager::backend::BackendKind;
 use gpu_pager::report::{Outcome, Report};
-use gpu_pager::{ErrorCode, Medium, Policy, Stats};
+use gpu_pager::{ErrorCode, Medium, Policy, RegionKind, Stats};
 
 /// The result of every `gpu_pager_*` call: `GPU_PAGER_OK` or the error's code. The numbers
 /// are gpu-pager's stable `ErrorCode`s (`Error::code()` in Rust) and never change;
@@ -98,6 +98,33 @@ impl gpu_pager_policy {
         .into_iter()
         .find(|(c, _)| *c as u32 == n)
         .map(|(_, p)| p)
+    }
+}
+
+/// How a region's memory is mapped while resident (`gpu_pager_region`'s `kind`). (The
+/// core's third kind, elastic, backs chunks on request for a paged KV cache, which the C ABI
+/// does not offer.)
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum gpu_pager_region_kind {
+    /// Mapped whole, in chunks: `bytes` must fit in the device.
+    GPU_PAGER_FIXED = 0,
+    /// Exactly the memory under live buffers (each `gpu_pager_alloc` /
+    /// `gpu_pager_torch_malloc` maps its buffer, each free unmaps it); `bytes` is the address
+    /// range it reserves, 0 for 4 times the device's memory.
+    GPU_PAGER_GROWING = 2,
+}
+
+impl gpu_pager_region_kind {
+    /// The kind with this number, if any (C passes it as a plain `uint32_t`).
+    pub fn from_number(n: u32) -> Option<RegionKind> {
+        [
+            (Self::GPU_PAGER_FIXED, RegionKind::Fixed),
+            (Self::GPU_PAGER_GROWING, RegionKind::Growing),
+        ]
+        .into_iter()
+        .find(|(c, _)| *c as u32 == n)
+        .map(|(_, k)| k)
     }
 }
 

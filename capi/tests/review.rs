@@ -22,6 +22,7 @@ fn region(tag: &CStr) -> u64 {
             0,
             tag.as_ptr(),
             gpu_pager_policy::GPU_PAGER_DISCARD as u32,
+            gpu_pager_region_kind::GPU_PAGER_FIXED as u32,
             4 << 20,
             false,
             &mut base,

@@ -20,6 +20,7 @@ fn the_current_tag_is_per_thread() {
             0,
             c"torch_threads".as_ptr(),
             gpu_pager_policy::GPU_PAGER_DISCARD as u32,
+            gpu_pager_region_kind::GPU_PAGER_FIXED as u32,
             4 << 20,
             false,
             std::ptr::null_mut(),

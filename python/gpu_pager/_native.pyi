@@ -108,12 +108,8 @@ class RegionInfo:
     @property
     def state(self) -> State: ...
     @property
-    def elastic(self) -> bool:
-        """Whether the region was made elastic (memory mapped only where backed); a growing
-        region reports ``False`` here and ``True`` in ``growing``."""
-    @property
-    def growing(self) -> bool:
-        """Whether the region grows with its buffers (created with ``bytes=None``)."""
+    def kind(self) -> str:
+        """How its memory is mapped: ``"fixed"``, ``"growing"`` or ``"elastic"``."""
     @property
     def id(self) -> int: ...
     @property
@@ -270,8 +266,10 @@ class Pager:
         bytes: int | None = None,
         prepin: bool = False,
         medium: str = "pinned",
+        kind: str | None = None,
     ) -> RegionInfo:
-        """Creates region ``tag`` (or returns the same existing one)."""
+        """Creates region ``tag`` (or returns the same existing one): ``kind`` ``"fixed"``
+        (the default with ``bytes``) or ``"growing"`` (the default without)."""
     def set_backup_dir(self, path: str | os.PathLike[str]) -> None:
         """Where new ``"file"`` backups go (created if missing, checked by a write)."""
     @property

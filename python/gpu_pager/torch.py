@@ -323,7 +323,8 @@ def _ensure_region(
     an existing region is taken at its size, so that ``use(tag)`` can be entered again."""
     if bytes is None and tag in p.tags():
         info = p.info(tag)
-        bytes = 0 if info.growing else info.size
+        if info.kind != "growing":
+            bytes = info.size
     return p.region(tag, policy, bytes, prepin)
 
 

@@ -112,6 +112,19 @@ pub(crate) fn medium(name: &str) -> PyResult<gpu_pager::Medium> {
     }
 }
 
+/// A region kind by name: `"fixed"` or `"growing"` (elastic regions are the Rust KV
+/// cache's, which Python does not offer).
+pub(crate) fn region_kind(name: &str) -> PyResult<gpu_pager::RegionKind> {
+    match name {
+        "fixed" => Ok(gpu_pager::RegionKind::Fixed),
+        "growing" => Ok(gpu_pager::RegionKind::Growing),
+        other => Err(PyValueError::new_err(format!(
+            "unknown region kind {other:?}: use \"fixed\" (all its bytes mapped while \
+             resident) or \"growing\" (memory mapped only under its buffers)"
+        ))),
+    }
+}
+
 /// A CUDA stream: an int (`CUstream`, 0 is the legacy default stream) or an object with
 /// an int `.cuda_stream` attribute (`torch.cuda.Stream`).
 pub(crate) fn stream(obj: &Bound<'_, PyAny>) -> PyResult<gpu_pager::backend::RawStream> {

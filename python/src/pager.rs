@@ -115,16 +115,20 @@ impl PyPager {
 
     /// Creates region ``tag`` of ``bytes`` (rounded up to the granularity) with ``policy``
     /// (a ``Policy`` or its name), resident, at a device address that never changes, and
-    /// returns its description. Asking again for an existing tag with the same size and
-    /// policy returns the existing region; otherwise ``TagConflictError``. ``bytes=None``
-    /// asks for a region that grows with its buffers. ``prepin`` allocates the pinned host
+    /// returns its description. Asking again for an existing tag with the same kind, size and
+    /// policy returns the existing region; otherwise ``TagConflictError``. ``kind`` is
+    /// ``"fixed"`` (all ``bytes`` mapped while resident) or ``"growing"`` (memory mapped only
+    /// under live buffers; ``bytes`` is the address range it reserves, ``None`` for 4 times
+    /// the device's memory); by default ``"growing"`` without ``bytes``, else ``"fixed"``.
+    /// ``prepin`` allocates the pinned host
     /// backup now (``Policy.PRESERVE`` only), so that the first release pays no pinning.
     /// ``medium`` says where a ``PRESERVE`` region's contents go while it is released:
     /// ``"pinned"`` (pinned host memory kept across cycles: the fastest), ``"host"`` (host
     /// memory given back after each resume, pinned again at the next release) or ``"file"``
     /// (a file in the backup directory, ``set_backup_dir``, for hosts whose memory cannot
     /// hold the weights).
-    #[pyo3(signature = (tag, policy, bytes = None, prepin = false, medium = "pinned"))]
+    #[pyo3(signature = (tag, policy, bytes = None, prepin = false, medium = "pinned", kind = None))]
+    #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one parameter each
     fn region(
         &self,
         py: Python<'_>,
@@ -133,20 +137,24 @@ impl PyPager {
         bytes: Option<&Bound<'_, PyAny>>,
         prepin: bool,
         medium: &str,
+        kind: Option<&str>,
     ) -> PyResult<RegionInfo> {
         let policy = args::policy(policy)?;
         let medium = args::medium(medium)?;
-        // Growing regions: the core takes 0 bytes for "grow with the buffers" (until it
-        // does, it answers InvalidSize).
-        let bytes = bytes
-            .map(|b| args::size(b, "bytes"))
-            .transpose()?
-            .unwrap_or(0);
+        let bytes = bytes.map(|b| args::size(b, "bytes")).transpose()?;
+        let kind = match kind {
+            Some(k) => args::region_kind(k)?,
+            None if bytes.is_none() => gpu_pager::RegionKind::Growing,
+            None => gpu_pager::RegionKind::Fixed,
+        };
         let options = RegionOptions {
             prepin,
             medium,
+            kind,
             ..RegionOptions::default()
         };
+        // A growing region without a size reserves the core's default range.
+        let bytes = bytes.unwrap_or(0);
         let p = &self.inner;
         run(py, || p.region_with(tag, bytes, policy, options)).map(RegionInfo::from)
     }

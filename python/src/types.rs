@@ -130,11 +130,9 @@ pub struct RegionInfo {
     pub medium: String,
     /// State when the call returned.
     pub state: State,
-    /// Whether the region was made elastic (chunks mapped only where backed); a growing
-    /// region reports `False` here and `True` in `growing`.
-    pub elastic: bool,
-    /// Whether the region grows with its buffers (created with 0 bytes or `bytes=None`).
-    pub growing: bool,
+    /// How its memory is mapped: ``"fixed"`` (all of it while resident), ``"growing"`` (only
+    /// under live buffers) or ``"elastic"`` (only where backed: a Rust KV cache's region).
+    pub kind: String,
     /// Identity: unique among the regions and buffers of the process.
     pub id: u64,
     /// Releases that changed the region so far.
@@ -151,8 +149,7 @@ impl From<gpu_pager::RegionInfo> for RegionInfo {
             policy: Policy::from_core(i.policy),
             medium: i.medium.to_string(),
             state: State::from_core(i.state),
-            elastic: i.elastic,
-            growing: i.growing,
+            kind: i.kind.to_string(),
             id: i.id,
             releases: i.releases,
         }
@@ -163,15 +160,14 @@ impl From<gpu_pager::RegionInfo> for RegionInfo {
 impl RegionInfo {
     fn __repr__(&self) -> String {
         format!(
-            "RegionInfo(tag={:?}, base={:#x}, size={}, policy={}, medium={:?}, state={}, elastic={}, growing={}, id={}, releases={})",
+            "RegionInfo(tag={:?}, base={:#x}, size={}, policy={}, medium={:?}, state={}, kind={:?}, id={}, releases={})",
             self.tag,
             self.base,
             self.size,
             self.policy.name(),
             self.medium,
             self.state.name(),
-            py_bool(self.elastic),
-            py_bool(self.growing),
+            self.kind,
             self.id,
             self.releases
         )
@@ -550,8 +546,4 @@ impl Stats {
             self.inner.backup_bytes()
         )
     }
-}
-
-fn py_bool(b: bool) -> &'static str {
-    if b { "True" } else { "False" }
 }

@@ -158,15 +158,16 @@ def test_prepin(pager: gpu_pager.Pager, tag: str, new_tag: Callable[[], str]) ->
         pager.region(new_tag(), "discard", 2 * MIB, prepin=True)
 
 
-def test_growing_region_is_passed_to_the_core(pager: gpu_pager.Pager, tag: str) -> None:
-    # bytes=None asks for a region that grows with its buffers: the binding passes 0 to
-    # the core. Until the core accepts it (growing regions), it answers InvalidSize.
-    try:
-        info = pager.region(tag, "preserve")
-    except gpu_pager.InvalidSizeError as e:
-        assert e.tag == tag
-    else:
-        assert info.tag == tag
+def test_a_region_s_kind_is_named_not_implied_by_a_size(pager: gpu_pager.Pager, tag: str) -> None:
+    # Without bytes a region grows with its buffers; with bytes it is fixed; kind= says so
+    # explicitly, and a fixed region of 0 bytes is refused with the growing kind named.
+    assert pager.region(tag, "preserve").kind == "growing"
+    assert pager.region(tag + "_fixed", "discard", 2 * MIB).kind == "fixed"
+    assert pager.region(tag + "_g", "discard", 64 * MIB, kind="growing").kind == "growing"
+    with pytest.raises(gpu_pager.InvalidSizeError, match="growing"):
+        pager.region(tag + "_zero", "discard", 0)
+    with pytest.raises(ValueError, match="fixed"):
+        pager.region(tag + "_bad", "discard", 2 * MIB, kind="elastic")
 
 
 def test_lease_is_a_context_manager(pager: gpu_pager.Pager, tag: str) -> None:
@@ -250,7 +251,7 @@ def test_reports_and_stats(pager: gpu_pager.Pager, new_tag: Callable[[], str]) -
     assert "RegionStats(" in repr(ws) and "Stats(" in repr(stats)
     assert w in str(stats) and "released" in str(stats)
     info = pager.info(w)
-    assert info.releases == 1 and info.elastic is False and "RegionInfo(" in repr(info)
+    assert info.releases == 1 and info.kind == "fixed" and "RegionInfo(" in repr(info)
     pager.resume([w, kv])
     assert pager.region_stats(w).last_resume is not None
 
@@ -303,8 +304,8 @@ def test_bad_python_types(pager: gpu_pager.Pager, tag: str) -> None:
 
 
 def test_pager_errors_for_bad_values(pager: gpu_pager.Pager, tag: str) -> None:
-    # 0 bytes (or None) is a growing region; a size past the device is InvalidSize.
-    assert pager.region(tag + "_grows", "preserve", 0).growing
+    # No bytes is a growing region; a size past the device is InvalidSize.
+    assert pager.region(tag + "_grows", "preserve").kind == "growing"
     with pytest.raises(gpu_pager.InvalidSizeError):
         pager.region(tag + "_huge", "preserve", 1 << 60)
     pager.region(tag, "preserve", 2 * MIB)

@@ -147,7 +147,7 @@ def test_resume_on_a_torch_stream(tag: str) -> None:
 def test_use_grows_and_gives_memory_back(pager: gpu_pager.Pager, tag: str) -> None:
     with gpt.use(tag) as info:  # no bytes: a growing region
         x = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
-    assert info.growing
+    assert info.kind == "growing"
     assert pager.region_stats(tag).resident_bytes >= 64 * MIB
     assert gpt.locate(x) == (tag, x.data_ptr() - info.base)
     before = torch.cuda.mem_get_info()[0]

@@ -155,12 +155,13 @@ def test_c_code_in_a_python_process_shares_the_package_s_pager(lib: ctypes.CDLL)
         ctypes.c_int,
         ctypes.c_char_p,
         ctypes.c_uint32,
+        ctypes.c_uint32,
         ctypes.c_size_t,
         ctypes.c_bool,
         ctypes.c_void_p,
     ]
     lib.gpu_pager_region.restype = ctypes.c_int
-    assert lib.gpu_pager_region(0, b"made-in-c", 1, 4 * MIB, False, None) == 0
+    assert lib.gpu_pager_region(0, b"made-in-c", 1, 0, 4 * MIB, False, None) == 0
     pager = gpu_pager.Pager.for_device(0)
     assert "made-in-c" in pager.tags()
     assert pager.info("made-in-c").policy == gpu_pager.Policy.DISCARD

@@ -8,7 +8,7 @@ use super::{
 };
 use crate::backend::HostBuffer;
 use crate::error::{Error, Result};
-use crate::{Buffer, Lease, Pager, Policy, RegionOptions};
+use crate::{Buffer, Lease, Pager, Policy, RegionKind, RegionOptions};
 
 /// Default physical chunk size of a KV cache region: 64 MiB. Elastic backing maps and trims
 /// whole chunks, so smaller chunks follow the live blocks more closely, and larger ones map
@@ -127,7 +127,7 @@ impl KvCache {
             bytes,
             Policy::Discard,
             RegionOptions {
-                elastic: true,
+                kind: RegionKind::Elastic,
                 chunk_bytes: Some(config.chunk_bytes),
                 ..Default::default()
             },

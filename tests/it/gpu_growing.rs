@@ -31,8 +31,15 @@ fn gpu_growing_preserve_region_of_300_buffers() {
     let backend = gpu();
     let g = backend.info().granularity;
     let pager = Pager::new(backend.clone());
-    let info = pager.region("weights", 0, Policy::Preserve).unwrap();
-    assert!(info.growing);
+    let info = pager
+        .region_with(
+            "weights",
+            0,
+            Policy::Preserve,
+            gpu_pager::RegionOptions::GROWING,
+        )
+        .unwrap();
+    assert!((info.kind == gpu_pager::RegionKind::Growing));
     let mut rng = Rng::seeded("gpu_growing_preserve_region_of_300_buffers");
     let start_free = free_bytes(&backend);
     let mut bufs = Vec::new();
@@ -106,8 +113,22 @@ fn gpu_growing_oom_on_alloc_and_resume_rolls_back() {
     let _lock = gpu_lock();
     let backend = gpu();
     let pager = Pager::new(backend.clone());
-    pager.region("weights", 0, Policy::Preserve).unwrap();
-    pager.region("kv_cache", 0, Policy::Discard).unwrap();
+    pager
+        .region_with(
+            "weights",
+            0,
+            Policy::Preserve,
+            gpu_pager::RegionOptions::GROWING,
+        )
+        .unwrap();
+    pager
+        .region_with(
+            "kv_cache",
+            0,
+            Policy::Discard,
+            gpu_pager::RegionOptions::GROWING,
+        )
+        .unwrap();
     let w = pager.alloc("weights", 2 * GIB / scale() + 12345).unwrap();
     let mut rng = Rng::seeded("gpu_growing_oom");
     let data = rng.bytes(32 * MIB + 5);
@@ -187,7 +208,9 @@ fn gpu_growing_backups_pinned_in_batches_cycle_bit_exact() {
     let backend = gpu();
     let g = backend.info().granularity;
     let pager = Pager::new(backend.clone());
-    pager.region("w", 0, Policy::Preserve).unwrap();
+    pager
+        .region_with("w", 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)
+        .unwrap();
     let mut rng = Rng::seeded("gpu_growing_backups_pinned_in_batches_cycle_bit_exact");
     let mut bufs: Vec<(Buffer, Vec<u8>)> = Vec::new();
     let add = |pager: &Pager, rng: &mut Rng, bufs: &mut Vec<(Buffer, Vec<u8>)>, n: usize| {
@@ -294,7 +317,9 @@ fn gpu_growing_first_release_pins_and_copies_in_one_pass_bit_exact() {
                 ..PagerConfig::default()
             },
         );
-        pager.region("w", 0, Policy::Preserve).unwrap();
+        pager
+            .region_with("w", 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)
+            .unwrap();
         let add = |rng: &mut Rng, bufs: &mut Vec<(Buffer, Vec<u8>)>, lens: &[usize]| {
             for &len in lens {
                 let b = pager.alloc("w", len).unwrap();

@@ -301,7 +301,7 @@ fn gpu_elastic_back_and_trim_move_real_memory() {
     let backend = gpu();
     let pager = Pager::new(backend.clone());
     let options = RegionOptions {
-        elastic: true,
+        kind: gpu_pager::RegionKind::Elastic,
         chunk_bytes: Some(64 * MIB),
         ..Default::default()
     };

@@ -90,7 +90,9 @@ fn registered_buffers_of_odd_sizes_round_trip_bit_exact() {
     assert_bytes_eq("fixed region", &back, &data);
 
     // A growing one: one backup per buffer, each pinned at the buffer's size.
-    pager.region("g", 0, Policy::Preserve).unwrap();
+    pager
+        .region_with("g", 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)
+        .unwrap();
     let lens = [13, 3 * MIB + 1, 17 * MIB / scale() + 4095, 2 * MIB];
     let bufs: Vec<_> = lens.iter().map(|&n| pager.alloc("g", n).unwrap()).collect();
     let datas: Vec<Vec<u8>> = lens.iter().map(|&n| rng.bytes(n)).collect();

@@ -266,7 +266,14 @@ fn every_route_restores_and_saves_bit_exact() {
     for route in CopyRoute::ALL {
         let pager = pager_on_route(&b, route, route);
         pager.region("weights", size, Policy::Preserve).unwrap();
-        pager.region("grow", 0, Policy::Preserve).unwrap();
+        pager
+            .region_with(
+                "grow",
+                0,
+                Policy::Preserve,
+                gpu_pager::RegionOptions::GROWING,
+            )
+            .unwrap();
         fixed = (0..9)
             .map(|i| pager.alloc("weights", size / 10 - 4099 * i - 1).unwrap())
             .collect();

@@ -129,8 +129,8 @@ proptest! {
             ..PagerConfig::default()
         });
         for (tag, policy) in TAGS {
-            let info = pager.region(tag, 0, policy).unwrap();
-            prop_assert!(info.growing && !info.elastic);
+            let info = pager.region_with(tag, 0, policy, gpu_pager::RegionOptions::GROWING).unwrap();
+            prop_assert!((info.kind == gpu_pager::RegionKind::Growing) && !(info.kind == gpu_pager::RegionKind::Elastic));
         }
         let mut resident = [true; 3];
         let mut bufs: Vec<ModelBuf> = Vec::new();

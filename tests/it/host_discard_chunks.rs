@@ -99,7 +99,7 @@ fn discard_regions_map_in_discard_chunks_everything_else_in_chunk_bytes() {
             "kv_elastic",
             Policy::Discard,
             RegionOptions {
-                elastic: true,
+                kind: gpu_pager::RegionKind::Elastic,
                 ..Default::default()
             },
             MIB,
@@ -120,7 +120,7 @@ fn discard_regions_map_in_discard_chunks_everything_else_in_chunk_bytes() {
             size,
             Policy::Discard,
             RegionOptions {
-                elastic: true,
+                kind: gpu_pager::RegionKind::Elastic,
                 ..Default::default()
             },
         )
@@ -130,14 +130,24 @@ fn discard_regions_map_in_discard_chunks_everything_else_in_chunk_bytes() {
     // A growing Discard region (torch's KV segments) maps each buffer in pieces of at most
     // the discard chunk: a 3 MiB buffer is one 4 MiB-chunk piece, not three 1 MiB ones.
     let grow = pager
-        .region("kv_grow", 0, Policy::Discard)
+        .region_with(
+            "kv_grow",
+            0,
+            Policy::Discard,
+            gpu_pager::RegionOptions::GROWING,
+        )
         .expect("growing");
     assert_eq!(grow.chunk_bytes, 4 * MIB);
     pager.alloc("kv_grow", 3 * MIB).expect("alloc");
     assert_eq!(handles_released(&pager, &faulty, "kv_grow"), 1);
     // A growing Preserve region keeps `chunk_bytes` (its restore overlaps piece by piece).
     let grow_w = pager
-        .region("w_grow", 0, Policy::Preserve)
+        .region_with(
+            "w_grow",
+            0,
+            Policy::Preserve,
+            gpu_pager::RegionOptions::GROWING,
+        )
         .expect("growing preserve");
     assert_eq!(grow_w.chunk_bytes, MIB);
 }

@@ -4,6 +4,7 @@
 //! bit-exact; a dropped `Preserve` tag comes back zeroed, and backs up again at its next
 //! kept release; a `Discard` tag's contents are undefined after any release.
 
+use crate::common;
 use std::sync::Arc;
 
 use gpu_pager::backend::host::{HostBackend, HostConfig};
@@ -63,7 +64,7 @@ proptest! {
         // What each buffer must hold; None: undefined (a Discard tag after a release).
         let mut want: Vec<Option<Vec<u8>>> = Vec::new();
         for (tag, policy, bytes) in TAGS {
-            pager.region(tag, bytes, policy).unwrap();
+            common::table_region(&pager, tag, bytes, policy, gpu_pager::RegionOptions::default()).unwrap();
             let b = pager.alloc(tag, 100 * KIB + 7).unwrap();
             let data = vec![0xAB; b.len()];
             pager.write(&b, 0, &data).unwrap();

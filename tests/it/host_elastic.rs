@@ -33,7 +33,7 @@ fn setup(capacity: usize) -> (Arc<HostBackend>, Pager) {
 
 fn elastic(chunk: usize) -> RegionOptions {
     RegionOptions {
-        elastic: true,
+        kind: gpu_pager::RegionKind::Elastic,
         chunk_bytes: Some(chunk),
         ..Default::default()
     }
@@ -53,7 +53,7 @@ fn an_elastic_region_is_created_with_nothing_mapped() {
     let info = pager
         .region_with("kv", 1 << 20, Policy::Discard, elastic(CHUNK))
         .unwrap();
-    assert!(info.elastic);
+    assert!((info.kind == gpu_pager::RegionKind::Elastic));
     assert_eq!(info.state, State::Resident);
     assert_eq!(info.chunk_bytes, CHUNK);
     assert_eq!(backend.used_bytes(), 0);
@@ -64,7 +64,8 @@ fn an_elastic_region_is_created_with_nothing_mapped() {
     assert!(pager.is_backed("kv", 0..0).unwrap());
     assert_eq!(pager.releases("kv").unwrap(), 0);
     // Non-elastic regions say so and are mapped whole.
-    assert!(!pager.region("w", 1 << 20, Policy::Discard).unwrap().elastic);
+    let fixed = pager.region("w", 1 << 20, Policy::Discard).unwrap();
+    assert_eq!(fixed.kind, gpu_pager::RegionKind::Fixed);
     assert_eq!(backend.used_bytes(), 1 << 20);
 }
 

@@ -36,14 +36,16 @@ fn an_unknown_tag_suggests_the_nearest_one() {
 fn a_tag_conflict_names_what_differs() {
     let p = pager(256 * MIB);
     let elastic = RegionOptions {
-        elastic: true,
+        kind: gpu_pager::RegionKind::Elastic,
         ..Default::default()
     };
     p.region_with("kv_cache", 64 * MIB, Policy::Discard, elastic)
         .unwrap();
     let e = p.region("kv_cache", 64 * MIB, Policy::Discard).unwrap_err();
     match &e {
-        Error::TagConflict { differs, .. } => assert_eq!(differs, "elastic option"),
+        Error::TagConflict { differs, .. } => {
+            assert_eq!(differs, "kind (fixed, elastic or growing)")
+        }
         e => panic!("{e:?}"),
     }
     assert!(e.to_string().contains("elastic"), "{e}");
@@ -51,7 +53,7 @@ fn a_tag_conflict_names_what_differs() {
         .region("kv_cache", 32 * MIB, Policy::Preserve)
         .unwrap_err();
     assert!(
-        matches!(&e, Error::TagConflict { differs, .. } if differs == "policy and size and elastic option"),
+        matches!(&e, Error::TagConflict { differs, .. } if differs == "policy and kind (fixed, elastic or growing) and size"),
         "{e:?}"
     );
 }
@@ -68,7 +70,7 @@ fn sizes_beyond_the_device_are_invalid_sizes_with_the_bound() {
     }
     // Elastic regions only reserve: up to four times the device.
     let elastic = RegionOptions {
-        elastic: true,
+        kind: gpu_pager::RegionKind::Elastic,
         ..Default::default()
     };
     p.region_with("kv", 256 * MIB, Policy::Discard, elastic)

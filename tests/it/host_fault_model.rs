@@ -6,6 +6,7 @@
 //! and intact, a failed resume everything released with its backup intact, and every byte
 //! that was not marked at the last release must read back bit-exact after every step.
 
+use crate::common;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -164,12 +165,16 @@ fn check(
             ..PagerConfig::default()
         },
     );
-    pager
-        .region(TAGS[0].0, TAGS[0].1, Policy::Preserve)
+    for (tag, bytes) in TAGS {
+        common::table_region(
+            &pager,
+            tag,
+            bytes,
+            Policy::Preserve,
+            gpu_pager::RegionOptions::default(),
+        )
         .unwrap();
-    pager
-        .region(TAGS[1].0, TAGS[1].1, Policy::Preserve)
-        .unwrap();
+    }
     let mut resident: BTreeMap<&str, bool> = TAGS.iter().map(|t| (t.0, true)).collect();
     let mut bufs: Vec<ModelBuf> = Vec::new();
 

@@ -4,6 +4,7 @@
 //! polls the stats and leases two of the tags. Nothing deadlocks, and every byte that was
 //! not marked at a thread's last successful release reads back bit-exact after every step.
 
+use crate::common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -168,7 +169,14 @@ fn threads_moving_their_own_tags_with_faults_lose_nothing() {
     let tags = ["a", "b", "c", "d"];
     for (i, t) in tags.iter().enumerate() {
         let bytes = if i % 2 == 0 { 1 << 20 } else { 0 };
-        pager.region(t, bytes, Policy::Preserve).unwrap();
+        common::table_region(
+            &pager,
+            t,
+            bytes,
+            Policy::Preserve,
+            gpu_pager::RegionOptions::default(),
+        )
+        .unwrap();
     }
     let movers: Vec<_> = tags
         .into_iter()

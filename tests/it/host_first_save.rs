@@ -230,7 +230,9 @@ fn with_the_switch_off_the_first_save_goes_through_the_pump() {
         let mut rng = Rng::seeded("with_the_switch_off");
         let tag = "weights";
         let bufs = if case == "growing" {
-            pager.region(tag, 0, Policy::Preserve).unwrap();
+            pager
+                .region_with(tag, 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)
+                .unwrap();
             (0..3)
                 .map(|i| {
                     let b = pager.alloc(tag, 100_003 + i * 333_333).unwrap();

@@ -50,7 +50,9 @@ fn filled(pager: &Pager, rng: &mut Rng, tag: &str, len: usize) -> (Buffer, Vec<u
 /// Buffers of odd sizes (1 byte, a granule and one, several chunks and more) in growing
 /// region `tag`.
 fn buffers(pager: &Pager, rng: &mut Rng, tag: &str) -> Vec<(Buffer, Vec<u8>)> {
-    pager.region(tag, 0, Policy::Preserve).unwrap();
+    pager
+        .region_with(tag, 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)
+        .unwrap();
     [1, 4097, G + 1, 3 * MIB + 5, 300_001, 5 * MIB - 3, 17]
         .into_iter()
         .map(|len| filled(pager, rng, tag, len))

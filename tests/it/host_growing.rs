@@ -24,9 +24,16 @@ fn setup(capacity: usize) -> (Arc<HostBackend>, Pager) {
 #[test]
 fn a_growing_preserve_region_of_300_buffers_cycles_bit_exact() {
     let (backend, pager) = setup(1 << 30);
-    let info = pager.region("weights", 0, Policy::Preserve).unwrap();
+    let info = pager
+        .region_with(
+            "weights",
+            0,
+            Policy::Preserve,
+            gpu_pager::RegionOptions::GROWING,
+        )
+        .unwrap();
     assert!(
-        info.growing && info.size >= 4 << 30,
+        (info.kind == gpu_pager::RegionKind::Growing) && info.size >= 4 << 30,
         "reserves 4x the device: {info:?}"
     );
     assert_eq!(backend.used_bytes(), 0, "nothing mapped before a buffer");
@@ -100,7 +107,9 @@ fn a_growing_preserve_region_of_300_buffers_cycles_bit_exact() {
 #[test]
 fn a_small_tensor_maps_only_its_granules() {
     let (backend, pager) = setup(1 << 30);
-    pager.region("w", 0, Policy::Preserve).unwrap();
+    pager
+        .region_with("w", 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)
+        .unwrap();
     let b = pager.alloc("w", 10 * MIB + 1).unwrap();
     assert_eq!(backend.used_bytes(), 12 * MIB, "not a whole 512 MiB chunk");
     pager.free(&b).unwrap();
@@ -112,7 +121,7 @@ fn prepin_pins_each_buffers_backup_as_it_is_allocated() {
     let (_backend, pager) = setup(1 << 30);
     let prepin = RegionOptions {
         prepin: true,
-        ..Default::default()
+        ..RegionOptions::GROWING
     };
     pager.region_with("w", 0, Policy::Preserve, prepin).unwrap();
     assert_eq!(pager.stats().backup_bytes(), 0);
@@ -133,8 +142,12 @@ fn prepin_pins_each_buffers_backup_as_it_is_allocated() {
 #[test]
 fn out_of_memory_on_alloc_and_on_resume_rolls_back() {
     let (backend, pager) = setup(64 * MIB);
-    pager.region("w", 0, Policy::Preserve).unwrap();
-    pager.region("kv", 0, Policy::Discard).unwrap();
+    pager
+        .region_with("w", 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)
+        .unwrap();
+    pager
+        .region_with("kv", 0, Policy::Discard, gpu_pager::RegionOptions::GROWING)
+        .unwrap();
     let w = pager.alloc("w", 20 * MIB).unwrap();
     pager.write(&w, 0, &vec![5u8; 20 * MIB]).unwrap();
     let kv = pager.alloc("kv", 30 * MIB).unwrap();
@@ -187,7 +200,14 @@ fn out_of_memory_on_alloc_and_on_resume_rolls_back() {
 #[test]
 fn buffers_allocated_while_released_are_mapped_on_resume() {
     let (backend, pager) = setup(64 * MIB);
-    pager.region("g", 0, Policy::DiscardZeroed).unwrap();
+    pager
+        .region_with(
+            "g",
+            0,
+            Policy::DiscardZeroed,
+            gpu_pager::RegionOptions::GROWING,
+        )
+        .unwrap();
     pager.release(&["g"]).unwrap();
     let b = pager.alloc("g", 3 * MIB).unwrap();
     assert_eq!(backend.used_bytes(), 0);
@@ -204,9 +224,13 @@ fn buffers_allocated_while_released_are_mapped_on_resume() {
 #[test]
 fn growing_regions_refuse_what_does_not_apply_and_report_conflicts() {
     let (_backend, pager) = setup(64 * MIB);
-    let info = pager.region("w", 0, Policy::Preserve).unwrap();
+    let info = pager
+        .region_with("w", 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)
+        .unwrap();
     assert_eq!(
-        pager.region("w", 0, Policy::Preserve).unwrap(),
+        pager
+            .region_with("w", 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)
+            .unwrap(),
         info,
         "asked again: the same"
     );
@@ -240,7 +264,9 @@ fn back_to_back(overlap: bool, most: u64) {
         ..common::small_chunks()
     };
     let (host, faulty, pager) = common::faulty_host_pager(1 << 30, G, config);
-    pager.region("w", 0, Policy::Preserve).unwrap();
+    pager
+        .region_with("w", 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)
+        .unwrap();
     let mut rng = Rng::seeded("back_to_back");
     let mut bufs = Vec::new();
     for i in 0..200 {

@@ -2,6 +2,7 @@
 //! created (mapping its memory) and a region being removed (waiting for the device) hold no
 //! lock that every tag needs.
 
+use crate::common;
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
@@ -106,7 +107,14 @@ fn a_lease_taken_while_a_removal_waits_keeps_the_region() {
 fn prepin_on_an_existing_region_pins_then() {
     let (_faulty, pager) = setup();
     for (tag, bytes) in [("fixed", 8 * MIB), ("growing", 0)] {
-        pager.region(tag, bytes, Policy::Preserve).unwrap();
+        common::table_region(
+            &pager,
+            tag,
+            bytes,
+            Policy::Preserve,
+            gpu_pager::RegionOptions::default(),
+        )
+        .unwrap();
         let b = pager.alloc(tag, 3 * MIB).unwrap();
         pager.write(&b, 0, &[4; 4096]).unwrap();
         assert_eq!(pager.region_stats(tag).unwrap().backup_bytes, 0);
@@ -114,9 +122,7 @@ fn prepin_on_an_existing_region_pins_then() {
             prepin: true,
             ..Default::default()
         };
-        pager
-            .region_with(tag, bytes, Policy::Preserve, prepin)
-            .unwrap();
+        common::table_region(&pager, tag, bytes, Policy::Preserve, prepin).unwrap();
         assert!(
             pager.region_stats(tag).unwrap().backup_bytes >= 3 * MIB,
             "{tag}"

@@ -65,9 +65,9 @@ fn every_medium_restores_fixed_and_growing_regions_bit_exact() {
                 ..common::small_chunks()
             });
             pager.set_backup_dir(&dir).unwrap();
-            let info = pager
-                .region_with("w", bytes, Policy::Preserve, with_medium(medium))
-                .unwrap();
+            let info =
+                common::table_region(&pager, "w", bytes, Policy::Preserve, with_medium(medium))
+                    .unwrap();
             assert_eq!(info.medium, medium);
             let mut rng = Rng::seeded("media_cycle");
             let bufs: Vec<_> = [3 * MIB + 5, 100, 5 * MIB]
@@ -113,7 +113,15 @@ fn a_file_backup_skips_unchanged_chunks_and_follows_freed_buffers() {
     let pager = pager();
     pager.set_backup_dir(&dir).unwrap();
     pager
-        .region_with("w", 0, Policy::Preserve, with_medium(Medium::File))
+        .region_with(
+            "w",
+            0,
+            Policy::Preserve,
+            RegionOptions {
+                kind: gpu_pager::RegionKind::Growing,
+                ..with_medium(Medium::File)
+            },
+        )
         .unwrap();
     let a = pager.alloc("w", 4 * MIB).unwrap();
     let b = pager.alloc("w", 2 * MIB).unwrap();

@@ -343,7 +343,14 @@ fn growing_regions_pin_no_backup_for_a_buffer_marked_whole() {
     let g = 2 * MIB;
     let (backend, pager) = setup(0, g);
     let mut rng = Rng::seeded("growing_marks");
-    pager.region("weights", 0, Policy::Preserve).unwrap();
+    pager
+        .region_with(
+            "weights",
+            0,
+            Policy::Preserve,
+            gpu_pager::RegionOptions::GROWING,
+        )
+        .unwrap();
     // Odd sizes: the padding up to the granularity is mapped and, unmarked, saved.
     let lens = [3 * MIB + 5, 5 * MIB - 3, MIB + 1];
     let mut bufs: Vec<(Buffer, Vec<u8>)> = lens

@@ -291,8 +291,14 @@ fn release_and_resume_are_idempotent() {
 #[test]
 fn bad_input_is_a_typed_error() {
     let (_b, pager) = setup(64 * MIB);
-    // 0 bytes is a region that grows with its buffers.
-    assert!(pager.region("grows", 0, Policy::Preserve).unwrap().growing);
+    // A growing region of 0 bytes reserves the default range.
+    let grows = pager.region_with(
+        "grows",
+        0,
+        Policy::Preserve,
+        gpu_pager::RegionOptions::GROWING,
+    );
+    assert_eq!(grows.unwrap().kind, gpu_pager::RegionKind::Growing);
     assert!(matches!(
         pager.region("huge", usize::MAX, Policy::Preserve),
         Err(Error::InvalidSize { .. })

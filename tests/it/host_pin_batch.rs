@@ -39,7 +39,9 @@ fn extents(lens: impl IntoIterator<Item = usize>) -> usize {
 fn a_growing_regions_first_release_pins_its_backups_in_one_batch() {
     let (faulty, pager) = setup();
     let mut rng = Rng::seeded("a_growing_regions_first_release_pins_its_backups_in_one_batch");
-    pager.region("g", 0, Policy::Preserve).unwrap();
+    pager
+        .region_with("g", 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)
+        .unwrap();
     pager.region("fixed", 6 * MIB, Policy::Preserve).unwrap();
     let f = pager.alloc("fixed", 5 * MIB + 3).unwrap();
     let f_data = rng.bytes(f.len());
@@ -108,7 +110,9 @@ fn a_growing_regions_first_release_pins_its_backups_in_one_batch() {
 fn an_injected_pinning_fault_pins_none_of_the_batch() {
     let (faulty, pager) = setup();
     let mut rng = Rng::seeded("an_injected_pinning_fault_pins_none_of_the_batch");
-    pager.region("g", 0, Policy::Preserve).unwrap();
+    pager
+        .region_with("g", 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)
+        .unwrap();
     let mut bufs = Vec::new();
     for i in 0..9 {
         let len = 1 + rng.next_u64() as usize % (3 * MIB) + i;

@@ -2,6 +2,7 @@
 //! that every move is many units: each route is bit-exact, a copy failure in the middle of
 //! a move loses nothing, and moves of different tags from two threads stay bit-exact.
 
+use crate::common;
 use std::sync::Arc;
 
 use gpu_pager::backend::faulty::{FaultPlan, FaultPoint, FaultyBackend};
@@ -91,7 +92,14 @@ fn multi_unit_moves_are_bit_exact_on_every_route() {
         let backend = host(256 * MIB);
         let pager = pager(backend.clone(), route);
         pager.region("weights", 6 * MIB, Policy::Preserve).unwrap();
-        pager.region("grow", 0, Policy::Preserve).unwrap();
+        pager
+            .region_with(
+                "grow",
+                0,
+                Policy::Preserve,
+                gpu_pager::RegionOptions::GROWING,
+            )
+            .unwrap();
         // Odd sizes: units end inside buffers and buffers inside units.
         let fixed: Vec<Buffer> = (0..7)
             .map(|i| pager.alloc("weights", 100_003 + i * 77_777).unwrap())
@@ -171,7 +179,14 @@ fn a_copy_failure_in_the_middle_of_a_multi_unit_restore_loses_nothing() {
             let faulty = Arc::new(FaultyBackend::new(host.clone(), FaultPlan::none()));
             let pager = pager(faulty.clone(), route);
             let size = if growing { 0 } else { 8 * MIB };
-            pager.region("weights", size, Policy::Preserve).unwrap();
+            common::table_region(
+                &pager,
+                "weights",
+                size,
+                Policy::Preserve,
+                Default::default(),
+            )
+            .unwrap();
             let bufs: Vec<Buffer> = (0..3)
                 .map(|i| pager.alloc("weights", MIB + 4099 * i).unwrap())
                 .collect();

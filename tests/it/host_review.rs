@@ -17,7 +17,9 @@ fn pager() -> Pager {
 #[test]
 fn a_growing_region_s_buffer_has_the_length_it_was_asked_for() {
     let pager = pager();
-    pager.region("g", 0, Policy::Preserve).unwrap();
+    pager
+        .region_with("g", 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)
+        .unwrap();
     let b = pager.alloc("g", 100).unwrap();
     let p = pager.ptr(&b).unwrap();
     let (found, offset) = pager.buffer_containing(p).unwrap();
@@ -49,7 +51,9 @@ fn many_mapped_chunks_need_no_descriptor_each() {
         // SAFETY: a plain system call with a valid rlimit; this child runs this test alone.
         assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) }, 0);
         let pager = pager();
-        pager.region("g", 0, Policy::Discard).unwrap();
+        pager
+            .region_with("g", 0, Policy::Discard, gpu_pager::RegionOptions::GROWING)
+            .unwrap();
         let bufs: Vec<_> = (0..300).map(|_| pager.alloc("g", 4096).unwrap()).collect();
         pager.release(&["g"]).unwrap();
         pager.resume(&["g"]).unwrap();
@@ -112,13 +116,16 @@ fn a_buffer_of_a_removed_region_is_stale() {
     }
 }
 
-/// Review item 17: a region of 0 bytes grows; it is not an elastic region (which a Preserve
-/// region may not be), in its info or in the stats' words.
+/// Review item 17: a growing region is not an elastic region (which a Preserve region may
+/// not be), in its info or in the stats' words; a fixed region of 0 bytes is refused with
+/// the kind that grows named.
 #[test]
 fn a_growing_region_is_not_reported_elastic() {
     let pager = pager();
-    let info = pager.region("g", 0, Policy::Preserve).unwrap();
-    assert!(info.growing && !info.elastic, "{info:?}");
+    let info = pager
+        .region_with("g", 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)
+        .unwrap();
+    assert_eq!(info.kind, gpu_pager::RegionKind::Growing, "{info:?}");
     let shown = pager.stats().to_string();
     assert!(shown.contains("growing Preserve"), "{shown}");
     assert!(!shown.contains("elastic"), "{shown}");
@@ -128,12 +135,15 @@ fn a_growing_region_is_not_reported_elastic() {
             8 * MIB,
             Policy::Discard,
             RegionOptions {
-                elastic: true,
+                kind: gpu_pager::RegionKind::Elastic,
                 ..Default::default()
             },
         )
         .unwrap();
-    assert!(kv.elastic && !kv.growing, "{kv:?}");
+    assert_eq!(kv.kind, gpu_pager::RegionKind::Elastic, "{kv:?}");
+    let e = pager.region("zero", 0, Policy::Preserve).unwrap_err();
+    assert!(matches!(e, Error::InvalidSize { .. }), "{e}");
+    assert!(e.to_string().contains("create it growing"), "{e}");
 }
 
 /// Review item 18: a reversed range is an invalid argument that says so, not "0 bytes at
@@ -173,7 +183,8 @@ fn a_tag_conflict_says_what_differs_in_plain_words() {
     let e = pager.region("w", 16 * MIB, Policy::Discard).unwrap_err();
     let text = e.to_string();
     assert!(
-        text.contains("as a Preserve region") && text.contains("they differ in policy and size;"),
+        text.contains("as a fixed Preserve region")
+            && text.contains("they differ in policy and size;"),
         "{text}"
     );
 }

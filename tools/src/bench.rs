@@ -732,7 +732,12 @@ pub fn run(
 
     if !cfg.alloc_sizes.is_empty() {
         log("alloc latency in a growing region, alternated with bare VMM of the same size");
-        pager.region("alloc_lat", 0, Policy::Discard)?;
+        pager.region_with(
+            "alloc_lat",
+            0,
+            Policy::Discard,
+            gpu_pager::RegionOptions::GROWING,
+        )?;
         for &size in &cfg.alloc_sizes {
             let mut bare = Bare::new(backend.as_ref(), size)?;
             let (mut alloc, mut free, mut bmap, mut bunmap) = (vec![], vec![], vec![], vec![]);
@@ -824,7 +829,7 @@ fn first_release_rows(
             "first release without prepin, {what}: pinning on the critical path"
         ));
         let bufs = if growing {
-            pager.region(tag, 0, Policy::Preserve)?;
+            pager.region_with(tag, 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)?;
             weight_buffers(pager, tag, cfg)?
         } else {
             pager.region(tag, cfg.weights_bytes, Policy::Preserve)?;

@@ -53,7 +53,7 @@ static void grow(int dev, int N, size_t max_bytes) {
     static void *ptrs[300];
     static size_t lens[300];
     gpu_pager_device_info info;
-    CHECK(gpu_pager_region(dev, "torch_weights", GPU_PAGER_PRESERVE, 0, false, NULL));
+    CHECK(gpu_pager_region(dev, "torch_weights", GPU_PAGER_PRESERVE, GPU_PAGER_GROWING, 0, false, NULL));
     CHECK(gpu_pager_use_tag(dev, "torch_weights"));
     CHECK(gpu_pager_device(dev, &info));
     const uint64_t g = info.granularity, free0 = info.free_bytes;
@@ -133,7 +133,7 @@ static void marks(int dev) {
     if (!data || !back) exit(1);
     /* Pinned ahead: a first release without a backup copies the whole region while it pins
      * (first_save_overlap); this counts what a save of marked buffers copies. */
-    CHECK(gpu_pager_region(dev, "marked", GPU_PAGER_PRESERVE, 8 * MIB, true, NULL));
+    CHECK(gpu_pager_region(dev, "marked", GPU_PAGER_PRESERVE, GPU_PAGER_FIXED, 8 * MIB, true, NULL));
     for (int i = 0; i < M; i++) {
         CHECK(gpu_pager_alloc(dev, "marked", len, &b[i]));
         pattern(data, len, 40u + (unsigned)i);
@@ -206,9 +206,9 @@ int main(void) {
     /* Regions: weights (Preserve) and kv_cache (Discard). */
     const size_t weights_bytes = 8 * MIB, kv_bytes = 16 * MIB, buf_bytes = 1 * MIB;
     uint64_t weights_base = 0;
-    CHECK(gpu_pager_region(dev, "weights", GPU_PAGER_PRESERVE, weights_bytes, false,
+    CHECK(gpu_pager_region(dev, "weights", GPU_PAGER_PRESERVE, GPU_PAGER_FIXED, weights_bytes, false,
                            &weights_base));
-    CHECK(gpu_pager_region(dev, "kv_cache", GPU_PAGER_DISCARD, kv_bytes, false, NULL));
+    CHECK(gpu_pager_region(dev, "kv_cache", GPU_PAGER_DISCARD, GPU_PAGER_FIXED, kv_bytes, false, NULL));
 
     /* Weights buffers with known bytes. */
     enum { N = 4 };
@@ -301,16 +301,20 @@ int main(void) {
     EXPECT(gpu_pager_get_stats(dev, NULL), GPU_PAGER_ERROR_INVALID_ARGUMENT, "NULL");
     EXPECT(gpu_pager_device(dev, NULL), GPU_PAGER_ERROR_INVALID_ARGUMENT, "NULL");
     /* Not UTF-8. */
-    EXPECT(gpu_pager_region(dev, "\xff\xfe", GPU_PAGER_DISCARD, MIB, false, NULL),
+    EXPECT(gpu_pager_region(dev, "\xff\xfe", GPU_PAGER_DISCARD, GPU_PAGER_FIXED, MIB, false, NULL),
            GPU_PAGER_ERROR_INVALID_ARGUMENT, "UTF-8");
-    /* Zero sizes (a region of 0 bytes is a growing one: see grow() below). */
+    /* Zero sizes: a fixed region of 0 bytes (the kind that grows is named), a buffer. */
+    EXPECT(gpu_pager_region(dev, "zero", GPU_PAGER_DISCARD, GPU_PAGER_FIXED, 0, false, NULL),
+           GPU_PAGER_ERROR_INVALID_SIZE, "growing");
     EXPECT(gpu_pager_alloc(dev, "weights", 0, &p), GPU_PAGER_ERROR_INVALID_SIZE, "`weights`");
     /* A copy of 0 bytes copies nothing, but its address is checked as any copy's. */
     EXPECT(gpu_pager_write(dev, 16, NULL, 0), GPU_PAGER_ERROR_INVALID_ARGUMENT, "live buffer");
     /* Bad values. */
-    EXPECT(gpu_pager_region(dev, "x", 42, MIB, false, NULL), GPU_PAGER_ERROR_INVALID_ARGUMENT,
+    EXPECT(gpu_pager_region(dev, "x", 42, GPU_PAGER_FIXED, MIB, false, NULL), GPU_PAGER_ERROR_INVALID_ARGUMENT,
            "GPU_PAGER_PRESERVE");
-    EXPECT(gpu_pager_region(dev, "weights", GPU_PAGER_DISCARD, weights_bytes, false, NULL),
+    EXPECT(gpu_pager_region(dev, "x", GPU_PAGER_DISCARD, 7, MIB, false, NULL),
+           GPU_PAGER_ERROR_INVALID_ARGUMENT, "GPU_PAGER_GROWING");
+    EXPECT(gpu_pager_region(dev, "weights", GPU_PAGER_DISCARD, GPU_PAGER_FIXED, weights_bytes, false, NULL),
            GPU_PAGER_ERROR_TAG_CONFLICT, "`weights`");
     EXPECT(gpu_pager_alloc(-1, "weights", 64, &p), GPU_PAGER_ERROR_INVALID_ARGUMENT, "-1");
     EXPECT(gpu_pager_write(dev, w[0] + 16, data, buf_bytes), GPU_PAGER_ERROR_OUT_OF_RANGE,
@@ -326,13 +330,13 @@ int main(void) {
     /* Out of memory: a region larger than the device, then a resume while a "trainer"
      * region holds the memory. Nothing is lost; the resume succeeds once it is gone. */
     CHECK(gpu_pager_device(dev, &info));
-    EXPECT(gpu_pager_region(dev, "too_big", GPU_PAGER_DISCARD, (size_t)info.total_bytes * 2,
+    EXPECT(gpu_pager_region(dev, "too_big", GPU_PAGER_DISCARD, GPU_PAGER_FIXED, (size_t)info.total_bytes * 2,
                             false, NULL),
            GPU_PAGER_ERROR_INVALID_SIZE, "`too_big`");
     CHECK(gpu_pager_release(dev, kv, 1, NULL));
     CHECK(gpu_pager_device(dev, &info));
     size_t hog = (size_t)(info.free_bytes - kv_bytes / 2) / info.granularity * info.granularity;
-    CHECK(gpu_pager_region(dev, "trainer", GPU_PAGER_DISCARD, hog, false, NULL));
+    CHECK(gpu_pager_region(dev, "trainer", GPU_PAGER_DISCARD, GPU_PAGER_FIXED, hog, false, NULL));
     EXPECT(gpu_pager_resume(dev, kv, 1, NULL), GPU_PAGER_ERROR_OUT_OF_MEMORY, "`kv_cache`");
     CHECK(gpu_pager_remove(dev, "trainer"));
     CHECK(gpu_pager_resume(dev, kv, 1, NULL));

@@ -218,3 +218,25 @@ pub fn test_path(module: &str, name: &str) -> String {
         format!("{inside}::{name}")
     }
 }
+
+/// Creates `tag` as the test tables write it: `bytes == 0` for a growing region, else a
+/// fixed one of `bytes`.
+pub fn table_region(
+    pager: &gpu_pager::Pager,
+    tag: &str,
+    bytes: usize,
+    policy: gpu_pager::Policy,
+    options: gpu_pager::RegionOptions,
+) -> gpu_pager::Result<gpu_pager::RegionInfo> {
+    let kind = if bytes == 0 {
+        gpu_pager::RegionKind::Growing
+    } else {
+        options.kind
+    };
+    pager.region_with(
+        tag,
+        bytes,
+        policy,
+        gpu_pager::RegionOptions { kind, ..options },
+    )
+}

@@ -53,6 +53,8 @@ enum gpu_pager_code
   GPU_PAGER_ERROR_KV = 14,
   // The device or the operating system failed.
   GPU_PAGER_ERROR_BACKEND = 15,
+  // An invariant of gpu-pager failed (a bug; the message says which, please report it).
+  GPU_PAGER_ERROR_INTERNAL = 16,
   // gpu-pager panicked inside the call (a bug; the message says where).
   GPU_PAGER_ERROR_PANIC = 99,
 };

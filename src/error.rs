@@ -1,5 +1,5 @@
-//! The one error type of the crate. Every variant names the region (tag) it concerns and,
-//! in its message, what to do about it.
+//! The one error type of the crate. Every variant names the regions (tags) it concerns, when
+//! it concerns any, and, in its message, what to do about it.
 //!
 //! Each message is complete: it includes the underlying backend or KV error, and
 //! `source()` returns nothing, so that error-chain printers (anyhow, `log`, the C and
@@ -143,7 +143,7 @@ pub enum Error {
         free: usize,
     },
 
-    /// The tag exists with another policy, size or `elastic` option.
+    /// The tag exists with another policy, kind, size or backup medium.
     #[error(
         "region `{tag}` exists as {existing} but was asked for again as {requested}: they differ \
          in {differs}; ask with the same policy, size and options, remove the region first, or \
@@ -156,7 +156,7 @@ pub enum Error {
         existing: String,
         /// What was asked for.
         requested: String,
-        /// What differs, e.g. `"policy and elastic option"`.
+        /// What differs, e.g. `"policy and size"`.
         differs: String,
     },
 
@@ -183,44 +183,56 @@ pub enum Error {
     },
 
     /// An argument other than a size is not acceptable.
-    #[error("invalid argument{}: {reason}", for_tag(.tag))]
+    #[error("invalid argument{}: {reason}", for_tag(.tag.as_deref()))]
     InvalidArgument {
-        /// The region (or `*` when none applies).
-        tag: String,
+        /// The region, when the argument concerns one.
+        tag: Option<String>,
         /// What is wrong.
         reason: String,
     },
 
     /// A paged-KV-cache call was refused: a stale or foreign block id, an unknown sequence,
     /// exhaustion, a slot outside live blocks, bad lengths. Nothing was changed.
-    #[error("KV cache `{tag}`: {error}")]
+    #[error("KV cache{}: {error}", named(.tag.as_deref()))]
     Kv {
-        /// The KV cache's region (`*` for a layout not yet tied to a region).
-        tag: String,
+        /// The KV cache's region (none for a layout not yet tied to a region).
+        tag: Option<String>,
         /// What is wrong, and what to do.
         error: crate::kernels::kv::KvError,
     },
 
     /// The device or the operating system failed.
-    #[error("{op}{} failed: {error}", on_tag(.tag))]
+    #[error("{op}{} failed: {error}", on_tags(.tags))]
     Backend {
-        /// The region (or `*` when none applies).
-        tag: String,
+        /// The regions the failed step was moving (none when it concerned no region; several
+        /// when one driver call served a whole release or resume).
+        tags: Vec<String>,
         /// What the pager was doing.
         op: &'static str,
         /// The backend's error.
         error: BackendError,
     },
+
+    /// An invariant of gpu-pager itself failed: a bug, never the caller's input. The call
+    /// changed nothing it could undo; please report it with the message.
+    #[error(
+        "internal error{}: {reason}; this is a bug in gpu-pager, please report it with this \
+         message",
+        for_tag(.tag.as_deref())
+    )]
+    Internal {
+        /// The region the failed step concerned, if one.
+        tag: Option<String>,
+        /// Which invariant failed.
+        reason: String,
+    },
 }
 
 /// A KV error outside any cache (e.g. from [`crate::kv::KvLayout::new`]) as [`Error::Kv`]
-/// with tag `*`, so that `?` works in functions returning [`Result`].
+/// without a tag, so that `?` works in functions returning [`Result`].
 impl From<crate::kernels::kv::KvError> for Error {
     fn from(error: crate::kernels::kv::KvError) -> Self {
-        Error::Kv {
-            tag: "*".to_owned(),
-            error,
-        }
+        Error::Kv { tag: None, error }
     }
 }
 
@@ -260,6 +272,8 @@ pub enum ErrorCode {
     Kv = 14,
     /// [`Error::Backend`].
     Backend = 15,
+    /// [`Error::Internal`], and a backend's [`BackendError::Internal`].
+    Internal = 16,
     /// Not an [`Error`] variant: a foreign layer (C, Python) caught a panic inside
     /// gpu-pager at its boundary. Nothing was changed by the failed call as far as the
     /// pager can tell; it is a bug, please report it with the message.
@@ -268,7 +282,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in numeric order.
-    pub const ALL: [ErrorCode; 16] = [
+    pub const ALL: [ErrorCode; 17] = [
         ErrorCode::NotResident,
         ErrorCode::NotBacked,
         ErrorCode::UnknownTag,
@@ -284,6 +298,7 @@ impl ErrorCode {
         ErrorCode::InvalidArgument,
         ErrorCode::Kv,
         ErrorCode::Backend,
+        ErrorCode::Internal,
         ErrorCode::Panic,
     ];
 
@@ -316,6 +331,7 @@ impl ErrorCode {
             ErrorCode::InvalidArgument => "InvalidArgument",
             ErrorCode::Kv => "Kv",
             ErrorCode::Backend => "Backend",
+            ErrorCode::Internal => "Internal",
             ErrorCode::Panic => "Panic",
         }
     }
@@ -337,7 +353,7 @@ impl Error {
     /// The [`Error::InvalidArgument`] for a range whose start lies past its end.
     pub(crate) fn reversed_range(tag: &str, range: &std::ops::Range<usize>) -> Error {
         Error::InvalidArgument {
-            tag: tag.to_string(),
+            tag: Some(tag.to_string()),
             reason: format!(
                 "the range {}..{} is reversed; pass start <= end",
                 range.start, range.end
@@ -368,12 +384,25 @@ impl Error {
                 error: BackendError::HostOutOfMemory { .. },
                 ..
             } => ErrorCode::OutOfMemory,
+            Error::Backend {
+                error: BackendError::Internal { .. },
+                ..
+            } => ErrorCode::Internal,
             Error::Backend { .. } => ErrorCode::Backend,
+            Error::Internal { .. } => ErrorCode::Internal,
         }
     }
 
-    /// The tag the error concerns.
-    pub fn tag(&self) -> &str {
+    /// The region the error concerns: `None` when it concerns none (a bad argument to a
+    /// call on no region, a driver that cannot be opened); the first of several (see
+    /// [`Error::tags`]).
+    pub fn tag(&self) -> Option<&str> {
+        self.tags().first().copied()
+    }
+
+    /// Every region the error concerns: one for most errors, none or several for
+    /// [`Error::Backend`] (a driver call that served a whole release or resume).
+    pub fn tags(&self) -> Vec<&str> {
         match self {
             Error::NotResident { tag, .. }
             | Error::NotBacked { tag, .. }
@@ -385,40 +414,56 @@ impl Error {
             | Error::StaleBuffer { tag, .. }
             | Error::RegionFull { tag, .. }
             | Error::TagConflict { tag, .. }
-            | Error::InvalidArgument { tag, .. }
             | Error::Corrupted { tag, .. }
-            | Error::BackupInUse { tag }
+            | Error::BackupInUse { tag } => vec![tag.as_str()],
+            Error::InvalidArgument { tag, .. }
             | Error::Kv { tag, .. }
-            | Error::Backend { tag, .. } => tag,
+            | Error::Internal { tag, .. } => tag.as_deref().into_iter().collect(),
+            Error::Backend { tags, .. } => tags.iter().map(String::as_str).collect(),
         }
     }
 
-    /// A [`Error::Backend`] for the backend failure `source` while doing `op` on `tag`.
+    /// A [`Error::Backend`] for the backend failure `error` while doing `op` on `tag`.
     pub fn backend(tag: &str, op: &'static str, error: BackendError) -> Self {
+        Error::backend_of(&[tag], op, error)
+    }
+
+    /// A [`Error::Backend`] for a step that served every region of `tags` (none: a step
+    /// that concerned no region).
+    pub fn backend_of<S: AsRef<str>>(tags: &[S], op: &'static str, error: BackendError) -> Self {
         Error::Backend {
-            tag: tag.to_owned(),
+            tags: tags.iter().map(|t| t.as_ref().to_owned()).collect(),
             op,
             error,
         }
     }
-}
 
-/// `" for `tag`"`, or nothing for `*` (an error that concerns no region).
-fn for_tag(tag: &str) -> String {
-    if tag == "*" {
-        String::new()
-    } else {
-        format!(" for `{tag}`")
+    /// An [`Error::InvalidArgument`] about `tag`'s region, or about no region.
+    pub fn invalid(tag: Option<&str>, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            tag: tag.map(str::to_owned),
+            reason: reason.into(),
+        }
     }
 }
 
-/// `" on `tag`"`, or nothing for `*` (an error that concerns no region).
-fn on_tag(tag: &str) -> String {
-    if tag == "*" {
-        String::new()
-    } else {
-        format!(" on `{tag}`")
+/// `" for `tag`"`, or nothing for an error that concerns no region.
+fn for_tag(tag: Option<&str>) -> String {
+    tag.map_or_else(String::new, |t| format!(" for `{t}`"))
+}
+
+/// `" `tag`"`, or nothing.
+fn named(tag: Option<&str>) -> String {
+    tag.map_or_else(String::new, |t| format!(" `{t}`"))
+}
+
+/// `" on `a`"`, `" on `a`, `b`"`, or nothing for an error that concerns no region.
+fn on_tags(tags: &[String]) -> String {
+    if tags.is_empty() {
+        return String::new();
     }
+    let names: Vec<String> = tags.iter().map(|t| format!("`{t}`")).collect();
+    format!(" on {}", names.join(", "))
 }
 
 /// `"; did you mean `x`?"` for [`Error::UnknownTag`], or nothing.

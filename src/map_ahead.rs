@@ -194,9 +194,9 @@ pub(crate) unsafe fn map_in_order<S: ?Sized, E>(
                         // which ends this loop first: it hangs up early only if a map call
                         // panicked (the scope then re-raises that panic).
                         Err(mpsc::RecvTimeoutError::Disconnected) => {
-                            break Err(BackendError::Invalid {
+                            break Err(BackendError::Internal {
                                 op: "map",
-                                reason: "internal: the mapping thread ended early".to_owned(),
+                                reason: "the mapping thread ended early".to_owned(),
                             });
                         }
                     }

@@ -441,7 +441,7 @@ impl Pager {
     pub fn set_backup_dir(&self, dir: impl AsRef<std::path::Path>) -> Result<()> {
         let dir = dir.as_ref();
         self.files.set_dir(dir).map_err(|e| Error::InvalidArgument {
-            tag: "*".to_owned(),
+            tag: None,
             reason: format!("the backup directory {} cannot be used: {e}", dir.display()),
         })
     }
@@ -474,7 +474,7 @@ impl Pager {
             return Ok(());
         }
         Err(Error::InvalidArgument {
-            tag: "*".to_owned(),
+            tag: None,
             reason: format!(
                 "this pager was made in process {} and this process ({here}) is a fork of it: \
                  device memory and its bookkeeping cannot be shared across a fork (CUDA forbids \
@@ -570,13 +570,13 @@ impl Pager {
         exclusive: bool,
     ) -> Result<RegionInfo> {
         self.check_process()?;
-        if tag.is_empty() || tag == "*" || tag.len() > MAX_TAG_BYTES || tag.contains('\0') {
+        if tag.is_empty() || tag.len() > MAX_TAG_BYTES || tag.contains('\0') {
             let shown: String = tag.chars().take(64).collect();
             return Err(Error::InvalidArgument {
-                tag: shown,
+                tag: Some(shown),
                 reason: format!(
-                    "a tag must be a name of 1 to {MAX_TAG_BYTES} bytes, other than `*` and \
-                     without NUL bytes (C cannot name one), not one of {} bytes",
+                    "a tag must be a name of 1 to {MAX_TAG_BYTES} bytes without NUL bytes (C \
+                     cannot name one), not one of {} bytes",
                     tag.len()
                 ),
             });
@@ -624,7 +624,7 @@ impl Pager {
             })?;
         if options.medium != Medium::Pinned && policy != Policy::Preserve {
             return Err(Error::InvalidArgument {
-                tag: tag.to_owned(),
+                tag: Some(tag.to_owned()),
                 reason: format!(
                     "a backup medium ({}) is for Policy::Preserve regions, and a {policy:?} \
                      region keeps no contents; leave the medium at its default",
@@ -634,7 +634,7 @@ impl Pager {
         }
         if options.prepin && options.medium == Medium::Host {
             return Err(Error::InvalidArgument {
-                tag: tag.to_owned(),
+                tag: Some(tag.to_owned()),
                 reason: "prepin pins the backup now, but a Medium::Host backup is given back \
                          after every resume and pinned again at the release; use prepin with \
                          Medium::Pinned, or leave it off"
@@ -643,7 +643,7 @@ impl Pager {
         }
         if options.prepin && policy != Policy::Preserve {
             return Err(Error::InvalidArgument {
-                tag: tag.to_owned(),
+                tag: Some(tag.to_owned()),
                 reason: format!(
                     "prepin pins a host backup, and a {policy:?} region has none (its contents \
                      are dropped on release); use prepin only with Policy::Preserve"
@@ -719,7 +719,7 @@ impl Pager {
         let mut r = lock(slot);
         if want.exclusive {
             return Err(Error::InvalidArgument {
-                tag: tag.to_owned(),
+                tag: Some(tag.to_owned()),
                 reason: "the region exists already, and this owner needs a region of its \
                          own (one KvCache per region); use another tag or remove it first"
                     .to_owned(),
@@ -818,7 +818,7 @@ impl Pager {
         }
         if id.is_none() && r.exclusive {
             return Err(Error::InvalidArgument {
-                tag: tag.to_owned(),
+                tag: Some(tag.to_owned()),
                 reason: "the region belongs to its owner (a KvCache) and is removed when that \
                          owner is dropped; drop the KvCache instead of removing its region"
                     .to_owned(),
@@ -866,7 +866,7 @@ impl Pager {
         // give an address a larger alignment.
         if align > g {
             return Err(Error::InvalidArgument {
-                tag: tag.to_owned(),
+                tag: Some(tag.to_owned()),
                 reason: format!(
                     "an alignment of {align} bytes is above the device's granularity ({g}                      bytes), the most a region's addresses are aligned to; ask for at most {g}"
                 ),
@@ -906,7 +906,7 @@ impl Pager {
                 }
             } else {
                 Error::InvalidArgument {
-                    tag: tag.to_owned(),
+                    tag: Some(tag.to_owned()),
                     reason,
                 }
             }),
@@ -916,9 +916,9 @@ impl Pager {
                 align,
                 free,
             }),
-            Err(AllocError::Stale) => Err(Error::InvalidArgument {
-                tag: tag.to_owned(),
-                reason: "internal: stale on alloc".to_owned(),
+            Err(AllocError::Stale) => Err(Error::Internal {
+                tag: Some(tag.to_owned()),
+                reason: "the allocator answered a fresh allocation as stale".to_owned(),
             }),
         }
     }
@@ -1075,7 +1075,7 @@ impl Pager {
         // InvalidArgument, not a backend failure. Regions and buffers are 256-aligned.
         crate::kernels::check_chunk_hash_args(0, buf.len, chunk_bytes).map_err(|reason| {
             Error::InvalidArgument {
-                tag: buf.tag().to_owned(),
+                tag: Some(buf.tag().to_owned()),
                 reason,
             }
         })?;
@@ -1124,7 +1124,7 @@ impl Pager {
     pub fn release_with(&self, tags: &[&str], options: &ReleaseOptions) -> Result<Report> {
         if let Some(d) = options.drop.iter().find(|d| !tags.contains(&d.as_str())) {
             return Err(Error::InvalidArgument {
-                tag: d.clone(),
+                tag: Some(d.clone()),
                 reason: "a tag to drop must also be one of the tags released; add it to the \
                          tags, or leave it out of the drop list"
                     .to_owned(),
@@ -1144,7 +1144,7 @@ impl Pager {
         let t = Instant::now();
         self.backend
             .synchronize()
-            .map_err(|e| Error::backend(&tags.join(","), "waiting for device work", e))?;
+            .map_err(|e| Error::backend_of(tags, "waiting for device work", e))?;
         let sync = t.elapsed();
 
         let mut steps = vec![Steps::default(); regions.len()];
@@ -1194,7 +1194,7 @@ impl Pager {
                     }
                     Ok(())
                 },
-                |e| Error::backend(&tags.join(","), "copying contents to the host backup", e),
+                |e| Error::backend_of(tags, "copying contents to the host backup", e),
             )?;
             // The copy time: the call's copying less its hashing, by each region's share of
             // the bytes.
@@ -1257,18 +1257,23 @@ impl Pager {
     /// [`Pager::resume`] with options: whether [`Medium::Host`] backups keep their host
     /// memory after the restore ([`ResumeOptions::keep_host_backups`]).
     pub fn resume_with(&self, tags: &[&str], options: ResumeOptions) -> Result<Report> {
-        self.resume_impl(tags, None, false, options).map(|(r, _)| r)
+        let slots = self.slots(tags)?;
+        let mut regions: Vec<_> = slots.iter().map(lock).collect();
+        self.resume_locked(tags, &mut regions, None, options)
     }
 
     /// [`Pager::resume`] and [`Pager::lease`] in one step: no other thread can release the
     /// tags in between.
     pub fn resume_and_lease(&self, tags: &[&str]) -> Result<(Report, Lease)> {
-        let (report, lease) = self.resume_impl(tags, None, true, ResumeOptions::default())?;
-        let lease = lease.ok_or_else(|| Error::InvalidArgument {
-            tag: tags.join(","),
-            reason: "internal: no lease".to_owned(),
-        })?;
-        Ok((report, lease))
+        let slots = self.slots(tags)?;
+        let mut regions: Vec<_> = slots.iter().map(lock).collect();
+        let report = self.resume_locked(tags, &mut regions, None, ResumeOptions::default())?;
+        // Still under the regions' locks: no release can come in between.
+        for r in &mut regions {
+            r.leases += 1;
+        }
+        drop(regions);
+        Ok((report, Lease { slots }))
     }
 
     /// Like [`Pager::resume`], but enqueues the restore copies on the caller's CUDA
@@ -1278,20 +1283,20 @@ impl Pager {
     /// host before then are the caller's to order (synchronize the stream first).
     /// `verify_restore` is not applied. On the host backend copies are synchronous.
     pub fn resume_on(&self, tags: &[&str], stream: RawStream) -> Result<Report> {
-        self.resume_impl(tags, Some(stream), false, ResumeOptions::default())
-            .map(|(r, _)| r)
-    }
-
-    fn resume_impl(
-        &self,
-        tags: &[&str],
-        stream: Option<RawStream>,
-        leased: bool,
-        options: ResumeOptions,
-    ) -> Result<(Report, Option<Lease>)> {
-        let start = Instant::now();
         let slots = self.slots(tags)?;
         let mut regions: Vec<_> = slots.iter().map(lock).collect();
+        self.resume_locked(tags, &mut regions, Some(stream), ResumeOptions::default())
+    }
+
+    /// The resume of `regions` (the locked regions of `tags`), on `stream` if given.
+    fn resume_locked(
+        &self,
+        tags: &[&str],
+        regions: &mut [MutexGuard<'_, Region>],
+        stream: Option<RawStream>,
+        options: ResumeOptions,
+    ) -> Result<Report> {
+        let start = Instant::now();
         let todo: Vec<bool> = regions.iter().map(|r| !r.is_resident()).collect();
         let mut steps = vec![Steps::default(); regions.len()];
         let mut copied = vec![0usize; regions.len()];
@@ -1325,7 +1330,7 @@ impl Pager {
                         |p| {
                             let sink = &mut Sink::Pump(p);
                             map_and_restore_all(
-                                &mut regions,
+                                &mut *regions,
                                 &restoring,
                                 backend,
                                 sink,
@@ -1334,9 +1339,7 @@ impl Pager {
                                 &mut copied,
                             )
                         },
-                        |e| {
-                            Error::backend(&tags.join(","), "restoring contents from the backup", e)
-                        },
+                        |e| Error::backend_of(tags, "restoring contents from the backup", e),
                     )?;
                     // The wait at the end is copy time not hidden behind mapping; charge it
                     // to the Preserve regions by their share of the bytes.
@@ -1351,7 +1354,7 @@ impl Pager {
                         mover: self.config.stream_mover,
                     };
                     map_and_restore_all(
-                        &mut regions,
+                        &mut *regions,
                         &restoring,
                         backend,
                         sink,
@@ -1384,7 +1387,7 @@ impl Pager {
             (Ok(()), Some(s)) => backend
                 .fence(s)
                 .map(|f| fence = Some(Arc::from(f)))
-                .map_err(|e| Error::backend(&tags.join(","), "recording the restore's fence", e)),
+                .map_err(|e| Error::backend_of(tags, "recording the restore's fence", e)),
             (r, _) => r,
         };
         if let Err(e) = result {
@@ -1448,19 +1451,10 @@ impl Pager {
             total: start.elapsed(),
             copies,
         };
-        for r in &mut regions {
+        for r in regions.iter_mut() {
             remember(&report, r);
         }
-        let lease = leased.then(|| {
-            for r in &mut regions {
-                r.leases += 1;
-            }
-            Lease {
-                slots: slots.clone(),
-            }
-        });
-        drop(regions);
-        Ok((report, lease))
+        Ok(report)
     }
 
     /// Maps physical memory under the chunks of the elastic region `tag` that share a byte
@@ -1497,7 +1491,7 @@ impl Pager {
         let mut r = lock(&slot);
         if !r.on_demand() {
             return Err(Error::InvalidArgument {
-                tag: tag.to_owned(),
+                tag: Some(tag.to_owned()),
                 reason: "only elastic regions can be trimmed; create the region elastic, or \
                          release it instead"
                     .to_owned(),

@@ -307,7 +307,7 @@ impl Region {
     ) -> Result<Region> {
         if options.kind == RegionKind::Elastic && policy == Policy::Preserve {
             return Err(Error::InvalidArgument {
-                tag: tag.to_owned(),
+                tag: Some(tag.to_owned()),
                 reason: "a preserve region cannot be elastic (resuming an elastic region maps \
                          nothing, so there is nowhere to restore to); make it discard or \
                          discard-zeroed, or fixed or growing"
@@ -541,7 +541,7 @@ impl Region {
     pub fn back(&mut self, backend: &dyn Backend, range: &Range<usize>) -> Result<usize> {
         if self.growing() {
             return Err(Error::InvalidArgument {
-                tag: self.tag.clone(),
+                tag: Some(self.tag.clone()),
                 reason: "a growing region maps memory under its buffers by itself; allocate \
                          buffers instead of backing ranges"
                     .to_owned(),
@@ -1066,9 +1066,9 @@ impl Region {
             return Err(Error::backend(
                 &self.tag,
                 "copying contents to the host backup",
-                BackendError::Invalid {
+                BackendError::Internal {
                     op: "save",
-                    reason: format!("internal: no backup pinned at offset {start}"),
+                    reason: format!("no backup pinned at offset {start}"),
                 },
             ));
         }

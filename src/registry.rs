@@ -89,11 +89,17 @@ fn open(ordinal: usize) -> Result<Arc<dyn Backend>> {
     let why = match CudaBackend::new(ordinal) {
         Ok(b) => return Ok(Arc::new(b)),
         Err(BackendError::Unavailable(why)) => why,
-        Err(e) => return Err(Error::backend("*", "opening the CUDA device", e)),
+        Err(e) => {
+            return Err(Error::backend_of(
+                &[] as &[&str],
+                "opening the CUDA device",
+                e,
+            ));
+        }
     };
     if ordinal != 0 {
-        return Err(Error::backend(
-            "*",
+        return Err(Error::backend_of(
+            &[] as &[&str],
             "opening the CUDA device",
             BackendError::Unavailable(format!(
                 "device {ordinal}: {why}; without a GPU only device 0 exists (on the host \
@@ -103,7 +109,7 @@ fn open(ordinal: usize) -> Result<Arc<dyn Backend>> {
         ));
     }
     let config = HostConfig::from_env().map_err(|e| Error::InvalidArgument {
-        tag: "*".to_owned(),
+        tag: None,
         reason: format!("{e}, or unset it"),
     })?;
     log::warn!(

@@ -10,7 +10,7 @@ use std::sync::{Mutex, OnceLock};
 use gpu_pager::backend::RawStream;
 use gpu_pager::{Error, Lease, Pager, RegionOptions, ReleaseOptions, Result, ResumeOptions};
 
-use crate::boundary::{self, call, invalid, pager, required, write_out};
+use crate::boundary::{self, call, invalid, pager, required, untagged, write_out};
 use crate::types::{
     GPU_PAGER_RESUME_KEEP_HOST_BACKUPS, gpu_pager_code, gpu_pager_device_info, gpu_pager_medium,
     gpu_pager_policy, gpu_pager_region_kind, gpu_pager_report, gpu_pager_stats,
@@ -23,14 +23,11 @@ pub(crate) fn buffer_containing(
     ptr: u64,
 ) -> Result<(gpu_pager::Buffer, usize)> {
     pager.buffer_containing(ptr).ok_or_else(|| {
-        invalid(
-            "*",
-            format!(
-                "{ptr:#x} is not inside a live buffer of device {device}'s pager (freed \
+        untagged(format!(
+            "{ptr:#x} is not inside a live buffer of device {device}'s pager (freed \
                  already, from another device, or not from gpu_pager_alloc or \
                  gpu_pager_torch_malloc); pass an address these returned, before freeing it"
-            ),
-        )
+        ))
     })
 }
 
@@ -107,7 +104,7 @@ pub unsafe extern "C" fn gpu_pager_device(
         let info = backend.info();
         let mem = backend
             .mem_info()
-            .map_err(|e| Error::backend("*", "querying device memory", e))?;
+            .map_err(|e| Error::backend_of(&[] as &[&str], "querying device memory", e))?;
         let value = gpu_pager_device_info {
             kind: gpu_pager_device_info::kind_of(info.kind),
             granularity: info.granularity as u64,
@@ -324,7 +321,7 @@ pub unsafe extern "C" fn gpu_pager_write(
 ) -> gpu_pager_code {
     call("gpu_pager_write", || {
         if src.is_null() && bytes > 0 {
-            return Err(invalid("*", "src is NULL; pass the host bytes to copy"));
+            return Err(untagged("src is NULL; pass the host bytes to copy"));
         }
         let d = boundary::device(device)?;
         let pager = pager(device)?;
@@ -355,7 +352,7 @@ pub unsafe extern "C" fn gpu_pager_read(
 ) -> gpu_pager_code {
     call("gpu_pager_read", || {
         if dst.is_null() && bytes > 0 {
-            return Err(invalid("*", "dst is NULL; pass where to copy the bytes"));
+            return Err(untagged("dst is NULL; pass where to copy the bytes"));
         }
         let d = boundary::device(device)?;
         let pager = pager(device)?;
@@ -399,17 +396,17 @@ pub extern "C" fn gpu_pager_set_overwritten(
     on: bool,
 ) -> gpu_pager_code {
     call("gpu_pager_set_overwritten", || {
+        let d = boundary::device(device)?;
+        let pager = pager(device)?;
+        let (buf, offset) = buffer_containing(&pager, d, ptr)?;
         if len == 0 {
             return Err(Error::InvalidSize {
-                tag: "*".to_owned(),
+                tag: buf.tag().to_owned(),
                 reason: "gpu_pager_set_overwritten of 0 bytes; pass the length of the range \
                          to mark (a tensor's bytes)"
                     .to_owned(),
             });
         }
-        let d = boundary::device(device)?;
-        let pager = pager(device)?;
-        let (buf, offset) = buffer_containing(&pager, d, ptr)?;
         let end = offset.checked_add(len).ok_or_else(|| Error::OutOfRange {
             tag: buf.tag().to_owned(),
             what: "buffer",
@@ -531,12 +528,9 @@ pub unsafe extern "C" fn gpu_pager_resume_with(
 ) -> gpu_pager_code {
     call("gpu_pager_resume_with", || {
         if flags & !GPU_PAGER_RESUME_KEEP_HOST_BACKUPS != 0 {
-            return Err(invalid(
-                "*",
-                format!(
-                    "flags {flags:#x} has unknown bits; pass 0 or GPU_PAGER_RESUME_KEEP_HOST_BACKUPS"
-                ),
-            ));
+            return Err(untagged(format!(
+                "flags {flags:#x} has unknown bits; pass 0 or GPU_PAGER_RESUME_KEEP_HOST_BACKUPS"
+            )));
         }
         // SAFETY: as this function's contract.
         let tags = unsafe { boundary::tags(tags, n_tags) }?;
@@ -625,13 +619,10 @@ pub extern "C" fn gpu_pager_unlease(lease: u64) -> gpu_pager_code {
                 drop(l);
                 Ok(())
             }
-            None => Err(invalid(
-                "*",
-                format!(
-                    "lease {lease} is not live (ended already, or not from gpu_pager_lease); \
+            None => Err(untagged(format!(
+                "lease {lease} is not live (ended already, or not from gpu_pager_lease); \
                      end each lease once"
-                ),
-            )),
+            ))),
         }
     })
 }

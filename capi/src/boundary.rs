@@ -87,21 +87,22 @@ fn guarded<T>(name: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T, gp
     }
 }
 
-/// An [`Error::InvalidArgument`] for a C argument.
+/// An [`Error::InvalidArgument`] for a C argument about region `tag`.
 pub(crate) fn invalid(tag: &str, reason: impl Into<String>) -> Error {
-    Error::InvalidArgument {
-        tag: tag.to_owned(),
-        reason: reason.into(),
-    }
+    Error::invalid(Some(tag), reason)
+}
+
+/// An [`Error::InvalidArgument`] for a C argument that concerns no region.
+pub(crate) fn untagged(reason: impl Into<String>) -> Error {
+    Error::invalid(None, reason)
 }
 
 /// A device ordinal from C.
 pub(crate) fn device(device: c_int) -> Result<usize> {
     usize::try_from(device).map_err(|_| {
-        invalid(
-            "*",
-            format!("device {device} is not a device ordinal; pass 0 for the first GPU"),
-        )
+        untagged(format!(
+            "device {device} is not a device ordinal; pass 0 for the first GPU"
+        ))
     })
 }
 
@@ -117,10 +118,9 @@ pub(crate) fn pager(ordinal: c_int) -> Result<Arc<Pager>> {
 /// `'a` (the duration of the exported call).
 pub(crate) unsafe fn tag<'a>(p: *const c_char, what: &str) -> Result<&'a str> {
     if p.is_null() {
-        return Err(invalid(
-            "*",
-            format!("{what} is NULL; pass a NUL-terminated UTF-8 tag"),
-        ));
+        return Err(untagged(format!(
+            "{what} is NULL; pass a NUL-terminated UTF-8 tag"
+        )));
     }
     // SAFETY: non-NULL and, by this function's contract, NUL-terminated and alive for 'a.
     let s = unsafe { CStr::from_ptr(p) };
@@ -141,16 +141,14 @@ pub(crate) unsafe fn tags<'a>(tags: *const *const c_char, n: usize) -> Result<Ve
         return Ok(Vec::new());
     }
     if tags.is_null() {
-        return Err(invalid(
-            "*",
-            format!("the tag list is NULL but its count is {n}; pass an array of {n} tags"),
-        ));
+        return Err(untagged(format!(
+            "the tag list is NULL but its count is {n}; pass an array of {n} tags"
+        )));
     }
     if n > isize::MAX as usize / std::mem::size_of::<*const c_char>() {
-        return Err(invalid(
-            "*",
-            format!("{n} tags are more than any array holds; pass the list's length"),
-        ));
+        return Err(untagged(format!(
+            "{n} tags are more than any array holds; pass the list's length"
+        )));
     }
     // SAFETY: non-NULL and, by this function's contract, `n` readable pointers.
     let list = unsafe { std::slice::from_raw_parts(tags, n) };
@@ -176,10 +174,9 @@ pub(crate) unsafe fn write_out<T>(out: *mut T, value: T) {
 /// Fails when a required out-pointer is NULL (checked before the call does anything).
 pub(crate) fn required<T>(out: *mut T, what: &str) -> Result<()> {
     if out.is_null() {
-        return Err(invalid(
-            "*",
-            format!("{what} is NULL; pass where to store the result"),
-        ));
+        return Err(untagged(format!(
+            "{what} is NULL; pass where to store the result"
+        )));
     }
     Ok(())
 }

@@ -31,7 +31,7 @@ use std::sync::{LazyLock, Mutex, MutexGuard, PoisonError};
 
 use gpu_pager::{Error, Medium, Pager, Policy, RegionOptions, Result, ResumeOptions, State};
 
-use crate::boundary::{self, call, call_or, invalid, write_out};
+use crate::boundary::{self, call, call_or, invalid, untagged, write_out};
 use crate::torch::{alloc_segment, free_segment, segment_device};
 use crate::types::gpu_pager_code;
 
@@ -385,10 +385,9 @@ pub unsafe extern "C" fn gpu_pager_tms_set_cpu_backend(backend: *const c_char) -
             "pinned" => false,
             "mmap" => true,
             other => {
-                return Err(invalid(
-                    "*",
-                    format!("cpu_backup_backend must be 'pinned' or 'mmap', not {other:?}"),
-                ));
+                return Err(untagged(format!(
+                    "cpu_backup_backend must be 'pinned' or 'mmap', not {other:?}"
+                )));
             }
         };
         with_route(|r| r.host = host);
@@ -430,14 +429,11 @@ pub unsafe extern "C" fn gpu_pager_tms_set_disk_dir(dir: *const c_char) -> gpu_p
         // SAFETY: NULL or NUL-terminated and alive for this call (the contract).
         let dir = PathBuf::from(unsafe { boundary::tag(dir, "dir") }?);
         std::fs::create_dir_all(&dir).map_err(|e| {
-            invalid(
-                "*",
-                format!(
-                    "the disk backup directory {} cannot be created: {e}; pass a writable \
+            untagged(format!(
+                "the disk backup directory {} cannot be created: {e}; pass a writable \
                      directory on a real disk",
-                    dir.display()
-                ),
-            )
+                dir.display()
+            ))
         })?;
         for (_, p) in gpu_pager::registry::pagers() {
             p.set_backup_dir(&dir)?;
@@ -513,8 +509,7 @@ unsafe fn optional_tag<'a>(tag: *const c_char) -> Result<Option<&'a str>> {
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_backup_pointer(ptr: u64, size: u64) -> *mut u8 {
     call_or("gpu_pager_tms_backup_pointer", std::ptr::null_mut(), || {
-        let size =
-            usize::try_from(size).map_err(|_| invalid("*", "size does not fit in memory"))?;
+        let size = usize::try_from(size).map_err(|_| untagged("size does not fit in memory"))?;
         Ok(backup_pointer(ptr, size)?.map_or(std::ptr::null_mut(), |p| p as usize as *mut u8))
     })
 }
@@ -588,7 +583,7 @@ pub extern "C" fn gpu_pager_tms_torch_malloc(
         match routed_alloc(d, size)? {
             Some(p) => Ok(p as usize as *mut c_void),
             None => Err(Error::InvalidArgument {
-                tag: "*".to_owned(),
+                tag: None,
                 reason: format!(
                     "an allocation of {size} bytes on device {d} outside every region; torch \
                      routes allocations here only inside torch_memory_saver.region()"

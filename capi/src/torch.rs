@@ -22,7 +22,7 @@ use std::sync::{Mutex, PoisonError};
 use gpu_pager::backend::RawStream;
 use gpu_pager::{Buffer, Error, Pager, Result};
 
-use crate::boundary::{self, call, call_or, invalid};
+use crate::boundary::{self, call, call_or, untagged};
 use crate::types::gpu_pager_code;
 
 /// Alignment of torch segments of at least this size.
@@ -93,15 +93,12 @@ pub extern "C" fn gpu_pager_torch_malloc(
             let tag = CURRENT
                 .with(|c| c.borrow().get(&d).cloned())
                 .ok_or_else(|| {
-                    invalid(
-                        "*",
-                        format!(
-                            "gpu_pager_torch_malloc({size} bytes, device {d}): this thread has no \
+                    untagged(format!(
+                        "gpu_pager_torch_malloc({size} bytes, device {d}): this thread has no \
                          current tag for device {d}, and allocations are never placed in a \
                          region silently; call gpu_pager_use_tag({d}, \"<tag>\") on this \
                          thread first"
-                        ),
-                    )
+                    ))
                 })?;
             alloc_segment(d, &tag, size).map(|p| p as usize as *mut c_void)
         },
@@ -156,13 +153,10 @@ pub(crate) fn free_segment(
 ) -> Result<()> {
     let pager = Pager::for_device(d)?;
     let buf = segments().remove(&(d, addr)).ok_or_else(|| {
-        invalid(
-            "*",
-            format!(
-                "freeing {addr:#x} on device {d}: not a segment the allocator returned, or \
+        untagged(format!(
+            "freeing {addr:#x} on device {d}: not a segment the allocator returned, or \
                  freed already; nothing was freed"
-            ),
-        )
+        ))
     })?;
     if let Some(size) = size.filter(|&n| n != buf.len()) {
         log::warn!(

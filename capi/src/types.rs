@@ -45,6 +45,8 @@ pub enum gpu_pager_code {
     GPU_PAGER_ERROR_KV = 14,
     /// The device or the operating system failed.
     GPU_PAGER_ERROR_BACKEND = 15,
+    /// An invariant of gpu-pager failed (a bug; the message says which, please report it).
+    GPU_PAGER_ERROR_INTERNAL = 16,
     /// gpu-pager panicked inside the call (a bug; the message says where).
     GPU_PAGER_ERROR_PANIC = 99,
 }
@@ -70,6 +72,7 @@ impl From<ErrorCode> for gpu_pager_code {
             ErrorCode::InvalidArgument => C::GPU_PAGER_ERROR_INVALID_ARGUMENT,
             ErrorCode::Kv => C::GPU_PAGER_ERROR_KV,
             ErrorCode::Backend => C::GPU_PAGER_ERROR_BACKEND,
+            ErrorCode::Internal => C::GPU_PAGER_ERROR_INTERNAL,
             ErrorCode::Panic => C::GPU_PAGER_ERROR_PANIC,
         }
     }
@@ -278,7 +281,7 @@ mod tests {
     use super::*;
 
     /// Every error code (not `GPU_PAGER_OK`), in numeric order.
-    const ERRORS: [gpu_pager_code; 16] = [
+    const ERRORS: [gpu_pager_code; 17] = [
         gpu_pager_code::GPU_PAGER_ERROR_NOT_RESIDENT,
         gpu_pager_code::GPU_PAGER_ERROR_NOT_BACKED,
         gpu_pager_code::GPU_PAGER_ERROR_UNKNOWN_TAG,
@@ -294,6 +297,7 @@ mod tests {
         gpu_pager_code::GPU_PAGER_ERROR_INVALID_ARGUMENT,
         gpu_pager_code::GPU_PAGER_ERROR_KV,
         gpu_pager_code::GPU_PAGER_ERROR_BACKEND,
+        gpu_pager_code::GPU_PAGER_ERROR_INTERNAL,
         gpu_pager_code::GPU_PAGER_ERROR_PANIC,
     ];
 

@@ -18,7 +18,8 @@ by stage, without reloading the model or recapturing CUDA graphs.
     pager.resume("kv_cache")  # stage 2
 
 Every error is a ``PagerError`` subclass named after its code (``NotResidentError``,
-``OutOfMemoryError``, ...) with ``.tag``, ``.code`` and a message saying what to do.
+``OutOfMemoryError``, ...) with ``.tag`` (``None`` when no region applies), ``.tags``, ``.code``
+and a message saying what to do.
 PyTorch integration: ``gpu_pager.torch``; drop-in replacements for torch_memory_saver and
 vLLM's CuMemAllocator: ``gpu_pager.compat``.
 """
@@ -54,6 +55,7 @@ from gpu_pager._native import (
     InvalidArgumentError,
     KvError,
     BackendError,
+    InternalError,
     PanicError,
 )
 
@@ -88,5 +90,6 @@ __all__ = [
     "InvalidArgumentError",
     "KvError",
     "BackendError",
+    "InternalError",
     "PanicError",
 ]

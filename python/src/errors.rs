@@ -59,6 +59,10 @@ fn doc(code: ErrorCode) -> &'static str {
         ErrorCode::InvalidArgument => "An argument other than a size is not acceptable.",
         ErrorCode::Kv => "A paged-KV-cache call was refused; nothing was changed.",
         ErrorCode::Backend => "The device driver or the operating system failed.",
+        ErrorCode::Internal => {
+            "A bug: an invariant of gpu-pager failed (never the caller's input). Please report \
+             it with the message."
+        }
         ErrorCode::Panic => {
             "A bug: gpu-pager panicked inside the call and the binding caught it. Please report \
              it with the message."
@@ -67,7 +71,9 @@ fn doc(code: ErrorCode) -> &'static str {
 }
 
 const BASE_DOC: &str = "Base class of every error gpu_pager raises; a ``RuntimeError``.\n\n\
-    Attributes: ``tag`` (the region the error concerns, ``\"*\"`` when none applies), \
+    Attributes: ``tag`` (the region the error concerns, ``None`` when none applies), \
+    ``tags`` (every region it concerns: one for most errors, none or several for a driver \
+    failure that served a whole release or resume), \
     ``code`` (the stable error number, as the C ABI returns it; also a class attribute) and \
     the message (``str(err)``), which says what to do about it.";
 
@@ -85,7 +91,8 @@ fn new_class<'py>(
     if let Some(code) = code {
         dict.set_item("code", code)?;
     }
-    dict.set_item("tag", "*")?;
+    dict.set_item("tag", py.None())?;
+    dict.set_item("tags", pyo3::types::PyList::empty(py))?;
     let cls = py.get_type::<PyType>().call1((name, bases, dict))?;
     Ok(cls.cast_into::<PyType>()?.unbind())
 }
@@ -140,7 +147,7 @@ pub(crate) fn error_codes() -> Vec<(u32, &'static str)> {
 }
 
 /// An instance of `code`'s class with `tag`, `code` and `message`.
-fn new_err(py: Python<'_>, code: ErrorCode, tag: &str, message: String) -> PyErr {
+fn new_err(py: Python<'_>, code: ErrorCode, tags: &[&str], message: String) -> PyErr {
     let Some(classes) = CLASSES.get(py) else {
         return PyRuntimeError::new_err(format!("gpu_pager is not initialised: {message}"));
     };
@@ -148,7 +155,8 @@ fn new_err(py: Python<'_>, code: ErrorCode, tag: &str, message: String) -> PyErr
         return PyRuntimeError::new_err(format!("gpu_pager: no class for {code}: {message}"));
     };
     let made = cls.bind(py).call1((message,)).and_then(|err| {
-        err.setattr("tag", tag)?;
+        err.setattr("tag", tags.first())?;
+        err.setattr("tags", tags.to_vec())?;
         err.setattr("code", code.number())?;
         Ok(err)
     });
@@ -161,7 +169,7 @@ fn new_err(py: Python<'_>, code: ErrorCode, tag: &str, message: String) -> PyErr
 /// The Python exception for a pager error (its class is chosen by [`gpu_pager::Error::code`],
 /// an exhaustive match in the core).
 pub(crate) fn to_py(py: Python<'_>, e: &gpu_pager::Error) -> PyErr {
-    new_err(py, e.code(), e.tag(), e.to_string())
+    new_err(py, e.code(), &e.tags(), e.to_string())
 }
 
 /// `PanicError` for a panic caught at the boundary.
@@ -174,7 +182,7 @@ pub(crate) fn panic(py: Python<'_>, payload: Box<dyn Any + Send>) -> PyErr {
     new_err(
         py,
         ErrorCode::Panic,
-        "*",
+        &[],
         format!("gpu-pager panicked: {what}; this is a bug, please report it"),
     )
 }

@@ -67,7 +67,7 @@ impl PyPager {
             return Ok(());
         }
         let e = gpu_pager::Error::InvalidArgument {
-            tag: buf.inner.tag().to_owned(),
+            tag: Some(buf.inner.tag().to_owned()),
             reason: format!(
                 "the buffer belongs to device {}'s pager, not device {}'s",
                 buf.device, self.device

@@ -36,7 +36,7 @@ def test_base_class() -> None:
     assert issubclass(gpu_pager.OutOfMemoryError, MemoryError)
     assert not issubclass(gpu_pager.BusyError, MemoryError)
     made = gpu_pager.NotResidentError("by hand")
-    assert made.code == gpu_pager.NotResidentError.code and made.tag == "*"
+    assert made.code == gpu_pager.NotResidentError.code and made.tag is None and made.tags == []
 
 
 def test_fields(pager: gpu_pager.Pager, tag: str) -> None:

@@ -707,9 +707,9 @@ impl CudaBackend {
             *slot = None;
             *slot = Some(self.pin(bytes.next_power_of_two().max(4096), &PinOptions::default())?);
         }
-        slot.as_ref().ok_or_else(|| BackendError::Invalid {
+        slot.as_ref().ok_or_else(|| BackendError::Internal {
             op: "chunk_hash",
-            reason: "internal: no host scratch".to_owned(),
+            reason: "no host scratch".to_owned(),
         })
     }
 
@@ -1051,9 +1051,9 @@ impl Backend for CudaBackend {
         let results = host
             .as_slice()
             .get(..out_bytes)
-            .ok_or_else(|| BackendError::Invalid {
+            .ok_or_else(|| BackendError::Internal {
                 op: "chunk_hash",
-                reason: format!("internal: host scratch shorter than {out_bytes} bytes"),
+                reason: format!("host scratch shorter than {out_bytes} bytes"),
             })?;
         Ok(results
             .chunks_exact(8)

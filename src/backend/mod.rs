@@ -131,6 +131,14 @@ pub enum BackendError {
         /// What is wrong.
         reason: String,
     },
+    /// An invariant of the backend itself failed: a bug, not the caller's input.
+    #[error("{op}: {reason}")]
+    Internal {
+        /// The operation.
+        op: &'static str,
+        /// Which invariant failed.
+        reason: String,
+    },
     /// No usable device (no driver, no GPU).
     #[error("no usable device: {0}")]
     Unavailable(String),

@@ -160,9 +160,9 @@ impl FileIo {
         }
         match slot.as_deref_mut() {
             Some(buf) => f(buf),
-            None => Err(BackendError::Invalid {
+            None => Err(BackendError::Internal {
                 op: "file backup",
-                reason: "internal: no staging buffer".to_owned(),
+                reason: "no staging buffer".to_owned(),
             }),
         }
     }
@@ -205,12 +205,9 @@ impl FileStore {
 
     fn check(&self, range: &Range<usize>) -> BackendResult<()> {
         if range.start > range.end || range.end > self.len {
-            return Err(BackendError::Invalid {
+            return Err(BackendError::Internal {
                 op: "file backup",
-                reason: format!(
-                    "internal: bytes {range:?} outside the {}-byte backup file",
-                    self.len
-                ),
+                reason: format!("bytes {range:?} outside the {}-byte backup file", self.len),
             });
         }
         Ok(())

@@ -271,12 +271,9 @@ impl Backup {
         self.staged = None;
         self.len = size;
         if self.bytes() < size {
-            return Err(BackendError::Invalid {
+            return Err(BackendError::Internal {
                 op: "seed_from_device",
-                reason: format!(
-                    "internal: a backup of {} bytes for {size} device bytes",
-                    self.bytes()
-                ),
+                reason: format!("a backup of {} bytes for {size} device bytes", self.bytes()),
             });
         }
         let t = Instant::now();
@@ -371,17 +368,14 @@ impl Backup {
                 .filter(|(k, part)| !unchanged(*k, part))
                 .map(|(_, part)| part.clone()),
         );
-        let store = buf.as_mut().ok_or_else(|| BackendError::Invalid {
+        let store = buf.as_mut().ok_or_else(|| BackendError::Internal {
             op: "save",
-            reason: "internal: no backup buffer".to_owned(),
+            reason: "no backup buffer".to_owned(),
         })?;
         if store.len() < len {
-            return Err(BackendError::Invalid {
+            return Err(BackendError::Internal {
                 op: "save",
-                reason: format!(
-                    "internal: a backup of {} bytes for {len} device bytes",
-                    store.len()
-                ),
+                reason: format!("a backup of {} bytes for {len} device bytes", store.len()),
             });
         }
         out.copied = match store {
@@ -429,9 +423,9 @@ impl Backup {
             Some(s) => s,
             None if self.valid.is_empty() => return Ok(0),
             None => {
-                return Err(BackendError::Invalid {
+                return Err(BackendError::Internal {
                     op: "restore",
-                    reason: "internal: saved contents without a backup".to_owned(),
+                    reason: "saved contents without a backup".to_owned(),
                 });
             }
         };
@@ -441,10 +435,10 @@ impl Backup {
                 Store::Memory(buf) => {
                     for span in spans {
                         let src = Pinned::new(buf.as_ref()).get(span.clone()).ok_or_else(|| {
-                            BackendError::Invalid {
+                            BackendError::Internal {
                                 op: "restore",
                                 reason: format!(
-                                    "internal: backup bytes {span:?} outside its {} bytes",
+                                    "backup bytes {span:?} outside its {} bytes",
                                     buf.len()
                                 ),
                             }
@@ -551,9 +545,9 @@ unsafe fn copy_out<'h>(
     ranges: &[Range<usize>],
     pump: &mut Pump<'_, 'h>,
 ) -> Result<usize, BackendError> {
-    let bad = |r: &Range<usize>| BackendError::Invalid {
+    let bad = |r: &Range<usize>| BackendError::Internal {
         op: "save",
-        reason: format!("internal: backup ranges out of order or outside the backup at {r:?}"),
+        reason: format!("backup ranges out of order or outside the backup at {r:?}"),
     };
     let (mut rest, mut at, mut copied) = (dst, 0usize, 0usize);
     for r in ranges {
@@ -586,12 +580,9 @@ unsafe fn verify_part(
         Store::Memory(buf) => {
             buf.as_slice()
                 .get(part.clone())
-                .ok_or_else(|| BackendError::Invalid {
+                .ok_or_else(|| BackendError::Internal {
                     op: "verify",
-                    reason: format!(
-                        "internal: backup bytes {part:?} outside its {} bytes",
-                        buf.len()
-                    ),
+                    reason: format!("backup bytes {part:?} outside its {} bytes", buf.len()),
                 })?
         }
         Store::File(f) => {

@@ -113,7 +113,7 @@ impl KvCache {
         config: KvCacheConfig,
     ) -> Result<Self> {
         let kv_err = |error| Error::Kv {
-            tag: tag.to_owned(),
+            tag: Some(tag.to_owned()),
             error,
         };
         let pool = BlockPool::new(blocks, layout.block_size()).map_err(kv_err)?;
@@ -194,7 +194,7 @@ impl KvCache {
 
     fn kv_err(&self, error: KvError) -> Error {
         Error::Kv {
-            tag: self.tag.clone(),
+            tag: Some(self.tag.clone()),
             error,
         }
     }
@@ -207,7 +207,7 @@ impl KvCache {
         let (id, releases) = self.pager.identity(&self.tag)?;
         if id != self.region_id {
             return Err(Error::InvalidArgument {
-                tag: self.tag.clone(),
+                tag: Some(self.tag.clone()),
                 reason: "the region this KvCache was created on was removed (the tag now names \
                          another region); create a new KvCache"
                     .to_owned(),

@@ -14,7 +14,7 @@
 //! // On a GPU use `gpu_pager::backend::auto()`; the host backend runs anywhere.
 //! let pager = Arc::new(Pager::new(Arc::new(HostBackend::new(HostConfig::default()))));
 //! let layout = KvLayout::new(2, 4, 64, 16, KvDtype::Bf16, KvOrder::Nhd)
-//!     .map_err(|error| Error::Kv { tag: "kv_cache".into(), error })?;
+//!     .map_err(|error| Error::Kv { tag: Some("kv_cache".into()), error })?;
 //! let kv = KvCache::new(pager.clone(), "kv_cache", layout, 1024, KvCacheConfig::default())?;
 //! assert_eq!(kv.stats()?.mapped_bytes, 0);          // nothing backed yet
 //!

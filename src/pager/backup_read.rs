@@ -20,7 +20,7 @@ impl Pager {
         let range = buffer_range(&r, buf, offset, out.len())?;
         if r.is_resident() {
             return Err(Error::InvalidArgument {
-                tag: buf.tag.to_string(),
+                tag: Some(buf.tag.to_string()),
                 reason: "the region is resident, so its device memory is current and its \
                          backup may be older; read the device memory (Pager::read) instead"
                     .to_owned(),
@@ -28,7 +28,7 @@ impl Pager {
         }
         if !out.is_empty() && !r.read_backup(range, out) {
             return Err(Error::InvalidArgument {
-                tag: buf.tag.to_string(),
+                tag: Some(buf.tag.to_string()),
                 reason: format!(
                     "the backup holds no copy of bytes {offset}..{} of this buffer: the \
                      region keeps no contents (Discard), or they were marked overwritten at \

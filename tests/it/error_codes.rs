@@ -17,7 +17,49 @@ fn codes_are_unique_stable_and_round_trip() {
     assert_eq!(ErrorCode::NotResident.number(), 1);
     assert_eq!(ErrorCode::OutOfMemory.number(), 5);
     assert_eq!(ErrorCode::Backend.number(), 15);
+    assert_eq!(ErrorCode::Internal.number(), 16);
     assert_eq!(ErrorCode::Panic.number(), 99);
+}
+
+/// An error that concerns no region has no tag (no placeholder string); a driver step that
+/// served several regions names each; an invariant failure is `Internal`, not the caller's
+/// `InvalidArgument`, whether the core or a backend found it.
+#[test]
+fn errors_name_their_regions_or_none() {
+    use gpu_pager::backend::BackendError;
+    use gpu_pager::backend::host::{HostBackend, HostConfig};
+    use gpu_pager::{Error, Pager};
+    let pager = Pager::new(std::sync::Arc::new(HostBackend::new(HostConfig {
+        capacity: 64 << 20,
+        granularity: 2 << 20,
+    })));
+    let e = pager.set_backup_dir("/proc/self/no/such/dir").unwrap_err();
+    assert_eq!((e.tag(), e.tags()), (None, vec![]), "{e:?}");
+    assert!(!e.to_string().contains('*'), "{e}");
+    let io = || BackendError::Injected { op: "copy" };
+    let e = Error::backend_of(&["kv_cache", "weights"], "restoring contents", io());
+    assert_eq!(e.tags(), ["kv_cache", "weights"]);
+    assert_eq!(e.tag(), Some("kv_cache"));
+    assert!(e.to_string().contains("on `kv_cache`, `weights`"), "{e}");
+    let e = Error::backend_of(&[] as &[&str], "opening the device", io());
+    assert_eq!(
+        e.to_string(),
+        "opening the device failed: injected fault in copy"
+    );
+    let bug = BackendError::Internal {
+        op: "save",
+        reason: "no backup buffer".to_owned(),
+    };
+    assert_eq!(
+        Error::backend("w", "saving", bug).code(),
+        ErrorCode::Internal
+    );
+    let e = Error::Internal {
+        tag: Some("w".to_owned()),
+        reason: "x".to_owned(),
+    };
+    assert_eq!(e.code(), ErrorCode::Internal);
+    assert!(e.to_string().contains("bug"), "{e}");
 }
 
 #[test]

@@ -154,7 +154,7 @@ fn kv_layout_errors_convert_with_question_mark() {
     }
     let e = layout().unwrap_err();
     assert!(
-        matches!(e, Error::Kv { ref tag, .. } if tag == "*"),
+        matches!(e, Error::Kv { ref tag, .. } if tag.is_none()),
         "{e:?}"
     );
 }

@@ -194,7 +194,7 @@ fn a_fault_while_pinning_or_copying_leaves_the_region_resident_and_intact() {
         assert!(
             matches!(
                 &err,
-                Error::Backend { tag, error: BackendError::Injected { .. }, .. } if tag == "weights"
+                Error::Backend { tags, error: BackendError::Injected { .. }, .. } if *tags == ["weights"]
             ),
             "{point:?}: {err}"
         );

@@ -251,7 +251,7 @@ fn a_fault_in_the_batch_leaves_the_region_resident_intact_and_releasable() {
         assert!(
             matches!(
                 &err,
-                Error::Backend { tag, error: BackendError::Injected { .. }, .. } if tag == "g"
+                Error::Backend { tags, error: BackendError::Injected { .. }, .. } if *tags == ["g"]
             ),
             "{what}: {err}"
         );

@@ -443,7 +443,7 @@ impl Bare {
                     let free = b.mem_info().map_or(0, |m| m.free);
                     let e = Error::backend("bench_bare", "mapping", e);
                     return Err(Error::InvalidArgument {
-                        tag: "bench_bare".into(),
+                        tag: Some("bench_bare".into()),
                         reason: format!("{e} (device free now: {free} bytes)"),
                     });
                 }

@@ -98,7 +98,7 @@ pub fn run(pager: &Arc<Pager>, t: &Timeline, gib_budget: f64) -> Result<bool, Er
     // A Llama-8B-like cache: 2 MiB a block.
     let layout =
         KvLayout::new(32, 8, 128, 16, KvDtype::Bf16, KvOrder::Nhd).map_err(|error| Error::Kv {
-            tag: TAG.into(),
+            tag: Some(TAG.into()),
             error,
         })?;
     let blocks = ((gib_budget * GIB as f64) as u64 / layout.bytes_per_block()).max(64) as u32;

@@ -153,7 +153,7 @@ fn pick_backend(force_host: bool) -> Arc<dyn Backend> {
 fn info(b: &dyn Backend) -> Result<(), Error> {
     let i = b.info();
     let m = b.mem_info().map_err(|e| Error::Backend {
-        tag: "*".into(),
+        tags: Vec::new(),
         op: "querying memory",
         error: e,
     })?;
@@ -200,7 +200,7 @@ fn hash(pager: &Pager, b: &Buffer) -> Result<u64, Error> {
 
 fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), Error> {
     let bad = |reason: &str| Error::InvalidArgument {
-        tag: "*".into(),
+        tag: None,
         reason: reason.into(),
     };
     let on_gpu = backend.info().kind == BackendKind::Cuda;
@@ -565,7 +565,7 @@ fn stress(backend: Arc<dyn Backend>, a: &StressArgs) -> Result<(), Error> {
         Ok(())
     } else {
         Err(Error::InvalidArgument {
-            tag: "*".into(),
+            tag: None,
             reason: format!(
                 "the stress failed: {} corruptions, {} leaked bytes, {} of {} faults recovered \
                  ({} absorbed by a failed resume), {} errors",

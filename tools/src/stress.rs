@@ -168,12 +168,7 @@ impl StressConfig {
     }
 
     fn validate(&self) -> Result<()> {
-        let bad = |reason: String| {
-            Err(Error::InvalidArgument {
-                tag: "*".to_owned(),
-                reason,
-            })
-        };
+        let bad = |reason: String| Err(Error::InvalidArgument { tag: None, reason });
         if !(1..=64).contains(&self.threads) {
             return bad(format!("{} stress threads: use 1 to 64", self.threads));
         }
@@ -641,7 +636,7 @@ fn free_bytes(backend: &dyn Backend) -> Result<usize> {
         .mem_info()
         .map(|m| m.free)
         .map_err(|e| Error::Backend {
-            tag: "*".to_owned(),
+            tags: Vec::new(),
             op: "querying device memory",
             error: e,
         })

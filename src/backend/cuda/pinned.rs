@@ -556,9 +556,9 @@ fn pipeline<P: Send>(
             let received = rx.recv();
             timings.touch += t.elapsed();
             let Ok(mut part) = received else {
-                outcome = Err(BackendError::Invalid {
+                outcome = Err(BackendError::Internal {
                     op: "pin_from_device",
-                    reason: "internal: the touching thread stopped early".to_owned(),
+                    reason: "the touching thread stopped early".to_owned(),
                 });
                 break;
             };

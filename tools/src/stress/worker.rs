@@ -202,7 +202,7 @@ impl<'a> Worker<'a> {
             }
         }
         Err(last.unwrap_or_else(|| Error::InvalidArgument {
-            tag: "*".to_owned(),
+            tag: None,
             reason: "no attempt made".to_owned(),
         }))
     }
@@ -582,7 +582,7 @@ impl<'a> Worker<'a> {
         // and cannot be released meanwhile; the buffer is live and owned by this thread, so
         // nothing else writes or frees it; `addr .. addr + len` is exactly the buffer.
         unsafe { self.pager.backend().fill(addr, buf.len(), pattern) }.map_err(|e| Error::Backend {
-            tag: buf.tag().to_owned(),
+            tags: vec![buf.tag().to_owned()],
             op: "a raw fill",
             error: e,
         })

@@ -170,9 +170,9 @@ impl CudaBackend {
         let (enqueued, held) = pipeline(parts, touch, &mut timings, |part| {
             for (k, buf) in part.iter_mut() {
                 let (Some(range), Some(regs)) = (ranges.get(*k), regs.get_mut(*k)) else {
-                    return Err(BackendError::Invalid {
+                    return Err(BackendError::Internal {
                         op: "pin_many_from_device",
-                        reason: format!("internal: no buffer {k}"),
+                        reason: format!("no buffer {k}"),
                     });
                 };
                 let whole = 0..buf.len();

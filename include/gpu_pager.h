@@ -8,6 +8,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// Records kept for [`take_records`] at most: the newest, older ones are dropped.
+#define QUEUED_RECORDS 256
+
 // `gpu_pager_resume_with`'s flag: keep the host memory of `GPU_PAGER_MEDIUM_HOST` backups
 // after restoring (the next release of unchanged contents then copies nothing).
 #define GPU_PAGER_RESUME_KEEP_HOST_BACKUPS 1
@@ -202,7 +205,20 @@ typedef struct gpu_pager_stats {
   uint64_t marked_bytes;
   // Bytes the pinned backups validly hold: while released, what a resume restores.
   uint64_t held_bytes;
+  // Failures no call could return (a driver or OS call in a cleanup), not yet taken with
+  // `gpu_pager_take_deferred_errors`.
+  uint64_t deferred_errors;
+  // Such failures since the device's pager was made, taken or not.
+  uint64_t deferred_errors_total;
 } gpu_pager_stats;
+
+// A C log callback: `level` 1 (error) to 5 (trace), the record's target (`"gpu_pager"`)
+// and message, both NUL-terminated and valid only during the call, and the `user` pointer
+// given to `gpu_pager_set_log_callback`.
+typedef void (*gpu_pager_log_callback)(uint32_t level,
+                                       const char *target,
+                                       const char *message,
+                                       void *user);
 
 #ifdef __cplusplus
 extern "C" {
@@ -435,6 +451,27 @@ gpu_pager_code gpu_pager_unlease(uint64_t lease);
 // # Safety
 // `out` is NULL (an error) or valid for a write of a `gpu_pager_stats`.
 gpu_pager_code gpu_pager_get_stats(int device, struct gpu_pager_stats *out);
+
+// Takes device `device`'s failures that no call could return (a driver or OS call in a
+// cleanup; `gpu_pager_stats.deferred_errors` counts them), oldest first, one per line;
+// `""` when there are none. The text stays valid until this thread's next call of this
+// function. NULL on failure (`gpu_pager_last_error` says why).
+const char *gpu_pager_take_deferred_errors(int device);
+
+// Sends gpu-pager's log records of `level` and above (1 error, 2 warning, 3 info, 4 debug,
+// 5 trace; 0 none) to `callback` with `user`; a NULL callback stops. The callback runs on
+// the thread that logged, possibly inside a gpu-pager call holding its locks: it must
+// return quickly and must not call gpu-pager. Records are rare: a failure no call could
+// return (also counted in `gpu_pager_stats.deferred_errors`) or a fallback to host memory.
+// `GPU_PAGER_ERROR_INVALID_ARGUMENT` when the process already has another logger (a Rust
+// application's own, which then gets the records).
+//
+// # Safety
+// `callback` is NULL or a function safe to call from any thread with `user` until it is
+// replaced.
+gpu_pager_code gpu_pager_set_log_callback(gpu_pager_log_callback callback,
+                                          void *user,
+                                          uint32_t level);
 
 // Enters (`true`) or leaves this thread's region: while in one, allocations are routed
 // to gpu-pager (torch_memory_saver's `tms_set_interesting_region`).

@@ -24,9 +24,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(thiserror::Error)]
 pub enum Error {
     /// The region is released; the operation needs it resident.
-    #[error(
-        "region `{tag}` is released, so {op} cannot touch it; resume it first (pager.resume(&[\"{tag}\"]))"
-    )]
+    #[error("region `{tag}` is released, so {op} cannot touch it; resume `{tag}` first")]
     NotResident {
         /// The region.
         tag: String,
@@ -38,7 +36,7 @@ pub enum Error {
     /// (never backed, or trimmed). Nothing was touched.
     #[error(
         "{len} bytes at offset {offset} of elastic region `{tag}` have no physical memory; back \
-         them first (pager.back(\"{tag}\", {offset}..{end})) or allocate KV blocks there",
+         the bytes {offset}..{end} of `{tag}` first, or allocate KV blocks there",
         end = .offset + .len
     )]
     NotBacked {
@@ -52,7 +50,7 @@ pub enum Error {
 
     /// No region has this tag.
     #[error(
-        "no region is tagged `{tag}`{}; create it with pager.region(\"{tag}\", bytes, policy)",
+        "no region is tagged `{tag}`{}; create region `{tag}` first (with its policy and size)",
         did_you_mean(.nearest)
     )]
     UnknownTag {

@@ -626,7 +626,7 @@ impl Pager {
             return Err(Error::InvalidArgument {
                 tag: Some(tag.to_owned()),
                 reason: format!(
-                    "a backup medium ({}) is for Policy::Preserve regions, and a {policy:?} \
+                    "a backup medium ({}) is for preserve regions, and a {policy:?} \
                      region keeps no contents; leave the medium at its default",
                     options.medium
                 ),
@@ -635,9 +635,9 @@ impl Pager {
         if options.prepin && options.medium == Medium::Host {
             return Err(Error::InvalidArgument {
                 tag: Some(tag.to_owned()),
-                reason: "prepin pins the backup now, but a Medium::Host backup is given back \
+                reason: "prepin pins the backup now, but a host-medium backup is given back \
                          after every resume and pinned again at the release; use prepin with \
-                         Medium::Pinned, or leave it off"
+                         the pinned medium, or leave it off"
                     .to_owned(),
             });
         }
@@ -646,7 +646,7 @@ impl Pager {
                 tag: Some(tag.to_owned()),
                 reason: format!(
                     "prepin pins a host backup, and a {policy:?} region has none (its contents \
-                     are dropped on release); use prepin only with Policy::Preserve"
+                     are dropped on release); use prepin only with the preserve policy"
                 ),
             });
         }

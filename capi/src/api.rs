@@ -10,7 +10,7 @@ use std::sync::{Mutex, OnceLock};
 use gpu_pager::backend::RawStream;
 use gpu_pager::{Error, Lease, Pager, RegionOptions, ReleaseOptions, Result, ResumeOptions};
 
-use crate::boundary::{self, call, invalid, pager, required, untagged, write_out};
+use crate::boundary::{self, call, call_or, invalid, pager, required, untagged, write_out};
 use crate::types::{
     GPU_PAGER_RESUME_KEEP_HOST_BACKUPS, gpu_pager_code, gpu_pager_device_info, gpu_pager_medium,
     gpu_pager_policy, gpu_pager_region_kind, gpu_pager_report, gpu_pager_stats,
@@ -642,6 +642,29 @@ pub unsafe extern "C" fn gpu_pager_get_stats(
         // SAFETY: `out` is non-NULL (checked) and valid for a write (the contract).
         unsafe { write_out(out, gpu_pager_stats::from(&s)) };
         Ok(())
+    })
+}
+
+thread_local! {
+    /// The text `gpu_pager_take_deferred_errors` last returned on this thread.
+    static DEFERRED: std::cell::RefCell<CString> = std::cell::RefCell::new(CString::default());
+}
+
+/// Takes device `device`'s failures that no call could return (a driver or OS call in a
+/// cleanup; `gpu_pager_stats.deferred_errors` counts them), oldest first, one per line;
+/// `""` when there are none. The text stays valid until this thread's next call of this
+/// function. NULL on failure (`gpu_pager_last_error` says why).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpu_pager_take_deferred_errors(device: c_int) -> *const c_char {
+    call_or("gpu_pager_take_deferred_errors", std::ptr::null(), || {
+        let text = pager(device)?.take_deferred_errors().join("\n");
+        let text = CString::new(text.replace('\0', " ")).unwrap_or_default();
+        Ok(DEFERRED
+            .try_with(|d| {
+                *d.borrow_mut() = text;
+                d.borrow().as_ptr()
+            })
+            .unwrap_or(std::ptr::null()))
     })
 }
 

@@ -26,11 +26,13 @@
 
 mod api;
 mod boundary;
+mod logs;
 mod tms;
 mod torch;
 mod types;
 
 pub use api::*;
+pub use logs::*;
 pub use tms::*;
 pub use torch::*;
 pub use types::*;

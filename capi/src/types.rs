@@ -256,6 +256,11 @@ pub struct gpu_pager_stats {
     pub marked_bytes: u64,
     /// Bytes the pinned backups validly hold: while released, what a resume restores.
     pub held_bytes: u64,
+    /// Failures no call could return (a driver or OS call in a cleanup), not yet taken with
+    /// `gpu_pager_take_deferred_errors`.
+    pub deferred_errors: u64,
+    /// Such failures since the device's pager was made, taken or not.
+    pub deferred_errors_total: u64,
 }
 
 impl From<&Stats> for gpu_pager_stats {
@@ -272,6 +277,8 @@ impl From<&Stats> for gpu_pager_stats {
             leases: sum(|r| r.leases),
             marked_bytes: sum(|r| r.marked_bytes),
             held_bytes: sum(|r| r.held_bytes),
+            deferred_errors: s.deferred_errors.len() as u64,
+            deferred_errors_total: s.deferred_errors_total,
         }
     }
 }

@@ -154,3 +154,50 @@ fn zero_byte_copies_check_the_address_and_copy_nothing() {
     let code = unsafe { gpu_pager_write(0, p, (&raw const byte).cast(), 1) };
     assert_eq!(code, gpu_pager_code::GPU_PAGER_OK, "{}", last_error());
 }
+
+/// Failures no call could return reach C: counted in the stats, taken as text, and logged to
+/// the C callback.
+#[test]
+fn deferred_errors_reach_c_through_the_stats_the_take_and_the_log() {
+    use std::ffi::c_void;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static LOGGED: AtomicUsize = AtomicUsize::new(0);
+    unsafe extern "C" fn on_log(level: u32, _: *const c_char, m: *const c_char, _: *mut c_void) {
+        // SAFETY: the logger passes a NUL-terminated message valid for the call.
+        let text = unsafe { CStr::from_ptr(m) }.to_string_lossy();
+        if level == 1 && text.contains("a cleanup failed") {
+            LOGGED.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    // SAFETY: `on_log` is safe from any thread; no user pointer.
+    let code = unsafe { gpu_pager_set_log_callback(Some(on_log), std::ptr::null_mut(), 2) };
+    assert_eq!(code, gpu_pager_code::GPU_PAGER_OK, "{}", last_error());
+    let pager = gpu_pager::Pager::for_device(0).unwrap();
+    // SAFETY: a valid out-pointer.
+    let stats = |out: &mut gpu_pager_stats| unsafe { gpu_pager_get_stats(0, out) };
+    // SAFETY: all-zero bytes are a valid `gpu_pager_stats` (plain integers).
+    let mut before: gpu_pager_stats = unsafe { std::mem::zeroed() };
+    assert_eq!(stats(&mut before), gpu_pager_code::GPU_PAGER_OK);
+    pager.backend().deferred_errors().record("a cleanup failed");
+    let mut after = before;
+    assert_eq!(stats(&mut after), gpu_pager_code::GPU_PAGER_OK);
+    assert_eq!(after.deferred_errors, before.deferred_errors + 1);
+    assert_eq!(
+        after.deferred_errors_total,
+        before.deferred_errors_total + 1
+    );
+    let text = gpu_pager_take_deferred_errors(0);
+    assert!(!text.is_null(), "{}", last_error());
+    // SAFETY: non-NULL, NUL-terminated, valid until this thread's next take.
+    let text = unsafe { CStr::from_ptr(text) }
+        .to_string_lossy()
+        .into_owned();
+    assert!(
+        text.lines().any(|l| l.contains("a cleanup failed")),
+        "{text}"
+    );
+    assert!(stats(&mut after) == gpu_pager_code::GPU_PAGER_OK && after.deferred_errors == 0);
+    assert_eq!(LOGGED.load(Ordering::Relaxed), 1);
+    // SAFETY: a NULL callback.
+    unsafe { gpu_pager_set_log_callback(None, std::ptr::null_mut(), 0) };
+}

@@ -19,10 +19,39 @@ where
     T: Send,
     F: FnOnce() -> gpu_pager::Result<T> + Send,
 {
-    match py.detach(|| catch_unwind(AssertUnwindSafe(f))) {
+    let out = match py.detach(|| catch_unwind(AssertUnwindSafe(f))) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(errors::to_py(py, &e)),
         Err(payload) => Err(errors::panic(py, payload)),
+    };
+    forward_logs(py);
+    out
+}
+
+/// Hands the log records gpu-pager kept since the last call (any thread's) to Python's
+/// `logging`, logger `"gpu_pager"`, on this thread with the GIL held. A failure of `logging`
+/// itself is dropped: a log record must not fail the call.
+pub(crate) fn forward_logs(py: Python<'_>) {
+    let records = gpu_pager_capi::take_records();
+    if records.is_empty() {
+        return;
+    }
+    let Ok(logger) = py
+        .import("logging")
+        .and_then(|m| m.call_method1("getLogger", ("gpu_pager",)))
+    else {
+        return;
+    };
+    for (level, _target, message) in records {
+        // log's levels (1 error … 5 trace) as logging's (40 … 5).
+        let py_level = match level {
+            1 => 40,
+            2 => 30,
+            3 => 20,
+            4 => 10,
+            _ => 5,
+        };
+        let _ = logger.call_method1("log", (py_level, message));
     }
 }
 

@@ -25,6 +25,9 @@ mod types;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::add_to(m)?;
+    // gpu-pager's log records (info and above) go to `logging` after each call; the
+    // extension is the only Rust code of the process, so no other logger competes.
+    let _ = gpu_pager_capi::queue_records(3);
     m.add_function(wrap_pyfunction!(errors::error_codes, m)?)?;
     m.add_function(wrap_pyfunction!(torch_hook_state, m)?)?;
     m.add_class::<pager::PyPager>()?;

@@ -418,6 +418,12 @@ impl PyPager {
         Ok(Lease::new(tags, lease))
     }
 
+    /// Takes the failures no call could return (``Stats.deferred_errors``), oldest first.
+    fn take_deferred_errors(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let p = &self.inner;
+        run(py, || Ok(p.take_deferred_errors()))
+    }
+
     /// Statistics of every region.
     fn stats(&self, py: Python<'_>) -> PyResult<Stats> {
         let p = &self.inner;

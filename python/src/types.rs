@@ -526,6 +526,20 @@ impl Stats {
         self.inner.region(tag).cloned().map(RegionStats::from)
     }
 
+    /// Failures no call could return (a driver or OS call in a cleanup), not yet taken with
+    /// ``Pager.take_deferred_errors()``, oldest first. Each was also logged (``logging``,
+    /// logger ``"gpu_pager"``).
+    #[getter]
+    fn deferred_errors(&self) -> Vec<String> {
+        self.inner.deferred_errors.clone()
+    }
+
+    /// Such failures since the pager was made, taken or not.
+    #[getter]
+    fn deferred_errors_total(&self) -> u64 {
+        self.inner.deferred_errors_total
+    }
+
     /// A short table: one line for the pager, then one per region.
     fn __str__(&self) -> String {
         self.inner.to_string()

@@ -7,6 +7,8 @@ import pytest
 
 import gpu_pager
 
+from fresh import run_python
+
 MIB = 1 << 20
 
 
@@ -68,3 +70,33 @@ def test_zero_byte_copies_agree_with_c(pager: gpu_pager.Pager, tag: str) -> None
     with pytest.raises(gpu_pager.NotResidentError):
         pager.write(buf, 0, b"")
     pager.resume(tag)
+
+
+def test_log_records_and_deferred_errors_reach_python() -> None:
+    """gpu-pager's log records go to ``logging`` (logger ``gpu_pager``) after the call that
+    made them; failures no call could return are in ``Stats`` and can be taken."""
+    done = run_python(
+        """
+        import logging
+        records = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append((record.name, record.levelno, record.getMessage()))
+        logging.getLogger("gpu_pager").addHandler(Keep())
+        logging.getLogger("gpu_pager").setLevel(logging.INFO)
+        import gpu_pager
+        pager = gpu_pager.Pager.for_device(0)
+        pager.tags()
+        stats = pager.stats()
+        assert stats.deferred_errors == [] and stats.deferred_errors_total >= 0
+        assert pager.take_deferred_errors() == []
+        if pager.backend == "host":
+            assert any(
+                n == "gpu_pager" and lvl == logging.WARNING and "host backend" in m
+                for n, lvl, m in records
+            ), records
+        print("ok")
+        """,
+        GPU_PAGER_HOST_CAPACITY="64M",
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr

@@ -155,7 +155,7 @@ def test_backup_media_through_the_pager(pager: gpu_pager.Pager, tmp_path: Path) 
     assert not list(tmp_path.iterdir())
     with pytest.raises(ValueError, match="unknown backup medium"):
         pager.region("media-bad", "preserve", 8 * MIB, medium="disk")
-    with pytest.raises(gpu_pager.InvalidArgumentError, match="Preserve"):
+    with pytest.raises(gpu_pager.InvalidArgumentError, match="preserve regions"):
         pager.region("media-kv", "discard", 8 * MIB, medium="host")
     with pytest.raises(gpu_pager.InvalidArgumentError):
         pager.set_backup_dir("/proc/gpu-pager-nowhere")

@@ -259,7 +259,8 @@ fn unbacked_access_is_not_backed_never_a_fault() {
     let err = pager.write(&buf, 0, &[1; 16]).unwrap_err();
     assert_eq!(err.tag(), Some("kv"));
     assert!(
-        err.to_string().contains("pager.back(\"kv\", 0..16)"),
+        err.to_string()
+            .contains("back the bytes 0..16 of `kv` first"),
         "{err}"
     );
 

@@ -112,7 +112,7 @@ fn prepin_is_only_for_preserve() {
     for policy in [Policy::Discard, Policy::DiscardZeroed] {
         let e = p.region_with("kv", 4 * MIB, policy, prepin).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
-        assert!(e.to_string().contains("Preserve"), "{e}");
+        assert!(e.to_string().contains("preserve"), "{e}");
     }
     p.region_with("w", 4 * MIB, Policy::Preserve, prepin)
         .unwrap();

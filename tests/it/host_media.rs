@@ -220,7 +220,7 @@ fn media_refuse_what_they_cannot_do() {
         .region_with("kv", 8 * MIB, Policy::Discard, with_medium(Medium::Host))
         .unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
-    assert!(e.to_string().contains("Preserve"), "{e}");
+    assert!(e.to_string().contains("preserve regions"), "{e}");
     let prepin_host = RegionOptions {
         prepin: true,
         medium: Medium::Host,

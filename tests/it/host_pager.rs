@@ -139,7 +139,7 @@ fn misuse_before_resume_is_an_error_not_a_crash() {
     assert!(
         matches!(err, Error::NotResident { ref tag, op } if tag == "weights" && op == "a write")
     );
-    assert!(err.to_string().contains("resume it first"));
+    assert!(err.to_string().contains("resume `weights` first"));
     let mut out = [0u8; 16];
     assert!(matches!(
         pager.read(&w, 0, &mut out),

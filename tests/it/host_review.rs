@@ -171,7 +171,7 @@ fn debug_of_an_error_carries_its_message() {
     let debug = format!("{e:?}");
     assert!(debug.starts_with("NotResident: "), "{debug}");
     assert!(debug.ends_with(&e.to_string()), "{debug}");
-    assert!(debug.contains("resume it first"), "{debug}");
+    assert!(debug.contains("resume `weights` first"), "{debug}");
 }
 
 /// Review item 18: the conflict's words agree in number ("they differ in policy", not "the

@@ -234,7 +234,7 @@ int main(void) {
         failures++;
     }
     EXPECT(gpu_pager_write(dev, w[0], data, 16), GPU_PAGER_ERROR_NOT_RESIDENT, "`weights`");
-    EXPECT(gpu_pager_read(dev, w[0], back, 16), GPU_PAGER_ERROR_NOT_RESIDENT, "resume it");
+    EXPECT(gpu_pager_read(dev, w[0], back, 16), GPU_PAGER_ERROR_NOT_RESIDENT, "resume `weights` first");
 
     /* Stage 1: weights back, bit-exact, same addresses; update them in place. */
     CHECK(gpu_pager_resume(dev, weights, 1, &rep));

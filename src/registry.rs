@@ -27,10 +27,8 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock, RwLock};
 
-use crate::backend::cuda::CudaBackend;
-use crate::backend::host::{HostBackend, HostConfig};
-use crate::backend::{Backend, BackendError};
-use crate::error::{Error, Result};
+use crate::backend::Backend;
+use crate::error::Result;
 use crate::pager::Pager;
 
 /// The environment variable that sets the host backend's capacity in bytes (see the
@@ -86,36 +84,13 @@ pub fn host_fallback() -> Option<String> {
 }
 
 fn open(ordinal: usize) -> Result<Arc<dyn Backend>> {
-    let why = match CudaBackend::new(ordinal) {
-        Ok(b) => return Ok(Arc::new(b)),
-        Err(BackendError::Unavailable(why)) => why,
-        Err(e) => {
-            return Err(Error::backend_of(
-                &[] as &[&str],
-                "opening the CUDA device",
-                e,
-            ));
-        }
-    };
-    if ordinal != 0 {
-        return Err(Error::backend_of(
-            &[] as &[&str],
-            "opening the CUDA device",
-            BackendError::Unavailable(format!(
-                "device {ordinal}: {why}; without a GPU only device 0 exists (on the host \
-                 backend), so use device 0 or run on a machine with {} GPUs",
-                ordinal + 1
-            )),
-        ));
+    let (backend, why) = crate::backend::auto(ordinal)?;
+    if let Some(why) = why {
+        log::warn!(
+            "gpu-pager: no usable GPU ({why}); device 0 runs on the host backend with {} bytes",
+            backend.info().total_bytes
+        );
+        let _ = HOST_FALLBACK.set(why);
     }
-    let config = HostConfig::from_env().map_err(|e| Error::InvalidArgument {
-        tag: None,
-        reason: format!("{e}, or unset it"),
-    })?;
-    log::warn!(
-        "gpu-pager: no usable GPU ({why}); device 0 runs on the host backend with {} bytes",
-        config.capacity
-    );
-    let _ = HOST_FALLBACK.set(why);
-    Ok(Arc::new(HostBackend::new(config)))
+    Ok(backend)
 }

@@ -692,23 +692,39 @@ pub(crate) fn kv_invalid(op: &KvOp<'_>, e: KvError) -> BackendError {
     }
 }
 
-/// Picks the CUDA backend when a driver and a GPU are present, else the host backend
-/// (capacity from [`host::CAPACITY_ENV`], else [`host::HostConfig::default`]: half the
-/// machine's memory, at most 32 GiB). Returns the backend and, when it fell back, why.
-pub fn auto() -> (Arc<dyn Backend>, Option<String>) {
-    match cuda::CudaBackend::new(0) {
-        Ok(b) => (Arc::new(b), None),
+/// The backend of device `ordinal`, by the one host-fallback rule of the crate (the
+/// registry's pagers, the tools and the benches all use it): the CUDA backend when the
+/// driver and the device are there; without a usable GPU, device 0 runs on the host backend
+/// (capacity from [`host::CAPACITY_ENV`], else half the machine's memory, at most 32 GiB)
+/// and the second value says why. Errors: a CUDA failure other than the absence of a
+/// device, a device other than 0 without a GPU, a malformed [`host::CAPACITY_ENV`].
+pub fn auto(ordinal: usize) -> crate::Result<(Arc<dyn Backend>, Option<String>)> {
+    let no_tags: &[&str] = &[];
+    let why = match cuda::CudaBackend::new(ordinal) {
+        Ok(b) => return Ok((Arc::new(b), None)),
+        Err(BackendError::Unavailable(why)) => why,
         Err(e) => {
-            let (config, note) = match host::HostConfig::from_env() {
-                Ok(c) => (c, String::new()),
-                Err(bad) => (host::HostConfig::default(), format!("; {bad}")),
-            };
-            (
-                Arc::new(host::HostBackend::new(config)),
-                Some(format!("{e}{note}")),
-            )
+            return Err(crate::Error::backend_of(
+                no_tags,
+                "opening the CUDA device",
+                e,
+            ));
         }
+    };
+    if ordinal != 0 {
+        return Err(crate::Error::backend_of(
+            no_tags,
+            "opening the CUDA device",
+            BackendError::Unavailable(format!(
+                "device {ordinal}: {why}; without a GPU only device 0 exists (on the host \
+                 backend), so use device 0 or run on a machine with {} GPUs",
+                ordinal + 1
+            )),
+        ));
     }
+    let config = host::HostConfig::from_env()
+        .map_err(|e| crate::Error::invalid(None, format!("{e}, or unset it")))?;
+    Ok((Arc::new(host::HostBackend::new(config)), Some(why)))
 }
 
 #[cfg(test)]

@@ -14,7 +14,10 @@ use gpu_pager::{Pager, PagerConfig, Policy, RegionOptions};
 use gpu_pager_tools::bench::{self, BenchConfig};
 
 fn resume_latency(c: &mut Criterion) {
-    let (backend, no_gpu) = gpu_pager::backend::auto();
+    let (backend, no_gpu) = match gpu_pager::backend::auto(0) {
+        Ok(picked) => picked,
+        Err(e) => panic!("resume_latency: no backend: {e}"),
+    };
     if let Some(why) = &no_gpu {
         eprintln!("resume_latency: no GPU ({why}); timing the host backend");
     }

@@ -117,7 +117,13 @@ struct DemoArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let backend = pick_backend(cli.host);
+    let backend = match pick_backend(cli.host) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("gpu-pager: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let result = match cli.command {
         Command::Demo(args) => demo(backend, &args),
         Command::Info => info(backend.as_ref()),
@@ -133,21 +139,21 @@ fn main() -> ExitCode {
     }
 }
 
-fn pick_backend(force_host: bool) -> Arc<dyn Backend> {
+/// The backend by the crate's one fallback rule ([`backend::auto`]), or host memory with
+/// `--host`; a malformed capacity variable is an error either way.
+fn pick_backend(force_host: bool) -> Result<Arc<dyn Backend>, Error> {
     if force_host {
         println!("backend: host memory (--host)");
-        let config = HostConfig::from_env().unwrap_or_else(|e| {
-            println!("backend: {e}; using the default capacity");
-            HostConfig::default()
-        });
-        return Arc::new(HostBackend::new(config));
+        let config = HostConfig::from_env()
+            .map_err(|e| Error::invalid(None, format!("{e}, or unset it")))?;
+        return Ok(Arc::new(HostBackend::new(config)));
     }
-    let (b, why) = backend::auto();
+    let (b, why) = backend::auto(0)?;
     match why {
         Some(why) => println!("backend: host memory — no GPU ({why}); figures are not GPU figures"),
         None => println!("backend: {} ({})", b.info().name, b.info().kind),
     }
-    b
+    Ok(b)
 }
 
 fn info(b: &dyn Backend) -> Result<(), Error> {

@@ -92,3 +92,28 @@ fn bad_arguments_are_refused_before_anything_runs() {
         "no placeholder tag in the message: {out}"
     );
 }
+
+/// One host-fallback rule for the program and the library's registry: a malformed host
+/// capacity is an error that names the variable, not a silent default.
+#[test]
+fn a_malformed_host_capacity_is_refused_as_the_library_refuses_it() {
+    // Without --host a GPU machine opens its GPU and never reads the variable.
+    let gpu = std::path::Path::new("/dev/nvidia0").exists();
+    for host in [gpu, true] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpu-pager"));
+        if host {
+            cmd.arg("--host");
+        }
+        let out = cmd
+            .arg("info")
+            .env("GPU_PAGER_HOST_CAPACITY", "lots")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "--host {host}: {text}");
+        assert!(
+            text.contains("GPU_PAGER_HOST_CAPACITY"),
+            "--host {host}: {text}"
+        );
+    }
+}

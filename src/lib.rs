@@ -70,3 +70,8 @@ pub use report::{Move, Outcome, RegionReport, Report, Steps};
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeExamples;
+
+/// Every Rust code block of docs/GUIDE.md, compiled and run as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/GUIDE.md")]
+pub struct GuideExamples;

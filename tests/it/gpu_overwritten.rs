@@ -66,7 +66,14 @@ fn half_marked(growing: bool) {
     } else {
         lens.iter().map(|l| l.next_multiple_of(256)).sum::<usize>()
     };
-    pager.region("weights", bytes, Policy::Preserve).unwrap();
+    common::table_region(
+        &pager,
+        "weights",
+        bytes,
+        Policy::Preserve,
+        Default::default(),
+    )
+    .unwrap();
     let bufs: Vec<Buffer> = lens
         .iter()
         .map(|&l| pager.alloc("weights", l).unwrap())
@@ -275,7 +282,14 @@ fn gpu_all_marked_moves_no_bytes() {
         } else {
             lens.iter().map(|l| l.next_multiple_of(256)).sum::<usize>()
         };
-        pager.region("weights", bytes, Policy::Preserve).unwrap();
+        common::table_region(
+            &pager,
+            "weights",
+            bytes,
+            Policy::Preserve,
+            Default::default(),
+        )
+        .unwrap();
         let bufs: Vec<Buffer> = lens
             .iter()
             .map(|&l| pager.alloc("weights", l).unwrap())

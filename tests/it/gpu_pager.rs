@@ -395,9 +395,7 @@ fn gpu_every_backup_medium_cycles_bit_exact() {
                 ..RegionOptions::default()
             };
             let size = if growing { 0 } else { bytes };
-            pager
-                .region_with("w", size, Policy::Preserve, options)
-                .unwrap();
+            common::table_region(&pager, "w", size, Policy::Preserve, options).unwrap();
             let lens = [bytes / 2 + 12_345, bytes / 4 - 777];
             let bufs: Vec<Buffer> = lens.iter().map(|&n| pager.alloc("w", n).unwrap()).collect();
             for cycle in 0..2 {

@@ -142,14 +142,19 @@ fn kernels_use_registered_memory_through_its_device_pointer() {
     };
     b.context().bind_to_thread().expect("bind the context");
     for (what, piece) in [("one registration", 0), ("2 MiB pieces", 2 * MIB)] {
-        let bytes = cache_bytes + 40; // an odd tail past the blocks
+        // Pinned alone: an odd tail past the blocks; filled from the cache: the cache's bytes.
+        let bytes = if piece == 0 {
+            cache_bytes + 40
+        } else {
+            cache_bytes
+        };
         let src = pager.ptr(&cache).unwrap();
         let mut host = if piece == 0 {
             b.pin(bytes, &PinOptions::default()).expect("pin")
         } else {
             // SAFETY: `src .. src + cache_bytes` is the live cache buffer, not written
             // meanwhile.
-            unsafe { b.pin_from_device(cache_bytes, piece, &PinOptions::default(), src) }
+            unsafe { b.pin_from_device(bytes, piece, &PinOptions::default(), src) }
                 .expect("pin_from_device")
         };
         let regs = host.registrations().to_vec();

@@ -248,12 +248,13 @@ const char *gpu_pager_code_name(uint32_t code);
 // Opens device `device`'s pager (once per process; later calls return the same one) and
 // describes it into `*out`. Without a GPU, device 0 runs on the host backend
 // (`GPU_PAGER_BACKEND_HOST`; its capacity is `GPU_PAGER_HOST_CAPACITY` bytes if set, else
-// 32 GiB) and other devices fail with `GPU_PAGER_ERROR_BACKEND`. Every other call opens
+// half the machine's memory, at most 32 GiB) and other devices fail with `GPU_PAGER_ERROR_BACKEND`. Every other call opens
 // the pager the same way on first use.
 //
 // # Safety
 // `out` is NULL (an error) or valid for a write of a `gpu_pager_device_info`.
-gpu_pager_code gpu_pager_device(int device, struct gpu_pager_device_info *out);
+gpu_pager_code gpu_pager_device(int device,
+                                struct gpu_pager_device_info *out);
 
 // Creates region `tag` of `bytes` (rounded up to the granularity) on device `device`,
 // resident, at a device address that never changes while it exists; stores that address

@@ -4,12 +4,10 @@
 //!
 //! Why a helper thread: the pump is fed by the thread that pushes to it, so while that
 //! thread sat in a map call no unit started, and the copy kernel ran dry. Right after a
-//! trainer's free, `cuMemCreate` waits for the driver to scrub the freed memory (16 GiB
-//! took 342 ms right after the free, 127 ms 200 ms later and 34 ms a second later, where
-//! `cuMemMap` took 0.0 ms and `cuMemSetAccess` 0.7 ms), and `cuMemSetAccess` takes 37 ms for
-//! 16 GiB while the copy kernel runs (0.7 ms idle), without slowing the kernel
-//! (BENCHMARKS.md, fourth session). Mapping ahead on a helper lets those waits overlap
-//! the copies instead of stalling them.
+//! trainer's free, `cuMemCreate` waits for the driver to scrub the freed memory (for about a
+//! second), and `cuMemSetAccess` is many times slower while the copy kernel runs, without
+//! slowing the kernel. Mapping ahead on a helper lets those waits overlap the copies
+//! instead of stalling them.
 
 use std::ops::Range;
 use std::sync::Arc;

@@ -12,7 +12,8 @@ use crate::backup::file::FileIo;
 use crate::error::{Error, Result, nearest_tag};
 use crate::pump::{self, CopyRoute, PumpConfig, PumpStats, Sink};
 use crate::region::{
-    Medium, Policy, Region, RegionInfo, RegionKind, RegionOptions, RegionStats, Shape, remember,
+    Medium, Policy, Region, RegionInfo, RegionKind, RegionOptions, RegionStats, Shape, State,
+    remember,
 };
 use crate::report::{Move, Outcome, RegionReport, Report, Steps};
 use crate::suballoc::AllocError;
@@ -20,16 +21,14 @@ use crate::suballoc::AllocError;
 mod backup_read;
 mod overwritten;
 
-/// Default physical chunk size: 512 MiB. Large chunks make mapping cheap (on the H200,
-/// 32 GiB maps in ~3 ms as 1 GiB chunks and in ~650 ms as 2 MiB chunks).
+/// Default physical chunk size: 512 MiB. Mapping costs per handle, so large chunks map
+/// fast, and a region's last chunk wastes at most one chunk's rounding.
 pub const DEFAULT_CHUNK_BYTES: usize = 512 << 20;
 
 /// Default chunk size of fixed `Discard` and `DiscardZeroed` regions: 2 GiB, one handle per
-/// 2 GiB as torch_memory_saver maps a KV tensor (32 handles for 64 GiB of KV cache). Such a
-/// region has no contents to copy while it maps, so nothing is gained from small chunks; the
-/// bare VMM calls measured the same for 128 × 512 MiB and 32 × 2 GiB on the H200, and fewer
-/// handles mean fewer driver calls. Provisional: `gpu-pager bench` times 1, 32 and 128
-/// handles in one run.
+/// 2 GiB as torch_memory_saver maps a KV tensor. Such a region has no contents to copy while
+/// it maps, so nothing is gained from small chunks, and fewer handles mean fewer driver
+/// calls.
 pub const DEFAULT_DISCARD_CHUNK_BYTES: usize = 2 << 30;
 
 /// The longest tag, in bytes: tags are names, and a bounded length bounds the cost of the
@@ -39,8 +38,8 @@ pub const MAX_TAG_BYTES: usize = 256;
 /// Default buffer alignment: 256 bytes, what CUDA's own allocators guarantee.
 pub const DEFAULT_ALIGN: usize = 256;
 
-/// Default [`PagerConfig::copy_gap_bytes`]: 1 MiB, about 20 µs over a 55 GB/s link, the
-/// order of one copy call's fixed cost.
+/// Default [`PagerConfig::copy_gap_bytes`]: 1 MiB, which crosses the link in about the
+/// time one copy call's fixed cost takes.
 pub const DEFAULT_COPY_GAP_BYTES: usize = 1 << 20;
 
 /// Pager settings.
@@ -67,7 +66,7 @@ pub struct PagerConfig {
     pub hash_chunk_bytes: usize,
     /// After each restore, hash the device contents and compare with the backup's hashes;
     /// a mismatch fails the resume with [`Error::Corrupted`] (default off: it costs one hash
-    /// pass, a few ms per 16 GiB on an H200). Not applied by [`Pager::resume_on`].
+    /// pass over the contents on every resume). Not applied by [`Pager::resume_on`].
     pub verify_restore: bool,
     /// On resume, map `Preserve` regions in groups of doubling size, ahead on a helper
     /// thread, and copy each group as soon as it is mapped (default on). Off: map the whole
@@ -252,8 +251,8 @@ impl std::fmt::Display for Stats {
                 k => format!("{k} {:?}", r.info.policy),
             };
             let state = match r.info.state {
-                crate::State::Resident => "resident",
-                crate::State::Released => "released",
+                State::Resident => "resident",
+                State::Released => "released",
             };
             write!(
                 f,

@@ -665,10 +665,9 @@ impl Region {
     /// the copies are over (after the pump's scope returns, or a synchronize). Returns (time
     /// this thread spent mapping or waiting for mappings, bytes sent).
     ///
-    /// Why runs: on the H200 a growing region of 300 buffers mapped one call per buffer
-    /// took 225 ms while the copies ran (0.75 ms per call, against 0.05 ms for the same
-    /// call with the device idle), 356 ms right after a trainer's free: the resume waited
-    /// for its mapping (BENCHMARKS.md, 2026-12-03, third session).
+    /// Why runs: a map call made while copies run costs many times what it costs on an idle
+    /// device, so a growing region of hundreds of buffers mapped one call per buffer makes
+    /// the resume wait for its mapping.
     pub fn map_and_restore<'h>(
         &'h mut self,
         backend: &dyn Backend,

@@ -87,7 +87,7 @@ pub extern "C" fn gpu_pager_code_name(code: u32) -> *const c_char {
 /// Opens device `device`'s pager (once per process; later calls return the same one) and
 /// describes it into `*out`. Without a GPU, device 0 runs on the host backend
 /// (`GPU_PAGER_BACKEND_HOST`; its capacity is `GPU_PAGER_HOST_CAPACITY` bytes if set, else
-/// 32 GiB) and other devices fail with `GPU_PAGER_ERROR_BACKEND`. Every other call opens
+/// half the machine's memory, at most 32 GiB) and other devices fail with `GPU_PAGER_ERROR_BACKEND`. Every other call opens
 /// the pager the same way on first use.
 ///
 /// # Safety

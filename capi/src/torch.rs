@@ -10,9 +10,9 @@
 //! ```
 //!
 //! Torch calls these on its own threads, with whatever device it has current. They leave
-//! that device current: nothing here binds a context (buffer bookkeeping is host-only for
-//! today's fixed-size regions), and the CUDA backend restores the caller's context around
-//! what it binds.
+//! that device current: the CUDA backend binds its context only around what it does (a
+//! growing region maps each segment as it is allocated and unmaps it as it is freed) and
+//! restores the caller's after.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;

@@ -27,6 +27,7 @@ __all__ = [
     "PanicError",
     "error_codes",
     "_torch_hook_state",
+    "_error",
     "Pager",
     "Lease",
     "Policy",
@@ -315,6 +316,8 @@ class Pager:
         """Takes the failures no call could return (``Stats.deferred_errors``)."""
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
+
+def _error(code: int, message: str, tags: list[str] = ...) -> PagerError: ...
 
 class PagerError(RuntimeError):
     """Base class of every error gpu_pager raises; ``.tag``, ``.tags``, ``.code``, message."""

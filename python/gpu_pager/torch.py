@@ -146,9 +146,7 @@ def _c() -> ctypes.CDLL:
 
 
 def _raise_code(code: int, fallback: str) -> None:
-    names = dict(_native.error_codes())
-    cls = getattr(_native, f"{names.get(code, 'InvalidArgument')}Error")
-    raise cls(last_error() or fallback)
+    raise _native._error(code, last_error() or fallback)
 
 
 def use_tag(device: int, tag: str | None) -> None:
@@ -230,14 +228,13 @@ def empty_cache(tags: str | Iterable[str] | None = None, device: Any = None) -> 
         for key in keys:
             live = _live_blocks(_pools[key])
             if live:
-                err = _native.BusyError(
+                raise _native._error(
+                    _native.BusyError.code,
                     f"gpu_pager.torch.empty_cache({key[0]!r}): {len(live)} tensors still live "
                     f"in the tag's torch pool ({sum(b.get('size', 0) for b in live)} bytes); "
-                    "delete them (and CUDA graphs captured into the tag) first"
+                    "delete them (and CUDA graphs captured into the tag) first",
+                    [key[0]],
                 )
-                err.tag = key[0]
-                err.code = dict((n, c) for c, n in _native.error_codes())["Busy"]
-                raise err
         dropped = [_pools.pop(key) for key in keys]
     for p in dropped:
         _let_go(p)

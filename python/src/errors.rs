@@ -166,6 +166,17 @@ fn new_err(py: Python<'_>, code: ErrorCode, tags: &[&str], message: String) -> P
     }
 }
 
+/// The exception of error number `code` (as the C ABI returns it; an unknown number is
+/// `InvalidArgumentError`'s) with `message` and the regions `tags`: how the package's Python
+/// code raises what a C call or a check of its own reports, as the pager raises its errors.
+#[pyfunction]
+#[pyo3(name = "_error", signature = (code, message, tags = Vec::new()))]
+pub(crate) fn error(py: Python<'_>, code: u32, message: String, tags: Vec<String>) -> Py<PyAny> {
+    let code = ErrorCode::from_number(code).unwrap_or(ErrorCode::InvalidArgument);
+    let tags: Vec<&str> = tags.iter().map(String::as_str).collect();
+    new_err(py, code, &tags, message).into_value(py).into_any()
+}
+
 /// The Python exception for a pager error (its class is chosen by [`gpu_pager::Error::code`],
 /// an exhaustive match in the core).
 pub(crate) fn to_py(py: Python<'_>, e: &gpu_pager::Error) -> PyErr {

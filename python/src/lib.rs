@@ -29,6 +29,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // extension is the only Rust code of the process, so no other logger competes.
     let _ = gpu_pager_capi::queue_records(3);
     m.add_function(wrap_pyfunction!(errors::error_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(errors::error, m)?)?;
     m.add_function(wrap_pyfunction!(torch_hook_state, m)?)?;
     m.add_class::<pager::PyPager>()?;
     m.add_class::<pager::Lease>()?;

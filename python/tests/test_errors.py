@@ -115,3 +115,12 @@ def test_bad_capacity_is_refused_naming_the_variable(pager: gpu_pager.Pager) -> 
     assert done.returncode == 0, done.stderr
     assert "refused:" in done.stdout and "GPU_PAGER_HOST_CAPACITY" in done.stdout
     assert "unset it" in done.stdout
+
+
+def test_the_package_raises_c_failures_as_the_pager_does() -> None:
+    """One construction for every exception: the C ABI's codes, the package's own checks."""
+    err = gpu_pager._native._error(gpu_pager.BusyError.code, "held", ["weights"])
+    assert type(err) is gpu_pager.BusyError
+    assert (err.code, err.tag, err.tags, str(err)) == (gpu_pager.BusyError.code, "weights", ["weights"], "held")
+    unknown = gpu_pager._native._error(12345, "what")
+    assert type(unknown) is gpu_pager.InvalidArgumentError and unknown.tag is None

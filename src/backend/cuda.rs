@@ -663,12 +663,11 @@ impl CudaBackend {
         }
         let chunks = kernels::chunk_count(bytes, chunk_bytes);
         let geometry =
-            kernels::chunk_hash_geometry(bytes as u64, chunk_bytes as u64).map_err(|reason| {
-                BackendError::Invalid {
+            kernels::chunk_hash_geometry(bytes as u64, chunk_bytes as u64, self.sm_count())
+                .map_err(|reason| BackendError::Invalid {
                     op: "chunk_hash",
                     reason,
-                }
-            })?;
+                })?;
         let _scope = self.dev.scope()?;
         let k = self.chunk_hash_kernels()?;
         let params = abi::GpChunkHashParams {

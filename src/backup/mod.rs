@@ -1,8 +1,7 @@
 //! The backup of a `Preserve` region: pinned host memory (kept across cycles, or given back
 //! after each resume) or a file ([`file`]), chosen per region ([`crate::Medium`]).
 //!
-//! Pinning is slow (about 0.07 s per GiB on the H200 host by registration, 0.44 s with
-//! cudaHostAlloc), so the buffer is allocated once —
+//! Pinning is slow (a large fraction of a second per GiB), so the buffer is allocated once —
 //! at the first release that has something to save, or when the region is created with
 //! `prepin` — and reused by every later cycle; freeing it is an explicit choice
 //! ([`crate::Pager::free_backup`]). A growing region pins the missing backups of all its
@@ -16,7 +15,7 @@
 //! and keeps track of exactly which: a resume restores those ranges and nothing else.
 //!
 //! The backup also remembers one hash per hash chunk of the device contents it saved (the
-//! `chunk_hash` kernel, a few milliseconds for 16 GiB on the H200). A release hashes the
+//! `chunk_hash` kernel, which reads at the device's memory bandwidth). A release hashes the
 //! device contents and copies only the chunks whose hash changed, so releasing weights that
 //! were not updated since the last backup or restore costs a hash instead of a copy. A chunk
 //! counts as unchanged only when the backup also held every byte now wanted of it: bytes

@@ -69,21 +69,15 @@ pub const MAX_HASH_CHUNKS: usize = 65_535;
 /// Threads per block of every kernel here (a multiple of the warp size).
 pub const BLOCK_THREADS: u32 = 256;
 
-/// Streaming multiprocessors the grids are sized for (H200: 132).
-const TARGET_SMS: u32 = 132;
 /// Resident 256-thread blocks per SM: the kernels use at most 32 registers on sm_90, so
 /// 2048 threads fit.
 const BLOCKS_PER_SM: u32 = 8;
 /// The chunk hash gets this many full waves of blocks on big ranges, so that blocks
-/// finishing at different times still leave every SM busy (it reads 16 GiB at 4.65 TB/s on
-/// an H200, against 4.61 TB/s for a bare read kernel).
+/// finishing at different times still leave every SM busy (it then reads at a bare read
+/// kernel's bandwidth).
 const WAVES: u32 = 4;
-/// Blocks of a chunk-hash launch over a big range (4224 on the H200).
-const MAX_GRID_BLOCKS: u32 = TARGET_SMS * BLOCKS_PER_SM * WAVES;
-/// Most blocks of a fill launch (512 Mi threads, 8 GiB per grid-stride step). Stores go
-/// faster with one thread per vector than with a few waves of looping threads: on an H200,
-/// 16 GiB filled at 4.33 TB/s with 4224 blocks, 4.66 TB/s with 2^20 and 4.69 TB/s with 2^21
-/// (cudaMemset: 4.56 TB/s).
+/// Most blocks of a fill launch (512 Mi threads, 8 GiB per grid-stride step): stores go
+/// faster with one thread per vector than with a few waves of looping threads.
 const FILL_MAX_BLOCKS: u64 = 1 << 21;
 /// 16-byte vectors each chunk-hash thread loads per loop step (`GP_HASH_UNROLL` in
 /// `kernels/chunk_hash.cu`).
@@ -241,11 +235,16 @@ pub fn check_chunk_hash_args(src: u64, bytes: usize, chunk_bytes: usize) -> Resu
 /// Geometry of [`CHUNK_HASH_PARTIAL`]: `grid.y` is the chunk count, `grid.x` the blocks per
 /// chunk. Big chunks get enough blocks that all chunks together fill the GPU a few times
 /// over, each thread with at least one full unrolled step of loads; small chunks get one
-/// block, of fewer threads when the chunk has fewer than [`BLOCK_THREADS`] vectors.
+/// block, of fewer threads when the chunk has fewer than [`BLOCK_THREADS`] vectors. `sms`
+/// is the device's multiprocessor count (the grid is a few waves of resident blocks on it).
 ///
 /// Errors when `bytes` or `chunk_bytes` is 0 or there are more than [`MAX_HASH_CHUNKS`]
 /// chunks. (Alignment is [`check_chunk_hash_args`]'s business.)
-pub fn chunk_hash_geometry(bytes: u64, chunk_bytes: u64) -> Result<LaunchGeometry, String> {
+pub fn chunk_hash_geometry(
+    bytes: u64,
+    chunk_bytes: u64,
+    sms: u32,
+) -> Result<LaunchGeometry, String> {
     if bytes == 0 || chunk_bytes == 0 {
         return Err(format!(
             "chunk hash needs bytes > 0 and chunk_bytes > 0 (got {bytes} and {chunk_bytes})"
@@ -269,7 +268,8 @@ pub fn chunk_hash_geometry(bytes: u64, chunk_bytes: u64) -> Result<LaunchGeometr
         u32::try_from(vectors.div_ceil(32) * 32).unwrap_or(BLOCK_THREADS)
     };
     let wanted = vectors.div_ceil(u64::from(threads) * HASH_UNROLL);
-    let share = (MAX_GRID_BLOCKS / grid_y).max(1);
+    let max_grid_blocks = sms.max(1).saturating_mul(BLOCKS_PER_SM * WAVES);
+    let share = (max_grid_blocks / grid_y).max(1);
     let grid_x = u32::try_from(wanted).unwrap_or(u32::MAX).clamp(1, share);
     Ok(LaunchGeometry {
         grid: (grid_x, grid_y, 1),
@@ -396,26 +396,29 @@ mod tests {
     fn chunk_hash_geometry_scales() {
         const GIB: u64 = 1 << 30;
         // Big chunks: the whole grid is a few waves, spread over the chunks.
-        let g = chunk_hash_geometry(8 * GIB, GIB).unwrap();
+        let g = chunk_hash_geometry(8 * GIB, GIB, 132).unwrap();
         assert_eq!(g.grid.1, 8);
-        assert_eq!(g.grid.0, MAX_GRID_BLOCKS / 8);
+        assert_eq!(g.grid.0, 132 * BLOCKS_PER_SM * WAVES / 8);
+        // The grid follows the device's multiprocessors.
+        let small = chunk_hash_geometry(8 * GIB, GIB, 16).unwrap();
+        assert_eq!(small.grid.0, 16 * BLOCKS_PER_SM * WAVES / 8);
         assert_eq!(g.block.0, BLOCK_THREADS);
-        let g = chunk_hash_geometry(4 * GIB + 16, 256 << 20).unwrap();
+        let g = chunk_hash_geometry(4 * GIB + 16, 256 << 20, 132).unwrap();
         assert_eq!(g.grid.1, 17);
         // Small range: few blocks.
-        let g = chunk_hash_geometry(64 << 10, 1 << 20).unwrap();
+        let g = chunk_hash_geometry(64 << 10, 1 << 20, 132).unwrap();
         assert_eq!(g.grid, (4, 1, 1));
         // Tiny chunks: one warp-sized block each.
-        let g = chunk_hash_geometry(16 * 65_535, 16).unwrap();
+        let g = chunk_hash_geometry(16 * 65_535, 16, 132).unwrap();
         assert_eq!(g.grid, (1, 65_535, 1));
         assert_eq!(g.block, (32, 1, 1));
-        let g = chunk_hash_geometry(5, 4096).unwrap();
+        let g = chunk_hash_geometry(5, 4096, 132).unwrap();
         assert_eq!(g.grid, (1, 1, 1));
         assert_eq!(g.block, (32, 1, 1));
         // Limits.
-        assert!(chunk_hash_geometry(16 * 65_536, 16).is_err());
-        assert!(chunk_hash_geometry(0, 16).is_err());
-        assert!(chunk_hash_geometry(16, 0).is_err());
+        assert!(chunk_hash_geometry(16 * 65_536, 16, 132).is_err());
+        assert!(chunk_hash_geometry(0, 16, 132).is_err());
+        assert!(chunk_hash_geometry(16, 0, 132).is_err());
     }
 
     #[test]

@@ -12,8 +12,7 @@ use crate::{Buffer, Lease, Pager, Policy, RegionKind, RegionOptions};
 
 /// Default physical chunk size of a KV cache region: 64 MiB. Elastic backing maps and trims
 /// whole chunks, so smaller chunks follow the live blocks more closely, and larger ones map
-/// faster (on an H200 `cuMemSetAccess` costs ~25 µs per 2 MiB chunk; 64 GiB of 64 MiB chunks
-/// map in ~25 ms).
+/// faster (mapping costs per handle).
 pub const DEFAULT_KV_CHUNK_BYTES: usize = 64 << 20;
 
 /// Settings of a [`KvCache`].

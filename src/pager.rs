@@ -4,21 +4,19 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
-use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BackendKind, Fence, Mover, RawStream};
-use crate::backup::Saved;
+use crate::backend::{Backend, BackendKind, Mover, RawStream};
 use crate::backup::file::FileIo;
 use crate::error::{Error, Result, nearest_tag};
-use crate::pump::{self, CopyRoute, PumpConfig, PumpStats, Sink};
+use crate::pump::{self, CopyRoute, PumpConfig};
 use crate::region::{
     Medium, Policy, Region, RegionInfo, RegionKind, RegionOptions, RegionStats, Shape, State,
-    remember,
 };
-use crate::report::{Move, Outcome, RegionReport, Report, Steps};
+use crate::report::Report;
 use crate::suballoc::AllocError;
 
 mod backup_read;
+mod moves;
 mod overwritten;
 
 /// Default physical chunk size: 512 MiB. Mapping costs per handle, so large chunks map
@@ -320,8 +318,7 @@ fn lock(slot: &Slot) -> MutexGuard<'_, Region> {
     slot.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Rounds a chunk size up to the granularity `g` and then to a power of two.
-/// An elastic region may reserve up to this many times the device's memory.
+/// An elastic or growing region may reserve up to this many times the device's memory.
 pub(crate) const MAX_RESERVE_FACTOR: usize = 4;
 
 /// Describes a region for error messages.
@@ -352,7 +349,6 @@ struct Wanted {
     exclusive: bool,
 }
 
-/// [`Error::UnknownTag`] for `tag`, suggesting the nearest existing tag.
 /// The tags of `map`, for [`unknown_tag`] once the map's lock is given back.
 fn known_tags(map: &BTreeMap<String, Slot>) -> Vec<String> {
     map.keys().cloned().collect()
@@ -372,6 +368,51 @@ fn unknown_tag(known: &[String], tag: &str) -> Error {
     }
 }
 
+/// A tag is a name of 1 to [`MAX_TAG_BYTES`] bytes without NUL bytes (C cannot name one).
+fn check_tag(tag: &str) -> Result<()> {
+    if tag.is_empty() || tag.len() > MAX_TAG_BYTES || tag.contains('\0') {
+        let shown: String = tag.chars().take(64).collect();
+        return Err(Error::InvalidArgument {
+            tag: Some(shown),
+            reason: format!(
+                "a tag must be a name of 1 to {MAX_TAG_BYTES} bytes without NUL bytes (C \
+                 cannot name one), not one of {} bytes",
+                tag.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The options a region of `policy` can take: a backup medium and `prepin` are for
+/// `Preserve` regions, and `prepin` pins what a host-medium backup gives back.
+fn check_options(tag: &str, policy: Policy, options: &RegionOptions) -> Result<()> {
+    let refuse = |reason: String| Err(Error::invalid(Some(tag), reason));
+    if options.medium != Medium::Pinned && policy != Policy::Preserve {
+        return refuse(format!(
+            "a backup medium ({}) is for preserve regions, and a {policy:?} region keeps no \
+             contents; leave the medium at its default",
+            options.medium
+        ));
+    }
+    if options.prepin && options.medium == Medium::Host {
+        return refuse(
+            "prepin pins the backup now, but a host-medium backup is given back after every \
+             resume and pinned again at the release; use prepin with the pinned medium, or \
+             leave it off"
+                .to_owned(),
+        );
+    }
+    if options.prepin && policy != Policy::Preserve {
+        return refuse(format!(
+            "prepin pins a host backup, and a {policy:?} region has none (its contents are \
+             dropped on release); use prepin only with the preserve policy"
+        ));
+    }
+    Ok(())
+}
+
+/// Rounds a chunk size up to the granularity `g` and then to a power of two.
 fn round_chunk(bytes: usize, g: usize) -> usize {
     bytes
         .max(g)
@@ -569,90 +610,13 @@ impl Pager {
         exclusive: bool,
     ) -> Result<RegionInfo> {
         self.check_process()?;
-        if tag.is_empty() || tag.len() > MAX_TAG_BYTES || tag.contains('\0') {
-            let shown: String = tag.chars().take(64).collect();
-            return Err(Error::InvalidArgument {
-                tag: Some(shown),
-                reason: format!(
-                    "a tag must be a name of 1 to {MAX_TAG_BYTES} bytes without NUL bytes (C \
-                     cannot name one), not one of {} bytes",
-                    tag.len()
-                ),
-            });
-        }
-        let info = self.backend.info();
-        let g = info.granularity;
-        let kind = options.kind;
-        // A growing region reserves a multiple of the device's memory unless told otherwise
-        // (address space is cheap) and maps only under its buffers.
-        let bytes = if kind == RegionKind::Growing && bytes == 0 {
-            info.total_bytes.saturating_mul(MAX_RESERVE_FACTOR) / g * g
-        } else {
-            bytes
-        };
-        // A region that maps all of its memory while resident must fit in the device; the
-        // others only reserve addresses, of which there are plenty.
-        let (limit, why) = if kind == RegionKind::Fixed {
-            (
-                info.total_bytes,
-                "a fixed region is mapped whole while resident and must fit in",
-            )
-        } else {
-            (
-                info.total_bytes.saturating_mul(MAX_RESERVE_FACTOR),
-                "an elastic or growing region reserves at most 4 times",
-            )
-        };
-        let size = bytes
-            .checked_next_multiple_of(g)
-            .filter(|&s| s > 0 && s <= limit)
-            .ok_or_else(|| Error::InvalidSize {
-                tag: tag.to_owned(),
-                reason: format!(
-                    "{bytes} bytes: a region needs 1 to {limit} bytes ({why} the device's {} \
-                     bytes, {}); ask for fewer bytes{}",
-                    info.total_bytes,
-                    info.name,
-                    match kind {
-                        RegionKind::Fixed =>
-                            ", or create it growing to map only under its \
-                                              buffers, or elastic to map only what is backed",
-                        RegionKind::Elastic | RegionKind::Growing => "",
-                    }
-                ),
-            })?;
-        if options.medium != Medium::Pinned && policy != Policy::Preserve {
-            return Err(Error::InvalidArgument {
-                tag: Some(tag.to_owned()),
-                reason: format!(
-                    "a backup medium ({}) is for preserve regions, and a {policy:?} \
-                     region keeps no contents; leave the medium at its default",
-                    options.medium
-                ),
-            });
-        }
-        if options.prepin && options.medium == Medium::Host {
-            return Err(Error::InvalidArgument {
-                tag: Some(tag.to_owned()),
-                reason: "prepin pins the backup now, but a host-medium backup is given back \
-                         after every resume and pinned again at the release; use prepin with \
-                         the pinned medium, or leave it off"
-                    .to_owned(),
-            });
-        }
-        if options.prepin && policy != Policy::Preserve {
-            return Err(Error::InvalidArgument {
-                tag: Some(tag.to_owned()),
-                reason: format!(
-                    "prepin pins a host backup, and a {policy:?} region has none (its contents \
-                     are dropped on release); use prepin only with the preserve policy"
-                ),
-            });
-        }
+        check_tag(tag)?;
+        let size = self.region_size(tag, bytes, options.kind)?;
+        check_options(tag, policy, &options)?;
         let want = Wanted {
             policy,
             size,
-            kind,
+            kind: options.kind,
             medium: options.medium,
             prepin: options.prepin,
             exclusive,
@@ -665,41 +629,85 @@ impl Pager {
         if let Some(slot) = existing {
             return self.existing(tag, &slot, &want);
         }
-        // A Discard region that is mapped whole (fixed) or buffer by buffer (growing: a
-        // torch KV cache's segments) has nothing to copy while it maps: as few handles as
-        // the driver maps fastest. Everything else maps and copies (or backs) chunk by chunk.
-        let default_chunk = if policy != Policy::Preserve && kind != RegionKind::Elastic {
+        let mut region = self.build_region(tag, size, policy, options)?;
+        region.exclusive = exclusive;
+        self.publish(tag, region, &want)
+    }
+
+    /// The reserved size of a new region of `kind` asked for with `bytes`: rounded up to the
+    /// granularity; a fixed region must fit in the device, the others reserve at most
+    /// [`MAX_RESERVE_FACTOR`] times it (a growing region of 0 bytes reserves that much:
+    /// address space is cheap).
+    fn region_size(&self, tag: &str, bytes: usize, kind: RegionKind) -> Result<usize> {
+        let info = self.backend.info();
+        let g = info.granularity;
+        let reserve = info.total_bytes.saturating_mul(MAX_RESERVE_FACTOR);
+        let bytes = if kind == RegionKind::Growing && bytes == 0 {
+            reserve / g * g
+        } else {
+            bytes
+        };
+        let (limit, why, hint) = match kind {
+            RegionKind::Fixed => (
+                info.total_bytes,
+                "a fixed region is mapped whole while resident and must fit in",
+                ", or create it growing to map only under its buffers, or elastic to map only \
+                 what is backed",
+            ),
+            RegionKind::Elastic | RegionKind::Growing => (
+                reserve,
+                "an elastic or growing region reserves at most 4 times",
+                "",
+            ),
+        };
+        bytes
+            .checked_next_multiple_of(g)
+            .filter(|&s| s > 0 && s <= limit)
+            .ok_or_else(|| Error::InvalidSize {
+                tag: tag.to_owned(),
+                reason: format!(
+                    "{bytes} bytes: a region needs 1 to {limit} bytes ({why} the device's {} \
+                     bytes, {}); ask for fewer bytes{hint}",
+                    info.total_bytes, info.name,
+                ),
+            })
+    }
+
+    /// Builds region `tag` (without the map's lock: mapping and pinning take time). A
+    /// Discard region that is mapped whole (fixed) or buffer by buffer (growing: a torch KV
+    /// cache's segments) has nothing to copy while it maps, so it gets the fewest handles;
+    /// everything else maps and copies (or backs) chunk by chunk.
+    fn build_region(
+        &self,
+        tag: &str,
+        size: usize,
+        policy: Policy,
+        options: RegionOptions,
+    ) -> Result<Region> {
+        let default_chunk = if policy != Policy::Preserve && options.kind != RegionKind::Elastic {
             self.config.discard_chunk_bytes
         } else {
             self.config.chunk_bytes
         };
-        let chunk = options
+        let g = self.backend.info().granularity.max(1);
+        let chunk_bytes = options
             .chunk_bytes
-            .map_or(default_chunk, |c| round_chunk(c, g.max(1)))
+            .map_or(default_chunk, |c| round_chunk(c, g))
             .min(size);
-        let id = next_id();
-        let shape = Shape {
-            size,
-            chunk_bytes: chunk,
-        };
-        let mut region = Region::create(
-            self.backend.as_ref(),
-            id,
-            tag,
-            shape,
-            policy,
-            options,
-            &self.files,
-        )?;
-        region.exclusive = exclusive;
+        let shape = Shape { size, chunk_bytes };
+        let backend = self.backend.as_ref();
+        Region::create(backend, next_id(), tag, shape, policy, options, &self.files)
+    }
+
+    /// Publishes a built region under a short write lock, unless another thread made the
+    /// tag meanwhile (then that one answers, as [`Pager::existing`] does).
+    fn publish(&self, tag: &str, region: Region, want: &Wanted) -> Result<RegionInfo> {
         let info = region.info();
-        // Built without the map's lock (mapping and pinning take time); published under a
-        // short write lock, unless another thread made the tag meanwhile.
         let mut map = self.regions.write().unwrap_or_else(|p| p.into_inner());
         if let Some(slot) = map.get(tag).cloned() {
             drop(map);
             drop(region);
-            return self.existing(tag, &slot, &want);
+            return self.existing(tag, &slot, want);
         }
         let slot = Arc::new(Mutex::new(region));
         map.insert(tag.to_owned(), slot.clone());
@@ -1129,118 +1137,9 @@ impl Pager {
                     .to_owned(),
             });
         }
-        let start = Instant::now();
         let slots = self.slots(tags)?;
         let mut regions: Vec<_> = slots.iter().map(lock).collect();
-        for r in &regions {
-            if r.is_resident() && r.leases > 0 {
-                return Err(Error::Busy {
-                    tag: r.tag.clone(),
-                    leases: r.leases,
-                });
-            }
-        }
-        let t = Instant::now();
-        self.backend
-            .synchronize()
-            .map_err(|e| Error::backend_of(tags, "waiting for device work", e))?;
-        let sync = t.elapsed();
-
-        let mut steps = vec![Steps::default(); regions.len()];
-        let mut saved = vec![Saved::default(); regions.len()];
-        let dropping: Vec<bool> = regions
-            .iter()
-            .map(|r| r.is_resident() && options.drop.iter().any(|d| *d == r.tag))
-            .collect();
-        let saving: Vec<bool> = regions
-            .iter()
-            .zip(&dropping)
-            .map(|(r, &d)| r.is_resident() && r.policy == Policy::Preserve && !d)
-            .collect();
-        let backend = self.backend.as_ref();
-        // Bytes copied into first backups while they were pinned (first_save_overlap).
-        let mut seeded = vec![0usize; regions.len()];
-        let overlap_first = self.config.skip_unchanged && self.config.first_save_overlap;
-        // Pins and copies first, for every region: a failure leaves everything resident.
-        for (i, r) in regions.iter_mut().enumerate() {
-            if saving[i] {
-                let gap = self.config.copy_gap_bytes;
-                if overlap_first {
-                    let (pin, hash, copied) =
-                        r.first_backup_from_device(backend, gap, self.config.hash_chunk_bytes)?;
-                    (steps[i].pin, steps[i].hash, seeded[i]) = (pin, hash, copied);
-                }
-                steps[i].pin += r.ensure_backup(backend, gap)?;
-            }
-        }
-        let mut copies = PumpStats::default();
-        if saving.contains(&true) {
-            let (skip, hash_chunk) = (self.config.skip_unchanged, self.config.hash_chunk_bytes);
-            let gap = self.config.copy_gap_bytes;
-            let t = Instant::now();
-            // One pump for the whole call: each region (each buffer of a growing one) is
-            // hashed while the copies of the ones before it run.
-            let ((), pumped) = pump::scope(
-                backend,
-                self.pump_config(self.config.save_route),
-                &self.traffic,
-                |p| {
-                    for (i, r) in regions.iter_mut().enumerate() {
-                        if saving[i] {
-                            saved[i] = r.save(backend, skip, hash_chunk, gap, p)?;
-                            steps[i].hash += saved[i].hash;
-                        }
-                    }
-                    Ok(())
-                },
-                |e| Error::backend_of(tags, "copying contents to the host backup", e),
-            )?;
-            // The copy time: the call's copying less its hashing, by each region's share of
-            // the bytes.
-            let hashing: Duration = saved.iter().map(|s| s.hash).sum();
-            charge(
-                &mut steps,
-                &saved.iter().map(|s| s.copied).collect::<Vec<_>>(),
-                t.elapsed().saturating_sub(hashing),
-            );
-            for (i, r) in regions.iter_mut().enumerate() {
-                if saving[i] {
-                    r.commit_saves();
-                }
-            }
-            copies = pumped;
-        }
-        let mut out = Vec::with_capacity(regions.len());
-        for (i, r) in regions.iter_mut().enumerate() {
-            if !r.is_resident() {
-                out.push(already(&r.tag));
-                continue;
-            }
-            let (bytes, unmap) = r.unmap_all();
-            steps[i].unmap = unmap;
-            if dropping[i] {
-                r.drop_contents();
-            }
-            r.set_released();
-            out.push(RegionReport {
-                tag: r.tag.clone(),
-                outcome: Outcome::Done,
-                bytes,
-                copied: saved[i].copied + seeded[i],
-                steps: steps[i],
-            });
-        }
-        let report = Report {
-            op: Move::Release,
-            sync,
-            regions: out,
-            total: start.elapsed(),
-            copies,
-        };
-        for r in &mut regions {
-            remember(&report, r);
-        }
-        Ok(report)
+        self.release_locked(tags, &mut regions, options)
     }
 
     /// Maps physical memory back under `tags` at the same addresses and restores
@@ -1285,175 +1184,6 @@ impl Pager {
         let slots = self.slots(tags)?;
         let mut regions: Vec<_> = slots.iter().map(lock).collect();
         self.resume_locked(tags, &mut regions, Some(stream), ResumeOptions::default())
-    }
-
-    /// The resume of `regions` (the locked regions of `tags`), on `stream` if given.
-    fn resume_locked(
-        &self,
-        tags: &[&str],
-        regions: &mut [MutexGuard<'_, Region>],
-        stream: Option<RawStream>,
-        options: ResumeOptions,
-    ) -> Result<Report> {
-        let start = Instant::now();
-        let todo: Vec<bool> = regions.iter().map(|r| !r.is_resident()).collect();
-        let mut steps = vec![Steps::default(); regions.len()];
-        let mut copied = vec![0usize; regions.len()];
-        let backend = self.backend.as_ref();
-        let preserve = |r: &Region| r.policy == Policy::Preserve;
-        let overlap = self.config.overlap_restore;
-        let mut copies = PumpStats::default();
-        // Restores of the Preserve regions to do, in order.
-        let restoring: Vec<bool> = regions
-            .iter()
-            .zip(&todo)
-            .map(|(r, &t)| t && preserve(r))
-            .collect();
-
-        let result = (|| {
-            // Regions without contents first: cheap, and an out-of-memory shows up before
-            // any copy starts.
-            for (i, r) in regions.iter_mut().enumerate() {
-                if todo[i] && !preserve(r) {
-                    steps[i].map = r.map_all(backend, "resume")?;
-                }
-            }
-            match stream {
-                None if restoring.contains(&true) => {
-                    // One pump for the call, fed while the regions map; its scope waits for
-                    // exactly its own copies.
-                    let ((), pumped) = pump::scope(
-                        backend,
-                        self.pump_config(self.config.restore_route),
-                        &self.traffic,
-                        |p| {
-                            let sink = &mut Sink::Pump(p);
-                            map_and_restore_all(
-                                &mut *regions,
-                                &restoring,
-                                backend,
-                                sink,
-                                overlap,
-                                &mut steps,
-                                &mut copied,
-                            )
-                        },
-                        |e| Error::backend_of(tags, "restoring contents from the backup", e),
-                    )?;
-                    // The wait at the end is copy time not hidden behind mapping; charge it
-                    // to the Preserve regions by their share of the bytes.
-                    charge(&mut steps, &copied, pumped.waited);
-                    copies = pumped;
-                }
-                None => {}
-                Some(s) => {
-                    let sink = &mut Sink::Stream {
-                        backend,
-                        stream: s,
-                        mover: self.config.stream_mover,
-                    };
-                    map_and_restore_all(
-                        &mut *regions,
-                        &restoring,
-                        backend,
-                        sink,
-                        overlap,
-                        &mut steps,
-                        &mut copied,
-                    )?;
-                }
-            }
-            for (i, r) in regions.iter_mut().enumerate() {
-                if !todo[i] {
-                    continue;
-                }
-                match r.policy {
-                    _ if r.zero_on_resume => steps[i].fill = r.zero(backend)?,
-                    Policy::DiscardZeroed => steps[i].fill = r.zero(backend)?,
-                    Policy::Preserve if self.config.verify_restore && stream.is_none() => {
-                        let t = Instant::now();
-                        r.verify(backend, self.config.hash_chunk_bytes)?;
-                        steps[i].hash = t.elapsed();
-                    }
-                    _ => {}
-                }
-            }
-            Ok(())
-        })();
-        // With `resume_on`, pager access waits for this fence before touching the contents.
-        let mut fence: Option<Arc<dyn Fence>> = None;
-        let result = match (result, stream) {
-            (Ok(()), Some(s)) => backend
-                .fence(s)
-                .map(|f| fence = Some(Arc::from(f)))
-                .map_err(|e| Error::backend_of(tags, "recording the restore's fence", e)),
-            (r, _) => r,
-        };
-        if let Err(e) = result {
-            // A pump's copies are over (its scope waited), but with `resume_on` copies may be
-            // in flight on the caller's stream into what this call mapped, and a zero-fill
-            // may have failed half-way: let everything finish first. If even that fails the
-            // context is broken (sticky error) and runs nothing more.
-            if let Err(sync) = backend.synchronize() {
-                backend.deferred_errors().record(format!(
-                    "synchronize after a failed resume of {tags:?} (the resume's own error was \
-                     returned): {sync}"
-                ));
-            }
-            for (i, r) in regions.iter_mut().enumerate() {
-                if todo[i] {
-                    r.unmap_all();
-                }
-            }
-            return Err(e);
-        }
-
-        let give_back = !options.keep_host_backups
-            && regions
-                .iter()
-                .zip(&todo)
-                .any(|(r, &t)| t && r.medium == Medium::Host);
-        if give_back {
-            // A restore on the caller's stream may still read the backups.
-            if let Some(f) = fence.take() {
-                if let Err(e) = f.wait() {
-                    backend.deferred_errors().record(format!(
-                        "waiting for the restore of {tags:?} before giving its host backups \
-                         back (they are kept): {e}"
-                    ));
-                    fence = Some(f);
-                }
-            }
-        }
-        let mut out = Vec::with_capacity(regions.len());
-        for (i, r) in regions.iter_mut().enumerate() {
-            if !todo[i] {
-                out.push(already(&r.tag));
-                continue;
-            }
-            r.set_resident(fence.clone());
-            if give_back && fence.is_none() {
-                r.give_back_host_backups();
-            }
-            out.push(RegionReport {
-                tag: r.tag.clone(),
-                outcome: Outcome::Done,
-                bytes: r.mapped_bytes(),
-                copied: copied[i],
-                steps: steps[i],
-            });
-        }
-        let report = Report {
-            op: Move::Resume,
-            sync: Duration::ZERO,
-            regions: out,
-            total: start.elapsed(),
-            copies,
-        };
-        for r in regions.iter_mut() {
-            remember(&report, r);
-        }
-        Ok(report)
     }
 
     /// Maps physical memory under the chunks of the elastic region `tag` that share a byte
@@ -1591,39 +1321,6 @@ impl Pager {
     }
 }
 
-/// Maps each region flagged in `restoring` and sends its restore to `sink`
-/// ([`Region::map_and_restore`]), recording each one's map time, copy time (what was not
-/// hidden behind its mapping, so far) and bytes.
-fn map_and_restore_all<'h>(
-    regions: &'h mut [MutexGuard<'_, Region>],
-    restoring: &[bool],
-    backend: &dyn Backend,
-    sink: &mut Sink<'_, '_, 'h>,
-    overlap: bool,
-    steps: &mut [Steps],
-    copied: &mut [usize],
-) -> Result<()> {
-    for (i, r) in regions.iter_mut().enumerate() {
-        if restoring[i] {
-            let t = Instant::now();
-            (steps[i].map, copied[i]) = r.map_and_restore(backend, sink, overlap)?;
-            steps[i].copy = t.elapsed().saturating_sub(steps[i].map);
-        }
-    }
-    Ok(())
-}
-
-/// Adds `time` to the copy step of each region by its share of `bytes`.
-fn charge(steps: &mut [Steps], bytes: &[usize], time: Duration) {
-    let total: usize = bytes.iter().sum();
-    if total == 0 {
-        return;
-    }
-    for (s, &b) in steps.iter_mut().zip(bytes) {
-        s.copy += time.mul_f64(b as f64 / total as f64);
-    }
-}
-
 /// The region's bytes `offset .. offset + len` of `buf`: [`Error::StaleBuffer`] unless `buf`
 /// is live in `r`, [`Error::OutOfRange`] unless the range lies inside it.
 fn buffer_range(r: &Region, buf: &Buffer, offset: usize, len: usize) -> Result<Range<usize>> {
@@ -1648,16 +1345,6 @@ fn stale(buf: &Buffer) -> Error {
         tag: buf.tag.to_string(),
         id: buf.id,
         offset: buf.offset,
-    }
-}
-
-fn already(tag: &str) -> RegionReport {
-    RegionReport {
-        tag: tag.to_owned(),
-        outcome: Outcome::AlreadyDone,
-        bytes: 0,
-        copied: 0,
-        steps: Steps::default(),
     }
 }
 

@@ -1,0 +1,415 @@
+//! Release and resume of a set of tags. Each locked region gets a [`Part`] (what this call
+//! does to it, and what each step took, for the report); every step runs over all parts
+//! before the next starts, so that a failure at any step leaves every region as it was.
+
+use std::sync::{Arc, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{Pager, ReleaseOptions, ResumeOptions};
+use crate::backend::{Backend, Fence, RawStream};
+use crate::backup::Saved;
+use crate::error::{Error, Result};
+use crate::pump::{self, PumpStats, Sink};
+use crate::region::{Medium, Policy, Region, remember};
+use crate::report::{Move, Outcome, RegionReport, Report, Steps};
+
+/// The locked regions of one call, in tag order.
+type Locked<'a> = [MutexGuard<'a, Region>];
+
+/// One region's part in a release or resume.
+#[derive(Default)]
+struct Part {
+    /// The call moves the region (it is resident for a release, released for a resume).
+    moves: bool,
+    /// Its contents cross the link: saved (a `Preserve` region not dropped) or restored.
+    contents: bool,
+    /// Release: its contents are dropped for this cycle.
+    dropped: bool,
+    steps: Steps,
+    /// Bytes copied for it (a first backup's fill included).
+    copied: usize,
+}
+
+impl Pager {
+    /// The release of `regions` (the locked regions of `tags`): checks the leases, waits for
+    /// device work, pins the backups, saves the contents, then unmaps.
+    pub(super) fn release_locked(
+        &self,
+        tags: &[&str],
+        regions: &mut Locked<'_>,
+        options: &ReleaseOptions,
+    ) -> Result<Report> {
+        let start = Instant::now();
+        if let Some(r) = regions.iter().find(|r| r.is_resident() && r.leases > 0) {
+            return Err(Error::Busy {
+                tag: r.tag.clone(),
+                leases: r.leases,
+            });
+        }
+        let t = Instant::now();
+        self.backend
+            .synchronize()
+            .map_err(|e| Error::backend_of(tags, "waiting for device work", e))?;
+        let sync = t.elapsed();
+        let mut parts: Vec<Part> = regions
+            .iter()
+            .map(|r| {
+                let moves = r.is_resident();
+                let dropped = moves && options.drop.iter().any(|d| *d == r.tag);
+                Part {
+                    moves,
+                    dropped,
+                    contents: moves && r.policy == Policy::Preserve && !dropped,
+                    ..Part::default()
+                }
+            })
+            .collect();
+        self.pin_backups(regions, &mut parts)?;
+        let copies = self.save_contents(tags, regions, &mut parts)?;
+        let out = regions
+            .iter_mut()
+            .zip(&mut parts)
+            .map(|(r, p)| unmap(r, p))
+            .collect();
+        Ok(report(Move::Release, sync, out, start, copies, regions))
+    }
+
+    /// Pins the backup of every region whose contents are saved (with `first_save_overlap`
+    /// a first backup is filled from the device in the same pass): all before any copy, so
+    /// that a failure leaves every region resident.
+    fn pin_backups(&self, regions: &mut Locked<'_>, parts: &mut [Part]) -> Result<()> {
+        let backend = self.backend.as_ref();
+        let gap = self.config.copy_gap_bytes;
+        let fill = self.config.skip_unchanged && self.config.first_save_overlap;
+        for (r, p) in regions.iter_mut().zip(parts) {
+            if !p.contents {
+                continue;
+            }
+            if fill {
+                let (pin, hash, copied) =
+                    r.first_backup_from_device(backend, gap, self.config.hash_chunk_bytes)?;
+                (p.steps.pin, p.steps.hash, p.copied) = (pin, hash, copied);
+            }
+            p.steps.pin += r.ensure_backup(backend, gap)?;
+        }
+        Ok(())
+    }
+
+    /// Copies the contents of every saved region to its backup through one pump, each
+    /// region (each buffer of a growing one) hashed while the copies of the ones before it
+    /// run; commits the saves once all succeeded.
+    fn save_contents(
+        &self,
+        tags: &[&str],
+        regions: &mut Locked<'_>,
+        parts: &mut [Part],
+    ) -> Result<PumpStats> {
+        if !parts.iter().any(|p| p.contents) {
+            return Ok(PumpStats::default());
+        }
+        let backend = self.backend.as_ref();
+        let c = &self.config;
+        let t = Instant::now();
+        let mut saved = vec![Saved::default(); parts.len()];
+        let ((), pumped) = pump::scope(
+            backend,
+            self.pump_config(c.save_route),
+            &self.traffic,
+            |p| {
+                for ((r, part), s) in regions.iter_mut().zip(parts.iter()).zip(&mut saved) {
+                    if part.contents {
+                        *s = r.save(
+                            backend,
+                            c.skip_unchanged,
+                            c.hash_chunk_bytes,
+                            c.copy_gap_bytes,
+                            p,
+                        )?;
+                    }
+                }
+                Ok(())
+            },
+            |e| Error::backend_of(tags, "copying contents to the host backup", e),
+        )?;
+        // The copy time: the call's copying less its hashing, by each region's share.
+        let hashing: Duration = saved.iter().map(|s| s.hash).sum();
+        let bytes: Vec<usize> = saved.iter().map(|s| s.copied).collect();
+        charge(parts, &bytes, t.elapsed().saturating_sub(hashing));
+        for ((r, p), s) in regions.iter_mut().zip(parts.iter_mut()).zip(&saved) {
+            p.steps.hash += s.hash;
+            p.copied += s.copied;
+            if p.contents {
+                r.commit_saves();
+            }
+        }
+        Ok(pumped)
+    }
+
+    /// The resume of `regions` (the locked regions of `tags`), on `stream` if given: maps
+    /// and restores, fills or verifies, then marks them resident; on any failure every
+    /// region the call mapped is unmapped again.
+    pub(super) fn resume_locked(
+        &self,
+        tags: &[&str],
+        regions: &mut Locked<'_>,
+        stream: Option<RawStream>,
+        options: ResumeOptions,
+    ) -> Result<Report> {
+        let start = Instant::now();
+        let mut parts: Vec<Part> = regions
+            .iter()
+            .map(|r| {
+                let moves = !r.is_resident();
+                Part {
+                    moves,
+                    contents: moves && r.policy == Policy::Preserve,
+                    ..Part::default()
+                }
+            })
+            .collect();
+        let backend = self.backend.as_ref();
+        let mut copies = PumpStats::default();
+        // With `resume_on`, pager access waits for this fence before touching the contents.
+        let mut fence: Option<Arc<dyn Fence>> = None;
+        let done = self
+            .map_and_restore(tags, regions, &mut parts, stream)
+            .map(|pumped| copies = pumped)
+            .and_then(|()| self.fill_or_verify(regions, &mut parts, stream.is_some()))
+            .and_then(|()| match stream {
+                Some(s) => backend
+                    .fence(s)
+                    .map(|f| fence = Some(Arc::from(f)))
+                    .map_err(|e| Error::backend_of(tags, "recording the restore's fence", e)),
+                None => Ok(()),
+            });
+        if let Err(e) = done {
+            undo_resume(backend, tags, regions, &parts);
+            return Err(e);
+        }
+        let give_back = !options.keep_host_backups
+            && regions
+                .iter()
+                .zip(&parts)
+                .any(|(r, p)| p.moves && r.medium == Medium::Host);
+        if give_back {
+            fence = settle(backend, tags, fence);
+        }
+        let out = regions
+            .iter_mut()
+            .zip(&parts)
+            .map(|(r, p)| {
+                if !p.moves {
+                    return already(&r.tag);
+                }
+                r.set_resident(fence.clone());
+                if give_back && fence.is_none() {
+                    r.give_back_host_backups();
+                }
+                let bytes = r.mapped_bytes();
+                done_report(r, p, bytes)
+            })
+            .collect();
+        Ok(report(
+            Move::Resume,
+            Duration::ZERO,
+            out,
+            start,
+            copies,
+            regions,
+        ))
+    }
+
+    /// Maps every moved region and restores the contents of the `Preserve` ones: the ones
+    /// without contents first (cheap, and an out-of-memory shows before any copy starts),
+    /// then the rest through one pump fed while they map, or on the caller's `stream`.
+    fn map_and_restore(
+        &self,
+        tags: &[&str],
+        regions: &mut Locked<'_>,
+        parts: &mut [Part],
+        stream: Option<RawStream>,
+    ) -> Result<PumpStats> {
+        let backend = self.backend.as_ref();
+        for (r, p) in regions.iter_mut().zip(parts.iter_mut()) {
+            if p.moves && !p.contents {
+                p.steps.map = r.map_all(backend, "resume")?;
+            }
+        }
+        if !parts.iter().any(|p| p.contents) {
+            return Ok(PumpStats::default());
+        }
+        let overlap = self.config.overlap_restore;
+        let Some(stream) = stream else {
+            let ((), pumped) = pump::scope(
+                backend,
+                self.pump_config(self.config.restore_route),
+                &self.traffic,
+                |p| restore_all(&mut *regions, parts, backend, &mut Sink::Pump(p), overlap),
+                |e| Error::backend_of(tags, "restoring contents from the backup", e),
+            )?;
+            // The wait at the end is copy time not hidden behind mapping: charged to the
+            // restored regions by their share of the bytes.
+            let bytes: Vec<usize> = parts.iter().map(|p| p.copied).collect();
+            charge(parts, &bytes, pumped.waited);
+            return Ok(pumped);
+        };
+        let sink = &mut Sink::Stream {
+            backend,
+            stream,
+            mover: self.config.stream_mover,
+        };
+        restore_all(regions, parts, backend, sink, overlap)?;
+        Ok(PumpStats::default())
+    }
+
+    /// Zero-fills what comes back zeroed (`DiscardZeroed`, or contents dropped at the
+    /// release) and, with `verify_restore` and no caller's stream, checks restored contents.
+    fn fill_or_verify(
+        &self,
+        regions: &mut Locked<'_>,
+        parts: &mut [Part],
+        on_stream: bool,
+    ) -> Result<()> {
+        let backend = self.backend.as_ref();
+        let verify = self.config.verify_restore && !on_stream;
+        for (r, p) in regions.iter_mut().zip(parts.iter_mut()) {
+            if !p.moves {
+                continue;
+            }
+            if r.zero_on_resume || r.policy == Policy::DiscardZeroed {
+                p.steps.fill = r.zero(backend)?;
+            } else if r.policy == Policy::Preserve && verify {
+                let t = Instant::now();
+                r.verify(backend, self.config.hash_chunk_bytes)?;
+                p.steps.hash = t.elapsed();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Maps and restores each region whose contents are restored, into `sink`.
+fn restore_all<'h>(
+    regions: &'h mut Locked<'_>,
+    parts: &mut [Part],
+    backend: &dyn Backend,
+    sink: &mut Sink<'_, '_, 'h>,
+    overlap: bool,
+) -> Result<()> {
+    for (r, p) in regions.iter_mut().zip(parts.iter_mut()) {
+        if p.contents {
+            let t = Instant::now();
+            (p.steps.map, p.copied) = r.map_and_restore(backend, sink, overlap)?;
+            p.steps.copy = t.elapsed().saturating_sub(p.steps.map);
+        }
+    }
+    Ok(())
+}
+
+/// Undoes a failed resume: lets every copy and fill finish first (a `resume_on`'s copies may
+/// still be in flight on the caller's stream into what the call mapped; if even that fails
+/// the context is broken and runs nothing more), then unmaps what the call mapped.
+fn undo_resume(backend: &dyn Backend, tags: &[&str], regions: &mut Locked<'_>, parts: &[Part]) {
+    if let Err(sync) = backend.synchronize() {
+        backend.deferred_errors().record(format!(
+            "synchronize after a failed resume of {tags:?} (the resume's own error was \
+             returned): {sync}"
+        ));
+    }
+    for (r, p) in regions.iter_mut().zip(parts) {
+        if p.moves {
+            r.unmap_all();
+        }
+    }
+}
+
+/// Waits for a restore still in flight on the caller's stream before the host backups are
+/// given back: `None` once it is over, the fence again when the wait failed (the backups are
+/// then kept).
+fn settle(
+    backend: &dyn Backend,
+    tags: &[&str],
+    fence: Option<Arc<dyn Fence>>,
+) -> Option<Arc<dyn Fence>> {
+    let f = fence?;
+    match f.wait() {
+        Ok(()) => None,
+        Err(e) => {
+            backend.deferred_errors().record(format!(
+                "waiting for the restore of {tags:?} before giving its host backups back \
+                 (they are kept): {e}"
+            ));
+            Some(f)
+        }
+    }
+}
+
+/// The release's last step for one region: unmaps it, drops its contents if asked, marks it
+/// released.
+fn unmap(r: &mut Region, p: &mut Part) -> RegionReport {
+    if !p.moves {
+        return already(&r.tag);
+    }
+    let (bytes, unmap) = r.unmap_all();
+    p.steps.unmap = unmap;
+    if p.dropped {
+        r.drop_contents();
+    }
+    r.set_released();
+    done_report(r, p, bytes)
+}
+
+/// Adds `time` to the copy step of each part by its share of `bytes`.
+fn charge(parts: &mut [Part], bytes: &[usize], time: Duration) {
+    let total: usize = bytes.iter().sum();
+    if total == 0 {
+        return;
+    }
+    for (p, &b) in parts.iter_mut().zip(bytes) {
+        p.steps.copy += time.mul_f64(b as f64 / total as f64);
+    }
+}
+
+/// The call's report, also remembered by each region.
+fn report(
+    op: Move,
+    sync: Duration,
+    regions_out: Vec<RegionReport>,
+    start: Instant,
+    copies: PumpStats,
+    regions: &mut Locked<'_>,
+) -> Report {
+    let report = Report {
+        op,
+        sync,
+        regions: regions_out,
+        total: start.elapsed(),
+        copies,
+    };
+    for r in regions.iter_mut() {
+        remember(&report, r);
+    }
+    report
+}
+
+/// The report of a region the call moved.
+fn done_report(r: &Region, p: &Part, bytes: usize) -> RegionReport {
+    RegionReport {
+        tag: r.tag.clone(),
+        outcome: Outcome::Done,
+        bytes,
+        copied: p.copied,
+        steps: p.steps,
+    }
+}
+
+/// The report of a region that was already where the call would move it.
+pub(super) fn already(tag: &str) -> RegionReport {
+    RegionReport {
+        tag: tag.to_owned(),
+        outcome: Outcome::AlreadyDone,
+        bytes: 0,
+        copied: 0,
+        steps: Steps::default(),
+    }
+}

@@ -43,7 +43,7 @@ pub mod kv;
 mod map_ahead;
 mod mapped;
 mod pager;
-pub mod pump;
+mod pump;
 mod ranges;
 mod region;
 pub mod registry;
@@ -55,14 +55,11 @@ pub use backup::file::BACKUP_DIR_ENV;
 pub use error::{Error, ErrorCode, Result};
 pub use map_ahead::ABSORBED_MAP_ERROR;
 pub use pager::{
-    Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, DEFAULT_COPY_GAP_BYTES,
-    DEFAULT_DISCARD_CHUNK_BYTES, DEFAULT_FILE_CHUNK_BYTES, Lease, MAX_TAG_BYTES, Pager,
-    PagerConfig, ReleaseOptions, ResumeOptions, Stats,
+    Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, Lease, MAX_TAG_BYTES, Pager, PagerConfig,
+    ReleaseOptions, ResumeOptions, Stats,
 };
-pub use pump::CopyRoute;
-pub use region::{
-    Medium, Policy, RegionInfo, RegionKind, RegionOptions, RegionStats, State, chunk_sizes,
-};
+pub use pump::{CopyRoute, PumpStats};
+pub use region::{Medium, Policy, RegionInfo, RegionKind, RegionOptions, RegionStats, State};
 pub use report::{Move, Outcome, RegionReport, Report, Steps};
 
 /// Every Rust code block of README.md, compiled and run as a doctest, so the README's

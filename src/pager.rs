@@ -27,7 +27,7 @@ pub const DEFAULT_CHUNK_BYTES: usize = 512 << 20;
 /// 2 GiB as torch_memory_saver maps a KV tensor. Such a region has no contents to copy while
 /// it maps, so nothing is gained from small chunks, and fewer handles mean fewer driver
 /// calls.
-pub const DEFAULT_DISCARD_CHUNK_BYTES: usize = 2 << 30;
+const DEFAULT_DISCARD_CHUNK_BYTES: usize = 2 << 30;
 
 /// The longest tag, in bytes: tags are names, and a bounded length bounds the cost of the
 /// "did you mean" of an unknown tag.
@@ -38,7 +38,7 @@ pub const DEFAULT_ALIGN: usize = 256;
 
 /// Default [`PagerConfig::copy_gap_bytes`]: 1 MiB, which crosses the link in about the
 /// time one copy call's fixed cost takes.
-pub const DEFAULT_COPY_GAP_BYTES: usize = 1 << 20;
+const DEFAULT_COPY_GAP_BYTES: usize = 1 << 20;
 
 /// Pager settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,7 +51,7 @@ pub struct PagerConfig {
     /// Physical chunk size of `Discard` and `DiscardZeroed` regions that are not elastic (a
     /// KV cache mapped whole, or a growing one holding torch's KV segments: the largest
     /// piece one buffer is mapped in), rounded as `chunk_bytes` (default
-    /// [`DEFAULT_DISCARD_CHUNK_BYTES`]). Their resume maps without copying anything, so it
+    /// `DEFAULT_DISCARD_CHUNK_BYTES`). Their resume maps without copying anything, so it
     /// is as fast as the driver maps the fewest handles; `usize::MAX` maps each such region
     /// (or buffer) as one handle. [`RegionOptions::chunk_bytes`] overrides it per region.
     /// Elastic regions (mapped and trimmed chunk by chunk) keep `chunk_bytes`.
@@ -70,7 +70,7 @@ pub struct PagerConfig {
     /// thread, and copy each group as soon as it is mapped (default on). Off: map the whole
     /// region with one call, then copy.
     pub overlap_restore: bool,
-    /// Which movers restore `Preserve` contents on resume ([`crate::pump`]; default
+    /// Which movers restore `Preserve` contents on resume (the copy pump (`src/pump.rs`); default
     /// [`CopyRoute::Fastest`]: each mover is timed on the first bytes and the faster takes
     /// the rest, so that a resume right after a trainer's free, when the copy engine runs
     /// below the link, is carried by the kernel, and a settled one by the copy engine).
@@ -78,13 +78,13 @@ pub struct PagerConfig {
     /// Which movers copy `Preserve` contents to the backup on release (default
     /// [`CopyRoute::Engine`]: it leaves the SMs to the application).
     pub save_route: CopyRoute,
-    /// Bytes per unit of a pumped copy (default [`pump::DEFAULT_UNIT_BYTES`]; rounded up to a
-    /// multiple of [`pump::MIN_UNIT_BYTES`]).
+    /// Bytes per unit of a pumped copy (default 256 MiB, about 5 ms over the link: smaller
+    /// units restore no faster and cost more fences; rounded up to a multiple of 4 KiB).
     pub copy_unit_bytes: usize,
-    /// Units' worth of bytes queued per mover at most (default [`pump::DEFAULT_DEPTH`];
-    /// copies shorter than a unit fill a slot together, see [`pump::PumpConfig::depth`]). A
+    /// Units' worth of bytes queued per mover at most (default 2: one copying, one ready
+    /// behind it; copies shorter than a unit fill a slot together). A
     /// call has at most twice this many units' worth in flight (five times while the copy
-    /// kernel carries a restore alone: [`pump::KERNEL_DEPTH_FACTOR`]), which is all that a
+    /// kernel carries a restore alone), which is all that a
     /// concurrent release of another tag waits for.
     pub copy_depth: usize,
     /// The mover [`Pager::resume_on`] enqueues its restore with on the caller's stream
@@ -95,7 +95,7 @@ pub struct PagerConfig {
     /// between buffers) is copied along with them: one copy over a small gap costs less
     /// than two copies. Those bytes are then restored too, which their undefined contents
     /// allow. 0 copies exactly the unmarked bytes of live buffers. Default
-    /// [`DEFAULT_COPY_GAP_BYTES`].
+    /// `DEFAULT_COPY_GAP_BYTES`.
     pub copy_gap_bytes: usize,
     /// On the first release of a `Preserve` region without a backup (no `prepin`), with
     /// `skip_unchanged` on: pin the backup and copy into it in one pass, then hash it, so
@@ -116,13 +116,13 @@ pub struct PagerConfig {
     /// Bytes per chunk of a file backup's transfers ([`crate::Medium::File`]): the pager
     /// pins a staging buffer of twice this size on the first file transfer, and one chunk
     /// crosses the link while the other is written to or read from the disk. Default
-    /// [`DEFAULT_FILE_CHUNK_BYTES`].
+    /// `DEFAULT_FILE_CHUNK_BYTES`.
     pub file_chunk_bytes: usize,
 }
 
 /// Default [`PagerConfig::file_chunk_bytes`]: 64 MiB, large enough for sequential disk
 /// I/O at full speed, small enough that the staging buffer is a small fraction of the host.
-pub const DEFAULT_FILE_CHUNK_BYTES: usize = 64 << 20;
+const DEFAULT_FILE_CHUNK_BYTES: usize = 64 << 20;
 
 /// What a release does beyond backing up and unmapping ([`Pager::release_with`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

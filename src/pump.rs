@@ -104,8 +104,8 @@ pub enum CopyRoute {
     /// The copy kernel only (zero-copy loads or stores of the pinned host memory).
     Kernel,
     /// Times each mover alone on the copy's first bytes (the copy engine, then the copy
-    /// kernel, [`PROBE_BYTES`] each, at most a unit), then gives every later unit to the
-    /// faster (the kernel only when it was more than [`KERNEL_MARGIN`] times as fast).
+    /// kernel, 64 MiB each, at most a unit), then gives every later unit to the
+    /// faster (the kernel only when it was more than 1.25 times as fast).
     /// Right after a trainer's free the copy engine runs host→device below the link for
     /// about a second while the kernel keeps its pace; settled the copy engine is the
     /// faster. While another pump of the link has units in flight the other way, only the
@@ -321,13 +321,9 @@ impl<'h> Pinned<'h> {
     }
 
     /// Bytes.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.len
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// The bytes `range` of these; `None` unless the range lies inside them.
@@ -369,13 +365,9 @@ impl<'h> PinnedMut<'h> {
     }
 
     /// Bytes.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.len
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// The bytes before `mid` and those from `mid` on; `None` if `mid` is past the end.
@@ -394,6 +386,7 @@ impl<'h> PinnedMut<'h> {
 
     /// The bytes `range` of these (the rest is given up); `None` unless the range lies
     /// inside them.
+    #[cfg(test)]
     pub fn get(self, range: Range<usize>) -> Option<Self> {
         if range.start > range.end || range.end > self.len {
             return None;
@@ -607,16 +600,6 @@ impl<'h> Pump<'_, 'h> {
     pub fn poll(&mut self) -> BackendResult<()> {
         self.feed(false);
         self.take_failure()
-    }
-
-    /// The figures so far (bytes and units of the units seen finished).
-    pub fn stats(&self) -> PumpStats {
-        self.stats
-    }
-
-    /// The settings in use ([`PumpConfig::normalized`]).
-    pub fn config(&self) -> PumpConfig {
-        self.config
     }
 
     /// Cuts a copy into units (none crossing the end of a registration of the host buffer),

@@ -276,16 +276,6 @@ impl Drop for Region {
     }
 }
 
-/// Splits `size` into chunks of `chunk` bytes, the last one shorter: how a region of
-/// `size` bytes is mapped (benchmarks use it to time the same pattern with bare VMM calls).
-pub fn chunk_sizes(size: usize, chunk: usize) -> Vec<usize> {
-    let mut out = vec![chunk; size / chunk];
-    if size % chunk != 0 {
-        out.push(size % chunk);
-    }
-    out
-}
-
 /// How a region is created.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Shape {

@@ -85,7 +85,7 @@ pub struct Report {
     pub regions: Vec<RegionReport>,
     /// Wall time of the whole call.
     pub total: Duration,
-    /// What the call's copy pump moved, per mover ([`crate::pump`]; all zero when nothing
+    /// What the call's copy pump moved, per mover (the copy pump (`src/pump.rs`); all zero when nothing
     /// was copied, and for [`crate::Pager::resume_on`], which enqueues on the caller's
     /// stream instead).
     pub copies: PumpStats,

@@ -10,7 +10,7 @@
 //! The context, streams, module loading and kernel launches use cudarc's safe layer. The
 //! backend keeps five non-blocking streams: the copy engine's host→device and device→host
 //! copies, the copy kernel's host→device and device→host copies (so that both movers of
-//! the copy pump, in both directions, run side by side: see [`crate::pump`]), and the other
+//! the copy pump, in both directions, run side by side: see the copy pump (`src/pump.rs`)), and the other
 //! kernels (fill, chunk hash, KV).
 //!
 //! **The caller's context is left alone.** Every entry point, and every `Drop` that calls

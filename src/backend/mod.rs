@@ -267,7 +267,7 @@ pub trait HostBuffer: Send + Sync + fmt::Debug {
     /// The buffer is registered with the driver in pieces of this many bytes from its start
     /// (the last one shorter); 0 (the default): as one. A copy between the device and the
     /// buffer must stay inside one piece (the driver does not document a copy across two
-    /// registrations as valid): [`crate::pump`] cuts its copies at these boundaries.
+    /// registrations as valid): the copy pump (`src/pump.rs`) cuts its copies at these boundaries.
     /// Multi-piece buffers come from [`Backend::alloc_pinned_from_device`].
     fn piece_bytes(&self) -> usize {
         0
@@ -359,7 +359,7 @@ pub struct DeviceRange {
 }
 
 /// One contiguous copy between pinned host memory and device memory, as raw addresses
-/// (what [`Backend::copy_unit`] and [`Backend::copy_on`] move; [`crate::pump::Pump`] cuts
+/// (what [`Backend::copy_unit`] and [`Backend::copy_on`] move; the copy pump cuts
 /// borrowed host memory into these).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RawCopy {
@@ -530,7 +530,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// it, and returns the fence without waiting. A failed call leaves nothing of itself in
     /// flight. The host backend copies at once and returns a passed fence.
     ///
-    /// Use [`crate::pump`], which keeps the host memory borrowed until the copy has
+    /// Use the copy pump (`src/pump.rs`), which keeps the host memory borrowed until the copy has
     /// finished; this is its primitive.
     ///
     /// # Safety

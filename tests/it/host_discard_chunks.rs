@@ -7,9 +7,7 @@ use std::sync::Arc;
 
 use gpu_pager::backend::faulty::{FaultPlan, FaultyBackend};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
-use gpu_pager::{
-    DEFAULT_CHUNK_BYTES, DEFAULT_DISCARD_CHUNK_BYTES, Pager, PagerConfig, Policy, RegionOptions,
-};
+use gpu_pager::{DEFAULT_CHUNK_BYTES, Pager, PagerConfig, Policy, RegionOptions};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -48,9 +46,9 @@ fn handles_released(pager: &Pager, faulty: &FaultyBackend, tag: &str) -> u64 {
 #[test]
 fn defaults_are_powers_of_two_and_discard_is_the_larger() {
     let c = PagerConfig::default();
-    assert_eq!(c.discard_chunk_bytes, DEFAULT_DISCARD_CHUNK_BYTES);
-    const { assert!(DEFAULT_DISCARD_CHUNK_BYTES.is_power_of_two()) };
-    const { assert!(DEFAULT_DISCARD_CHUNK_BYTES >= DEFAULT_CHUNK_BYTES) };
+    assert_eq!(c.chunk_bytes, DEFAULT_CHUNK_BYTES);
+    assert!(c.chunk_bytes.is_power_of_two() && c.discard_chunk_bytes.is_power_of_two());
+    assert!(c.discard_chunk_bytes >= c.chunk_bytes);
 }
 
 #[test]

@@ -319,7 +319,7 @@ fn a_mark_set_while_released_takes_effect_at_the_next_release() {
 
 #[test]
 fn small_marked_gaps_are_copied_along_by_default() {
-    let (_backend, pager) = setup(gpu_pager::DEFAULT_COPY_GAP_BYTES, 64 * KIB);
+    let (_backend, pager) = setup(gpu_pager::PagerConfig::default().copy_gap_bytes, 64 * KIB);
     let mut rng = Rng::seeded("small_gaps");
     pager.region("weights", 16 * MIB, Policy::Preserve).unwrap();
     let bufs = buffers(&pager, &mut rng, "weights", 3, 2 * MIB);

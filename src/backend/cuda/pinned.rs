@@ -46,7 +46,7 @@
 //! [`CudaPinned::registrations`]. [`CudaBackend::pin_from_device`] (a region's first backup,
 //! through [`crate::backend::Backend::alloc_pinned_from_device`]) registers in pieces so that
 //! touching, registering and copying overlap; such a buffer reports its piece size in
-//! [`HostBuffer::piece_bytes`], and [`crate::pump`] cuts every later copy at those ends.
+//! [`HostBuffer::piece_bytes`], and the copy pump (`src/pump.rs`) cuts every later copy at those ends.
 
 use std::ffi::c_void;
 use std::fmt;

@@ -428,9 +428,9 @@ impl Error {
 
     /// A [`Error::Backend`] for a step that served every region of `tags` (none: a step
     /// that concerned no region).
-    pub fn backend_of<S: AsRef<str>>(tags: &[S], op: &'static str, error: BackendError) -> Self {
+    pub fn backend_of(tags: &[&str], op: &'static str, error: BackendError) -> Self {
         Error::Backend {
-            tags: tags.iter().map(|t| t.as_ref().to_owned()).collect(),
+            tags: tags.iter().map(|&t| t.to_owned()).collect(),
             op,
             error,
         }

@@ -136,7 +136,7 @@ impl RegionOptions {
     pub const ELASTIC: RegionOptions = RegionOptions::of(RegionKind::Elastic);
 
     /// The defaults, for a region of `kind`.
-    pub const fn of(kind: RegionKind) -> RegionOptions {
+    const fn of(kind: RegionKind) -> RegionOptions {
         RegionOptions {
             prepin: false,
             kind,

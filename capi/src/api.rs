@@ -104,7 +104,7 @@ pub unsafe extern "C" fn gpu_pager_device(
         let info = backend.info();
         let mem = backend
             .mem_info()
-            .map_err(|e| Error::backend_of(&[] as &[&str], "querying device memory", e))?;
+            .map_err(|e| Error::backend_of(&[], "querying device memory", e))?;
         let value = gpu_pager_device_info {
             kind: gpu_pager_device_info::kind_of(info.kind),
             granularity: info.granularity as u64,
@@ -177,33 +177,33 @@ pub unsafe extern "C" fn gpu_pager_region_medium(
     call("gpu_pager_region", || {
         // SAFETY: `tag` is NULL or NUL-terminated and alive for this call (the contract).
         let tag = unsafe { boundary::tag(tag, "tag") }?;
-        let policy = gpu_pager_policy::from_number(policy).ok_or_else(|| {
-            invalid(
-                tag,
-                format!(
-                    "policy {policy} is not a gpu_pager_policy; pass GPU_PAGER_PRESERVE, \
-                     GPU_PAGER_DISCARD or GPU_PAGER_DISCARD_ZEROED"
-                ),
-            )
-        })?;
-        let medium = gpu_pager_medium::from_number(medium).ok_or_else(|| {
-            invalid(
-                tag,
-                format!(
-                    "medium {medium} is not a gpu_pager_medium; pass GPU_PAGER_MEDIUM_PINNED, \
-                     GPU_PAGER_MEDIUM_HOST or GPU_PAGER_MEDIUM_FILE"
-                ),
-            )
-        })?;
-        let kind = gpu_pager_region_kind::from_number(kind).ok_or_else(|| {
-            invalid(
-                tag,
-                format!(
-                    "kind {kind} is not a gpu_pager_region_kind; pass GPU_PAGER_FIXED or \
-                     GPU_PAGER_GROWING"
-                ),
-            )
-        })?;
+        let policy = enum_arg(
+            tag,
+            ("policy", policy),
+            gpu_pager_policy::from_number(policy),
+            (
+                "gpu_pager_policy",
+                "GPU_PAGER_PRESERVE, GPU_PAGER_DISCARD or GPU_PAGER_DISCARD_ZEROED",
+            ),
+        )?;
+        let medium = enum_arg(
+            tag,
+            ("medium", medium),
+            gpu_pager_medium::from_number(medium),
+            (
+                "gpu_pager_medium",
+                "GPU_PAGER_MEDIUM_PINNED, GPU_PAGER_MEDIUM_HOST or GPU_PAGER_MEDIUM_FILE",
+            ),
+        )?;
+        let kind = enum_arg(
+            tag,
+            ("kind", kind),
+            gpu_pager_region_kind::from_number(kind),
+            (
+                "gpu_pager_region_kind",
+                "GPU_PAGER_FIXED or GPU_PAGER_GROWING",
+            ),
+        )?;
         let options = RegionOptions {
             prepin,
             medium,
@@ -214,6 +214,15 @@ pub unsafe extern "C" fn gpu_pager_region_medium(
         // SAFETY: `base_out` is NULL or valid for a write (the contract).
         unsafe { write_out(base_out, info.base) };
         Ok(())
+    })
+}
+
+/// A C enum argument `(name, number)` as its Rust `value`, or an `InvalidArgument` that
+/// names the C enum `(ctype, its values)` to pass instead.
+fn enum_arg<T>(tag: &str, arg: (&str, u32), value: Option<T>, c: (&str, &str)) -> Result<T> {
+    value.ok_or_else(|| {
+        let ((name, n), (ctype, values)) = (arg, c);
+        invalid(tag, format!("{name} {n} is not a {ctype}; pass {values}"))
     })
 }
 

@@ -699,21 +699,16 @@ pub(crate) fn kv_invalid(op: &KvOp<'_>, e: KvError) -> BackendError {
 /// and the second value says why. Errors: a CUDA failure other than the absence of a
 /// device, a device other than 0 without a GPU, a malformed [`host::CAPACITY_ENV`].
 pub fn auto(ordinal: usize) -> crate::Result<(Arc<dyn Backend>, Option<String>)> {
-    let no_tags: &[&str] = &[];
     let why = match cuda::CudaBackend::new(ordinal) {
         Ok(b) => return Ok((Arc::new(b), None)),
         Err(BackendError::Unavailable(why)) => why,
         Err(e) => {
-            return Err(crate::Error::backend_of(
-                no_tags,
-                "opening the CUDA device",
-                e,
-            ));
+            return Err(crate::Error::backend_of(&[], "opening the CUDA device", e));
         }
     };
     if ordinal != 0 {
         return Err(crate::Error::backend_of(
-            no_tags,
+            &[],
             "opening the CUDA device",
             BackendError::Unavailable(format!(
                 "device {ordinal}: {why}; without a GPU only device 0 exists (on the host \

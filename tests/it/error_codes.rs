@@ -41,7 +41,7 @@ fn errors_name_their_regions_or_none() {
     assert_eq!(e.tags(), ["kv_cache", "weights"]);
     assert_eq!(e.tag(), Some("kv_cache"));
     assert!(e.to_string().contains("on `kv_cache`, `weights`"), "{e}");
-    let e = Error::backend_of(&[] as &[&str], "opening the device", io());
+    let e = Error::backend_of(&[], "opening the device", io());
     assert_eq!(
         e.to_string(),
         "opening the device failed: injected fault in copy"

@@ -291,7 +291,7 @@ pub struct Pager {
     /// `regions` is write-locked (lock order: `regions`, then `by_base`, then a region).
     by_base: RwLock<BTreeMap<u64, Slot>>,
     /// The copies in flight on this device's link, per direction, over every call's pump
-    /// (an adaptive or fastest restore stays off the copy kernel while a release copies out).
+    /// (a fastest restore stays off the copy kernel while a release copies out).
     traffic: pump::Traffic,
 }
 
@@ -559,18 +559,19 @@ impl Pager {
         sorted.into_iter().map(|t| self.slot(t)).collect()
     }
 
-    /// Creates a region of `bytes` (rounded up to the granularity), resident, at a device
-    /// address that stays the same until the pager is dropped or the region removed. Asking
-    /// again for an existing tag with the same size and policy returns the existing region.
+    /// Creates a fixed region of `bytes` (rounded up to the granularity), resident, at a
+    /// device address that stays the same until the pager is dropped or the region removed.
+    /// Asking again for an existing tag with the same kind, size and policy returns the
+    /// existing region.
     ///
-    /// `bytes == 0` creates a **growing** region, for engines that do not know their sizes
-    /// before loading (allocations through PyTorch): it reserves four times the device's
-    /// memory of address space and maps physical memory only under live buffers. Each
-    /// [`Pager::alloc`] maps its buffer (rounded up to the granularity, in pieces of at most
-    /// the chunk size; all or nothing, `OutOfMemory` maps nothing), each [`Pager::free`]
-    /// unmaps it after waiting for the device, a release backs up (`Preserve`) and unmaps
-    /// exactly the buffers, and a resume maps and restores exactly them at the same
-    /// addresses. Any policy may grow; the backup grows with the buffers.
+    /// A **growing** region ([`RegionOptions::GROWING`] with [`Pager::region_with`]) is for
+    /// engines that do not know their sizes before loading (allocations through PyTorch): it
+    /// reserves address space (`bytes`, or four times the device's memory for 0) and maps
+    /// physical memory only under live buffers. Each [`Pager::alloc`] maps its buffer
+    /// (rounded up to the granularity, in pieces of at most the chunk size; all or nothing,
+    /// `OutOfMemory` maps nothing), each [`Pager::free`] unmaps it after waiting for the
+    /// device, a release backs up (`Preserve`) and unmaps exactly the buffers, and a resume
+    /// maps and restores exactly them at the same addresses. Any policy may grow.
     pub fn region(&self, tag: &str, bytes: usize, policy: Policy) -> Result<RegionInfo> {
         self.region_with(tag, bytes, policy, RegionOptions::default())
     }

@@ -232,97 +232,42 @@ mod tests {
         vec![range]
     }
 
-    #[cfg(feature = "testing")]
-    mod ahead {
-        use super::super::*;
-        use super::MIB;
-        use crate::backend::faulty::{FaultPlan, FaultPoint, FaultyBackend};
+    /// Maps the groups of 16 MiB (1, 2, 4 and 1 pieces of 2 MiB) ahead on a helper thread
+    /// and hands each on in order. (A map call of the helper's that fails after the resume
+    /// failed is tested through the pager, in the integration tests.)
+    #[test]
+    fn groups_made_ahead_are_handed_on_in_order_and_all_mapped() {
         use crate::backend::host::{HostBackend, HostConfig};
-
-        fn setup() -> (
-            Arc<HostBackend>,
-            FaultyBackend,
-            Arc<dyn Reservation>,
-            Vec<Group>,
-        ) {
-            let host = Arc::new(HostBackend::new(HostConfig {
-                capacity: 64 * MIB,
-                granularity: 2 * MIB,
-            }));
-            let faulty = FaultyBackend::new(host.clone(), FaultPlan::none());
-            let reservation = faulty.reserve(16 * MIB).unwrap();
-            // Groups of 1, 2, 4 and 1 pieces of 2 MiB.
-            let groups = plan(&super::one(0..16 * MIB), 2 * MIB, true, |_| true);
-            assert_eq!(groups.len(), 4);
-            (host, faulty, reservation, groups)
-        }
-
-        /// Maps `groups` ahead, handing each group to `each` with the mappings kept in
-        /// `kept`.
-        fn ahead(
-            faulty: &FaultyBackend,
-            reservation: &Arc<dyn Reservation>,
-            groups: &[Group],
-            kept: &mut Vec<(usize, Vec<Box<dyn Mapping>>)>,
-            each: impl FnMut(
-                &mut Vec<(usize, Vec<Box<dyn Mapping>>)>,
-                &Group,
-                Maps,
-            ) -> Result<(), BackendError>,
-        ) -> Result<Duration, BackendError> {
-            // SAFETY: the reservation is the backend's, fresh, and the planned groups are
-            // disjoint and inside it.
-            unsafe { map_in_order(faulty, reservation, groups, true, kept, |_| Ok(()), each) }
-        }
-
-        #[test]
-        fn groups_are_handed_on_in_order_and_all_mapped() {
-            let (host, faulty, reservation, groups) = setup();
-            let mut got = Vec::new();
-            let r = ahead(&faulty, &reservation, &groups, &mut got, |got, g, maps| {
-                got.push((g.offset, maps?));
-                Ok(())
-            });
-            assert!(r.is_ok());
-            let offsets: Vec<usize> = got.iter().map(|(o, _)| *o).collect();
-            assert_eq!(offsets, [0, 2 * MIB, 6 * MIB, 14 * MIB]);
-            assert_eq!(host.used_bytes(), 16 * MIB);
-            drop(got);
-            assert_eq!(host.used_bytes(), 0);
-        }
-
-        #[test]
-        fn a_failure_keeps_only_what_was_handed_on_and_records_a_late_map_error() {
-            for pass in [1, 2] {
-                let (host, faulty, reservation, groups) = setup();
-                // A map call the helper makes after the first group fails.
-                faulty.fail_after(FaultPoint::Map, pass);
-                let mut kept = Vec::new();
-                let r = ahead(
-                    &faulty,
-                    &reservation,
-                    &groups,
-                    &mut kept,
-                    |kept, g, maps| {
-                        kept.push((g.offset, maps?));
-                        Err(BackendError::Injected { op: "copy" })
-                    },
-                );
-                assert!(matches!(r, Err(BackendError::Injected { op: "copy" })));
-                assert_eq!(host.used_bytes(), 2 * MIB, "only the first group is mapped");
-                let absorbed = faulty
-                    .deferred_errors()
-                    .take()
-                    .iter()
-                    .filter(|e| e.starts_with(ABSORBED_MAP_ERROR))
-                    .count() as u64;
-                // The helper may or may not have made the failing call before it stopped;
-                // if it did, the error is recorded, not lost.
-                assert_eq!(absorbed, faulty.injected().map, "pass {pass}");
-                drop(kept);
-                assert_eq!(host.used_bytes(), 0);
-            }
-        }
+        let host = HostBackend::new(HostConfig {
+            capacity: 64 * MIB,
+            granularity: 2 * MIB,
+        });
+        let reservation = host.reserve(16 * MIB).unwrap();
+        let groups = plan(&one(0..16 * MIB), 2 * MIB, true, |_| true);
+        assert_eq!(groups.len(), 4);
+        let mut got: Vec<(usize, Vec<Box<dyn Mapping>>)> = Vec::new();
+        // SAFETY: the reservation is the backend's, fresh, and the planned groups are
+        // disjoint and inside it.
+        let r = unsafe {
+            map_in_order(
+                &host,
+                &reservation,
+                &groups,
+                true,
+                &mut got,
+                |_| Ok::<_, BackendError>(()),
+                |got, g, maps| {
+                    got.push((g.offset, maps?));
+                    Ok(())
+                },
+            )
+        };
+        assert!(r.is_ok());
+        let offsets: Vec<usize> = got.iter().map(|(o, _)| *o).collect();
+        assert_eq!(offsets, [0, 2 * MIB, 6 * MIB, 14 * MIB]);
+        assert_eq!(host.used_bytes(), 16 * MIB);
+        drop(got);
+        assert_eq!(host.used_bytes(), 0);
     }
 
     #[test]

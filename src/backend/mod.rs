@@ -2,9 +2,9 @@
 //!
 //! [`cuda::CudaBackend`] drives CUDA virtual memory management (VMM) through the driver API;
 //! [`host::HostBackend`] provides the same primitives on host memory (memfd + mmap) so that
-//! every pager path, out-of-memory included, runs without a GPU. With the `testing` feature,
-//! `faulty::FaultyBackend` wraps either and injects failures, to test the pager's error
-//! paths.
+//! every pager path, out-of-memory included, runs without a GPU. (The workspace's
+//! `gpu-pager-faults` crate wraps either and injects failures, to test the pager's error
+//! paths.)
 //!
 //! The handles are RAII: a [`Mapping`] unmaps and then releases its physical memory when
 //! dropped; a [`Reservation`] frees its address range when dropped. A mapping holds the
@@ -20,8 +20,6 @@
 //! the caller promises the range lies inside mapped memory of this backend.
 
 pub mod cuda;
-#[cfg(feature = "testing")]
-pub mod faulty;
 pub mod host;
 
 use std::collections::VecDeque;
@@ -435,7 +433,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn synchronize(&self) -> BackendResult<()>;
 
     /// Allocates `bytes` of pinned host memory, reading as zeros. On CUDA: anonymous memory
-    /// touched on every core, then registered (see [`cuda::PinOptions`]).
+    /// touched on every core, then registered (see [`cuda::CudaBackend::pin`]).
     fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>>;
 
     /// Allocates one pinned buffer per entry of `sizes` (each as [`Backend::alloc_pinned`]

@@ -11,9 +11,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use gpu_pager::backend::Backend;
-use gpu_pager::backend::faulty::{FaultPlan, FaultPoint, FaultyBackend};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Buffer, CopyRoute, Pager, PagerConfig, Policy};
+use gpu_pager_faults::{FaultPlan, FaultPoint, FaultyBackend};
 use proptest::prelude::*;
 
 const KIB: usize = 1 << 10;

@@ -8,10 +8,10 @@ use crate::common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use gpu_pager::backend::faulty::{FaultPlan, FaultyBackend};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::backend::{Backend, RawStream};
 use gpu_pager::{Buffer, Pager, PagerConfig, Policy};
+use gpu_pager_faults::{FaultPlan, FaultyBackend};
 
 const KIB: usize = 1 << 10;
 const STEPS: usize = 1500;

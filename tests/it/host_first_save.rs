@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Rng, assert_intact, entry, read};
-use gpu_pager::backend::faulty::{FaultPlan, FaultPoint, FaultyBackend};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::backend::{Backend, BackendError};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, State};
+use gpu_pager_faults::{FaultPlan, FaultPoint, FaultyBackend};
 
 const MIB: usize = 1 << 20;
 const KIB: usize = 1 << 10;

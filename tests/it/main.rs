@@ -21,6 +21,7 @@ mod host_elastic;
 mod host_errors;
 mod host_fault_model;
 mod host_fault_threads;
+mod host_faulty;
 mod host_first_save;
 mod host_first_save_growing;
 mod host_fork;

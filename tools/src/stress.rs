@@ -43,11 +43,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpu_pager::backend::faulty::{FaultCounts, FaultPlan, FaultyBackend};
 use gpu_pager::backend::{Backend, BackendKind};
 use gpu_pager::kernels::MAX_HASH_CHUNKS;
 use gpu_pager::kv::{KvCache, KvCacheConfig};
 use gpu_pager::{Error, Pager, PagerConfig, Policy, RegionOptions, Result, State};
+use gpu_pager_faults::{FaultCounts, FaultPlan, FaultyBackend};
 use shared::{Shared, TAGS};
 use worker::{Owned, Worker};
 

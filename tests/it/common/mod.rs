@@ -176,7 +176,7 @@ pub fn small_chunks() -> gpu_pager::PagerConfig {
 }
 
 /// A host backend of `capacity` bytes in granules of `granularity`, behind a
-/// [`gpu_pager::backend::faulty::FaultyBackend`] that plans no fault (to arm faults or count
+/// [`gpu_pager_faults::FaultyBackend`] that plans no fault (to arm faults or count
 /// calls), and a pager on it with `config`.
 pub fn faulty_host_pager(
     capacity: usize,
@@ -184,11 +184,11 @@ pub fn faulty_host_pager(
     config: gpu_pager::PagerConfig,
 ) -> (
     std::sync::Arc<gpu_pager::backend::host::HostBackend>,
-    std::sync::Arc<gpu_pager::backend::faulty::FaultyBackend>,
+    std::sync::Arc<gpu_pager_faults::FaultyBackend>,
     gpu_pager::Pager,
 ) {
-    use gpu_pager::backend::faulty::{FaultPlan, FaultyBackend};
     use gpu_pager::backend::host::{HostBackend, HostConfig};
+    use gpu_pager_faults::{FaultPlan, FaultyBackend};
     use std::sync::Arc;
     let host = Arc::new(HostBackend::new(HostConfig {
         capacity,

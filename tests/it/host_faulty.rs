@@ -1,0 +1,343 @@
+//! The fault-injecting backend (`gpu_pager_faults`) itself, and the pager's error paths
+//! it opens: armed and planned faults, unmap failures recorded in a drop, copy, pin and map
+//! faults in a release or resume (nothing lost, a retry succeeds).
+
+use std::sync::Arc;
+
+use gpu_pager::backend::host::{HostBackend, HostConfig};
+use gpu_pager::backend::{Backend, BackendError, Direction, Mover, RawCopy};
+use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, State};
+use gpu_pager_faults::{FaultPlan, FaultPoint, FaultyBackend};
+
+use crate::common::Rng;
+
+const MIB: usize = 1 << 20;
+
+/// A pager over a faulty host backend: 1 MiB chunks, 256 KiB hash chunks.
+fn setup(skip_unchanged: bool) -> (Arc<HostBackend>, Arc<FaultyBackend>, Pager) {
+    let host = Arc::new(HostBackend::new(HostConfig {
+        capacity: 64 * MIB,
+        granularity: 64 << 10,
+    }));
+    let faulty = Arc::new(FaultyBackend::new(host.clone(), FaultPlan::none()));
+    let pager = Pager::with_config(
+        faulty.clone(),
+        PagerConfig {
+            chunk_bytes: MIB,
+            discard_chunk_bytes: MIB,
+            hash_chunk_bytes: 256 << 10,
+            skip_unchanged,
+            ..PagerConfig::default()
+        },
+    );
+    (host, faulty, pager)
+}
+
+fn bytes(seed: u64, len: usize) -> Vec<u8> {
+    Rng::seeded_from(seed).bytes(len)
+}
+
+fn read_all(pager: &Pager, b: &Buffer) -> Vec<u8> {
+    let mut out = vec![0u8; b.len()];
+    pager.read(b, 0, &mut out).expect("read");
+    out
+}
+
+fn injected(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Backend {
+            error: BackendError::Injected { .. },
+            ..
+        }
+    )
+}
+
+/// `weights`: Preserve, 4 MiB (4 chunks), 3 MiB of data in one buffer; `kv`: Discard,
+/// 2 MiB.
+fn weights(pager: &Pager, seed: u64) -> (Buffer, Vec<u8>) {
+    pager.region("weights", 4 * MIB, Policy::Preserve).unwrap();
+    pager.region("kv", 2 * MIB, Policy::Discard).unwrap();
+    let w = pager.alloc("weights", 3 * MIB).unwrap();
+    let data = bytes(seed, w.len());
+    pager.write(&w, 0, &data).unwrap();
+    (w, data)
+}
+
+fn state(pager: &Pager, tag: &str) -> State {
+    pager.info(tag).unwrap().state
+}
+
+#[test]
+fn the_plan_is_deterministic_and_respects_its_rates() {
+    let plan = FaultPlan {
+        seed: 7,
+        copy_per_mille: 100,
+        map_per_mille: 0,
+        pin_per_mille: 1000,
+    };
+    let seq = |p: FaultPlan| (0..2000).map(move |n| p.fails(FaultPoint::CopyToHost, n));
+    assert!(seq(plan).eq(seq(plan)));
+    let hits = seq(plan).filter(|&f| f).count();
+    assert!((120..=280).contains(&hits), "{hits} of 2000 at 10%");
+    assert!((0..2000).all(|n| !plan.fails(FaultPoint::Map, n)));
+    assert!((0..2000).all(|n| plan.fails(FaultPoint::AllocPinned, n)));
+    let other = FaultPlan { seed: 8, ..plan };
+    assert!(!seq(plan).eq(seq(other)), "the seed matters");
+}
+
+#[test]
+fn armed_faults_fire_once_map_nothing_and_count() {
+    let (host, faulty, _pager) = setup(true);
+    let r = faulty.reserve(2 * MIB).unwrap();
+    faulty.fail_after(FaultPoint::Map, 1);
+    // SAFETY: each span lies in the fresh reservation and is mapped at most once.
+    let first = unsafe { faulty.map(&r, 0, &[MIB]) }.unwrap();
+    // SAFETY: as above.
+    let err = unsafe { faulty.map(&r, MIB, &[MIB]) }.unwrap_err();
+    assert!(matches!(err, BackendError::Injected { op: "map" }));
+    assert_eq!(host.used_bytes(), MIB, "a failed map maps nothing");
+    // SAFETY: as above; the failed call mapped nothing.
+    let again = unsafe { faulty.map(&r, MIB, &[MIB]) }.unwrap();
+    assert_eq!(host.used_bytes(), 2 * MIB);
+    drop((first, again));
+    assert_eq!(faulty.injected().map, 1);
+    assert_eq!(faulty.injected().total(), 1);
+
+    // The plan: off means no faults and no progress through it.
+    let always = FaultyBackend::new(
+        host.clone(),
+        FaultPlan {
+            copy_per_mille: 1000,
+            ..FaultPlan::none()
+        },
+    );
+    let unit = RawCopy {
+        direction: Direction::ToHost,
+        host: 0,
+        host_device: 0,
+        device: 0,
+        bytes: 1,
+    };
+    // SAFETY: the injected fault returns before any address is touched.
+    let e = unsafe { always.copy_unit(&unit, Mover::CopyKernel) }.unwrap_err();
+    assert!(matches!(e, BackendError::Injected { op: "copy_unit" }));
+    always.set_enabled(false);
+    assert_eq!(always.injected().copy_to_host, 1);
+}
+
+#[test]
+fn unmap_failures_in_drop_are_kept_as_values_not_returned() {
+    let (host, faulty, pager) = setup(true);
+    pager.region("kv", 2 * MIB, Policy::Discard).unwrap();
+    assert_eq!(host.used_bytes(), 2 * MIB);
+    faulty.fail_next_unmap();
+    faulty.fail_next_unmap();
+    // The release itself succeeds: both chunks are unmapped, the failures are deferred.
+    pager.release(&["kv"]).unwrap();
+    assert_eq!(host.used_bytes(), 0);
+    assert_eq!(faulty.injected_unmaps(), 2);
+    let stats = pager.stats();
+    assert_eq!(stats.deferred_errors.len(), 2);
+    assert_eq!(stats.deferred_errors_total, 2);
+    assert!(
+        stats.deferred_errors[0].contains("injected fault in unmap"),
+        "{:?}",
+        stats.deferred_errors
+    );
+    // The next call is not failed by them; they stay until taken.
+    pager.resume(&["kv"]).unwrap();
+    assert_eq!(pager.stats().deferred_errors.len(), 2);
+    let taken = pager.take_deferred_errors();
+    assert_eq!(taken, stats.deferred_errors);
+    assert!(pager.take_deferred_errors().is_empty());
+    let stats = pager.stats();
+    assert!(stats.deferred_errors.is_empty());
+    assert_eq!(stats.deferred_errors_total, 2);
+    // Dropping the pager drops the region's mappings: nothing armed, nothing recorded.
+    drop(pager);
+    assert_eq!(faulty.deferred_errors().total(), 2);
+    assert_eq!(host.used_bytes(), 0);
+}
+
+#[test]
+fn a_kv_cache_dropped_under_a_lease_records_why_it_kept_its_region() {
+    use gpu_pager::kv::{KvCache, KvCacheConfig, KvDtype, KvLayout, KvOrder};
+    let (_host, _faulty, pager) = setup(true);
+    let pager = Arc::new(pager);
+    let layout = KvLayout::new(1, 1, 64, 16, KvDtype::Bf16, KvOrder::Nhd).unwrap();
+    let config = KvCacheConfig { chunk_bytes: MIB };
+    let kv = KvCache::new(pager.clone(), "kv_cache", layout, 64, config).unwrap();
+    let lease = pager.lease(&["kv_cache"]).unwrap();
+    drop(kv);
+    let errors = pager.take_deferred_errors();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].contains("dropping the KV cache `kv_cache`"),
+        "{errors:?}"
+    );
+    assert!(pager.tags().contains(&"kv_cache".to_owned()));
+    drop(lease);
+    pager.remove("kv_cache").unwrap();
+    assert!(pager.take_deferred_errors().is_empty());
+}
+
+#[test]
+fn release_copy_fault_leaves_the_region_resident_and_intact() {
+    // The save copies two runs of changed hash chunks (or everything): fail the first
+    // copy, then the second (after the first run already landed in the backup).
+    for (skip_unchanged, pass) in [(true, 0), (true, 1), (false, 0)] {
+        let (host, faulty, pager) = setup(skip_unchanged);
+        let (w, data) = weights(&pager, 1);
+        // A first cycle, so that the backup and its hashes exist; then change the
+        // first and the last hash chunk of the buffer.
+        pager.release(&["weights"]).unwrap();
+        pager.resume(&["weights"]).unwrap();
+        let mut data2 = data.clone();
+        data2[..100].fill(0xA5);
+        data2[3 * MIB - 100..].fill(0x5A);
+        pager.write(&w, 0, &data2).unwrap();
+        let used = host.used_bytes();
+
+        faulty.fail_after(FaultPoint::CopyToHost, pass);
+        let err = pager.release(&["kv", "weights"]).unwrap_err();
+        assert!(injected(&err), "{err}");
+        assert_eq!(state(&pager, "weights"), State::Resident);
+        assert_eq!(state(&pager, "kv"), State::Resident);
+        assert_eq!(host.used_bytes(), used, "nothing was unmapped");
+        assert_eq!(read_all(&pager, &w), data2, "contents intact");
+
+        // The retry releases, and a resume brings back the new contents.
+        pager.release(&["kv", "weights"]).unwrap();
+        assert_eq!(host.used_bytes(), 0);
+        pager.resume(&["weights"]).unwrap();
+        assert_eq!(
+            read_all(&pager, &w),
+            data2,
+            "skip {skip_unchanged} pass {pass}"
+        );
+        assert_eq!(faulty.injected().copy_to_host, 1);
+    }
+}
+
+#[test]
+fn pin_fault_on_first_release_leaves_the_region_resident() {
+    let (_host, faulty, pager) = setup(true);
+    let (w, data) = weights(&pager, 3);
+    faulty.fail_next(FaultPoint::AllocPinned);
+    let err = pager.release(&["weights"]).unwrap_err();
+    assert!(injected(&err), "{err}");
+    assert_eq!(state(&pager, "weights"), State::Resident);
+    assert_eq!(read_all(&pager, &w), data);
+    pager.release(&["weights"]).unwrap();
+    pager.resume(&["weights"]).unwrap();
+    assert_eq!(read_all(&pager, &w), data);
+}
+
+#[test]
+fn resume_map_fault_leaves_the_regions_released_and_a_retry_restores() {
+    // Map calls of `resume(["kv", "weights"])`: kv (Discard, first), then weights in
+    // groups of 1, 2, 1 chunks. Fail each in turn.
+    for pass in 0..4 {
+        let (host, faulty, pager) = setup(true);
+        let (w, data) = weights(&pager, 4);
+        pager.release(&["weights", "kv"]).unwrap();
+        assert_eq!(host.used_bytes(), 0);
+        faulty.fail_after(FaultPoint::Map, pass);
+        let err = pager.resume(&["kv", "weights"]).unwrap_err();
+        assert!(injected(&err), "map call {pass}: {err}");
+        assert_eq!(state(&pager, "weights"), State::Released);
+        assert_eq!(state(&pager, "kv"), State::Released);
+        assert_eq!(
+            host.used_bytes(),
+            0,
+            "everything this call mapped is unmapped"
+        );
+        assert!(matches!(pager.ptr(&w), Err(Error::NotResident { .. })));
+
+        pager.resume(&["kv", "weights"]).unwrap();
+        assert_eq!(
+            read_all(&pager, &w),
+            data,
+            "bit-exact after the retry ({pass})"
+        );
+        assert_eq!(faulty.injected().map, 1);
+    }
+}
+
+#[test]
+fn resume_restore_copy_fault_leaves_the_region_released_and_a_retry_restores() {
+    // Restore copies: chunk group 1 (1 MiB), group 2 (2 MiB); group 3 is past the data.
+    for pass in 0..2 {
+        let (host, faulty, pager) = setup(true);
+        let (w, data) = weights(&pager, 5);
+        pager.release(&["weights"]).unwrap();
+        let used = host.used_bytes();
+        faulty.fail_after(FaultPoint::CopyToDevice, pass);
+        let err = pager.resume(&["weights"]).unwrap_err();
+        assert!(injected(&err), "copy {pass}: {err}");
+        assert_eq!(state(&pager, "weights"), State::Released);
+        assert_eq!(
+            host.used_bytes(),
+            used,
+            "the mapped groups are unmapped again"
+        );
+
+        pager.resume(&["weights"]).unwrap();
+        assert_eq!(
+            read_all(&pager, &w),
+            data,
+            "bit-exact after the retry ({pass})"
+        );
+        // And the next cycle still saves and restores correctly.
+        pager.release(&["weights"]).unwrap();
+        pager.resume(&["weights"]).unwrap();
+        assert_eq!(read_all(&pager, &w), data);
+        assert_eq!(faulty.injected().copy_to_device, 1);
+    }
+}
+
+#[test]
+fn a_map_made_ahead_that_fails_after_the_resume_failed_is_recorded_not_lost() {
+    // Map calls of `resume(["weights"])`: groups of 1, 2, 1 chunks, the later ones made
+    // ahead on a helper thread while the first group's copy fails. A helper's map call
+    // that fails after that (the second or the third) cannot be returned as well.
+    for pass in [1, 2] {
+        let (host, faulty, pager) = setup(true);
+        let (w, data) = weights(&pager, 6);
+        pager.release(&["weights"]).unwrap();
+        let used = host.used_bytes();
+        faulty.fail_next(FaultPoint::CopyToDevice);
+        faulty.fail_after(FaultPoint::Map, pass);
+        let err = pager.resume(&["weights"]).unwrap_err();
+        assert!(
+            matches!(&err, Error::Backend { error: BackendError::Injected { op }, .. } if op.starts_with("copy")),
+            "the copy's error is returned ({pass}): {err}"
+        );
+        assert_eq!(state(&pager, "weights"), State::Released);
+        assert_eq!(
+            host.used_bytes(),
+            used,
+            "only the first group was kept, then unmapped"
+        );
+        // The helper may or may not have made the failing call before it stopped; if it
+        // did, the error is recorded, not lost.
+        let absorbed = pager
+            .take_deferred_errors()
+            .iter()
+            .filter(|e| e.starts_with(gpu_pager::ABSORBED_MAP_ERROR))
+            .count() as u64;
+        assert_eq!(absorbed, faulty.injected().map, "pass {pass}");
+        if absorbed == 0 {
+            // The armed map fault is still pending: the retry meets it.
+            assert!(pager.resume(&["weights"]).is_err());
+            assert_eq!(faulty.injected().map, 1);
+        }
+        pager.resume(&["weights"]).unwrap();
+        assert_eq!(
+            read_all(&pager, &w),
+            data,
+            "bit-exact after the retry ({pass})"
+        );
+    }
+}

@@ -47,7 +47,7 @@ mod kv;
 mod pinned;
 pub use kv::RowsKernel;
 pub use pinned::FIRST_BACKUP_PIECE_BYTES;
-pub use pinned::{CudaPinned, HUGE_PAGE_BYTES, MIN_TOUCH_BYTES_PER_THREAD, PinOptions, PinTimings};
+pub use pinned::{CudaPinned, HUGE_PAGE_BYTES, MIN_TOUCH_BYTES_PER_THREAD};
 
 /// Formats a driver error as `"<error name>: <error string>"`.
 fn describe(e: DriverError) -> String {
@@ -704,7 +704,7 @@ impl CudaBackend {
         if slot.as_ref().is_none_or(|s| s.len() < bytes) {
             // The smaller buffer's last use was synchronised.
             *slot = None;
-            *slot = Some(self.pin(bytes.next_power_of_two().max(4096), &PinOptions::default())?);
+            *slot = Some(self.pin(bytes.next_power_of_two().max(4096))?);
         }
         slot.as_ref().ok_or_else(|| BackendError::Internal {
             op: "chunk_hash",
@@ -873,12 +873,12 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>> {
-        Ok(Box::new(self.pin(bytes, &PinOptions::default())?))
+        Ok(Box::new(self.pin(bytes)?))
     }
 
     /// One mapping touched once, one registration per buffer ([`CudaBackend::pin_many`]).
     fn alloc_pinned_many(&self, sizes: &[usize]) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
-        let pinned = self.pin_many(sizes, &PinOptions::default())?;
+        let pinned = self.pin_many(sizes)?;
         Ok(pinned
             .into_iter()
             .map(|p| Box::new(p) as Box<dyn HostBuffer>)
@@ -931,7 +931,7 @@ impl Backend for CudaBackend {
         // SAFETY: forwarded from the caller (mapped device memory of this context, not
         // written until this returns).
         Ok(Box::new(unsafe {
-            self.pin_from_device(bytes, piece, &PinOptions::default(), src)
+            self.pin_from_device(bytes, piece, src)
         }?))
     }
 
@@ -944,7 +944,7 @@ impl Backend for CudaBackend {
         let part = self.first_backup_piece.load(Ordering::Relaxed);
         // SAFETY: forwarded from the caller (every range mapped device memory of this
         // context, not written until this returns).
-        let pinned = unsafe { self.pin_many_from_device(ranges, part, &PinOptions::default()) }?;
+        let pinned = unsafe { self.pin_many_from_device(ranges, part) }?;
         Ok(pinned
             .into_iter()
             .map(|p| Box::new(p) as Box<dyn HostBuffer>)

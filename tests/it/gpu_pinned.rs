@@ -11,18 +11,13 @@ use std::time::{Duration, Instant};
 
 use common::{Rng, assert_bytes_eq, assert_no_deferred_errors, free_bytes, gpu, gpu_lock, scale};
 
-use gpu_pager::backend::cuda::{CudaBackend, CudaPinned, HUGE_PAGE_BYTES, PinOptions};
+use gpu_pager::backend::cuda::{CudaBackend, CudaPinned, HUGE_PAGE_BYTES};
 use gpu_pager::backend::{Backend, Direction, HostBuffer, Mover, RawCopy};
 use gpu_pager::kv::{CacheView, DeviceSpan, KvDtype, KvLayout, KvOp, KvOrder, reference};
 use gpu_pager::{Pager, PagerConfig, Policy};
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
-
-/// Pieces of `piece_bytes` (the pipeline's), with default options.
-fn pieces(piece_bytes: usize) -> (usize, PinOptions) {
-    (piece_bytes, PinOptions::default())
-}
 
 /// Byte `i` of a region filled with the 32-bit `pattern` (see `Backend::fill`).
 fn pattern_byte(pattern: u32, i: usize) -> u8 {
@@ -150,12 +145,11 @@ fn kernels_use_registered_memory_through_its_device_pointer() {
         };
         let src = pager.ptr(&cache).unwrap();
         let mut host = if piece == 0 {
-            b.pin(bytes, &PinOptions::default()).expect("pin")
+            b.pin(bytes).expect("pin")
         } else {
             // SAFETY: `src .. src + cache_bytes` is the live cache buffer, not written
             // meanwhile.
-            unsafe { b.pin_from_device(bytes, piece, &PinOptions::default(), src) }
-                .expect("pin_from_device")
+            unsafe { b.pin_from_device(bytes, piece, src) }.expect("pin_from_device")
         };
         let regs = host.registrations().to_vec();
         if piece == 0 {
@@ -183,11 +177,7 @@ fn kernels_use_registered_memory_through_its_device_pointer() {
             );
             assert_eq!(d, host.device_ptr() + r.start as u64, "{what}");
         }
-        eprintln!(
-            "{what}: host {base:#x}, device {:#x}, {:?}",
-            host.device_ptr(),
-            host.timings()
-        );
+        eprintln!("{what}: host {base:#x}, device {:#x}", host.device_ptr());
         let span = DeviceSpan {
             addr: host.device_ptr(),
             len: host.len(),
@@ -249,8 +239,7 @@ fn pin_from_device_copies_bit_exact() {
     let at = pager.ptr(&src).unwrap();
     for piece in [0, 2 * MIB] {
         // SAFETY: `at .. at + bytes` is the live `src` buffer, not written meanwhile.
-        let host = unsafe { b.pin_from_device(bytes, piece, &PinOptions::default(), at) }
-            .expect("pin_from_device");
+        let host = unsafe { b.pin_from_device(bytes, piece, at) }.expect("pin_from_device");
         assert_eq!(host.len(), bytes);
         let want_pieces = if piece == 0 { 1 } else { 2 };
         assert!(host.registrations().len() >= want_pieces);
@@ -259,7 +248,6 @@ fn pin_from_device_copies_bit_exact() {
             host.as_slice(),
             &data,
         );
-        eprintln!("{:?}", host.timings());
     }
     drop(pager);
     assert_no_deferred_errors(&b);
@@ -268,8 +256,7 @@ fn pin_from_device_copies_bit_exact() {
 /// The pipelined `pin_from_device` (a helper touching piece k+1 while piece k registers and
 /// piece k-1 copies) over odd sizes and piece sizes: no pieces, pieces smaller than the
 /// buffer (a multiple of it and not), a piece size that is not a multiple of 2 MiB, a piece
-/// larger than the buffer; one touching thread and all, with and without huge pages.
-/// Bit-exact against the device source (random, at an odd address),
+/// larger than the buffer. Bit-exact against the device source (random, at an odd address),
 /// the registrations back to back over the whole mapping, and `piece_bytes` as registered.
 /// (Restores from such a buffer through the pump, cut at its pieces, are checked by
 /// `first_release_without_prepin_pins_in_one_pass_and_restores_bit_exact`.)
@@ -297,33 +284,15 @@ fn pipelined_pin_from_device_odd_sizes_and_pieces_bit_exact() {
         40 * MIB / scale() + 4095,
         largest,
     ];
-    let opts = [
-        pieces(0),
-        pieces(2 * MIB),
-        pieces(3 * MIB), // rounded up to 4 MiB
-        pieces(8 * MIB),
-        pieces(usize::MAX / 2),
-        (
-            4 * MIB,
-            PinOptions {
-                touch_threads: 1,
-                ..PinOptions::default()
-            },
-        ),
-        (
-            2 * MIB,
-            PinOptions {
-                touch_threads: 3,
-                huge_pages: false,
-            },
-        ),
-    ];
+    // No pieces; pieces smaller than the buffer (a multiple of 2 MiB and not: 3 MiB is
+    // rounded up to 4); a piece larger than any buffer.
+    let piece_sizes = [0, 2 * MIB, 3 * MIB, 4 * MIB, 8 * MIB, usize::MAX / 2];
     for &bytes in &sizes {
-        for o in &opts {
-            let what = format!("{bytes} bytes, {o:?}");
+        for &piece_bytes in &piece_sizes {
+            let what = format!("{bytes} bytes, pieces of {piece_bytes}");
             // SAFETY: `at .. at + bytes` lies inside the live `src` buffer, not written
             // meanwhile.
-            let host = unsafe { b.pin_from_device(bytes, o.0, &o.1, at) }.expect(&what);
+            let host = unsafe { b.pin_from_device(bytes, piece_bytes, at) }.expect(&what);
             assert_eq!(host.len(), bytes, "{what}");
             assert_bytes_eq(&what, host.as_slice(), &data[..bytes]);
             let regs = host.registrations();
@@ -332,7 +301,7 @@ fn pipelined_pin_from_device_odd_sizes_and_pieces_bit_exact() {
             for w in regs.windows(2) {
                 assert_eq!(w[0].end, w[1].start, "{what}: back to back");
             }
-            let piece = o.0.checked_next_multiple_of(2 * MIB).unwrap_or(0);
+            let piece = piece_bytes.checked_next_multiple_of(2 * MIB).unwrap_or(0);
             let mapped = regs.last().map_or(0, |r| r.end);
             let want = if piece == 0 || piece >= mapped {
                 1
@@ -340,15 +309,9 @@ fn pipelined_pin_from_device_odd_sizes_and_pieces_bit_exact() {
                 mapped.div_ceil(piece)
             };
             assert_eq!(regs.len(), want, "{what}: registrations");
-            assert_eq!(host.timings().pieces, want, "{what}");
             let reported = if want > 1 { piece } else { 0 };
             assert_eq!(host.piece_bytes(), reported, "{what}");
             assert!(regs[..regs.len() - 1].iter().all(|r| r.len() == piece));
-            let t = host.timings();
-            assert!(t.touch_threads >= 1, "{what}: {t:?}");
-            if bytes == largest && o == &opts[1] {
-                eprintln!("{what}: {t:?}");
-            }
         }
     }
     pager.remove("src").unwrap();
@@ -477,7 +440,7 @@ fn status_bytes(key: &str) -> usize {
         .map_or(0, |kib| kib * 1024)
 }
 
-/// Pinning and dropping 100 times (and 10 times in parallel-registered pieces) leaves the
+/// Pinning and dropping 100 times (and 10 times through `pin`) leaves the
 /// process's resident, locked and pinned memory where it was, with no deferred error.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -493,7 +456,7 @@ fn pinning_100_times_returns_the_memory() {
         drop(p);
     }
     for _ in 0..10 {
-        drop(b.pin(bytes, &PinOptions::default()).expect("pin"));
+        drop(b.pin(bytes).expect("pin"));
     }
     let after = ["VmRSS", "VmLck", "VmPin"].map(status_bytes);
     eprintln!("VmRSS, VmLck, VmPin before {before:?}, after {after:?}");
@@ -611,27 +574,18 @@ fn driver_device_ptr(at: *const u8) -> u64 {
 }
 
 /// Checks the layout of a batch (`pin_many`, `pin_many_from_device`) of `sizes`: each buffer
-/// has its size, the batch's timings (the first buffer's), one registration over its own
-/// slice rounded up to [`HUGE_PAGE_BYTES`] (at such an address when `aligned`), and the
+/// has its size, one registration over its own slice rounded up to [`HUGE_PAGE_BYTES`] (at
+/// such an address), and the
 /// driver's device address. Returns each slice as (host address, bytes).
-fn batch_spans(
-    bufs: &[CudaPinned],
-    sizes: &[usize],
-    what: &str,
-    aligned: bool,
-) -> Vec<(usize, usize)> {
-    let timings = bufs[0].timings();
+fn batch_spans(bufs: &[CudaPinned], sizes: &[usize], what: &str) -> Vec<(usize, usize)> {
     let mut spans = Vec::new();
     for (k, p) in bufs.iter().enumerate() {
         let w = format!("{what}, buffer {k}");
         let span = sizes[k].next_multiple_of(HUGE_PAGE_BYTES);
         assert_eq!(p.len(), sizes[k], "{w}");
-        assert_eq!(p.timings(), timings, "{w}: the batch's timings");
         assert_eq!(p.registrations(), std::slice::from_ref(&(0..span)), "{w}");
         let host = p.as_slice().as_ptr();
-        if aligned {
-            assert_eq!(host as usize % HUGE_PAGE_BYTES, 0, "{w}: aligned");
-        }
+        assert_eq!(host as usize % HUGE_PAGE_BYTES, 0, "{w}: aligned");
         assert_eq!(p.device_ptr(), driver_device_ptr(host), "{w}");
         spans.push((host as usize, span));
     }
@@ -656,11 +610,9 @@ fn copy_unit(b: &CudaBackend, direction: Direction, host: &dyn HostBuffer, at: u
     fence.wait().expect("wait for the copy");
 }
 
-/// A batch of buffers of odd sizes (`pin_many` registering on parallel threads, and
-/// `alloc_pinned_many` through the trait, one after another):
+/// A batch of buffers of odd sizes (`pin_many`, and `alloc_pinned_many` through the trait):
 /// each reads as zeros, lies on its own huge-page-aligned slice with one registration whose
-/// device address is the driver's, the slices are disjoint, every buffer carries the batch's
-/// timings; each round-trips bit-exact through device memory at an odd address with
+/// device address is the driver's, the slices are disjoint; each round-trips bit-exact through device memory at an odd address with
 /// `copy_to_device`/`copy_to_host` and with both movers of the pump (the copy kernel
 /// through the buffer's device address), touching neither its neighbours nor device bytes
 /// past its end.
@@ -688,22 +640,14 @@ fn pinned_batches_of_odd_sizes_are_disjoint_and_copy_bit_exact() {
     let at = pager.ptr(&dev).unwrap() + 7;
     let poison = 0xDEAD_BEEFu32;
 
-    // One touching thread here, all of them through the trait.
-    let parallel = PinOptions {
-        touch_threads: 1,
-        ..PinOptions::default()
-    };
     // `driver_device_ptr` calls the driver directly: it needs the context current here.
     b.context().bind_to_thread().expect("bind the context");
-    let mut src: Vec<CudaPinned> = b.pin_many(&sizes, &parallel).expect("pin_many");
+    let mut src: Vec<CudaPinned> = b.pin_many(&sizes).expect("pin_many");
     let mut back: Vec<Box<dyn HostBuffer>> =
         b.alloc_pinned_many(&sizes).expect("alloc_pinned_many");
     assert_eq!((src.len(), back.len()), (sizes.len(), sizes.len()));
-    assert!(b.pin_many(&[], &PinOptions::default()).unwrap().is_empty());
-    let timings = src[0].timings();
-    assert_eq!(timings.pieces, sizes.len());
-    eprintln!("batch of {} buffers: {timings:?}", sizes.len());
-    let mut spans = batch_spans(&src, &sizes, "pin_many", true);
+    assert!(b.pin_many(&[]).unwrap().is_empty());
+    let mut spans = batch_spans(&src, &sizes, "pin_many");
     for (k, p) in src.iter().enumerate() {
         assert!(
             p.as_slice().iter().all(|&x| x == 0),
@@ -785,7 +729,7 @@ fn pinned_batches_of_odd_sizes_are_disjoint_and_copy_bit_exact() {
     assert_no_deferred_errors(&b);
 }
 
-/// 50 batches (and 10 registered on parallel threads) pinned and dropped one buffer at a
+/// 50 batches (and 10 through `pin_many`) pinned and dropped one buffer at a
 /// time, in a shuffled order, leave the process's resident, locked and pinned memory where
 /// it was, with no deferred error; and a dropped buffer's pages go back at once
 /// (`MADV_DONTNEED`), while the rest of its batch lives.
@@ -824,12 +768,8 @@ fn pinned_batches_dropped_one_by_one_return_the_memory() {
             drop(bufs.swap_remove(k));
         }
     }
-    let parallel = PinOptions {
-        touch_threads: 1,
-        ..PinOptions::default()
-    };
     for _ in 0..10 {
-        let mut bufs = b.pin_many(&sizes, &parallel).expect("pin_many");
+        let mut bufs = b.pin_many(&sizes).expect("pin_many");
         while !bufs.is_empty() {
             let k = rng.next_u64() as usize % bufs.len();
             drop(bufs.swap_remove(k));
@@ -853,11 +793,9 @@ fn pinned_batches_dropped_one_by_one_return_the_memory() {
 /// A batch of odd sizes pinned and filled from the device in one pipeline
 /// (`pin_many_from_device`, and `alloc_pinned_many_from_device` through the trait in 6 MiB
 /// parts): grouped into no parts, 6 MiB parts (several buffers each, a larger buffer alone),
-/// 2 MiB parts (every buffer alone) and 3 MiB parts (rounded up to 4); touched by one thread
-/// or several, with and without huge pages. Every buffer is
-/// bit-exact against its device source (random, at odd addresses), has one registration over
-/// its own huge-page-aligned slice whose device address is the driver's, and carries the
-/// batch's timings; the slices are disjoint; the buffers are dropped one by one in a
+/// 2 MiB parts (every buffer alone) and 3 MiB parts (rounded up to 4). Every buffer is
+/// bit-exact against its device source (random, at odd addresses) and has one registration
+/// over its own huge-page-aligned slice whose device address is the driver's; the slices are disjoint; the buffers are dropped one by one in a
 /// scrambled order, the others staying bit-exact; no ranges give no buffers, a range of 0
 /// bytes is refused.
 #[test]
@@ -901,39 +839,15 @@ fn pin_many_from_device_odd_sizes_and_parts_bit_exact() {
         })
         .collect();
     let want = |k: usize| &data[offsets[k]..offsets[k] + sizes[k]];
-    let opts = [
-        pieces(0),
-        pieces(6 * MIB),
-        pieces(2 * MIB),
-        (
-            3 * MIB,
-            PinOptions {
-                touch_threads: 1,
-                ..PinOptions::default()
-            },
-        ),
-        (
-            6 * MIB,
-            PinOptions {
-                touch_threads: 3,
-                huge_pages: false,
-            },
-        ),
-    ];
+    let part_sizes = [0, 6 * MIB, 2 * MIB, 3 * MIB];
     // `driver_device_ptr` calls the driver directly: it needs the context current here.
     b.context().bind_to_thread().expect("bind the context");
-    for o in &opts {
-        let what = format!("{o:?}");
+    for &part_bytes in &part_sizes {
+        let what = format!("parts of {part_bytes}");
         // SAFETY: every range lies inside the live `src` buffer, not written meanwhile.
-        let mut bufs = unsafe { b.pin_many_from_device(&ranges, o.0, &o.1) }.expect(&what);
+        let mut bufs = unsafe { b.pin_many_from_device(&ranges, part_bytes) }.expect(&what);
         assert_eq!(bufs.len(), sizes.len(), "{what}");
-        let timings = bufs[0].timings();
-        assert_eq!(timings.pieces, sizes.len(), "{what}: one registration each");
-        assert!(timings.touch_threads >= 1, "{what}");
-        if o == &opts[1] {
-            eprintln!("{what}: {timings:?}");
-        }
-        let spans = batch_spans(&bufs, &sizes, &what, o.1.huge_pages);
+        let spans = batch_spans(&bufs, &sizes, &what);
         for (k, p) in bufs.iter().enumerate() {
             let w = format!("{what}, buffer {k}");
             assert_eq!(p.piece_bytes(), 0, "{w}: one piece");
@@ -963,7 +877,7 @@ fn pin_many_from_device_odd_sizes_and_parts_bit_exact() {
     }
     drop(bufs);
     // SAFETY: no ranges.
-    let none = unsafe { b.pin_many_from_device(&[], 0, &PinOptions::default()) };
+    let none = unsafe { b.pin_many_from_device(&[], 0) };
     assert!(none.expect("no ranges").is_empty());
     let zero = [
         ranges[0],
@@ -973,7 +887,7 @@ fn pin_many_from_device_odd_sizes_and_parts_bit_exact() {
         },
     ];
     // SAFETY: the first range is as above; the second reads nothing.
-    let refused = unsafe { b.pin_many_from_device(&zero, 0, &PinOptions::default()) };
+    let refused = unsafe { b.pin_many_from_device(&zero, 0) };
     assert!(matches!(refused, Err(BackendError::Invalid { .. })));
     pager.remove("src").unwrap();
     drop(pager);

@@ -54,7 +54,6 @@ use std::num::NonZeroUsize;
 use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
@@ -79,62 +78,6 @@ pub const MIN_TOUCH_BYTES_PER_THREAD: usize = 8 << 20;
 /// cost that the overlap does not hide, so pieces are large; the first piece's touch and the
 /// last piece's copy, which nothing overlaps, stay short next to a whole weights backup.
 pub const FIRST_BACKUP_PIECE_BYTES: usize = 2 << 30;
-
-/// How [`CudaBackend::pin`] makes pinned host memory. The default is what
-/// [`crate::backend::Backend::alloc_pinned`] uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PinOptions {
-    /// Threads that first-touch the memory; 0: `std::thread::available_parallelism`. Each
-    /// gets at least [`MIN_TOUCH_BYTES_PER_THREAD`] bytes, so fewer run on small buffers.
-    pub touch_threads: usize,
-    /// Ask for transparent huge pages (`madvise(MADV_HUGEPAGE)`); ignored where the kernel
-    /// refuses.
-    pub huge_pages: bool,
-}
-
-impl Default for PinOptions {
-    fn default() -> Self {
-        PinOptions {
-            touch_threads: 0,
-            huge_pages: true,
-        }
-    }
-}
-
-/// What pinning one buffer took, step by step. From [`CudaBackend::pin`] the steps run one
-/// after another; from [`CudaBackend::pin_from_device`] touching, registering and copying
-/// overlap, and each step is the calling thread's time in it, so that the steps still add up
-/// to the call.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PinTimings {
-    /// `mmap` and `madvise`.
-    pub map: Duration,
-    /// First touch of every page; in [`CudaBackend::pin_from_device`], the time spent
-    /// waiting for the helper thread's touched pieces (the first one's touch, and any piece
-    /// the registering caught up with): the touch not hidden.
-    pub touch: Duration,
-    /// `cuMemHostRegister` (all pieces) and `cuMemHostGetDevicePointer`; in
-    /// [`CudaBackend::pin_from_device`], registering each piece and enqueueing its copy
-    /// (while later pieces are touched and earlier ones copy), and the pointer lookup.
-    pub register: Duration,
-    /// [`CudaBackend::pin_from_device`]: waiting for the copies after the last piece was
-    /// enqueued (zero for [`CudaBackend::pin`]).
-    pub wait: Duration,
-    /// Threads that touched (1: the calling thread alone); in
-    /// [`CudaBackend::pin_from_device`], the threads touching one piece (the helper and its
-    /// own helpers).
-    pub touch_threads: usize,
-    /// Registrations.
-    pub pieces: usize,
-}
-
-impl PinTimings {
-    /// The whole pinning (and, from [`CudaBackend::pin_from_device`], copying): the call's
-    /// time but for a few bookkeeping steps.
-    pub fn total(&self) -> Duration {
-        self.map + self.touch + self.register + self.wait
-    }
-}
 
 /// Anonymous private memory from `mmap`, `len` bytes at `ptr` (aligned as asked) inside a
 /// mapping of `mapped` bytes at `raw`; unmapped on drop. Or a slice of such memory
@@ -162,12 +105,12 @@ unsafe impl Send for AnonMemory {}
 unsafe impl Sync for AnonMemory {}
 
 impl AnonMemory {
-    /// Maps `bytes` (> 0) rounded up to the page size, or with `huge`, from one huge page up,
-    /// to [`HUGE_PAGE_BYTES`] and aligned to it (mapping one huge page more and using the
-    /// aligned part).
-    fn map(bytes: usize, huge: bool, errors: Arc<DeferredErrors>) -> BackendResult<AnonMemory> {
+    /// Maps `bytes` (> 0) rounded up to the page size, or, from one huge page up, to
+    /// [`HUGE_PAGE_BYTES`] and aligned to it (mapping one huge page more and using the
+    /// aligned part), with transparent huge pages asked for.
+    fn map(bytes: usize, errors: Arc<DeferredErrors>) -> BackendResult<AnonMemory> {
         let page = page_size();
-        let huge = huge && bytes >= HUGE_PAGE_BYTES;
+        let huge = bytes >= HUGE_PAGE_BYTES;
         let align = if huge {
             HUGE_PAGE_BYTES.max(page)
         } else {
@@ -326,15 +269,15 @@ impl Drop for AnonMemory {
     }
 }
 
-/// Threads to touch `len` bytes with: `requested` (0: the machine's parallelism), at most one
-/// per [`MIN_TOUCH_BYTES_PER_THREAD`], at least one.
-fn touch_threads(len: usize, requested: usize) -> usize {
-    let cores = if requested == 0 {
-        std::thread::available_parallelism().map_or(1, NonZeroUsize::get)
-    } else {
-        requested
-    };
-    cores.min(len / MIN_TOUCH_BYTES_PER_THREAD).max(1)
+/// The machine's parallelism: the threads a touch may use.
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, NonZeroUsize::get)
+}
+
+/// Threads to touch `len` bytes with: at most `threads`, at most one per
+/// [`MIN_TOUCH_BYTES_PER_THREAD`], at least one.
+fn touch_threads(len: usize, threads: usize) -> usize {
+    threads.min(len / MIN_TOUCH_BYTES_PER_THREAD).max(1)
 }
 
 /// `0 .. len` cut into consecutive ranges of `piece` bytes (rounded up to
@@ -423,7 +366,6 @@ pub struct CudaPinned {
     device_ptr: u64,
     /// Bytes asked for (the mapping may be longer).
     len: usize,
-    timings: PinTimings,
     /// Dropped after `Drop::drop` has unregistered it.
     mem: AnonMemory,
     dev: Arc<Dev>,
@@ -447,11 +389,6 @@ impl fmt::Debug for CudaPinned {
 }
 
 impl CudaPinned {
-    /// What pinning this buffer took.
-    pub fn timings(&self) -> PinTimings {
-        self.timings
-    }
-
     /// The registered ranges, as byte offsets into the buffer, in order and back to back
     /// (the last may extend past [`HostBuffer::len`] to the end of the mapping). A copy's host
     /// range must lie inside one of them.
@@ -515,13 +452,11 @@ fn register(addr: usize, len: usize) -> BackendResult<()> {
 /// enqueueing its copies) while the helper touches the next. Stops at the first error of
 /// `step` (or a part that does not come, should the helper panic); the helper finishes its
 /// current part and is joined before this returns. Where no helper can be spawned, this
-/// thread touches everything first. Adds the waits for touched parts to `timings.touch` and
-/// the steps to `timings.register`. Returns the first error and the parts handed to `step`
+/// thread touches everything first. Returns the first error and the parts handed to `step`
 /// (which the caller keeps, and with them their borrows, until their copies are done).
 fn pipeline<P: Send>(
     parts: Vec<P>,
     touch: impl Fn(&mut P) + Sync,
-    timings: &mut PinTimings,
     mut step: impl FnMut(&mut P) -> BackendResult<()>,
 ) -> (BackendResult<()>, Vec<P>) {
     let count = parts.len();
@@ -545,26 +480,19 @@ fn pipeline<P: Send>(
             .spawn_scoped(s, toucher);
         if helper.is_err() {
             // No helper: touch every part here first (no overlap, still correct).
-            let t = Instant::now();
             toucher();
-            timings.touch += t.elapsed();
         }
         let mut held: Vec<P> = Vec::with_capacity(count);
         let mut outcome = Ok(());
         for _ in 0..count {
-            let t = Instant::now();
-            let received = rx.recv();
-            timings.touch += t.elapsed();
-            let Ok(mut part) = received else {
+            let Ok(mut part) = rx.recv() else {
                 outcome = Err(BackendError::Internal {
                     op: "pin_from_device",
                     reason: "the touching thread stopped early".to_owned(),
                 });
                 break;
             };
-            let t = Instant::now();
             let stepped = step(&mut part);
-            timings.register += t.elapsed();
             held.push(part);
             if let Err(e) = stepped {
                 outcome = Err(e);
@@ -583,15 +511,10 @@ fn pipeline<P: Send>(
     out
 }
 
-/// The helper threads that touch one part of a pipeline: `requested`, or 0: all cores but
-/// one (the calling thread registers meanwhile), at least one.
-fn pipeline_touch_threads(requested: usize) -> usize {
-    if requested == 0 {
-        let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
-        cores.saturating_sub(1).max(1)
-    } else {
-        requested
-    }
+/// The helper threads that touch one part of a pipeline: all cores but one (the calling
+/// thread registers meanwhile), at least one.
+fn pipeline_touch_threads() -> usize {
+    cores().saturating_sub(1).max(1)
 }
 
 /// The pipeline's touch of one piece of [`CudaBackend::pin_from_device`]: on
@@ -686,22 +609,20 @@ impl Drop for CudaPinned {
 }
 
 impl CudaBackend {
-    /// Pins `bytes` of host memory as `opts` says (see the module documentation), in one
-    /// registration; the contents read as zeros. [`crate::backend::Backend::alloc_pinned`]
-    /// is `pin(bytes, &PinOptions::default())`: touched on every core.
+    /// Pins `bytes` of host memory (see the module documentation), touched on every core, in
+    /// one registration; the contents read as zeros. [`crate::backend::Backend::alloc_pinned`]
+    /// is `pin`.
     ///
     /// Errors: [`BackendError::Invalid`] for 0 bytes; [`BackendError::Os`] when the memory
     /// cannot be mapped; [`BackendError::Driver`] when the driver refuses to register it.
     /// Nothing stays mapped or registered after an error.
-    pub fn pin(&self, bytes: usize, opts: &PinOptions) -> BackendResult<CudaPinned> {
-        let mut pinned = self.map_only(bytes, opts)?;
-        (pinned.timings.touch, pinned.timings.touch_threads) = touch_timed(&mut pinned.mem, opts);
-        pinned.timings.pieces = 1;
+    pub fn pin(&self, bytes: usize) -> BackendResult<CudaPinned> {
+        let mut pinned = self.map_only(bytes)?;
+        let threads = touch_threads(pinned.mem.len, cores());
+        touch(pinned.mem.as_mut_slice(), threads);
         // On any error below, dropping `pinned` unregisters what was registered and unmaps.
-        let t = Instant::now();
         pinned.register_whole()?;
         pinned.device_ptr = pinned.lookup_device_ptr()?;
-        pinned.timings.register = t.elapsed();
         Ok(pinned)
     }
 
@@ -709,19 +630,13 @@ impl CudaBackend {
     /// at `src`, as a three-stage pipeline over pieces of `piece_bytes` (rounded up to
     /// [`HUGE_PAGE_BYTES`]; 0: one piece, nothing overlaps; the pager's first backups use
     /// [`FIRST_BACKUP_PIECE_BYTES`]): a scoped helper thread first-touches the pieces in order
-    /// (on `touch_threads` threads, 0: all cores but one) and hands each finished piece to
+    /// (on all cores but one) and hands each finished piece to
     /// this thread through a channel; this thread registers each piece it receives and
     /// enqueues its copy on the backend's device→host stream at once. So piece k+1 is
-    /// touched while piece k registers and piece k-1 copies. Every copy stays inside one registration. Waits for the copies before it returns,
-    /// also on error; when that wait fails, the buffer is leaked rather than unmapped under
-    /// a copy that may still run (recorded in the backend's [`DeferredErrors`]).
-    ///
-    /// [`CudaPinned::timings`] are this thread's wall time, step by step (they add up to the
-    /// call): [`PinTimings::touch`] the time it waited for touched pieces (the touch not
-    /// hidden behind registering: at least the first piece's), [`PinTimings::register`]
-    /// registering and enqueueing the copies (and the device-pointer lookup),
-    /// [`PinTimings::wait`] waiting for the copies after the last piece was enqueued.
-    /// [`PinTimings::touch_threads`] is the threads touching one piece.
+    /// touched while piece k registers and piece k-1 copies. Every copy stays inside one
+    /// registration. Waits for the copies before it returns, also on error; when that wait
+    /// fails, the buffer is leaked rather than unmapped under a copy that may still run
+    /// (recorded in the backend's [`DeferredErrors`]).
     ///
     /// Errors: as [`CudaBackend::pin`], and [`BackendError::Driver`] when a copy cannot be
     /// enqueued or fails. Nothing stays mapped or registered after an error (but for the
@@ -734,21 +649,13 @@ impl CudaBackend {
         &self,
         bytes: usize,
         piece_bytes: usize,
-        opts: &PinOptions,
         src: u64,
     ) -> BackendResult<CudaPinned> {
-        let mut pinned = self.map_only(bytes, opts)?;
+        let mut pinned = self.map_only(bytes)?;
         let scope = self.dev.scope()?;
         let pieces = pieces(pinned.mem.len, piece_bytes);
-        let helpers = pipeline_touch_threads(opts.touch_threads);
-        pinned.timings.pieces = pieces.len();
-        pinned.timings.touch_threads = pieces
-            .first()
-            .map_or(1, |r| touch_threads(r.len(), helpers));
         let stream = self.d2h.cu_stream();
-        let CudaPinned {
-            mem, regs, timings, ..
-        } = &mut pinned;
+        let CudaPinned { mem, regs, .. } = &mut pinned;
         // Each piece's bytes, borrowed mutably from the mapping: the helper touches a piece,
         // then hands its borrow to this thread, which keeps it until the copies are waited
         // for below (the copy engine writes into it meanwhile).
@@ -759,23 +666,19 @@ impl CudaBackend {
             parts.push((r.clone(), part));
             rest = tail;
         }
-        let touch = touch_piece(helpers);
-        let (enqueued, held) = pipeline(parts, touch, timings, |(r, part)| {
+        let touch = touch_piece(pipeline_touch_threads());
+        let (enqueued, held) = pipeline(parts, touch, |(r, part)| {
             // SAFETY: `src .. src + bytes` is mapped and unwritten (the caller's contract);
             // `part` is piece `r` of this buffer, touched, borrowed exclusively by this
             // thread and kept (in `held`) until the copies are waited for below.
             unsafe { register_and_copy(part, r, bytes, src, stream, regs) }
         });
-        let t = Instant::now();
         let synced = self.d2h.synchronize();
-        timings.wait = t.elapsed();
         drop(held);
         let bytes = pinned.mem.len;
         let mut pinned = self.after_fill("pin_from_device", bytes, pinned, synced, enqueued)?;
         drop(scope);
-        let t = Instant::now();
         pinned.device_ptr = pinned.lookup_device_ptr()?;
-        pinned.timings.register += t.elapsed();
         Ok(pinned)
     }
 
@@ -813,38 +716,22 @@ impl CudaBackend {
 
     /// Maps `bytes` (> 0, else `Invalid`) for [`CudaBackend::pin`]: a buffer with nothing
     /// touched or registered yet.
-    fn map_only(&self, bytes: usize, opts: &PinOptions) -> BackendResult<CudaPinned> {
+    fn map_only(&self, bytes: usize) -> BackendResult<CudaPinned> {
         if bytes == 0 {
             return Err(BackendError::Invalid {
                 op: "alloc_pinned",
                 reason: "0 bytes requested".to_owned(),
             });
         }
-        let t = Instant::now();
-        let mem = AnonMemory::map(bytes, opts.huge_pages, self.dev.errors.clone())?;
+        let mem = AnonMemory::map(bytes, self.dev.errors.clone())?;
         Ok(CudaPinned {
             regs: Vec::new(),
             device_ptr: 0,
             len: bytes,
-            timings: PinTimings {
-                map: t.elapsed(),
-                touch_threads: 1,
-                pieces: 0,
-                ..PinTimings::default()
-            },
             mem,
             dev: self.dev.clone(),
         })
     }
-}
-
-/// First-touches all of `mem` on [`touch_threads`] threads; returns the
-/// time it took and the threads that touched.
-fn touch_timed(mem: &mut AnonMemory, opts: &PinOptions) -> (Duration, usize) {
-    let threads = touch_threads(mem.len, opts.touch_threads);
-    let t = Instant::now();
-    touch(mem.as_mut_slice(), threads);
-    (t.elapsed(), threads)
 }
 
 #[cfg(test)]
@@ -882,14 +769,13 @@ mod tests {
 
     #[test]
     fn small_buffers_touch_on_the_calling_thread() {
-        assert_eq!(touch_threads(4096, 0), 1);
+        assert_eq!(touch_threads(4096, cores()), 1);
         assert_eq!(touch_threads(2 * MIN_TOUCH_BYTES_PER_THREAD - 1, 16), 1);
         assert_eq!(touch_threads(2 * MIN_TOUCH_BYTES_PER_THREAD, 16), 2);
         assert_eq!(touch_threads(55 * MIB, 16), 6);
         assert_eq!(touch_threads(16 << 30, 16), 16);
         assert_eq!(touch_threads(16 << 30, 1), 1);
-        let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
-        assert_eq!(touch_threads(1 << 40, 0), cores);
+        assert_eq!(touch_threads(1 << 40, cores()), cores());
     }
 
     /// Pages of `mem` (page-aligned) that are not resident, from `mincore`.
@@ -906,15 +792,15 @@ mod tests {
     #[test]
     fn mapped_memory_is_aligned_zeroed_and_long_enough() {
         let errors = Arc::new(DeferredErrors::new());
-        for (bytes, huge) in [(1, false), (4097, false), (1, true), (5 * MIB + 13, true)] {
-            let mut m = AnonMemory::map(bytes, huge, errors.clone()).expect("mmap");
+        for bytes in [1, 4097, 5 * MIB + 13] {
+            let mut m = AnonMemory::map(bytes, errors.clone()).expect("mmap");
             // Huge-page alignment only from one huge page up.
-            let align = if huge && bytes >= HUGE_PAGE_BYTES {
+            let align = if bytes >= HUGE_PAGE_BYTES {
                 HUGE_PAGE_BYTES
             } else {
                 page_size()
             };
-            assert_eq!(m.ptr.as_ptr() as usize % align, 0, "{bytes} {huge}");
+            assert_eq!(m.ptr.as_ptr() as usize % align, 0, "{bytes}");
             assert_eq!(m.len % align, 0);
             assert!(m.len >= bytes);
             let start = m.raw.as_ptr() as usize;
@@ -931,7 +817,7 @@ mod tests {
         let errors = Arc::new(DeferredErrors::new());
         for threads in [1, 4, 64] {
             let bytes = 48 * MIB + 4096;
-            let mut m = AnonMemory::map(bytes, true, errors.clone()).expect("mmap");
+            let mut m = AnonMemory::map(bytes, errors.clone()).expect("mmap");
             assert!(missing_pages(m.as_mut_slice()) > 0);
             touch(m.as_mut_slice(), threads);
             assert_eq!(missing_pages(m.as_mut_slice()), 0, "{threads} threads");
@@ -962,16 +848,12 @@ mod tests {
         let here = std::thread::current().id();
         for (helpers, piece) in [(3, 8 * MIB), (1, 6 * MIB), (2, 0)] {
             let bytes = 48 * MIB + 4096;
-            let mut m = AnonMemory::map(bytes, true, errors.clone()).expect("mmap");
+            let mut m = AnonMemory::map(bytes, errors.clone()).expect("mmap");
             let len = m.len;
             let want = pieces(len, piece);
             let mut seen = Vec::new();
-            let mut timings = PinTimings::default();
-            let (outcome, held) = pipeline(
-                parts(&mut m, piece),
-                touch_piece(helpers),
-                &mut timings,
-                |(r, part)| {
+            let (outcome, held) =
+                pipeline(parts(&mut m, piece), touch_piece(helpers), |(r, part)| {
                     let part: &mut [u8] = part;
                     assert_eq!(std::thread::current().id(), here);
                     assert_eq!(part.len(), r.len());
@@ -979,8 +861,7 @@ mod tests {
                     part[0] = 1; // this thread may write it: it holds the borrow
                     seen.push(r.clone());
                     Ok(())
-                },
-            );
+                });
             assert!(outcome.is_ok());
             assert_eq!(seen, want, "{helpers} helpers, piece {piece}");
             assert_eq!(held.len(), want.len());
@@ -994,11 +875,10 @@ mod tests {
     #[test]
     fn the_pipeline_stops_at_the_first_failed_step_and_joins_its_helper() {
         let errors = Arc::new(DeferredErrors::new());
-        let mut m = AnonMemory::map(40 * MIB, true, errors.clone()).expect("mmap");
+        let mut m = AnonMemory::map(40 * MIB, errors.clone()).expect("mmap");
         let mut calls = 0;
-        let mut timings = PinTimings::default();
         let touch = touch_piece(2);
-        let (outcome, held) = pipeline(parts(&mut m, 4 * MIB), touch, &mut timings, |(r, _)| {
+        let (outcome, held) = pipeline(parts(&mut m, 4 * MIB), touch, |(r, _)| {
             calls += 1;
             if r.start == 8 * MIB {
                 Err(BackendError::Injected { op: "register" })

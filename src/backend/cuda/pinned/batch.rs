@@ -3,11 +3,10 @@
 //! pinned ([`CudaBackend::pin_many_from_device`]). See the parent module's "Batches".
 
 use std::ops::Range;
-use std::time::{Duration, Instant};
 
 use super::{
-    AnonMemory, CudaPinned, HUGE_PAGE_BYTES, PinOptions, PinTimings, pipeline,
-    pipeline_touch_threads, register_and_copy, touch_each, touch_threads, touch_timed,
+    AnonMemory, CudaPinned, HUGE_PAGE_BYTES, cores, pipeline, pipeline_touch_threads,
+    register_and_copy, touch, touch_each, touch_threads,
 };
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{BackendError, BackendResult, DeviceRange};
@@ -80,7 +79,6 @@ impl CudaBackend {
                 regs: Vec::with_capacity(1),
                 device_ptr: 0,
                 len,
-                timings: PinTimings::default(),
                 mem,
                 dev: self.dev.clone(),
             })
@@ -94,20 +92,13 @@ impl CudaBackend {
     /// [`CudaBackend::pin_from_device`]'s: the buffers are grouped, in order, into parts of
     /// at most `part_bytes` (0: one part, nothing overlaps; a buffer larger than that is
     /// a part of its own, never split: one registration per buffer, and no copy spans two);
-    /// a scoped helper thread first-touches the parts in order (each on `touch_threads`
-    /// threads, 0: all cores but one) and hands each to this thread, which registers each
-    /// buffer of it and enqueues its copy on the backend's device→host stream at once. So
-    /// part k+1 is touched while part k registers and part k-1 copies. Waits for the copies before it returns, also on error; when that wait
-    /// fails, the whole batch is leaked rather than unmapped under a copy that may still
-    /// run (recorded in the backend's [`crate::backend::DeferredErrors`]). No ranges: no
-    /// buffers.
-    ///
-    /// Every buffer carries the whole batch's [`PinTimings`] (the same on each, not to be
-    /// added up over them), this thread's wall time step by step as
-    /// [`CudaBackend::pin_from_device`] reports it: `map`, `touch` (waiting for touched
-    /// parts), `register` (registering, enqueueing the copies, the device-address lookups),
-    /// `wait` (for the copies after the last was enqueued); `touch_threads` the threads
-    /// touching the first part; `pieces` the registrations (one per buffer).
+    /// a scoped helper thread first-touches the parts in order (each on all cores but one)
+    /// and hands each to this thread, which registers each buffer of it and enqueues its
+    /// copy on the backend's device→host stream at once. So part k+1 is touched while part
+    /// k registers and part k-1 copies. Waits for the copies before it returns, also on
+    /// error; when that wait fails, the whole batch is leaked rather than unmapped under a
+    /// copy that may still run (recorded in the backend's
+    /// [`crate::backend::DeferredErrors`]). No ranges: no buffers.
     ///
     /// All or nothing: on error every registration made is undone and the memory unmapped
     /// (but for the leak above). Errors: as [`CudaBackend::pin_many`], and
@@ -120,35 +111,19 @@ impl CudaBackend {
         &self,
         ranges: &[DeviceRange],
         part_bytes: usize,
-        opts: &PinOptions,
     ) -> BackendResult<Vec<CudaPinned>> {
         let sizes: Vec<usize> = ranges.iter().map(|r| r.bytes).collect();
         let (slices, total) = slices(&sizes)?;
         if slices.is_empty() {
             return Ok(Vec::new());
         }
-        let t = Instant::now();
-        let mem = AnonMemory::map(total, opts.huge_pages, self.dev.errors.clone())?;
-        let map = t.elapsed();
+        let mem = AnonMemory::map(total, self.dev.errors.clone())?;
         // Nothing registered yet. On any error below, dropping `out` unregisters what was
         // registered, and the last buffer to drop unmaps the memory.
         let mut out = self.unregistered(&sizes, mem, &slices)?;
         let scope = self.dev.scope()?;
         let groups = groups(&slices, part_bytes);
-        let helpers = pipeline_touch_threads(opts.touch_threads);
-        let group_bytes = |g: &Range<usize>| {
-            slices
-                .get(g.clone())
-                .map_or(0, |s| s.iter().map(Range::len).sum())
-        };
-        let mut timings = PinTimings {
-            map,
-            touch_threads: groups
-                .first()
-                .map_or(1, |g| touch_threads(group_bytes(g), helpers)),
-            pieces: out.len(),
-            ..PinTimings::default()
-        };
+        let helpers = pipeline_touch_threads();
         let stream = self.d2h.cu_stream();
         // Each buffer's registrations, and its bytes borrowed mutably from its slice: the
         // helper touches a part, then hands its borrows to this thread, which keeps them
@@ -167,7 +142,7 @@ impl CudaBackend {
             let threads = touch_threads(bytes, helpers);
             touch_each(part.iter_mut().map(|(_, b)| &mut **b).collect(), threads);
         };
-        let (enqueued, held) = pipeline(parts, touch, &mut timings, |part| {
+        let (enqueued, held) = pipeline(parts, touch, |part| {
             for (k, buf) in part.iter_mut() {
                 let (Some(range), Some(regs)) = (ranges.get(*k), regs.get_mut(*k)) else {
                     return Err(BackendError::Internal {
@@ -184,49 +159,34 @@ impl CudaBackend {
             }
             Ok(())
         });
-        let t = Instant::now();
         let synced = self.d2h.synchronize();
-        timings.wait = t.elapsed();
         drop(held);
         let mut out = self.after_fill("pin_many_from_device", total, out, synced, enqueued)?;
-        let t = Instant::now();
         for p in &mut out {
             p.device_ptr = p.lookup_device_ptr()?;
         }
         drop(scope);
-        timings.register += t.elapsed();
-        for p in &mut out {
-            p.timings = timings;
-        }
         Ok(out)
     }
 
     /// Pins one buffer per entry of `sizes` (each at least one byte), reading as zeros, in
     /// one batch: one mapping of their sizes each rounded up to [`HUGE_PAGE_BYTES`], touched
-    /// once as [`CudaBackend::pin`] touches (`opts`), then each buffer's slice registered
-    /// with its own `cuMemHostRegister`, one after another, and its device address taken from
-    /// that registration. Each buffer may be dropped on its
-    /// own, in any order (see the module documentation). No sizes: no buffers.
-    ///
-    /// Every buffer carries the whole batch's [`PinTimings`] (the same on each, not to be
-    /// added up over them): the batch's `map`, `touch` and `touch_threads`, `register` for
-    /// all its registrations and device-address lookups, `pieces` its registrations (one
-    /// per buffer).
+    /// once as [`CudaBackend::pin`] touches, then each buffer's slice registered with its
+    /// own `cuMemHostRegister`, one after another, and its device address taken from that
+    /// registration. Each buffer may be dropped on its own, in any order (see the module
+    /// documentation). No sizes: no buffers.
     ///
     /// All or nothing: on error every registration made is undone and the memory unmapped.
     /// Errors: [`BackendError::Invalid`] for a size of 0; [`BackendError::Os`] when the
     /// memory cannot be mapped; [`BackendError::Driver`] when the driver refuses to register
     /// a slice.
-    pub fn pin_many(&self, sizes: &[usize], opts: &PinOptions) -> BackendResult<Vec<CudaPinned>> {
+    pub fn pin_many(&self, sizes: &[usize]) -> BackendResult<Vec<CudaPinned>> {
         let (slices, total) = slices(sizes)?;
         if slices.is_empty() {
             return Ok(Vec::new());
         }
-        let t = Instant::now();
-        let mut mem = AnonMemory::map(total, opts.huge_pages, self.dev.errors.clone())?;
-        let map = t.elapsed();
-        let (touched, threads) = touch_timed(&mut mem, opts);
-        let t = Instant::now();
+        let mut mem = AnonMemory::map(total, self.dev.errors.clone())?;
+        touch(mem.as_mut_slice(), touch_threads(total, cores()));
         // Nothing registered yet. On any error below, dropping `out` unregisters what was
         // registered, and the last buffer to drop unmaps the memory.
         let mut out = self.unregistered(sizes, mem, &slices)?;
@@ -244,17 +204,6 @@ impl CudaBackend {
                 p.device_ptr = p.lookup_device_ptr()?;
             }
         }
-        let timings = PinTimings {
-            map,
-            touch: touched,
-            register: t.elapsed(),
-            wait: Duration::ZERO,
-            touch_threads: threads,
-            pieces: out.len(),
-        };
-        for p in &mut out {
-            p.timings = timings;
-        }
         Ok(out)
     }
 }
@@ -263,7 +212,6 @@ impl CudaBackend {
 mod tests {
     use std::sync::Arc;
 
-    use super::super::{touch, touch_each};
     use super::*;
     use crate::backend::DeferredErrors;
 
@@ -337,7 +285,7 @@ mod tests {
         let errors = Arc::new(DeferredErrors::new());
         let (s, total) = slices(&[1, 3 * MIB + 5, 2 * MIB, 9 * MIB]).unwrap();
         for threads in [1, 3, 4] {
-            let mem = AnonMemory::map(total, true, errors.clone()).expect("mmap");
+            let mem = AnonMemory::map(total, errors.clone()).expect("mmap");
             let mut parts = mem.split(&s).expect("split");
             assert!(
                 parts
@@ -380,14 +328,14 @@ mod tests {
             vec![0..2 * MIB, MIB..3 * MIB],
             vec![2 * MIB..4 * MIB, 0..2 * MIB],
         ] {
-            let mem = AnonMemory::map(total, true, errors.clone()).expect("mmap");
+            let mem = AnonMemory::map(total, errors.clone()).expect("mmap");
             assert!(
                 matches!(mem.split(&bad), Err(BackendError::Invalid { .. })),
                 "{bad:?}"
             );
         }
 
-        let mut mem = AnonMemory::map(total, true, errors.clone()).expect("mmap");
+        let mut mem = AnonMemory::map(total, errors.clone()).expect("mmap");
         touch(mem.as_mut_slice(), 2);
         let base2 = mem.ptr.as_ptr() as usize;
         let mut parts = mem.split(&s).expect("split");

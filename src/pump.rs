@@ -247,16 +247,6 @@ impl PumpStats {
     pub fn total_bytes(&self) -> usize {
         self.bytes.iter().sum()
     }
-
-    /// Adds another pump's figures (times add up, as for pumps run one after another).
-    pub fn add(&mut self, other: &PumpStats) {
-        for m in Mover::ALL {
-            self.bytes[m.index()] += other.bytes[m.index()];
-            self.units[m.index()] += other.units[m.index()];
-        }
-        self.elapsed += other.elapsed;
-        self.waited += other.waited;
-    }
 }
 
 /// Pinned host bytes borrowed for `'h`, to be read by copies (a restore's source). Cheap to

@@ -260,9 +260,8 @@ impl<T> Drop for InScope<T> {
 }
 
 /// Allocation properties of pinned device memory on `device`, as the backend creates its
-/// chunks with; public for code that makes raw VMM calls next to the backend (the bench's
-/// VMM probe).
-pub fn device_alloc_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
+/// chunks with.
+fn device_alloc_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
         requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
@@ -364,7 +363,6 @@ pub struct CudaBackend {
     d2h_kernel: InScope<Arc<CudaStream>>,
     kernel_stream: InScope<Arc<CudaStream>>,
     info: DeviceInfo,
-    recommended_granularity: usize,
     /// Streaming multiprocessors, for the copy kernel's grid.
     sms: u32,
     fill_kernels: InScope<OnceLock<FillKernels>>,
@@ -383,7 +381,6 @@ impl fmt::Debug for CudaBackend {
         f.debug_struct("CudaBackend")
             .field("ordinal", &self.dev.ctx.ordinal())
             .field("info", &self.info)
-            .field("recommended_granularity", &self.recommended_granularity)
             .finish_non_exhaustive()
     }
 }
@@ -444,11 +441,6 @@ impl CudaBackend {
             sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
         )
         .map_err(|e| driver_err("cuMemGetAllocationGranularity", e))?;
-        let recommended_granularity = query_granularity(
-            device,
-            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-        )
-        .map_err(|e| driver_err("cuMemGetAllocationGranularity", e))?;
         if granularity == 0 {
             return Err(BackendError::Unavailable(format!(
                 "CUDA device {ordinal} reports an allocation granularity of 0"
@@ -489,7 +481,6 @@ impl CudaBackend {
                 total_bytes,
                 compute_capability: Some(compute_capability),
             },
-            recommended_granularity,
             fill_kernels: InScope::new(OnceLock::new(), &dev),
             chunk_hash_kernels: InScope::new(OnceLock::new(), &dev),
             kv_functions: InScope::new(OnceLock::new(), &dev),
@@ -517,12 +508,6 @@ impl CudaBackend {
     /// The device ordinal.
     pub fn ordinal(&self) -> usize {
         self.dev.ctx.ordinal()
-    }
-
-    /// The driver's recommended allocation granularity (`CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`),
-    /// a multiple of the minimum in [`DeviceInfo::granularity`].
-    pub fn recommended_granularity(&self) -> usize {
-        self.recommended_granularity
     }
 
     /// Loads every kernel module now instead of at first use. Call it before capturing

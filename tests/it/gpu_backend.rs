@@ -102,13 +102,9 @@ fn map_copy_round_trip_and_unmap_frees_memory() {
     let b = backend();
     let mut rng = Rng::seeded("map_copy_round_trip_and_unmap_frees_memory");
     let info = b.info().clone();
-    eprintln!(
-        "{info:?}, recommended granularity {}",
-        b.recommended_granularity()
-    );
+    eprintln!("{info:?}");
     let g = info.granularity;
     assert!(g > 0 && g.is_power_of_two(), "granularity {g}");
-    assert!(b.recommended_granularity() >= g);
     assert_eq!(info.kind, gpu_pager::backend::BackendKind::Cuda);
     assert!(info.compute_capability.is_some());
 

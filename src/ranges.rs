@@ -1,110 +1,50 @@
 //! Sets of byte ranges: the bytes a region has marked overwritten, and the helpers that turn
 //! them into the spans a release saves.
 
-use std::collections::BTreeMap;
 use std::ops::Range;
 
-/// A set of byte offsets kept as disjoint, non-adjacent ranges (start → end).
+/// A set of byte offsets kept as disjoint, non-adjacent ranges (rangemap's, which panics on
+/// an empty range: every method here takes one as the empty set).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct RangeSet {
-    spans: BTreeMap<usize, usize>,
-    bytes: usize,
-}
+pub(crate) struct RangeSet(rangemap::RangeSet<usize>);
 
 impl RangeSet {
     /// Bytes in the set.
     pub fn bytes(&self) -> usize {
-        self.bytes
+        self.0.iter().map(Range::len).sum()
     }
 
-    /// Adds `range` (an empty range adds nothing), merging with touching spans.
+    /// Adds `range`, merging with touching spans.
     pub fn insert(&mut self, range: Range<usize>) {
-        if range.is_empty() {
-            return;
+        if !range.is_empty() {
+            self.0.insert(range);
         }
-        let (mut start, mut end) = (range.start, range.end);
-        // A span starting at or before `start` that reaches it.
-        if let Some((&s, &e)) = self.spans.range(..=start).next_back() {
-            if e >= start {
-                start = s;
-                end = end.max(e);
-            }
-        }
-        // Every span starting inside `start ..= end` merges in.
-        let inside: Vec<(usize, usize)> = self
-            .spans
-            .range(start..=end)
-            .map(|(&s, &e)| (s, e))
-            .collect();
-        for (s, e) in inside {
-            self.spans.remove(&s);
-            self.bytes -= e - s;
-            end = end.max(e);
-        }
-        self.spans.insert(start, end);
-        self.bytes += end - start;
     }
 
     /// Takes `range` out of the set.
     pub fn remove(&mut self, range: Range<usize>) {
-        if range.is_empty() {
-            return;
-        }
-        let touched: Vec<(usize, usize)> = self
-            .spans
-            .range(..range.end)
-            .rev()
-            .take_while(|&(_, &e)| e > range.start)
-            .map(|(&s, &e)| (s, e))
-            .collect();
-        for (s, e) in touched {
-            self.spans.remove(&s);
-            self.bytes -= e - s;
-            if s < range.start {
-                self.spans.insert(s, range.start);
-                self.bytes += range.start - s;
-            }
-            if e > range.end {
-                self.spans.insert(range.end, e);
-                self.bytes += e - range.end;
-            }
+        if !range.is_empty() {
+            self.0.remove(range);
         }
     }
 
     /// The parts of the set inside `range`, in order.
     pub fn within(&self, range: &Range<usize>) -> Vec<Range<usize>> {
-        let mut out = Vec::new();
         if range.is_empty() {
-            return out;
+            return Vec::new();
         }
-        let first = self
-            .spans
-            .range(..=range.start)
-            .next_back()
-            .map_or(range.start, |(&s, _)| s);
-        for (&s, &e) in self.spans.range(first..range.end) {
-            let part = s.max(range.start)..e.min(range.end);
-            if !part.is_empty() {
-                out.push(part);
-            }
-        }
-        out
+        self.0
+            .overlapping(range)
+            .map(|s| s.start.max(range.start)..s.end.min(range.end))
+            .collect()
     }
 
     /// The parts of `range` outside the set, in order.
     pub fn gaps(&self, range: &Range<usize>) -> Vec<Range<usize>> {
-        let mut out = Vec::new();
-        let mut at = range.start;
-        for part in self.within(range) {
-            if part.start > at {
-                out.push(at..part.start);
-            }
-            at = part.end;
+        if range.is_empty() {
+            return Vec::new();
         }
-        if at < range.end {
-            out.push(at..range.end);
-        }
-        out
+        self.0.gaps(range).collect()
     }
 }
 
@@ -204,6 +144,12 @@ mod tests {
         assert_eq!(s.gaps(&(0..50)), vec![0..10, 20..30, 40..50]);
         assert_eq!(s.gaps(&(12..18)), Vec::<Range<usize>>::new());
         assert_eq!(s.gaps(&(18..32)), vec![20..30]);
+        // Empty ranges are empty sets (rangemap would panic on them).
+        assert_eq!(s.within(&(15..15)), Vec::<Range<usize>>::new());
+        assert_eq!(s.gaps(&(25..25)), Vec::<Range<usize>>::new());
+        let mut t = s.clone();
+        t.remove(15..15);
+        assert_eq!(t, s);
     }
 
     #[test]

@@ -494,31 +494,17 @@ pub(crate) fn nearest_tag<'a>(
     tag: &str,
     known: impl IntoIterator<Item = &'a str>,
 ) -> Option<String> {
-    let want: Vec<char> = tag.to_lowercase().chars().collect();
+    let want = tag.to_lowercase();
     known
         .into_iter()
         .map(|k| {
-            let have: Vec<char> = k.to_lowercase().chars().collect();
-            (edit_distance(&want, &have), want.len().max(have.len()), k)
+            let have = k.to_lowercase();
+            let len = want.chars().count().max(have.chars().count());
+            (strsim::levenshtein(&want, &have), len, k)
         })
         .filter(|&(d, len, _)| d * 3 <= len)
         .min_by_key(|&(d, _, _)| d)
         .map(|(_, _, k)| k.to_owned())
-}
-
-/// Levenshtein distance.
-fn edit_distance(a: &[char], b: &[char]) -> usize {
-    let mut row: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.iter().enumerate() {
-        let mut diag = row[0];
-        row[0] = i + 1;
-        for (j, cb) in b.iter().enumerate() {
-            let sub = diag + usize::from(ca != cb);
-            diag = row[j + 1];
-            row[j + 1] = sub.min(row[j] + 1).min(row[j + 1] + 1);
-        }
-    }
-    row[b.len()]
 }
 
 #[cfg(test)]

@@ -29,8 +29,8 @@ pub(crate) struct Allocation {
 #[derive(Debug, Clone)]
 pub(crate) struct SubAllocator {
     size: usize,
-    /// Free ranges by start offset; never adjacent (coalesced).
-    free: BTreeMap<usize, usize>,
+    /// Free ranges, coalesced.
+    free: rangemap::RangeSet<usize>,
     /// Live allocations by start offset: (len, id).
     live: BTreeMap<usize, (usize, u64)>,
     free_bytes: usize,
@@ -39,9 +39,9 @@ pub(crate) struct SubAllocator {
 impl SubAllocator {
     /// An allocator over `size` bytes, all free.
     pub fn new(size: usize) -> Self {
-        let mut free = BTreeMap::new();
+        let mut free = rangemap::RangeSet::new();
         if size > 0 {
-            free.insert(0, size);
+            free.insert(0..size);
         }
         SubAllocator {
             size,
@@ -62,24 +62,17 @@ impl SubAllocator {
                 "alignment {align} is not a power of two"
             )));
         }
-        let found = self.free.iter().find_map(|(&start, &flen)| {
-            let aligned = start.checked_next_multiple_of(align)?;
+        let found = self.free.iter().find_map(|r| {
+            let aligned = r.start.checked_next_multiple_of(align)?;
             let end = aligned.checked_add(len)?;
-            (end <= start + flen).then_some((start, flen, aligned))
+            (end <= r.end).then_some(aligned)
         });
-        let Some((start, flen, aligned)) = found else {
+        let Some(aligned) = found else {
             return Err(AllocError::Full {
                 free: self.free_bytes,
             });
         };
-        self.free.remove(&start);
-        if aligned > start {
-            self.free.insert(start, aligned - start);
-        }
-        let end = aligned + len;
-        if end < start + flen {
-            self.free.insert(end, start + flen - end);
-        }
+        self.free.remove(aligned..aligned + len);
         self.live.insert(aligned, (len, id));
         self.free_bytes -= len;
         Ok(Allocation {
@@ -94,27 +87,12 @@ impl SubAllocator {
         match self.live.get(&offset) {
             Some(&(len, live_id)) if live_id == id => {
                 self.live.remove(&offset);
-                self.insert_free(offset, len);
+                self.free.insert(offset..offset + len);
                 self.free_bytes += len;
                 Ok(Allocation { offset, len, id })
             }
             _ => Err(AllocError::Stale),
         }
-    }
-
-    fn insert_free(&mut self, mut start: usize, mut len: usize) {
-        if let Some((&prev, &plen)) = self.free.range(..start).next_back() {
-            if prev + plen == start {
-                self.free.remove(&prev);
-                start = prev;
-                len += plen;
-            }
-        }
-        if let Some(&nlen) = self.free.get(&(start + len)) {
-            self.free.remove(&(start + len));
-            len += nlen;
-        }
-        self.free.insert(start, len);
     }
 
     /// Whether an allocation with this offset and id is live.
@@ -170,7 +148,7 @@ impl SubAllocator {
         let mut pieces: Vec<(usize, usize, bool)> = self
             .free
             .iter()
-            .map(|(&s, &l)| (s, l, true))
+            .map(|r| (r.start, r.len(), true))
             .chain(self.live.iter().map(|(&s, &(l, _))| (s, l, false)))
             .collect();
         pieces.sort();
@@ -186,7 +164,7 @@ impl SubAllocator {
             at = s + l;
         }
         assert!(at <= self.size);
-        let free: usize = self.free.values().sum();
+        let free: usize = self.free.iter().map(|r| r.len()).sum();
         assert_eq!(free, self.free_bytes);
     }
 }

@@ -157,9 +157,7 @@ impl Backup {
     /// Forgets what the backup holds (its memory or file stays): a resume restores nothing,
     /// and the next save copies everything it saves.
     pub fn forget(&mut self) {
-        self.valid.clear();
-        self.hashes = None;
-        self.staged = None;
+        (self.valid, self.hashes, self.staged) = (Vec::new(), None, None);
     }
 
     /// Bytes the backup holds room for (host memory, or the file's size).
@@ -185,9 +183,7 @@ impl Backup {
         let t = Instant::now();
         let store = io.create(size)?;
         self.buf = Some(Store::File(store));
-        self.valid.clear();
-        self.hashes = None;
-        self.staged = None;
+        self.forget();
         Ok(t.elapsed())
     }
 
@@ -206,9 +202,7 @@ impl Backup {
     /// backup then holds nothing.
     pub fn adopt(&mut self, buf: Box<dyn HostBuffer>) {
         self.buf = Some(Store::Memory(buf));
-        self.valid.clear();
-        self.hashes = None;
-        self.staged = None;
+        self.forget();
     }
 
     /// Pins `size` bytes filled with device `base .. base + size` in one step
@@ -265,9 +259,7 @@ impl Backup {
         size: usize,
         hash_chunk: usize,
     ) -> Result<Duration, BackendError> {
-        self.valid.clear();
-        self.hashes = None;
-        self.staged = None;
+        self.forget();
         self.len = size;
         if self.bytes() < size {
             return Err(BackendError::Internal {
@@ -361,12 +353,8 @@ impl Backup {
             }
             _ => false,
         };
-        let runs: Vec<Range<usize>> = bridge_touching(
-            parts
-                .iter()
-                .filter(|(k, part)| !unchanged(*k, part))
-                .map(|(_, part)| part.clone()),
-        );
+        let changed = parts.iter().filter(|(k, part)| !unchanged(*k, part));
+        let runs = crate::ranges::bridge(changed.map(|(_, part)| part.clone()).collect(), 0);
         let store = buf.as_mut().ok_or_else(|| BackendError::Internal {
             op: "save",
             reason: "no backup buffer".to_owned(),
@@ -627,11 +615,6 @@ fn by_chunk(spans: &[Range<usize>], chunk: usize) -> Vec<(usize, Range<usize>)> 
         }
     }
     out
-}
-
-/// Joins touching ranges of a sorted sequence (one copy instead of several).
-fn bridge_touching(spans: impl IntoIterator<Item = Range<usize>>) -> Vec<Range<usize>> {
-    crate::ranges::bridge(spans.into_iter().collect(), 0)
 }
 
 #[cfg(test)]

@@ -23,30 +23,15 @@
 //! Dropping a [`CudaPinned`] unregisters each registration, then unmaps the memory; failures
 //! go to the backend's [`DeferredErrors`].
 //!
-//! **Batches.** [`CudaBackend::pin_many`] (behind
-//! [`crate::backend::Backend::alloc_pinned_many`]: a growing region's first release pins the
-//! backups of all its buffers at once) maps one range for the whole batch, each buffer's size
-//! rounded up to [`HUGE_PAGE_BYTES`], and touches it once on all threads; then registers each
-//! buffer's slice on its own (one registration per buffer, so that no copy spans two). The
-//! buffers share the mapping: dropping one unregisters its slice and gives its physical
-//! pages back with `madvise(MADV_DONTNEED)` (unmapping a sub-range would leave a hole a
-//! later `mmap` could take, under the final `munmap`); the last one to drop unmaps the whole
-//! range. [`CudaBackend::pin_many_from_device`] (behind
-//! [`crate::backend::Backend::alloc_pinned_many_from_device`]: a growing region's first
-//! release with `first_save_overlap`) lays the batch out the same way and fills it from the
-//! device in the pipeline of [`CudaBackend::pin_from_device`] (below), over parts of whole
-//! buffers of about [`FIRST_BACKUP_PIECE_BYTES`]: a helper touches part k+1 while this
-//! thread registers each buffer of part k and enqueues its copy. A buffer is never split
-//! (one registration each, and no copy spans two).
+//! **Batches** ([`CudaBackend::pin_many`], [`CudaBackend::pin_many_from_device`]: a growing
+//! region's backups) share one mapping, touched once, with one registration per buffer;
+//! see `batch.rs`.
 //!
-//! **Pieces.** A buffer registered in several pieces is one contiguous range of host
-//! addresses, but the driver does not document a copy whose host range spans two
-//! registrations as valid. [`crate::backend::Backend::alloc_pinned`] therefore registers one
-//! piece; a caller of [`CudaBackend::pin`] with pieces must keep each copy inside one of
-//! [`CudaPinned::registrations`]. [`CudaBackend::pin_from_device`] (a region's first backup,
-//! through [`crate::backend::Backend::alloc_pinned_from_device`]) registers in pieces so that
-//! touching, registering and copying overlap; such a buffer reports its piece size in
-//! [`HostBuffer::piece_bytes`], and the copy pump (`src/pump.rs`) cuts every later copy at those ends.
+//! **Pieces.** The driver does not document a copy whose host range spans two registrations
+//! as valid, so [`CudaBackend::pin`] registers one piece. [`CudaBackend::pin_from_device`]
+//! (a region's first backup) registers in pieces so that touching, registering and copying
+//! overlap; such a buffer reports its piece size in [`HostBuffer::piece_bytes`], and the
+//! copy pump (`src/pump.rs`) cuts every later copy at those ends.
 
 use std::ffi::c_void;
 use std::fmt;

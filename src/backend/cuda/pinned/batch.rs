@@ -1,6 +1,13 @@
-//! Pinning many buffers in one batch ([`CudaBackend::pin_many`]): one mapping, one touch on
-//! every core, one registration per buffer; and filling them from the device while they are
-//! pinned ([`CudaBackend::pin_many_from_device`]). See the parent module's "Batches".
+//! Pinning many buffers in one batch ([`CudaBackend::pin_many`], behind
+//! [`crate::backend::Backend::alloc_pinned_many`]: a growing region's first release pins the
+//! backups of all its buffers at once): one mapping, each buffer's slice rounded up to
+//! [`HUGE_PAGE_BYTES`], touched once on every core, then one registration per buffer (so
+//! that no copy spans two). The buffers share the mapping: dropping one unregisters its
+//! slice and gives its pages back with `madvise(MADV_DONTNEED)` (unmapping a sub-range would
+//! leave a hole a later `mmap` could take, under the final `munmap`); the last one to drop
+//! unmaps the whole range. [`CudaBackend::pin_many_from_device`] lays the batch out the same
+//! way and fills it from the device in the pipeline of [`CudaBackend::pin_from_device`],
+//! over parts of whole buffers.
 
 use std::ops::Range;
 

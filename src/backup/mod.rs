@@ -1,5 +1,5 @@
 //! The backup of a `Preserve` region: pinned host memory (kept across cycles, or given back
-//! after each resume) or a file ([`file`]), chosen per region ([`crate::Medium`]).
+//! after each resume) or a file ([`file`](mod@file)), chosen per region ([`crate::Medium`]).
 //!
 //! Pinning is slow (a large fraction of a second per GiB), so the buffer is allocated once —
 //! at the first release that has something to save, or when the region is created with

@@ -46,7 +46,7 @@ impl DeviceSpan {
 /// backend checks them and copies them to the device itself.
 ///
 /// The semantics of each variant are those of the function of the same name in
-/// [`reference`](super::reference), with the cache at [`CacheView::base`] and the buffers
+/// [`reference`](mod@reference), with the cache at [`CacheView::base`] and the buffers
 /// at the given spans.
 #[derive(Debug, Clone, Copy)]
 pub enum KvOp<'a> {

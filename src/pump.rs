@@ -5,9 +5,9 @@
 //! host→device well below the link for about a second, while the copy kernel (`gp_copy`,
 //! which reads the pinned host memory directly over the link) does not slow down; settled,
 //! the copy engine is the faster. The pump cuts every copy into units
-//! ([`PumpConfig::unit_bytes`]) and keeps at most [`PumpConfig::depth`] units' worth of
-//! bytes queued on each mover's
-//! stream, each unit followed by a fence; whenever a mover has room it gets the next unit.
+//! ([`PumpConfig::unit_bytes`]) and keeps at most [`PumpConfig::depth`] units' worth of bytes
+//! queued on each mover's stream, each unit followed by a fence; whenever a mover has room
+//! it gets the next unit.
 //! Copies shorter than a unit (a growing region's buffers, the runs between marked buffers)
 //! are units of their own, several to a slot, so that the movers stay as busy as with whole
 //! units while the feeding thread maps or hashes. With [`CopyRoute::Fastest`] (the
@@ -16,13 +16,13 @@
 //! (Both movers side by side lose: the kernel wins the link's arbitration and slows the
 //! copy engine more than it adds.)
 //!
-//! The calling thread feeds the movers: every [`Pump::push_to_device`] / [`Pump::push_to_host`] and
-//! [`Pump::poll`] starts what fits, without blocking, so a caller can interleave other work
-//! (a resume maps the next group of chunks while the last one copies); the end of the
-//! [`scope`] feeds the rest and waits, polling the fences with short sleeps. Because at most
-//! `2 × depth × unit_bytes` are ever in flight (`(1 + KERNEL_DEPTH_FACTOR) × depth ×
-//! unit_bytes` while the copy kernel carries a host→device copy alone, see
-//! [`KERNEL_DEPTH_FACTOR`]), another thread's device-wide synchronisation (a release of
+//! The calling thread feeds the movers: every [`Pump::push_to_device`],
+//! [`Pump::push_to_host`] and [`Pump::poll`] starts what fits, without blocking, so a caller
+//! can interleave other work (a resume maps the next group of chunks while the last one
+//! copies); the end of the [`scope`] feeds the rest and waits, polling the fences with short
+//! sleeps. Because at most `2 × depth × unit_bytes` are ever in flight (`(1 +`
+//! [`KERNEL_DEPTH_FACTOR`]`) × depth × unit_bytes` while the copy kernel carries a
+//! host→device copy alone), another thread's device-wide synchronisation (a release of
 //! another tag) waits for those only, and its copies in the other direction run on the
 //! other direction's streams meanwhile.
 //!
@@ -59,9 +59,7 @@ use crate::backend::{
 };
 
 /// Default unit size: 256 MiB (about 5 ms at 55 GB/s): smaller units resumed no faster and
-/// cost more fences. A concurrent release of another tag waits for at most `2 × depth`
-/// units' worth of bytes (more while the kernel carries a restore alone:
-/// [`KERNEL_DEPTH_FACTOR`]).
+/// cost more fences.
 pub const DEFAULT_UNIT_BYTES: usize = 256 << 20;
 
 /// Default slots per mover: 2 (a unit's worth copying, one ready behind it, so that the
@@ -103,14 +101,12 @@ pub enum CopyRoute {
     Engine,
     /// The copy kernel only (zero-copy loads or stores of the pinned host memory).
     Kernel,
-    /// Times each mover alone on the copy's first bytes (the copy engine, then the copy
-    /// kernel, 64 MiB each, at most a unit), then gives every later unit to the
-    /// faster (the kernel only when it was more than 1.25 times as fast).
-    /// Right after a trainer's free the copy engine runs host→device below the link for
-    /// about a second while the kernel keeps its pace; settled the copy engine is the
-    /// faster. While another pump of the link has units in flight the other way, only the
-    /// copy engine takes units and nothing is timed: the timing starts again once the link
-    /// carries this direction only.
+    /// Times each mover alone on the copy's first 64 MiB (the copy engine, then the copy
+    /// kernel), then gives every later unit to the faster (the kernel only when more than
+    /// 1.25 times as fast): right after a trainer's free the copy engine runs host→device
+    /// below the link for about a second while the kernel keeps its pace; settled, the copy
+    /// engine is the faster. While the link carries the other direction too, the copy
+    /// engine alone, untimed.
     Fastest,
 }
 
@@ -182,10 +178,8 @@ impl PumpConfig {
 }
 
 /// The units in flight on one link, per direction, over all the pumps that share it (the
-/// pumps of one [`crate::Pager`]). A pump adds its units as it starts them and takes them
-/// off as it sees them finish; a [`CopyRoute::Fastest`] pump
-/// reads the other direction's count to decide whether the copy kernel may take units (see
-/// the module docs).
+/// pumps of one [`crate::Pager`]); a [`CopyRoute::Fastest`] pump reads the other direction's
+/// count to decide whether the copy kernel may take units (see the module docs).
 #[derive(Debug, Default)]
 pub struct Traffic {
     units: [AtomicUsize; 2],

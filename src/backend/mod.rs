@@ -443,9 +443,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// own, in any order. All or nothing: on error nothing allocated by this call stays
     /// allocated. No sizes: no buffers.
     ///
-    /// The default calls [`Backend::alloc_pinned`] once per size, in order, and drops the
-    /// buffers it got when one fails. The CUDA backend maps and touches the whole batch
-    /// at once and registers each buffer on its own ([`cuda::CudaBackend::pin_many`]).
+    /// The default calls [`Backend::alloc_pinned`] once per size; the CUDA backend pins the
+    /// batch at once ([`cuda::CudaBackend::pin_many`]).
     fn alloc_pinned_many(&self, sizes: &[usize]) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
         // Collecting into a `Result` stops at the first error and drops what it collected.
         sizes.iter().map(|&n| self.alloc_pinned(n)).collect()
@@ -468,9 +467,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Allocates `bytes` of pinned host memory as [`Backend::alloc_pinned`] does, filled with
     /// a copy of device memory at `src`: a region's first backup in one step. The default
-    /// pins, then copies (`alloc_pinned`, then `copy_to_host`); the CUDA backend overlaps the
-    /// two ([`cuda::CudaBackend::pin_from_device`] in pieces of
-    /// [`cuda::FIRST_BACKUP_PIECE_BYTES`]: the buffer may be registered in pieces, see
+    /// pins, then copies; the CUDA backend overlaps the two
+    /// ([`cuda::CudaBackend::pin_from_device`], registering in pieces: see
     /// [`HostBuffer::piece_bytes`]). Nothing is left allocated on error.
     ///
     /// # Safety
@@ -491,12 +489,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Allocates one pinned buffer per entry of `ranges` (of its `bytes`, as
     /// [`Backend::alloc_pinned_many`] does: independent buffers, each droppable on its own),
     /// each filled with a copy of its device range: the missing backups of a growing region's
-    /// buffers in one step. The default pins the batch, then copies each buffer
-    /// (`alloc_pinned_many`, then `copy_to_host` per buffer); the CUDA backend overlaps the
-    /// two ([`cuda::CudaBackend::pin_many_from_device`]: the buffers grouped into parts of
-    /// about [`cuda::FIRST_BACKUP_PIECE_BYTES`], one part touched while the one before
-    /// registers and copies; one registration per buffer). All or nothing: on error nothing
-    /// allocated by this call stays allocated. No ranges: no buffers.
+    /// buffers in one step. The default pins the batch, then copies each buffer; the CUDA
+    /// backend overlaps the two ([`cuda::CudaBackend::pin_many_from_device`]). All or
+    /// nothing: on error nothing allocated by this call stays allocated. No ranges: no
+    /// buffers.
     ///
     /// # Safety
     /// Every `src .. src + bytes` of `ranges` must be mapped device memory of this backend,

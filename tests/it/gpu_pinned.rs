@@ -612,10 +612,10 @@ fn copy_unit(b: &CudaBackend, direction: Direction, host: &dyn HostBuffer, at: u
 
 /// A batch of buffers of odd sizes (`pin_many`, and `alloc_pinned_many` through the trait):
 /// each reads as zeros, lies on its own huge-page-aligned slice with one registration whose
-/// device address is the driver's, the slices are disjoint; each round-trips bit-exact through device memory at an odd address with
-/// `copy_to_device`/`copy_to_host` and with both movers of the pump (the copy kernel
-/// through the buffer's device address), touching neither its neighbours nor device bytes
-/// past its end.
+/// device address is the driver's, the slices are disjoint; each round-trips bit-exact through
+/// device memory at an odd address with `copy_to_device`/`copy_to_host` and with both movers of
+/// the pump (the copy kernel through the buffer's device address), touching neither its
+/// neighbours nor device bytes past its end.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn pinned_batches_of_odd_sizes_are_disjoint_and_copy_bit_exact() {
@@ -792,12 +792,12 @@ fn pinned_batches_dropped_one_by_one_return_the_memory() {
 
 /// A batch of odd sizes pinned and filled from the device in one pipeline
 /// (`pin_many_from_device`, and `alloc_pinned_many_from_device` through the trait in 6 MiB
-/// parts): grouped into no parts, 6 MiB parts (several buffers each, a larger buffer alone),
-/// 2 MiB parts (every buffer alone) and 3 MiB parts (rounded up to 4). Every buffer is
-/// bit-exact against its device source (random, at odd addresses) and has one registration
-/// over its own huge-page-aligned slice whose device address is the driver's; the slices are disjoint; the buffers are dropped one by one in a
-/// scrambled order, the others staying bit-exact; no ranges give no buffers, a range of 0
-/// bytes is refused.
+/// parts): grouped into no parts, 6 MiB parts (several buffers each, a larger buffer
+/// alone), 2 MiB parts (every buffer alone) and 3 MiB parts (rounded up to 4). Every buffer
+/// is bit-exact against its device source (random, at odd addresses) and has one
+/// registration over its own huge-page-aligned slice whose device address is the driver's;
+/// the slices are disjoint; the buffers are dropped one by one in a scrambled order, the
+/// others staying bit-exact; no ranges give no buffers, a range of 0 bytes is refused.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn pin_many_from_device_odd_sizes_and_parts_bit_exact() {

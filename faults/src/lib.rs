@@ -27,14 +27,20 @@
 //! [`FaultyBackend::fail_next_unmap`] makes a later drop of a mapping record an injected
 //! unmap failure in the backend's [`DeferredErrors`] (after really unmapping), which is how
 //! a real failed `cuMemUnmap` or `munmap` surfaces.
+//!
+//! [`Hog`] takes device memory the way a trainer does, to put the pager under memory
+//! pressure.
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+mod hog;
+pub use hog::Hog;
+
 use gpu_pager::backend::{
     Backend, BackendError, BackendResult, DeferredErrors, DeviceInfo, DeviceRange, Direction,
-    Fence, Held, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
+    Fence, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
 };
 
 /// A call that can be made to fail.
@@ -550,10 +556,6 @@ impl Backend for FaultyBackend {
 
     fn fence(&self, stream: RawStream) -> BackendResult<Box<dyn Fence>> {
         self.inner.fence(stream)
-    }
-
-    fn hog(&self, bytes: usize) -> BackendResult<Box<dyn Held>> {
-        self.inner.hog(bytes)
     }
 
     /// # Safety

@@ -33,8 +33,6 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKernelArg, sys};
 
-#[cfg(feature = "testing")]
-use super::Held;
 use super::{
     Backend, BackendError, BackendKind, BackendResult, DeferredErrors, DeviceInfo, DeviceRange,
     Fence, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
@@ -480,6 +478,7 @@ impl CudaBackend {
                 granularity,
                 total_bytes,
                 compute_capability: Some(compute_capability),
+                ordinal: Some(ordinal),
             },
             fill_kernels: InScope::new(OnceLock::new(), &dev),
             chunk_hash_kernels: InScope::new(OnceLock::new(), &dev),
@@ -956,23 +955,6 @@ impl Backend for CudaBackend {
         Ok(Box::new(fence))
     }
 
-    #[cfg(feature = "testing")]
-    fn hog(&self, bytes: usize) -> BackendResult<Box<dyn Held>> {
-        let _scope = self.dev.scope()?;
-        // SAFETY: a plain device allocation, owned by the returned handle and freed once.
-        let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }.map_err(|e| match e.0 {
-            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
-                BackendError::OutOfMemory { requested: bytes }
-            }
-            _ => driver_err("cuMemAlloc", e),
-        })?;
-        Ok(Box::new(CudaHog {
-            ptr,
-            len: bytes,
-            dev: self.dev.clone(),
-        }))
-    }
-
     unsafe fn fill(&self, dst: u64, bytes: usize, pattern: u32) -> BackendResult<()> {
         if bytes == 0 {
             return Ok(());
@@ -1182,38 +1164,6 @@ impl Drop for CudaMapping {
         if let Err(e) = check(unsafe { sys::cuMemUnmap(self.ptr, self.len) }) {
             let what = format_args!("{} bytes at {:#x}", self.len, self.ptr);
             dev.record("cuMemUnmap", what, e);
-        }
-        drop(scope);
-    }
-}
-
-/// A plain `cuMemAlloc` allocation from [`Backend::hog`]; freed on drop.
-#[cfg(feature = "testing")]
-#[derive(Debug)]
-pub struct CudaHog {
-    ptr: sys::CUdeviceptr,
-    len: usize,
-    dev: Arc<Dev>,
-}
-
-#[cfg(feature = "testing")]
-impl Held for CudaHog {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn ptr(&self) -> Option<u64> {
-        Some(self.ptr)
-    }
-}
-
-#[cfg(feature = "testing")]
-impl Drop for CudaHog {
-    fn drop(&mut self) {
-        let scope = self.dev.scope_in_drop("a memory hog");
-        // SAFETY: `ptr` came from cuMemAlloc in `hog` and is freed only here.
-        if let Err(e) = unsafe { cudarc::driver::result::free_sync(self.ptr) } {
-            let what = format_args!("a {}-byte memory hog", self.len);
-            self.dev.record("cuMemFree", what, e);
         }
         drop(scope);
     }

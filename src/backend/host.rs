@@ -4,9 +4,8 @@
 //! as a GPU kernel touching an unmapped VMM range does, instead of reading stale data. A
 //! physical chunk is a memfd of the chunk's size, mapped `MAP_FIXED | MAP_SHARED` over its
 //! slice of the reservation (the descriptor is closed once mapped); dropping it puts the
-//! `PROT_NONE` placeholder back, so the memory really goes back to the system. A capacity limit stands in for the
-//! device's memory size, and `HostBackend::hold` (with the `testing` feature) stands in for another user of the device
-//! (the trainer), so out-of-memory paths run in CI.
+//! `PROT_NONE` placeholder back, so the memory really goes back to the system. A capacity
+//! limit stands in for the device's memory size, so out-of-memory paths run in CI.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr;
@@ -155,52 +154,16 @@ impl HostBackend {
                 granularity,
                 total_bytes: config.capacity,
                 compute_capability: None,
+                ordinal: None,
             },
             used: Arc::new(AtomicUsize::new(0)),
             errors: Arc::new(DeferredErrors::new()),
         }
     }
 
-    /// Takes `bytes` of capacity away, as another program's allocation on the device would
-    /// (a trainer's tensors). Returned when the [`Hold`] drops. Fails with `OutOfMemory`
-    /// when that much is not free.
-    #[cfg(feature = "testing")]
-    pub fn hold(&self, bytes: usize) -> BackendResult<Hold> {
-        charge(&self.used, self.info.total_bytes, bytes)?;
-        Ok(Hold {
-            used: self.used.clone(),
-            bytes,
-        })
-    }
-
-    /// Bytes of capacity in use (mapped chunks and holds).
+    /// Bytes of capacity in use (mapped chunks).
     pub fn used_bytes(&self) -> usize {
         self.used.load(Ordering::SeqCst)
-    }
-}
-
-/// Capacity taken by [`HostBackend::hold`]; given back on drop.
-#[cfg(feature = "testing")]
-#[derive(Debug)]
-pub struct Hold {
-    used: Arc<AtomicUsize>,
-    bytes: usize,
-}
-
-#[cfg(feature = "testing")]
-impl super::Held for Hold {
-    fn len(&self) -> usize {
-        self.bytes
-    }
-    fn ptr(&self) -> Option<u64> {
-        None
-    }
-}
-
-#[cfg(feature = "testing")]
-impl Drop for Hold {
-    fn drop(&mut self) {
-        self.used.fetch_sub(self.bytes, Ordering::SeqCst);
     }
 }
 
@@ -552,11 +515,6 @@ impl Backend for HostBackend {
 
     fn fence(&self, _stream: super::RawStream) -> BackendResult<Box<dyn super::Fence>> {
         Ok(Box::new(Passed))
-    }
-
-    #[cfg(feature = "testing")]
-    fn hog(&self, bytes: usize) -> BackendResult<Box<dyn super::Held>> {
-        Ok(Box::new(self.hold(bytes)?))
     }
 
     unsafe fn fill(&self, dst: u64, bytes: usize, pattern: u32) -> BackendResult<()> {

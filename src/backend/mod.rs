@@ -60,6 +60,8 @@ pub struct DeviceInfo {
     pub total_bytes: usize,
     /// Compute capability (major, minor) on CUDA, `None` on the host backend.
     pub compute_capability: Option<(i32, i32)>,
+    /// The CUDA device number, `None` on the host backend.
+    pub ordinal: Option<usize>,
 }
 
 /// Free and total device memory, in bytes.
@@ -269,21 +271,6 @@ pub trait HostBuffer: Send + Sync + fmt::Debug {
     /// Multi-piece buffers come from [`Backend::alloc_pinned_from_device`].
     fn piece_bytes(&self) -> usize {
         0
-    }
-}
-
-#[cfg(feature = "testing")]
-/// Device memory held by someone other than the pager (a stand-in for the trainer's
-/// tensors), from [`Backend::hog`]. Freed on drop.
-pub trait Held: Send + Sync + fmt::Debug {
-    /// Bytes held.
-    fn len(&self) -> usize;
-    /// Device address of the held memory, to touch it as a trainer would (`None` where the
-    /// hold is only accounting, as on the host backend).
-    fn ptr(&self) -> Option<u64>;
-    /// Whether nothing is held.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -547,12 +534,6 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Records a fence on the caller's `stream` after the work enqueued on it so far (a CUDA
     /// event). The host backend's fences are already passed.
     fn fence(&self, stream: RawStream) -> BackendResult<Box<dyn Fence>>;
-
-    /// Takes `bytes` of device memory the way another program would (a plain allocation),
-    /// to stand in for a trainer in tests, benchmarks and fault injection. Only with the
-    /// `testing` feature.
-    #[cfg(feature = "testing")]
-    fn hog(&self, bytes: usize) -> BackendResult<Box<dyn Held>>;
 
     /// Fills `bytes` at `dst` with the 32-bit `pattern` repeated (byte `j` of the range is
     /// byte `j % 4` of `pattern` in little-endian order; pattern 0 zeroes). Waits for it.

@@ -13,6 +13,7 @@ use cudarc::driver::sys;
 use gpu_pager::backend::cuda::CudaBackend;
 use gpu_pager::backend::{Backend, BackendError, Mapping, Reservation};
 use gpu_pager::kernels::reference;
+use gpu_pager_faults::Hog;
 use std::sync::Arc;
 
 const KIB: usize = 1 << 10;
@@ -652,7 +653,7 @@ fn the_callers_context_is_current_again_after_every_call() {
             check("alloc_pinned");
             drop(pinned);
             check("dropping pinned memory");
-            let hog = b.hog(g).expect("hog");
+            let hog = Hog::take(b.as_ref(), g).expect("hog");
             check("hog");
             drop(hog);
             check("dropping a hog");

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy};
+use gpu_pager_faults::Hog;
 use proptest::prelude::*;
 
 const KIB: usize = 1 << 10;
@@ -234,9 +235,9 @@ proptest! {
                 Op::Hold { kib } => {
                     hold = None;
                     held = 0;
-                    if let Ok(h) = backend.hold(kib * KIB) {
+                    if let Ok(h) = Hog::take(backend.as_ref(), kib * KIB) {
+                        held = h.len();
                         hold = Some(h);
-                        held = kib * KIB;
                     }
                 }
                 Op::Unhold => {

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use gpu_pager::backend::Backend;
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Error, Outcome, Pager, PagerConfig, Policy, RegionOptions, State};
+use gpu_pager_faults::Hog;
 use proptest::prelude::*;
 
 const KIB: usize = 1 << 10;
@@ -203,7 +204,7 @@ fn out_of_memory_on_back_maps_nothing_new_and_a_later_back_succeeds() {
     pager.back("kv", 2 * CHUNK..2 * CHUNK + 1).unwrap();
     // The trainer holds 3 chunks: 3 are free. Backing everything needs chunk 1 (fits)
     // and chunks 3..8 (do not): the first run is undone too.
-    let trainer = backend.hold(3 * CHUNK).unwrap();
+    let trainer = Hog::take(backend.as_ref(), 3 * CHUNK).unwrap();
     let err = pager.back("kv", 0..8 * CHUNK).unwrap_err();
     eprintln!("{err}");
     match &err {

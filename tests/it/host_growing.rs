@@ -8,6 +8,7 @@ use std::sync::Arc;
 use common::{Rng, read};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Buffer, Error, Pager, Policy, RegionOptions, State};
+use gpu_pager_faults::Hog;
 
 const MIB: usize = 1 << 20;
 const G: usize = 2 * MIB;
@@ -172,7 +173,7 @@ fn out_of_memory_on_alloc_and_on_resume_rolls_back() {
 
     pager.release(&["w", "kv"]).unwrap();
     assert_eq!(backend.used_bytes(), 0);
-    let trainer = backend.hold(40 * MIB).unwrap();
+    let trainer = Hog::take(backend.as_ref(), 40 * MIB).unwrap();
     let e = pager.resume(&["kv", "w"]).unwrap_err();
     assert!(
         matches!(

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Buffer, Error, Outcome, Pager, PagerConfig, Policy, State};
+use gpu_pager_faults::Hog;
 use proptest::prelude::*;
 
 const KIB: usize = 1 << 10;
@@ -303,9 +304,9 @@ fn check_model(ops: Vec<Op>, copy_gap: usize) -> Result<(), TestCaseError> {
             Op::Hold { kib } => {
                 hold = None;
                 held = 0;
-                if let Ok(h) = backend.hold(kib * KIB) {
+                if let Ok(h) = Hog::take(backend.as_ref(), kib * KIB) {
+                    held = h.len();
                     hold = Some(h);
-                    held = kib * KIB;
                 }
             }
             Op::Unhold => {

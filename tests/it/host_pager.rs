@@ -8,6 +8,7 @@ use std::sync::Arc;
 use gpu_pager::backend::Backend;
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Error, Outcome, Pager, PagerConfig, Policy, RegionOptions, State};
+use gpu_pager_faults::Hog;
 
 const MIB: usize = 1 << 20;
 
@@ -172,7 +173,7 @@ fn oom_during_resume_rolls_back_and_a_retry_succeeds() {
     pager.release(&["weights", "kv_cache"]).unwrap();
 
     // The trainer holds 40 of 64 MiB: weights (16) fit, weights + kv (48) do not.
-    let trainer = backend.hold(40 * MIB).unwrap();
+    let trainer = Hog::take(backend.as_ref(), 40 * MIB).unwrap();
     let err = pager.resume(&["weights", "kv_cache"]).unwrap_err();
     match &err {
         Error::OutOfMemory {
@@ -225,7 +226,7 @@ fn oom_on_the_first_region_of_a_resume_keeps_the_backup() {
     let data = pattern(3, w.len());
     pager.write(&w, 0, &data).unwrap();
     pager.release(&["weights"]).unwrap();
-    let hog = backend.hold(20 * MIB).unwrap();
+    let hog = Hog::take(backend.as_ref(), 20 * MIB).unwrap();
     for _ in 0..3 {
         assert!(matches!(
             pager.resume(&["weights"]),

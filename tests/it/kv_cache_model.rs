@@ -11,6 +11,7 @@ use gpu_pager::backend::Backend;
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::kv::{Kv, KvCache, KvCacheConfig, KvDtype, KvError, KvLayout, KvOrder, SeqId};
 use gpu_pager::{Buffer, Error, Pager, Policy};
+use gpu_pager_faults::Hog;
 use proptest::prelude::*;
 
 const CHUNK: usize = 4096;
@@ -206,7 +207,7 @@ proptest! {
                 Op::AppendWithoutMemory(i, n) => if let Some(i) = pick(seqs.len(), i) {
                     let len = h.cache.block_table(seqs[i].0).unwrap().1;
                     let free = h.backend.mem_info().unwrap().free;
-                    let hold = h.backend.hold(free).unwrap();
+                    let hold = Hog::take(h.backend.as_ref(), free).unwrap();
                     let r = h.cache.append_tokens(seqs[i].0, n);
                     drop(hold);
                     match r {

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use gpu_pager::backend::{Backend, BackendError, Direction, Mapping, Reservation};
 use gpu_pager::report::{gbps, ms};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, Result};
+use gpu_pager_faults::Hog;
 
 mod marked;
 
@@ -486,9 +487,7 @@ fn trainer_step(backend: &dyn Backend, margin: usize) -> Result<usize> {
     if bytes == 0 {
         return Ok(0);
     }
-    let held = backend
-        .hog(bytes)
-        .map_err(backend_err("bench_trainer", "allocating"))?;
+    let held = Hog::take(backend, bytes).map_err(backend_err("bench_trainer", "allocating"))?;
     if let Some(p) = held.ptr() {
         // SAFETY: `p .. p + bytes` is the plain device allocation `held` owns.
         unsafe { backend.fill(p, bytes, 0x7A7A_7A7A) }

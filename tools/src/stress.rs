@@ -10,7 +10,7 @@
 //!
 //! With [`StressConfig::faults`], the backend is wrapped in a
 //! [`FaultyBackend`] that fails maps, copies and pinning at random, and a thread now and
-//! then takes nearly all free device memory ([`Backend::hog`], standing in for a trainer)
+//! then takes nearly all free device memory ([`gpu_pager_faults::Hog`], standing in for a trainer)
 //! so that a resume fails with `OutOfMemory`, then drops it and resumes again. Each fault
 //! must be recovered: the retry after its cause is gone succeeds and loses nothing.
 //!
@@ -455,7 +455,7 @@ pub fn run(
         io.push((b()?, b()?, b()?));
     }
 
-    let sh = Shared::new(Instant::now() + cfg.duration, bases, sizes);
+    let sh = Shared::new(Instant::now() + cfg.duration, bases, sizes, backend.clone());
     let started = Instant::now();
     set_faults(true);
     let owned = run_threads(&pager, cfg, &sh, started, progress, &paged, io);

@@ -2,9 +2,10 @@
 
 use gpu_pager::backend::host::HostBackend;
 use gpu_pager::backend::{
-    Backend, BackendResult, DeferredErrors, DeviceInfo, DeviceRange, Direction, Fence, Held,
-    HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
+    Backend, BackendResult, DeferredErrors, DeviceInfo, DeviceRange, Direction, Fence, HostBuffer,
+    KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
 };
+use gpu_pager_faults::Hog;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -83,8 +84,8 @@ impl Backend for Broken {
         sizes: &[usize],
     ) -> BackendResult<Vec<Box<dyn Mapping>>> {
         if self.has(Flaw::LeakOnMap) && self.maps.fetch_add(1, Ordering::SeqCst) % 5 == 4 {
-            if let Ok(h) = self.inner.hog(self.inner.info().granularity) {
-                Box::leak(h);
+            if let Ok(h) = Hog::take(&self.inner, self.inner.info().granularity) {
+                std::mem::forget(h);
             }
         }
         // SAFETY: forwarded from the caller.
@@ -129,9 +130,6 @@ impl Backend for Broken {
     }
     fn fence(&self, stream: RawStream) -> BackendResult<Box<dyn Fence>> {
         self.inner.fence(stream)
-    }
-    fn hog(&self, bytes: usize) -> BackendResult<Box<dyn Held>> {
-        self.inner.hog(bytes)
     }
     unsafe fn fill(&self, dst: u64, bytes: usize, pattern: u32) -> BackendResult<()> {
         // SAFETY: forwarded from the caller.

@@ -1,11 +1,12 @@
 //! State shared by the stress threads: the tags, counters, the hog's generation, errors.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::OpCounts;
 use gpu_pager::Policy;
+use gpu_pager::backend::Backend;
 
 /// The tags every thread moves, with their policies.
 pub(crate) const TAGS: [(&str, Policy); 4] = [
@@ -80,13 +81,21 @@ pub(crate) struct Shared {
     pub hog_gen: AtomicU64,
     /// One hogger at a time.
     pub hog_lock: Mutex<()>,
+    /// The backend under the fault injector: the hog takes its memory there, as a trainer
+    /// does, so that no pager fault is injected into it.
+    pub trainer: Arc<dyn Backend>,
     ops: [AtomicU64; OPS],
     errors: Mutex<Vec<String>>,
     error_count: AtomicU64,
 }
 
 impl Shared {
-    pub fn new(deadline: Instant, bases: [u64; 4], sizes: [usize; 4]) -> Self {
+    pub fn new(
+        deadline: Instant,
+        bases: [u64; 4],
+        sizes: [usize; 4],
+        trainer: Arc<dyn Backend>,
+    ) -> Self {
         Shared {
             deadline,
             stop: AtomicBool::new(false),
@@ -102,6 +111,7 @@ impl Shared {
             resumes: Default::default(),
             hog_gen: AtomicU64::new(0),
             hog_lock: Mutex::new(()),
+            trainer,
             ops: Default::default(),
             errors: Mutex::new(Vec::new()),
             error_count: AtomicU64::new(0),

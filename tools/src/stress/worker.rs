@@ -19,6 +19,7 @@ use super::shared::{KV, Op, Shared, TAGS};
 use gpu_pager::backend::BackendError;
 use gpu_pager::kernels::reference;
 use gpu_pager::{Buffer, DEFAULT_ALIGN, Error, Move, Outcome, Pager, Policy, Report, Result};
+use gpu_pager_faults::Hog;
 
 /// Attempts of one operation that keeps meeting injected faults.
 const MAX_RETRIES: usize = 64;
@@ -754,7 +755,10 @@ impl<'a> Worker<'a> {
         };
         let bytes = free.saturating_sub(self.sh.sizes[t] / 2);
         // The hog itself may fail when other threads resumed meanwhile: then no fault.
-        let Some(hog) = (bytes > 0).then(|| backend.hog(bytes).ok()).flatten() else {
+        let Some(hog) = (bytes > 0)
+            .then(|| Hog::take(self.sh.trainer.as_ref(), bytes).ok())
+            .flatten()
+        else {
             return false;
         };
         let tag = [TAGS[t].0];

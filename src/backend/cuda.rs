@@ -1,11 +1,11 @@
 //! The CUDA backend: driver-API virtual memory management (VMM) on one GPU.
 //!
 //! Address ranges, physical chunks and mappings are RAII handles built directly on
-//! `cudarc::driver::sys` (cudarc's safe layer has no VMM): a [`CudaReservation`] frees its
-//! range on drop, a [`CudaChunk`] releases its physical memory on drop, and a [`CudaMapping`]
-//! owns its chunk and holds its reservation, so dropping it unmaps first, then releases, and
-//! the range is freed after its last mapping. Every handle holds the context, which
-//! therefore outlives all memory it created.
+//! `cudarc::driver::sys` (cudarc's safe layer has no VMM): a reservation frees its range on
+//! drop, a chunk releases its physical memory on drop, and a mapping owns its chunk and holds
+//! its reservation, so dropping it unmaps first, then releases, and the range is freed after
+//! its last mapping. Every handle holds the context, which therefore outlives all memory it
+//! created.
 //!
 //! The context, streams, module loading and kernel launches use cudarc's safe layer. The
 //! backend keeps five non-blocking streams: the copy engine's host→device and device→host
@@ -502,11 +502,6 @@ impl CudaBackend {
     /// The stream [`Backend::fill`] and [`Backend::chunk_hash`] launch their kernels on.
     pub fn kernel_stream(&self) -> &Arc<CudaStream> {
         &self.kernel_stream
-    }
-
-    /// The device ordinal.
-    pub fn ordinal(&self) -> usize {
-        self.dev.ctx.ordinal()
     }
 
     /// Loads every kernel module now instead of at first use. Call it before capturing
@@ -1037,7 +1032,7 @@ impl Backend for CudaBackend {
 }
 
 /// A reserved virtual address range (`cuMemAddressReserve`); dropping it frees the range.
-pub struct CudaReservation {
+struct CudaReservation {
     base: sys::CUdeviceptr,
     len: usize,
     dev: Arc<Dev>,
@@ -1078,22 +1073,10 @@ impl Drop for CudaReservation {
 
 /// Physical device memory from `cuMemCreate`; dropping it releases the handle (the memory
 /// returns to the device once it is also unmapped).
-pub struct CudaChunk {
+struct CudaChunk {
     handle: sys::CUmemGenericAllocationHandle,
     len: usize,
     dev: Arc<Dev>,
-}
-
-impl CudaChunk {
-    /// Size in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the chunk is empty (never true for a live chunk).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
 }
 
 impl fmt::Debug for CudaChunk {
@@ -1120,19 +1103,12 @@ impl Drop for CudaChunk {
 /// A [`CudaChunk`] mapped at a fixed address inside a reservation it holds. Dropping it
 /// unmaps the range, then releases the chunk and its hold on the reservation (the range is
 /// freed with the last hold).
-pub struct CudaMapping {
+struct CudaMapping {
     ptr: sys::CUdeviceptr,
     len: usize,
     // Both dropped after `Drop::drop` has unmapped the range.
     chunk: CudaChunk,
     _reservation: Arc<dyn Reservation>,
-}
-
-impl CudaMapping {
-    /// The physical chunk behind the mapping.
-    pub fn chunk(&self) -> &CudaChunk {
-        &self.chunk
-    }
 }
 
 impl fmt::Debug for CudaMapping {
@@ -1171,7 +1147,7 @@ impl Drop for CudaMapping {
 
 /// A CUDA event recorded on a caller's stream ([`Backend::fence`]); destroyed on drop.
 #[derive(Debug)]
-pub struct CudaFence {
+struct CudaFence {
     event: sys::CUevent,
     dev: Arc<Dev>,
 }

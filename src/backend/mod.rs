@@ -361,20 +361,6 @@ pub struct RawCopy {
     pub bytes: usize,
 }
 
-impl RawCopy {
-    /// The copy of all of `host` (pinned memory of a backend, from its start) to or from
-    /// device address `device`.
-    pub fn whole(direction: Direction, host: &dyn HostBuffer, device: u64) -> RawCopy {
-        RawCopy {
-            direction,
-            host: host.as_slice().as_ptr() as u64,
-            host_device: host.device_ptr(),
-            device,
-            bytes: host.len(),
-        }
-    }
-}
-
 /// The primitives the pager needs. Implementations are thread-safe; the pager serialises
 /// moves of one region itself.
 pub trait Backend: Send + Sync + fmt::Debug {

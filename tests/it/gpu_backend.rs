@@ -549,7 +549,7 @@ fn set_current_context(ctx: sys::CUcontext) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn the_callers_context_is_current_again_after_every_call() {
-    use gpu_pager::backend::{Direction, Mover, RawCopy, RawStream};
+    use gpu_pager::backend::{Direction, Mover, RawStream};
     use gpu_pager::kv::{DeviceSpan, Kv, KvCache, KvCacheConfig, KvDtype, KvLayout, KvOrder};
     use gpu_pager::{Pager, PagerConfig, Policy};
 
@@ -614,7 +614,7 @@ fn the_callers_context_is_current_again_after_every_call() {
                 pinned.as_mut_slice().copy_from_slice(&data);
                 // SAFETY: inside the mapped span.
                 unsafe { b.fill(r.base(), 2 * g, 0) }.expect("poison");
-                let unit = RawCopy::whole(Direction::ToDevice, pinned.as_ref(), r.base());
+                let unit = common::whole_copy(Direction::ToDevice, pinned.as_ref(), r.base());
                 // SAFETY: inside the mapped span; `pinned` is this backend's and lives, and
                 // is not written, until the fence below has passed.
                 let fence = unsafe { b.copy_unit(&unit, mover) }.expect("copy unit up");
@@ -623,7 +623,7 @@ fn the_callers_context_is_current_again_after_every_call() {
                 assert!(fence.is_done().expect("fence query"));
                 check("fence query");
                 pinned.as_mut_slice().fill(0);
-                let back_unit = RawCopy::whole(Direction::ToHost, pinned.as_ref(), r.base());
+                let back_unit = common::whole_copy(Direction::ToHost, pinned.as_ref(), r.base());
                 // SAFETY: as above; nothing touches `pinned` until the wait below.
                 unsafe { b.copy_on(&back_unit, mover, stream) }.expect("copy on a stream");
                 check("copy_on");

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::{Rng, assert_bytes_eq, assert_no_deferred_errors, free_bytes, gpu, gpu_lock, scale};
 
 use gpu_pager::backend::cuda::{CudaBackend, CudaPinned, HUGE_PAGE_BYTES};
-use gpu_pager::backend::{Backend, Direction, HostBuffer, Mover, RawCopy};
+use gpu_pager::backend::{Backend, Direction, HostBuffer, Mover};
 use gpu_pager::kv::{CacheView, DeviceSpan, KvDtype, KvLayout, KvOp, KvOrder, reference};
 use gpu_pager::{Pager, PagerConfig, Policy};
 
@@ -603,7 +603,7 @@ fn assert_disjoint(mut spans: Vec<(usize, usize)>, what: &str) {
 /// Copies `bytes` between pinned `host` (from its start) and device address `at` with
 /// `mover` (one unit of the pump) and waits.
 fn copy_unit(b: &CudaBackend, direction: Direction, host: &dyn HostBuffer, at: u64, mover: Mover) {
-    let copy = RawCopy::whole(direction, host, at);
+    let copy = common::whole_copy(direction, host, at);
     // SAFETY: `at .. at + len` lies inside a live device buffer and the host range is a live
     // pinned buffer of `b`; neither is touched by anyone else until the fence passes.
     let fence = unsafe { b.copy_unit(&copy, mover) }.expect("copy_unit");

@@ -240,3 +240,19 @@ pub fn table_region(
         gpu_pager::RegionOptions { kind, ..options },
     )
 }
+
+/// The copy of all of `host` (pinned memory of a backend, from its start) to or from device
+/// address `device`.
+pub fn whole_copy(
+    direction: gpu_pager::backend::Direction,
+    host: &dyn gpu_pager::backend::HostBuffer,
+    device: u64,
+) -> gpu_pager::backend::RawCopy {
+    gpu_pager::backend::RawCopy {
+        direction,
+        host: host.as_slice().as_ptr() as u64,
+        host_device: host.device_ptr(),
+        device,
+        bytes: host.len(),
+    }
+}

@@ -309,35 +309,13 @@ impl ErrorCode {
     pub fn from_number(n: u32) -> Option<ErrorCode> {
         ErrorCode::ALL.into_iter().find(|c| c.number() == n)
     }
-
-    /// The variant's name, e.g. `"NotResident"`: the C enumerator is
-    /// `GPU_PAGER_ERROR_NOT_RESIDENT` and the Python class `NotResidentError`.
-    pub fn name(self) -> &'static str {
-        match self {
-            ErrorCode::NotResident => "NotResident",
-            ErrorCode::NotBacked => "NotBacked",
-            ErrorCode::UnknownTag => "UnknownTag",
-            ErrorCode::Busy => "Busy",
-            ErrorCode::OutOfMemory => "OutOfMemory",
-            ErrorCode::InvalidSize => "InvalidSize",
-            ErrorCode::OutOfRange => "OutOfRange",
-            ErrorCode::StaleBuffer => "StaleBuffer",
-            ErrorCode::RegionFull => "RegionFull",
-            ErrorCode::TagConflict => "TagConflict",
-            ErrorCode::Corrupted => "Corrupted",
-            ErrorCode::BackupInUse => "BackupInUse",
-            ErrorCode::InvalidArgument => "InvalidArgument",
-            ErrorCode::Kv => "Kv",
-            ErrorCode::Backend => "Backend",
-            ErrorCode::Internal => "Internal",
-            ErrorCode::Panic => "Panic",
-        }
-    }
 }
 
+/// The variant's name, e.g. `NotResident`: the C enumerator is `GPU_PAGER_ERROR_NOT_RESIDENT`
+/// and the Python class `NotResidentError`.
 impl std::fmt::Display for ErrorCode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
+        std::fmt::Debug::fmt(self, f)
     }
 }
 

@@ -76,7 +76,7 @@ pub extern "C" fn gpu_pager_code_name(code: u32) -> *const c_char {
     let names = NAMES.get_or_init(|| {
         let mut m: BTreeMap<u32, CString> = gpu_pager::ErrorCode::ALL
             .into_iter()
-            .filter_map(|c| Some((c.number(), CString::new(c.name()).ok()?)))
+            .filter_map(|c| Some((c.number(), CString::new(c.to_string()).ok()?)))
             .collect();
         m.insert(0, c"Ok".to_owned());
         m
@@ -686,7 +686,7 @@ mod tests {
         for c in gpu_pager::ErrorCode::ALL {
             // SAFETY: gpu_pager_code_name returns a static NUL-terminated string.
             let name = unsafe { std::ffi::CStr::from_ptr(gpu_pager_code_name(c.number())) };
-            assert_eq!(name.to_str().unwrap(), c.name());
+            assert_eq!(name.to_str().unwrap(), c.to_string());
         }
     }
 }

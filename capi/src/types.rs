@@ -308,7 +308,7 @@ mod tests {
         gpu_pager_code::GPU_PAGER_ERROR_PANIC,
     ];
 
-    /// `GPU_PAGER_ERROR_NOT_RESIDENT` for `NotResident`, as `ErrorCode::name` documents.
+    /// `GPU_PAGER_ERROR_NOT_RESIDENT` for `NotResident`, as `ErrorCode`'s `Display` documents.
     fn c_name(c: gpu_pager_code) -> String {
         format!("{c:?}")
     }
@@ -332,7 +332,7 @@ mod tests {
             assert_eq!(c as u32, rust.number(), "{c:?} vs {rust}");
             assert_eq!(
                 c_name(c),
-                format!("GPU_PAGER_ERROR_{}", screaming(rust.name()))
+                format!("GPU_PAGER_ERROR_{}", screaming(&rust.to_string()))
             );
         }
         assert_eq!(gpu_pager_code::GPU_PAGER_OK as u32, 0);

@@ -22,7 +22,7 @@ static CLASSES: PyOnceLock<Classes> = PyOnceLock::new();
 
 /// The Python class name of `code`: `NotResident` → `NotResidentError`.
 pub(crate) fn class_name(code: ErrorCode) -> String {
-    format!("{}Error", code.name())
+    format!("{code}Error")
 }
 
 /// The docstring of `code`'s class.
@@ -139,10 +139,10 @@ pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 /// Every code as `(number, name)`, in [`ErrorCode::ALL`] order.
 #[pyfunction]
-pub(crate) fn error_codes() -> Vec<(u32, &'static str)> {
+pub(crate) fn error_codes() -> Vec<(u32, String)> {
     ErrorCode::ALL
         .into_iter()
-        .map(|c| (c.number(), c.name()))
+        .map(|c| (c.number(), c.to_string()))
         .collect()
 }
 

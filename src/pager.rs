@@ -23,22 +23,12 @@ mod overwritten;
 /// fast, and a region's last chunk wastes at most one chunk's rounding.
 pub const DEFAULT_CHUNK_BYTES: usize = 512 << 20;
 
-/// Default chunk size of fixed `Discard` and `DiscardZeroed` regions: 2 GiB, one handle per
-/// 2 GiB as torch_memory_saver maps a KV tensor. Such a region has no contents to copy while
-/// it maps, so nothing is gained from small chunks, and fewer handles mean fewer driver
-/// calls.
-const DEFAULT_DISCARD_CHUNK_BYTES: usize = 2 << 30;
-
 /// The longest tag, in bytes: tags are names, and a bounded length bounds the cost of the
 /// "did you mean" of an unknown tag.
 pub const MAX_TAG_BYTES: usize = 256;
 
 /// Default buffer alignment: 256 bytes, what CUDA's own allocators guarantee.
 pub const DEFAULT_ALIGN: usize = 256;
-
-/// Default [`PagerConfig::copy_gap_bytes`]: 1 MiB, which crosses the link in about the
-/// time one copy call's fixed cost takes.
-const DEFAULT_COPY_GAP_BYTES: usize = 1 << 20;
 
 /// Pager settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,13 +38,11 @@ pub struct PagerConfig {
     /// [`RegionOptions::chunk_bytes`] overrides it per region. `Discard` and
     /// `DiscardZeroed` regions that are not elastic use `discard_chunk_bytes` instead.
     pub chunk_bytes: usize,
-    /// Physical chunk size of `Discard` and `DiscardZeroed` regions that are not elastic (a
-    /// KV cache mapped whole, or a growing one holding torch's KV segments: the largest
-    /// piece one buffer is mapped in), rounded as `chunk_bytes` (default
-    /// `DEFAULT_DISCARD_CHUNK_BYTES`). Their resume maps without copying anything, so it
-    /// is as fast as the driver maps the fewest handles; `usize::MAX` maps each such region
-    /// (or buffer) as one handle. [`RegionOptions::chunk_bytes`] overrides it per region.
-    /// Elastic regions (mapped and trimmed chunk by chunk) keep `chunk_bytes`.
+    /// Physical chunk size of `Discard` and `DiscardZeroed` regions that are not elastic
+    /// (for a growing one, the largest piece one buffer is mapped in), rounded as
+    /// `chunk_bytes` (default 2 GiB: their resume copies nothing, so the fewest handles map
+    /// fastest; `usize::MAX`: one handle per region or buffer). Elastic regions, mapped and
+    /// trimmed chunk by chunk, keep `chunk_bytes`.
     pub discard_chunk_bytes: usize,
     /// On release, hash `Preserve` contents and copy only the hash chunks that changed since
     /// the last backup or restore (default on).
@@ -70,10 +58,8 @@ pub struct PagerConfig {
     /// thread, and copy each group as soon as it is mapped (default on). Off: map the whole
     /// region with one call, then copy.
     pub overlap_restore: bool,
-    /// Which movers restore `Preserve` contents on resume (the copy pump (`src/pump.rs`); default
-    /// [`CopyRoute::Fastest`]: each mover is timed on the first bytes and the faster takes
-    /// the rest, so that a resume right after a trainer's free, when the copy engine runs
-    /// below the link, is carried by the kernel, and a settled one by the copy engine).
+    /// Which movers restore `Preserve` contents on resume (default [`CopyRoute::Fastest`]:
+    /// right after a trainer's free the copy kernel outruns the copy engine).
     pub restore_route: CopyRoute,
     /// Which movers copy `Preserve` contents to the backup on release (default
     /// [`CopyRoute::Engine`]: it leaves the SMs to the application).
@@ -82,10 +68,8 @@ pub struct PagerConfig {
     /// units restore no faster and cost more fences; rounded up to a multiple of 4 KiB).
     pub copy_unit_bytes: usize,
     /// Units' worth of bytes queued per mover at most (default 2: one copying, one ready
-    /// behind it; copies shorter than a unit fill a slot together). A
-    /// call has at most twice this many units' worth in flight (five times while the copy
-    /// kernel carries a restore alone), which is all that a
-    /// concurrent release of another tag waits for.
+    /// behind it). What is in flight is all that a concurrent release of another tag waits
+    /// for.
     pub copy_depth: usize,
     /// The mover [`Pager::resume_on`] enqueues its restore with on the caller's stream
     /// (default [`Mover::CopyEngine`]; [`Mover::CopyKernel`] launches the copy kernel there).
@@ -94,35 +78,22 @@ pub struct PagerConfig {
     /// region saves (bytes marked overwritten, see [`Pager::set_overwritten`], or free space
     /// between buffers) is copied along with them: one copy over a small gap costs less
     /// than two copies. Those bytes are then restored too, which their undefined contents
-    /// allow. 0 copies exactly the unmarked bytes of live buffers. Default
-    /// `DEFAULT_COPY_GAP_BYTES`.
+    /// allow. 0 copies exactly the unmarked bytes of live buffers. Default 1 MiB, which
+    /// crosses the link in about the time one copy call's fixed cost takes.
     pub copy_gap_bytes: usize,
     /// On the first release of a `Preserve` region without a backup (no `prepin`), with
-    /// `skip_unchanged` on: pin the backup and copy into it in one pass, then hash it, so
-    /// that the save that follows copies nothing (default on). A fixed region's backup gets
-    /// the whole region, piece by piece
-    /// ([`crate::backend::Backend::alloc_pinned_from_device`]; on CUDA the pinning of later
-    /// pieces overlaps the copy of earlier ones); a growing region's missing backups (one per
-    /// live buffer with something to save; not those already pinned) get their buffers'
-    /// whole extents, in one batch ([`crate::backend::Backend::alloc_pinned_many_from_device`];
-    /// on CUDA the same overlap over parts of whole buffers). That release's report counts
-    /// the copy in [`crate::report::Steps::pin`], the hashing in
-    /// [`crate::report::Steps::hash`], and the bytes in
-    /// [`crate::report::RegionReport::copied`]. A backup whose device range holds marked
-    /// bytes ([`Pager::set_overwritten`]) is not filled this way (marked bytes are never
-    /// copied out): it is pinned, then saved through the pump. Off: pin, then save through
-    /// the pump (only the unmarked bytes of live buffers).
+    /// `skip_unchanged` on: pin the backup and copy the whole region (a growing region's
+    /// whole buffers) into it in one pass, the pinning of later pieces overlapping the copy
+    /// of earlier ones, then hash it, so that the save that follows copies nothing (default
+    /// on; [`crate::report::Steps::pin`] says what it counts). A backup holding bytes marked
+    /// overwritten, which are never copied out, is pinned, then saved. Off: pin, then save.
     pub first_save_overlap: bool,
     /// Bytes per chunk of a file backup's transfers ([`crate::Medium::File`]): the pager
     /// pins a staging buffer of twice this size on the first file transfer, and one chunk
     /// crosses the link while the other is written to or read from the disk. Default
-    /// `DEFAULT_FILE_CHUNK_BYTES`.
+    /// 64 MiB: sequential disk I/O at full speed, a small staging buffer.
     pub file_chunk_bytes: usize,
 }
-
-/// Default [`PagerConfig::file_chunk_bytes`]: 64 MiB, large enough for sequential disk
-/// I/O at full speed, small enough that the staging buffer is a small fraction of the host.
-const DEFAULT_FILE_CHUNK_BYTES: usize = 64 << 20;
 
 /// What a release does beyond backing up and unmapping ([`Pager::release_with`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -145,7 +116,7 @@ impl Default for PagerConfig {
     fn default() -> Self {
         PagerConfig {
             chunk_bytes: DEFAULT_CHUNK_BYTES,
-            discard_chunk_bytes: DEFAULT_DISCARD_CHUNK_BYTES,
+            discard_chunk_bytes: 2 << 30,
             skip_unchanged: true,
             hash_chunk_bytes: crate::backup::DEFAULT_HASH_CHUNK_BYTES,
             verify_restore: false,
@@ -155,9 +126,9 @@ impl Default for PagerConfig {
             copy_unit_bytes: pump::DEFAULT_UNIT_BYTES,
             copy_depth: pump::DEFAULT_DEPTH,
             stream_mover: Mover::CopyEngine,
-            copy_gap_bytes: DEFAULT_COPY_GAP_BYTES,
+            copy_gap_bytes: 1 << 20,
             first_save_overlap: true,
-            file_chunk_bytes: DEFAULT_FILE_CHUNK_BYTES,
+            file_chunk_bytes: 64 << 20,
         }
     }
 }

@@ -87,23 +87,11 @@ fn check_capacity(asked: &str, capacity: usize, physical: usize) -> BackendResul
     Ok(())
 }
 
-/// Parses `"1073741824"`, `"512M"`, `"8G"`, `"1T"` (binary units; a trailing `B` or `iB`
+/// Parses `"1073741824"`, `"512M"`, `"1.5G"`, `"1T"` (binary units; a trailing `B` or `iB`
 /// is accepted). `None` for anything else, zero included.
 fn parse_bytes(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let s = s
-        .strip_suffix("iB")
-        .or_else(|| s.strip_suffix('B'))
-        .unwrap_or(s);
-    let (num, shift) = match s.chars().last()?.to_ascii_uppercase() {
-        'K' => (&s[..s.len() - 1], 10),
-        'M' => (&s[..s.len() - 1], 20),
-        'G' => (&s[..s.len() - 1], 30),
-        'T' => (&s[..s.len() - 1], 40),
-        _ => (s, 0),
-    };
-    let n: usize = num.trim().parse().ok()?;
-    n.checked_mul(1usize << shift).filter(|&b| b > 0)
+    let n = parse_size::Config::new().with_binary().parse_size(s.trim()).ok()?;
+    usize::try_from(n).ok().filter(|&b| b > 0)
 }
 
 /// Physical memory of this machine in bytes (32 GiB if the system does not say).
@@ -726,13 +714,13 @@ mod capacity_tests {
         assert_eq!(parse_bytes("1T"), Some(1 << 40));
         assert_eq!(parse_bytes(" 256 MiB "), Some(256 << 20));
         assert_eq!(parse_bytes("1KB"), Some(1024));
+        assert_eq!(parse_bytes("1.5G"), Some(3 << 29));
         for bad in [
             "",
             "G",
             "0",
             "-1G",
             "lots",
-            "1.5G",
             "12 apples",
             "99999999999999999999T",
         ] {

@@ -10,9 +10,10 @@
 //!
 //! With [`StressConfig::faults`], the backend is wrapped in a
 //! [`FaultyBackend`] that fails maps, copies and pinning at random, and a thread now and
-//! then takes nearly all free device memory ([`gpu_pager_faults::Hog`], standing in for a trainer)
-//! so that a resume fails with `OutOfMemory`, then drops it and resumes again. Each fault
-//! must be recovered: the retry after its cause is gone succeeds and loses nothing.
+//! then takes nearly all free device memory (a [`gpu_pager_faults::Hog`], standing in for a
+//! trainer) so that a resume fails with `OutOfMemory`, then drops it and resumes again.
+//! Each fault must be recovered: the retry after its cause is gone succeeds and loses
+//! nothing.
 //!
 //! The threads also share one paged KV cache ([`gpu_pager::kv::KvCache`] on the elastic region
 //! `kv_paged`): each writes its own sequences, forks them with copy-on-write, swaps them out

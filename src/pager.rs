@@ -966,8 +966,8 @@ impl Pager {
 
     /// Runs `f` on the locked region of `buf` after checking that the buffer is live, that
     /// `offset + len` fits in it, that the region is resident and, elastic, that the range
-    /// is backed. `f` gets the device address of `buf + offset`.
-    fn with_resident<T>(
+    /// is backed. `f` gets the device address of `buf + offset`; a zero `len` runs nothing.
+    fn with_resident<T: Default>(
         &self,
         buf: &Buffer,
         offset: usize,
@@ -987,8 +987,10 @@ impl Pager {
             });
         }
         r.settle()?;
-        let addr = r.base() + range.start as u64;
-        f(&r, addr)
+        if len == 0 {
+            return Ok(T::default());
+        }
+        f(&r, r.base() + range.start as u64)
     }
 
     /// The device address of a buffer. `NotResident` while its region is released;
@@ -1015,9 +1017,6 @@ impl Pager {
     /// Zero bytes copy nothing, after the same checks.
     pub fn write(&self, buf: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
         self.with_resident(buf, offset, data.len(), "a write", |r, addr| {
-            if data.is_empty() {
-                return Ok(());
-            }
             // SAFETY: the range is inside a live buffer of a resident region (checked), and
             // the region's lock is held, so it is mapped for the whole copy.
             unsafe { self.backend.copy_to_device(addr, data) }
@@ -1029,9 +1028,6 @@ impl Pager {
     /// Zero bytes copy nothing, after the same checks.
     pub fn read(&self, buf: &Buffer, offset: usize, out: &mut [u8]) -> Result<()> {
         self.with_resident(buf, offset, out.len(), "a read", |r, addr| {
-            if out.is_empty() {
-                return Ok(());
-            }
             // SAFETY: as in `write`: mapped, live, locked.
             unsafe { self.backend.copy_to_host(out, addr) }
                 .map_err(|e| Error::backend(&r.tag, "copying device data to the host", e))

@@ -308,10 +308,7 @@ impl Mover {
 
     /// 0 for the copy engine, 1 for the copy kernel.
     pub fn index(self) -> usize {
-        match self {
-            Mover::CopyEngine => 0,
-            Mover::CopyKernel => 1,
-        }
+        self as usize
     }
 }
 
@@ -359,6 +356,20 @@ pub struct RawCopy {
     pub device: u64,
     /// Bytes to copy.
     pub bytes: usize,
+}
+
+/// `bufs` when a batch call returned one buffer per request (`want` of them); else
+/// [`BackendError::Invalid`] naming `op`, a backend that broke the batch contract.
+pub(crate) fn one_each(
+    op: &'static str,
+    bufs: Vec<Box<dyn HostBuffer>>,
+    want: usize,
+) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
+    if bufs.len() == want {
+        return Ok(bufs);
+    }
+    let reason = format!("{} buffers for {want} requests", bufs.len());
+    Err(BackendError::Invalid { op, reason })
 }
 
 /// The primitives the pager needs. Implementations are thread-safe; the pager serialises
@@ -475,13 +486,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
         ranges: &[DeviceRange],
     ) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
         let sizes: Vec<usize> = ranges.iter().map(|r| r.bytes).collect();
-        let mut bufs = self.alloc_pinned_many(&sizes)?;
-        if bufs.len() != ranges.len() {
-            return Err(BackendError::Invalid {
-                op: "alloc_pinned_many_from_device",
-                reason: format!("{} buffers for {} ranges", bufs.len(), ranges.len()),
-            });
-        }
+        let bufs = self.alloc_pinned_many(&sizes)?;
+        let mut bufs = one_each("alloc_pinned_many", bufs, ranges.len())?;
         // On error, dropping `bufs` frees every buffer.
         for (buf, r) in bufs.iter_mut().zip(ranges) {
             // SAFETY: `r.src .. r.src + r.bytes` is mapped device memory of this backend (the

@@ -4,6 +4,7 @@
 //! [`Region::map_and_restore`]; the buffers are [`crate::backup`]'s.
 
 use super::*;
+use crate::backend::one_each;
 
 impl Region {
     /// Pins the backup at region offset `start` for `len` bytes (creates its file, for
@@ -106,15 +107,9 @@ impl Region {
                 let sizes: Vec<usize> = missing.iter().map(|&(_, len)| len).collect();
                 let bufs = backend
                     .alloc_pinned_many(&sizes)
+                    .and_then(|b| one_each("alloc_pinned_many", b, sizes.len()))
                     .map_err(|e| Error::backend(&self.tag, "pinning the host backups", e))?;
                 let pinning = t.elapsed();
-                if bufs.len() != sizes.len() {
-                    let e = BackendError::Invalid {
-                        op: "alloc_pinned_many",
-                        reason: format!("{} buffers for {} sizes", bufs.len(), sizes.len()),
-                    };
-                    return Err(Error::backend(&self.tag, "pinning the host backups", e));
-                }
                 for (&(start, _), buf) in missing.iter().zip(bufs) {
                     self.backups.entry(start).or_default().adopt(buf);
                 }
@@ -198,14 +193,10 @@ impl Region {
         // buffers only) is mapped; the pager holds its lock after a synchronize until the
         // release returns, so nothing unmaps or writes them meanwhile (engine kernels
         // launched later are the caller's contract, as for any raw pointer).
-        let bufs = unsafe { backend.alloc_pinned_many_from_device(&ranges) }.map_err(pinning)?;
+        let bufs = unsafe { backend.alloc_pinned_many_from_device(&ranges) }
+            .and_then(|b| one_each("alloc_pinned_many_from_device", b, ranges.len()))
+            .map_err(pinning)?;
         let pin = t.elapsed();
-        if bufs.len() != ranges.len() {
-            return Err(pinning(BackendError::Invalid {
-                op: "alloc_pinned_many_from_device",
-                reason: format!("{} buffers for {} ranges", bufs.len(), ranges.len()),
-            }));
-        }
         // Every buffer is adopted before any is hashed: a failed hash leaves them all pinned.
         for (&(start, _), buf) in missing.iter().zip(bufs) {
             self.backups.entry(start).or_default().adopt(buf);

@@ -247,11 +247,65 @@ impl PumpStats {
 /// copy; any number may borrow the same buffer.
 #[derive(Debug, Clone, Copy)]
 pub struct Pinned<'h> {
+    span: Span,
+    _borrow: PhantomData<&'h [u8]>,
+}
+
+/// Borrowed pinned bytes as addresses: `len` bytes at `host`, which kernels reach at
+/// `device`, and where the buffer's registrations end.
+#[derive(Debug, Clone, Copy)]
+struct Span {
     host: u64,
     device: u64,
     len: usize,
     regs: Regs,
-    _borrow: PhantomData<&'h [u8]>,
+}
+
+impl Span {
+    /// All of `buf`, whose bytes start at `host`.
+    fn of(buf: &dyn HostBuffer, host: *const u8) -> Self {
+        Span {
+            host: host as u64,
+            device: buf.device_ptr(),
+            len: buf.len(),
+            regs: Regs::of(buf),
+        }
+    }
+
+    /// `len` of these bytes from `start` on.
+    fn sub(self, start: usize, len: usize) -> Self {
+        Span {
+            host: self.host + start as u64,
+            device: self.device + start as u64,
+            len,
+            regs: self.regs.advanced(start),
+        }
+    }
+
+    /// The copies between these bytes and device address `device`, in order: each at most
+    /// `unit` bytes, none crossing the end of a registration.
+    fn copies(
+        self,
+        direction: Direction,
+        device: u64,
+        unit: usize,
+    ) -> impl Iterator<Item = RawCopy> {
+        let mut at = 0usize;
+        std::iter::from_fn(move || {
+            (at < self.len).then(|| {
+                let bytes = (self.len - at).min(unit).min(self.regs.advanced(at).room());
+                let off = at as u64;
+                at += bytes;
+                RawCopy {
+                    direction,
+                    host: self.host.wrapping_add(off),
+                    host_device: self.device.wrapping_add(off),
+                    device: device.wrapping_add(off),
+                    bytes,
+                }
+            })
+        })
+    }
 }
 
 /// Where the registrations of a borrowed buffer's bytes end ([`HostBuffer::piece_bytes`]):
@@ -294,12 +348,8 @@ impl Regs {
 impl<'h> Pinned<'h> {
     /// All of `buf`.
     pub fn new(buf: &'h dyn HostBuffer) -> Self {
-        let bytes = buf.as_slice();
         Pinned {
-            host: bytes.as_ptr() as u64,
-            device: buf.device_ptr(),
-            len: bytes.len(),
-            regs: Regs::of(buf),
+            span: Span::of(buf, buf.as_slice().as_ptr()),
             _borrow: PhantomData,
         }
     }
@@ -307,16 +357,13 @@ impl<'h> Pinned<'h> {
     /// Bytes.
     #[cfg(test)]
     pub fn len(&self) -> usize {
-        self.len
+        self.span.len
     }
 
     /// The bytes `range` of these; `None` unless the range lies inside them.
     pub fn get(self, range: Range<usize>) -> Option<Self> {
-        (range.start <= range.end && range.end <= self.len).then(|| Pinned {
-            host: self.host + range.start as u64,
-            device: self.device + range.start as u64,
-            len: range.len(),
-            regs: self.regs.advanced(range.start),
+        (range.start <= range.end && range.end <= self.span.len).then(|| Pinned {
+            span: self.span.sub(range.start, range.len()),
             _borrow: PhantomData,
         })
     }
@@ -326,24 +373,16 @@ impl<'h> Pinned<'h> {
 /// destination). Split it, like a `&mut [u8]`, to hand disjoint parts to several copies.
 #[derive(Debug)]
 pub struct PinnedMut<'h> {
-    host: u64,
-    device: u64,
-    len: usize,
-    regs: Regs,
+    span: Span,
     _borrow: PhantomData<&'h mut [u8]>,
 }
 
 impl<'h> PinnedMut<'h> {
     /// All of `buf`.
     pub fn new(buf: &'h mut dyn HostBuffer) -> Self {
-        let device = buf.device_ptr();
-        let regs = Regs::of(buf);
-        let bytes = buf.as_mut_slice();
+        let host = buf.as_mut_slice().as_mut_ptr();
         PinnedMut {
-            host: bytes.as_mut_ptr() as u64,
-            device,
-            len: bytes.len(),
-            regs,
+            span: Span::of(buf, host),
             _borrow: PhantomData,
         }
     }
@@ -351,28 +390,23 @@ impl<'h> PinnedMut<'h> {
     /// Bytes.
     #[cfg(test)]
     pub fn len(&self) -> usize {
-        self.len
+        self.span.len
     }
 
     /// The bytes before `mid` and those from `mid` on; `None` if `mid` is past the end.
     pub fn split_at(self, mid: usize) -> Option<(Self, Self)> {
-        (mid <= self.len).then(|| {
-            let tail = PinnedMut {
-                host: self.host + mid as u64,
-                device: self.device + mid as u64,
-                len: self.len - mid,
-                regs: self.regs.advanced(mid),
-                _borrow: PhantomData,
-            };
-            (PinnedMut { len: mid, ..self }, tail)
-        })
+        let part = |start, len| PinnedMut {
+            span: self.span.sub(start, len),
+            _borrow: PhantomData,
+        };
+        (mid <= self.span.len).then(|| (part(0, mid), part(mid, self.span.len - mid)))
     }
 
     /// The bytes `range` of these (the rest is given up); `None` unless the range lies
     /// inside them.
     #[cfg(test)]
     pub fn get(self, range: Range<usize>) -> Option<Self> {
-        if range.start > range.end || range.end > self.len {
+        if range.start > range.end || range.end > self.span.len {
             return None;
         }
         let (_, tail) = self.split_at(range.start)?;
@@ -552,12 +586,8 @@ impl<'h> Pump<'_, 'h> {
     /// the destination.
     pub unsafe fn push_to_device(&mut self, src: Pinned<'h>, dst: u64) -> BackendResult<()> {
         self.push(
-            Direction::ToDevice,
-            src.host,
-            src.device,
-            dst,
-            src.len,
-            src.regs,
+            src.span
+                .copies(Direction::ToDevice, dst, self.config.unit_bytes),
         )
     }
 
@@ -570,12 +600,8 @@ impl<'h> Pump<'_, 'h> {
     /// from that backend's [`Backend::alloc_pinned`].
     pub unsafe fn push_to_host(&mut self, src: u64, dst: PinnedMut<'h>) -> BackendResult<()> {
         self.push(
-            Direction::ToHost,
-            dst.host,
-            dst.device,
-            src,
-            dst.len,
-            dst.regs,
+            dst.span
+                .copies(Direction::ToHost, src, self.config.unit_bytes),
         )
     }
 
@@ -586,34 +612,12 @@ impl<'h> Pump<'_, 'h> {
         self.take_failure()
     }
 
-    /// Cuts a copy into units (none crossing the end of a registration of the host buffer),
-    /// queues them and feeds.
-    fn push(
-        &mut self,
-        direction: Direction,
-        host: u64,
-        host_device: u64,
-        device: u64,
-        len: usize,
-        regs: Regs,
-    ) -> BackendResult<()> {
+    /// Queues a copy's units ([`Span::copies`]) and feeds.
+    fn push(&mut self, units: impl Iterator<Item = RawCopy>) -> BackendResult<()> {
         if self.failed {
             return Err(self.take_failure().err().unwrap_or_else(stopped));
         }
-        let unit = self.config.unit_bytes;
-        let mut at = 0usize;
-        while at < len {
-            let bytes = (len - at).min(unit).min(regs.advanced(at).room());
-            let off = at as u64;
-            self.queue.push_back(RawCopy {
-                direction,
-                host: host.wrapping_add(off),
-                host_device: host_device.wrapping_add(off),
-                device: device.wrapping_add(off),
-                bytes,
-            });
-            at += bytes;
-        }
+        self.queue.extend(units);
         self.feed(false);
         self.take_failure()
     }
@@ -1021,20 +1025,9 @@ impl<'h> Sink<'_, '_, 'h> {
                 mover,
             } => {
                 // One copy per registration of the host bytes.
-                let mut at = 0usize;
-                while at < src.len {
-                    let bytes = (src.len - at).min(src.regs.advanced(at).room());
-                    let off = at as u64;
-                    let copy = RawCopy {
-                        direction: Direction::ToDevice,
-                        host: src.host + off,
-                        host_device: src.device + off,
-                        device: dst + off,
-                        bytes,
-                    };
+                for copy in src.span.copies(Direction::ToDevice, dst, usize::MAX) {
                     // SAFETY: forwarded from the caller; `copy` is a part of `src`.
                     unsafe { backend.copy_on(&copy, *mover, *stream) }?;
-                    at += bytes;
                 }
                 Ok(())
             }
@@ -1683,18 +1676,18 @@ mod tests {
         let backwards = 20..10;
         assert!(p.get(backwards).is_none());
         let q = p.get(10..30).unwrap();
-        assert_eq!((q.host, q.len()), (base + 10, 20));
+        assert_eq!((q.span.host, q.len()), (base + 10, 20));
         assert!(q.get(0..21).is_none());
         let m = PinnedMut::new(buf.as_mut());
         assert!(m.split_at(101).is_none());
         let m = PinnedMut::new(buf.as_mut());
         let (a, b) = m.split_at(40).unwrap();
         assert_eq!(
-            (a.host, a.len(), b.host, b.len()),
+            (a.span.host, a.len(), b.span.host, b.len()),
             (base, 40, base + 40, 60)
         );
         let c = b.get(5..25).unwrap();
-        assert_eq!((c.host, c.len()), (base + 45, 20));
+        assert_eq!((c.span.host, c.len()), (base + 45, 20));
         assert!(PinnedMut::new(buf.as_mut()).get(50..101).is_none());
     }
 

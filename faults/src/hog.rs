@@ -125,7 +125,9 @@ impl DeviceAlloc {
             }),
             Err(e) => {
                 // SAFETY: releases the retain taken above, once.
-                let _ = unsafe { result::primary_ctx::release(device) };
+                if let Err(r) = unsafe { result::primary_ctx::release(device) } {
+                    errors.record(format!("releasing a failed memory hog's context: {r}"));
+                }
                 Err(failed("cuMemAlloc")(e))
             }
         }

@@ -218,6 +218,26 @@ fn oom_during_resume_rolls_back_and_a_retry_succeeds() {
     assert_eq!(read_all(&pager, &w), data);
 }
 
+/// The trainer stand-in takes capacity (rounded up to the granularity), fails with
+/// `OutOfMemory` past what is free, and gives it back when dropped.
+#[test]
+fn a_hog_takes_capacity_and_gives_it_back() {
+    let backend = HostBackend::new(HostConfig {
+        capacity: 8 * MIB,
+        granularity: 2 * MIB,
+    });
+    let hog = Hog::take(&backend, 3 * MIB).unwrap();
+    assert_eq!((hog.len(), hog.ptr()), (4 * MIB, None));
+    assert_eq!(backend.used_bytes(), 4 * MIB);
+    assert!(matches!(
+        Hog::take(&backend, 5 * MIB),
+        Err(gpu_pager::backend::BackendError::OutOfMemory { .. })
+    ));
+    assert!(Hog::take(&backend, 0).unwrap().is_empty());
+    drop(hog);
+    assert_eq!(backend.used_bytes(), 0);
+}
+
 #[test]
 fn oom_on_the_first_region_of_a_resume_keeps_the_backup() {
     let (backend, pager) = setup(32 * MIB);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{DriverError, result, sys};
 use gpu_pager::backend::{
-    Backend, BackendError, BackendKind, BackendResult, DeferredErrors, Mapping, Reservation,
+    Backend, BackendError, BackendKind, BackendResult, DeferredErrors, Mapping,
 };
 
 /// Memory held by someone other than the pager, from [`Hog::take`]; given back on drop.
@@ -19,14 +19,10 @@ pub struct Hog {
 
 #[derive(Debug)]
 enum Memory {
-    /// Nothing (a zero-byte hog).
-    None,
-    /// On the host backend: chunks mapped in a reservation of its own, which the backend
-    /// counts against its capacity like any other mapping. Held, never read.
-    Host {
-        _mappings: Vec<Box<dyn Mapping>>,
-        _reservation: Arc<dyn Reservation>,
-    },
+    /// On the host backend (and for zero bytes): chunks mapped in a reservation of their
+    /// own (each mapping holds it), which the backend counts against its capacity like any
+    /// other mapping. Held, never read.
+    Mapped { _mappings: Vec<Box<dyn Mapping>> },
     /// On CUDA: a plain `cuMemAlloc` allocation in the device's primary context (the
     /// pager's context), as a trainer's caching allocator makes.
     Cuda(DeviceAlloc),
@@ -37,25 +33,25 @@ impl Hog {
     /// granularity). Fails with [`BackendError::OutOfMemory`] when that much is not free.
     pub fn take(backend: &dyn Backend, bytes: usize) -> BackendResult<Hog> {
         let info = backend.info();
-        let memory = match (bytes, info.kind, info.ordinal) {
-            (0, _, _) => Memory::None,
-            (_, BackendKind::Cuda, Some(ordinal)) => {
-                let errors = backend.deferred_errors().clone();
-                Memory::Cuda(DeviceAlloc::new(ordinal, bytes, errors)?)
-            }
-            _ => {
-                let len = bytes.next_multiple_of(info.granularity);
-                let reservation = backend.reserve(len)?;
-                // SAFETY: the span is the whole fresh reservation, unmapped.
-                let mappings = unsafe { backend.map(&reservation, 0, &[len]) }?;
-                let memory = Memory::Host {
-                    _mappings: mappings,
-                    _reservation: reservation,
-                };
-                return Ok(Hog { len, memory });
-            }
+        if bytes == 0 {
+            let memory = Memory::Mapped {
+                _mappings: Vec::new(),
+            };
+            return Ok(Hog { len: 0, memory });
+        }
+        if let (BackendKind::Cuda, Some(ordinal)) = (info.kind, info.ordinal) {
+            let errors = backend.deferred_errors().clone();
+            let memory = Memory::Cuda(DeviceAlloc::new(ordinal, bytes, errors)?);
+            return Ok(Hog { len: bytes, memory });
+        }
+        let len = bytes.next_multiple_of(info.granularity);
+        let reservation = backend.reserve(len)?;
+        // SAFETY: the span is the whole fresh reservation, unmapped.
+        let mappings = unsafe { backend.map(&reservation, 0, &[len]) }?;
+        let memory = Memory::Mapped {
+            _mappings: mappings,
         };
-        Ok(Hog { len: bytes, memory })
+        Ok(Hog { len, memory })
     }
 
     /// Bytes held.
@@ -73,7 +69,7 @@ impl Hog {
     pub fn ptr(&self) -> Option<u64> {
         match &self.memory {
             Memory::Cuda(a) => Some(a.ptr),
-            Memory::None | Memory::Host { .. } => None,
+            Memory::Mapped { .. } => None,
         }
     }
 }

@@ -108,15 +108,9 @@ fn install(level: u32) -> Result<(), String> {
             })
         })
         .clone()?;
-    let filter = match level {
-        0 => log::LevelFilter::Off,
-        1 => log::LevelFilter::Error,
-        2 => log::LevelFilter::Warn,
-        3 => log::LevelFilter::Info,
-        4 => log::LevelFilter::Debug,
-        _ => log::LevelFilter::Trace,
-    };
-    log::set_max_level(filter);
+    // Off, Error, Warn, Info, Debug, Trace: the filter's own order is the level number.
+    let filter = log::LevelFilter::iter().nth(level as usize);
+    log::set_max_level(filter.unwrap_or(log::LevelFilter::Trace));
     Ok(())
 }
 

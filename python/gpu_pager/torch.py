@@ -314,15 +314,22 @@ def pager(device: Any = None) -> Pager:
 
 
 def _ensure_region(
-    p: Pager, tag: str, policy: Policy | str, bytes: int | None, prepin: bool
+    p: Pager,
+    tag: str,
+    policy: Policy | str,
+    bytes: int | None,
+    prepin: bool,
+    medium: str = "pinned",
 ) -> RegionInfo:
-    """Creates region ``tag``, or returns it if it exists with ``policy``: without ``bytes``
-    an existing region is taken at its size, so that ``use(tag)`` can be entered again."""
+    """Creates region ``tag`` (backed up in ``medium``), or returns it if it exists with
+    ``policy``: without ``bytes`` an existing region is taken at its size and medium, so
+    that ``use(tag)`` can be entered again."""
     if bytes is None and tag in p.tags():
         info = p.info(tag)
+        medium = info.medium
         if info.kind != "growing":
             bytes = info.size
-    return p.region(tag, policy, bytes, prepin)
+    return p.region(tag, policy, bytes, prepin, medium)
 
 
 @contextmanager

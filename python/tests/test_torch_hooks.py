@@ -120,6 +120,14 @@ def test_region_entered_again_without_bytes(pager: gpu_pager.Pager, tag: str) ->
         gpt._ensure_region(pager, tag, "discard", None, False)
 
 
+def test_region_entered_again_keeps_its_medium(pager: gpu_pager.Pager, tag: str) -> None:
+    """A tag created with host-memory backups (vLLM's release-host-memory switch) is taken
+    as it is when entered again, not refused for asking pinned ones."""
+    first = pager.region(tag, "preserve", medium="host")
+    again = gpt._ensure_region(pager, tag, "preserve", None, False)
+    assert (again.id, again.medium) == (first.id, "host")
+
+
 def test_use_tag_refuses_a_negative_device_and_an_unknown_tag() -> None:
     with pytest.raises(gpu_pager.InvalidArgumentError):
         gpt.use_tag(-1, "x")

@@ -76,3 +76,33 @@ def test_the_entry_point_without_vllm_s_registry_still_switches() -> None:
     done = run(code, GPU_PAGER_DROP_IN="all")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "gpu_pager.compat.vllm"
+
+
+def test_the_backend_discards_through_the_allocator() -> None:
+    """vLLM's ``release_kv_cache_memory`` calls the backend's ``discard``, which vLLM's base
+    class refuses: gpu_pager's backend hands it to the allocator (here it names the tags the
+    allocator knows, as a discard of a tag never allocated does)."""
+    code = """
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+        b = SleepModeBackendFactory.get_backend_class("gpu_pager")()
+        try:
+            b.discard(("kv_cache",))
+        except ValueError as e:
+            print("allocator:", e)
+    """
+    done = run(code, GPU_PAGER_DROP_IN="")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("allocator: discard: ['kv_cache'] never allocated"), done.stdout
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [("1", True), ("true", True), ("YES", True), ("0", False), ("", False), ("false", False)],
+)
+def test_release_host_memory_follows_vllm_s_variable(
+    monkeypatch: pytest.MonkeyPatch, value: str, on: bool
+) -> None:
+    monkeypatch.setenv(drop_in.RELEASE_HOST_MEMORY_ENV, value)
+    assert drop_in.release_host_memory() is on

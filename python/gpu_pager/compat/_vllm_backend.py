@@ -22,6 +22,11 @@ class GpuPagerBackend(SleepModeBackend):  # type: ignore[misc,unused-ignore]
         get_mem_allocator_instance().wake_up(tags)
         self._state = "RUNNING"
 
+    def discard(self, tags: tuple[str, ...]) -> None:
+        """Drops ``tags`` without a backup (vLLM's ``release_kv_cache_memory``)."""
+        get_mem_allocator_instance().discard(tags)
+        self._state = "SUSPENDED"
+
     @classmethod
     def preserves_communicators(cls) -> bool:
         return True

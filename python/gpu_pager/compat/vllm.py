@@ -29,9 +29,12 @@ tags in ``offload_tags``, default ``("default",)``; every other tag is discarded
 back zeroed); ``discard(tags)`` drops tags without a backup; a wake-up may defer only the
 ``DEFERRABLE_TAGS`` and always restores every other tag (``default``, block tables,
 scratch, the graph pool); ``sleep`` and ``wake_up`` are idempotent; tags already asleep keep
-how they went to sleep. Differences, on the safe side: a wake-up that runs out of memory
-raises ``gpu_pager.OutOfMemoryError`` (a ``RuntimeError``, as vLLM's CUDA errors are, and a
-``MemoryError``), restores nothing and loses nothing, and a retry succeeds; waking or
+how they went to sleep. Backups stay in pinned host memory across cycles, so a sleep of
+unchanged weights copies nothing; with ``VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY=1`` each
+wake-up gives that memory back instead (:func:`release_host_memory`). Differences, on the
+safe side: a wake-up that runs out of memory raises ``gpu_pager.OutOfMemoryError`` (a
+``RuntimeError``, as vLLM's CUDA errors are, and a ``MemoryError``), restores nothing and
+loses nothing, and a retry succeeds; waking or
 discarding a tag that was never allocated is a ``ValueError`` naming the known tags; an
 allocation under a sleeping tag fails (``torch.OutOfMemoryError``, the reason in
 ``gpu_pager.torch.last_error()``) instead of handing out memory that is not mapped.
@@ -51,8 +54,10 @@ __all__ = [
     "DEFERRABLE_TAGS",
     "GRAPH_TAG",
     "CuMemAllocator",
+    "RELEASE_HOST_MEMORY_ENV",
     "get_mem_allocator_instance",
     "register",
+    "release_host_memory",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,6 +67,18 @@ DEFERRABLE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
 
 GRAPH_TAG = "cuda_graph"
 """The tag of the memory of CUDA graphs captured in ``use_cudagraph_pool()``."""
+
+
+RELEASE_HOST_MEMORY_ENV = "VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY"
+"""vLLM's switch to give the host memory of the backups back after each wake-up."""
+
+
+def release_host_memory() -> bool:
+    """Whether ``VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY`` is on (``1``, ``true``, ``yes``).
+    Read when a tag is first used: its backups then go to host memory that each wake-up
+    gives back to the system (pinned again at the next sleep) instead of pinned memory
+    kept across cycles, for hosts whose engines take turns on one GPU."""
+    return os.environ.get(RELEASE_HOST_MEMORY_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
 def _gpt() -> Any:
@@ -107,7 +124,8 @@ class CuMemAllocator:
             raise RuntimeError(
                 f"tag {tag!r} is asleep: wake it up (wake_up([{tag!r}])) before allocating in it"
             )
-        gpt._ensure_region(gpt.pager(self._device), tag, "preserve", None, False)
+        medium = "host" if release_host_memory() else "pinned"
+        gpt._ensure_region(gpt.pager(self._device), tag, "preserve", None, False, medium)
         if tag not in self._tags:
             self._tags.append(tag)
         pool = gpt.pool(tag, self._device)

@@ -19,6 +19,11 @@ class SleepModeBackend(ABC):
     def state(self) -> str:
         return self._state
 
+    def discard(self, tags: "tuple[str, ...]") -> None:
+        raise RuntimeError(
+            f"Sleep-mode backend {type(self).__name__!r} does not support selective discard."
+        )
+
     @classmethod
     def preserves_communicators(cls) -> bool:
         return False

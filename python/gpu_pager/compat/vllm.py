@@ -29,15 +29,17 @@ tags in ``offload_tags``, default ``("default",)``; every other tag is discarded
 back zeroed); ``discard(tags)`` drops tags without a backup; a wake-up may defer only the
 ``DEFERRABLE_TAGS`` and always restores every other tag (``default``, block tables,
 scratch, the graph pool); ``sleep`` and ``wake_up`` are idempotent; tags already asleep keep
-how they went to sleep. Backups stay in pinned host memory across cycles, so a sleep of
-unchanged weights copies nothing; with ``VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY=1`` each
-wake-up gives that memory back instead (:func:`release_host_memory`). Differences, on the
-safe side: a wake-up that runs out of memory raises ``gpu_pager.OutOfMemoryError`` (a
+how they went to sleep; where vLLM has tag hooks (``register_tag_hooks``, for a KV
+connector's transport registrations), a tag's before-unmap hooks run before it sleeps and
+the after-map hooks after every wake-up. Backups stay in pinned host memory across
+cycles, so a sleep of unchanged weights copies nothing; with
+``VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY=1`` each wake-up gives that memory back instead
+(:func:`release_host_memory`). Differences, on the safe side: a wake-up that runs out of memory raises ``gpu_pager.OutOfMemoryError`` (a
 ``RuntimeError``, as vLLM's CUDA errors are, and a ``MemoryError``), restores nothing and
-loses nothing, and a retry succeeds; waking or
-discarding a tag that was never allocated is a ``ValueError`` naming the known tags; an
-allocation under a sleeping tag fails (``torch.OutOfMemoryError``, the reason in
-``gpu_pager.torch.last_error()``) instead of handing out memory that is not mapped.
+loses nothing, and a retry succeeds; waking or discarding a tag that was never allocated
+is a ``ValueError`` naming the known tags; an allocation under a sleeping tag fails
+(``torch.OutOfMemoryError``, the reason in ``gpu_pager.torch.last_error()``) instead of
+handing out memory that is not mapped.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ import gc
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "DEFERRABLE_TAGS",
@@ -79,6 +81,28 @@ def release_host_memory() -> bool:
     gives back to the system (pinned again at the next sleep) instead of pinned memory
     kept across cycles, for hosts whose engines take turns on one GPU."""
     return os.environ.get(RELEASE_HOST_MEMORY_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+class _TagHooks(NamedTuple):
+    before_unmap: Callable[..., None]
+    after_map: Callable[..., None]
+    record: Callable[..., Any]
+
+
+def _vllm_tag_hooks() -> _TagHooks | None:
+    """vLLM's tag hooks where the running vLLM has them (``register_tag_hooks``: state that
+    must live exactly as long as a tag's mapping, such as a KV connector's transport
+    registration of the KV cache), else ``None``."""
+    try:
+        import vllm.device_allocator as allocators
+    except ImportError:
+        return None
+    before = getattr(allocators, "run_before_unmap_hooks", None)
+    after = getattr(allocators, "run_after_map_hooks", None)
+    record = getattr(allocators, "AllocationData", None)
+    if before is None or after is None or record is None:
+        return None
+    return _TagHooks(before, after, record)
 
 
 def _gpt() -> Any:
@@ -193,10 +217,7 @@ class CuMemAllocator:
                 changed,
             )
         if awake:
-            drop = [t for t in awake if t not in offload_tags]
-            _gpt().release(awake, self._device, drop=drop)
-            for t in awake:
-                self._kept[t] = t in offload_tags
+            self._unmap(awake, drop=[t for t in awake if t not in offload_tags])
             gc.collect()
             import torch
 
@@ -209,9 +230,31 @@ class CuMemAllocator:
         names = self._known((tags,) if isinstance(tags, str) else tuple(tags), "discard")
         awake = [t for t in names if t not in self._kept]
         if awake:
-            _gpt().release(awake, self._device, drop=awake)
-            for t in awake:
-                self._kept[t] = False
+            self._unmap(awake, drop=awake)
+
+    def _unmap(self, tags: list[str], drop: list[str]) -> None:
+        """Releases ``tags`` (those in ``drop`` without a backup) inside vLLM's tag hooks:
+        their before-unmap hooks first, and if the release fails (nothing changed) the
+        after-map hooks again, so that nothing stays unregistered from a live mapping."""
+        hooks = _vllm_tag_hooks()
+        if hooks is not None:
+            hooks.before_unmap(self._records(hooks), tags)
+        try:
+            _gpt().release(tags, self._device, drop=drop)
+        except BaseException:
+            if hooks is not None:
+                hooks.after_map(self._records(hooks))
+            raise
+        for t in tags:
+            self._kept[t] = t not in drop
+
+    def _records(self, hooks: _TagHooks) -> list[Any]:
+        """One vLLM ``AllocationData`` per tag, asleep or not: what vLLM's hooks read."""
+        device = self._device or 0
+        return [
+            hooks.record(handle=(device, 0, 0, 0), tag=t, is_asleep=t in self._kept)
+            for t in self._tags
+        ]
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Maps the memory of ``tags`` back at the same addresses, with the contents of
@@ -227,6 +270,9 @@ class CuMemAllocator:
             _gpt().resume(want, self._device)
             for t in want:
                 del self._kept[t]
+        hooks = _vllm_tag_hooks()
+        if hooks is not None:
+            hooks.after_map(self._records(hooks))
 
     def get_current_usage(self) -> int:
         """Bytes of the segments torch holds in this allocator's tags, asleep or not (as

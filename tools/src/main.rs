@@ -558,12 +558,22 @@ fn stress(backend: Arc<dyn Backend>, a: &StressArgs) -> Result<(), Error> {
     ) {
         bar.set_style(style);
     }
+    // Without a terminal (a log, CI) the bar is hidden: a line every tenth of the run
+    // (at least 10 s apart) says the same.
+    let every = (total / 10).max(10);
+    let next_line = std::cell::Cell::new(every);
     let summary = stress::run(backend, &cfg, &|p| {
-        bar.set_position(p.elapsed.as_secs().min(total));
-        bar.set_message(format!(
+        let msg = format!(
             "cycles {}  faults {}  corruptions {}  errors {}",
             p.cycles, p.faults, p.corruptions, p.errors
-        ));
+        );
+        let secs = p.elapsed.as_secs();
+        if bar.is_hidden() && secs >= next_line.get() && secs < total {
+            eprintln!("[{secs:>5} s of {total}] {msg}");
+            next_line.set(secs + every);
+        }
+        bar.set_position(secs.min(total));
+        bar.set_message(msg);
     })?;
     bar.finish_and_clear();
     println!("{summary}");

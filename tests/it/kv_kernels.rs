@@ -129,6 +129,17 @@ fn kv_calls_are_checked_first() {
             },
             "layer 2",
         ),
+        (
+            KvOp::SwapOut {
+                cache: view,
+                blocks: &[0],
+                host: DeviceSpan {
+                    addr: span.addr + 1,
+                    len: span.len - 1,
+                },
+            },
+            "the host address",
+        ),
     ];
     for (op, what) in bad {
         // SAFETY: every span is live memory; the calls are refused before they touch it.

@@ -164,44 +164,11 @@ impl KvOp<'_> {
     /// function (ids and slots below the capacity, lengths consistent, lists well formed),
     /// the cache range not wrapping, and no caller buffer overlapping the cache.
     pub fn check(&self) -> Result<(), KvError> {
-        let c = self.cache();
-        let bytes = c.layout.total_bytes(c.blocks)?;
-        let cache_len = usize::try_from(bytes)
-            .map_err(|_| invalid(format!("a cache of {bytes} bytes does not fit usize")))?;
-        if c.layout.token_bytes() >= 1 << 31 {
-            return Err(invalid(format!(
-                "{}: one token of all heads is {} bytes; the kernels index it with 31 bits",
-                self.name(),
-                c.layout.token_bytes()
-            )));
-        }
-        if c.base.checked_add(c.bytes()).is_none() {
-            return Err(invalid(format!(
-                "the cache at {:#x} with {} bytes wraps the address space",
-                c.base,
-                c.bytes()
-            )));
-        }
-        let cache_span = DeviceSpan {
-            addr: c.base,
-            len: cache_len,
-        };
+        let cache = self.cache_span()?;
+        let (buffers, count) = self.buffers();
         // What the kernels need on every backend (so host tests fail where a GPU would):
         // 2-byte alignment (the narrowest access) and counts that fit 32 bits.
-        let (spans, count): (Vec<(&str, DeviceSpan)>, usize) = match *self {
-            KvOp::Write {
-                keys,
-                values,
-                tokens,
-                ..
-            } => (vec![("keys", keys), ("values", values)], tokens),
-            KvOp::Gather { out, tokens, .. } => (vec![("output", out)], tokens),
-            KvOp::CopyBlocks { pairs, .. } => (vec![], pairs.len()),
-            KvOp::SwapOut { host, blocks, .. } | KvOp::SwapIn { host, blocks, .. } => {
-                (vec![("host", host)], blocks.len())
-            }
-        };
-        for (what, s) in std::iter::once(("cache", cache_span)).chain(spans) {
+        for (what, s) in std::iter::once(("cache", cache)).chain(buffers.iter().copied()) {
             if s.addr % 2 != 0 {
                 return Err(invalid(format!(
                     "{}: the {what} address {:#x} is odd; the kernels need 2-byte alignment",
@@ -217,80 +184,104 @@ impl KvOp<'_> {
                 u32::MAX
             )));
         }
-        let apart = |what: &str, s: &DeviceSpan| -> Result<(), KvError> {
-            if s.len > 0 && s.addr < cache_span.end() && cache_span.addr < s.end() {
+        self.check_reference(cache.len)?;
+        for (what, s) in buffers {
+            if s.len > 0 && s.addr < cache.end() && cache.addr < s.end() {
                 return Err(invalid(format!(
                     "{}: the {what} buffer {:#x}..{:#x} overlaps the cache {:#x}..{:#x}; \
                      pass a buffer outside the KV cache",
                     self.name(),
                     s.addr,
                     s.end(),
-                    cache_span.addr,
-                    cache_span.end()
+                    cache.addr,
+                    cache.end()
                 )));
             }
-            Ok(())
-        };
+        }
+        Ok(())
+    }
+
+    /// The cache's span, after checking that its size fits `usize`, that one token of all
+    /// heads fits the kernels' 31-bit index and that the range does not wrap.
+    fn cache_span(&self) -> Result<DeviceSpan, KvError> {
+        let c = self.cache();
+        let bytes = c.layout.total_bytes(c.blocks)?;
+        let len = usize::try_from(bytes)
+            .map_err(|_| invalid(format!("a cache of {bytes} bytes does not fit usize")))?;
+        if c.layout.token_bytes() >= 1 << 31 {
+            return Err(invalid(format!(
+                "{}: one token of all heads is {} bytes; the kernels index it with 31 bits",
+                self.name(),
+                c.layout.token_bytes()
+            )));
+        }
+        if c.base.checked_add(c.bytes()).is_none() {
+            return Err(invalid(format!(
+                "the cache at {:#x} with {} bytes wraps the address space",
+                c.base,
+                c.bytes()
+            )));
+        }
+        Ok(DeviceSpan { addr: c.base, len })
+    }
+
+    /// The caller's buffers by name, and how many tokens or blocks the call moves.
+    fn buffers(&self) -> (Vec<(&'static str, DeviceSpan)>, usize) {
         match *self {
             KvOp::Write {
-                cache,
+                keys,
+                values,
+                tokens,
+                ..
+            } => (vec![("keys", keys), ("values", values)], tokens),
+            KvOp::Gather { out, tokens, .. } => (vec![("output", out)], tokens),
+            KvOp::CopyBlocks { pairs, .. } => (vec![], pairs.len()),
+            KvOp::SwapOut { host, blocks, .. } | KvOp::SwapIn { host, blocks, .. } => {
+                (vec![("host", host)], blocks.len())
+            }
+        }
+    }
+
+    /// The reference function's own checks, against a cache of `cache_len` bytes.
+    fn check_reference(&self, cache_len: usize) -> Result<(), KvError> {
+        let layout = &self.cache().layout;
+        match *self {
+            KvOp::Write {
                 layer,
                 keys,
                 values,
                 tokens,
                 token_stride_bytes,
                 slot_mapping,
-            } => {
-                reference::check_write(
-                    &cache.layout,
-                    cache_len,
-                    layer,
-                    keys.len,
-                    values.len,
-                    tokens,
-                    token_stride_bytes,
-                    slot_mapping,
-                )?;
-                apart("keys", &keys)?;
-                apart("values", &values)
-            }
+                ..
+            } => reference::check_write(
+                layout,
+                cache_len,
+                layer,
+                keys.len,
+                values.len,
+                tokens,
+                token_stride_bytes,
+                slot_mapping,
+            ),
             KvOp::Gather {
-                cache,
                 layer,
                 kv,
                 block_table,
                 tokens,
                 out,
+                ..
             } => {
-                reference::check_gather(
-                    &cache.layout,
-                    cache_len,
-                    layer,
-                    kv,
-                    block_table,
-                    tokens,
-                    out.len,
-                )?;
-                apart("output", &out)
+                reference::check_gather(layout, cache_len, layer, kv, block_table, tokens, out.len)
             }
-            KvOp::CopyBlocks { cache, pairs } => {
-                reference::check_copy_blocks(&cache.layout, cache_len, pairs)
+            KvOp::CopyBlocks { pairs, .. } => {
+                reference::check_copy_blocks(layout, cache_len, pairs)
             }
-            KvOp::SwapOut {
-                cache,
-                blocks,
-                host,
-            } => {
-                reference::check_swap_out(&cache.layout, cache_len, blocks, host.len)?;
-                apart("host", &host)
+            KvOp::SwapOut { blocks, host, .. } => {
+                reference::check_swap_out(layout, cache_len, blocks, host.len).map(drop)
             }
-            KvOp::SwapIn {
-                cache,
-                blocks,
-                host,
-            } => {
-                reference::check_swap_in(&cache.layout, cache_len, blocks, host.len)?;
-                apart("host", &host)
+            KvOp::SwapIn { blocks, host, .. } => {
+                reference::check_swap_in(layout, cache_len, blocks, host.len).map(drop)
             }
         }
     }

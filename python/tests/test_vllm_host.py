@@ -108,58 +108,86 @@ def test_release_host_memory_follows_vllm_s_variable(
     assert drop_in.release_host_memory() is on
 
 
+# The allocator over a recording stand-in for gpu_pager.torch (no torch here): `log` gets
+# each release (with the tags it drops) and resume, in order.
+RECORDED = """
+    import sys, types
+    sys.modules["torch"] = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(empty_cache=lambda: None))
+    import vllm.device_allocator as va
+    from gpu_pager.compat import vllm as drop_in
+    log = []
+
+    class Pager:
+        fail = False
+        def release(self, tags, device, drop):
+            if self.fail:
+                raise RuntimeError("release failed")
+            log.append(("release", *tags) + (("drop", *drop) if drop else ()))
+        def resume(self, tags, device):
+            log.append(("resume", *tags))
+
+    pager = Pager()
+    drop_in._gpt = lambda: pager
+
+    def allocator(*tags):
+        a = drop_in.CuMemAllocator()
+        a._tags, a._device = list(tags), 0
+        return a
+
+    def step(name, call):
+        log.clear()
+        call()
+        print(name, log)
+"""
+
+
 def test_vllm_s_tag_hooks_run_around_unmapping_and_mapping() -> None:
     """Where vLLM has tag hooks (a KV connector's transport registration), a tag's
     before-unmap hooks run before its release and its after-map hooks after each wake-up
-    that leaves it mapped; a release that fails runs the after-map hooks again. The pager
-    calls are recorded, not made: there is no torch here."""
-    code = """
-        import sys, types
-        sys.modules["torch"] = types.SimpleNamespace(
-            cuda=types.SimpleNamespace(empty_cache=lambda: None))
-        import vllm.device_allocator as va
-        from gpu_pager.compat import vllm as drop_in
-        log = []
-
-        class Pager:
-            fail = False
-            def release(self, tags, device, drop):
-                if self.fail:
-                    raise RuntimeError("release failed")
-                log.append(("release", *tags))
-            def resume(self, tags, device):
-                log.append(("resume", *tags))
-
-        pager = Pager()
-        drop_in._gpt = lambda: pager
-        for tag in ("kv_cache", "weights"):
-            va.register_tag_hooks(
-                tag, lambda t=tag: log.append(("before", t)), lambda t=tag: log.append(("after", t)))
-        a = drop_in.CuMemAllocator()
-        a._tags, a._device = ["weights", "kv_cache"], 0
-
-        def step(name, call):
-            log.clear()
-            call()
-            print(name, log)
-
-        step("discard", lambda: a.discard("kv_cache"))
-        step("sleep", lambda: a.sleep(("weights",)))
-        step("wake weights", lambda: a.wake_up(["weights"]))
-        step("wake all", lambda: a.wake_up())
-        pager.fail = True
-        try:
-            step("failed sleep", lambda: a.sleep())
-        except RuntimeError:
-            print("failed sleep", log, a._kept)
+    that leaves it mapped; a release that fails runs the after-map hooks again."""
+    code = RECORDED + """
+    for tag in ("kv_cache", "weights"):
+        va.register_tag_hooks(
+            tag, lambda t=tag: log.append(("before", t)), lambda t=tag: log.append(("after", t)))
+    a = allocator("weights", "kv_cache")
+    step("discard", lambda: a.discard("kv_cache"))
+    step("sleep", lambda: a.sleep(("weights",)))
+    step("wake weights", lambda: a.wake_up(["weights"]))
+    step("wake all", lambda: a.wake_up())
+    pager.fail = True
+    try:
+        step("failed sleep", lambda: a.sleep())
+    except RuntimeError:
+        print("failed sleep", log, a._kept)
     """
     done = run(code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
-        "discard [('before', 'kv_cache'), ('release', 'kv_cache')]",
+        "discard [('before', 'kv_cache'), ('release', 'kv_cache', 'drop', 'kv_cache')]",
         "sleep [('before', 'weights'), ('release', 'weights')]",
         "wake weights [('resume', 'weights'), ('after', 'weights')]",
         "wake all [('resume', 'kv_cache'), ('after', 'kv_cache'), ('after', 'weights')]",
         "failed sleep [('before', 'kv_cache'), ('before', 'weights'), "
         "('after', 'kv_cache'), ('after', 'weights')] {}",
+    ]
+
+
+def test_runtime_state_is_kept_at_every_sleep_level() -> None:
+    """vLLM's runtime state (block tables) survives both levels: level 2 keeps nothing
+    else, level 1 the weights too; an explicit discard still drops it."""
+    code = RECORDED + """
+    a = allocator("weights", "runtime", "kv_cache")
+    step("level 2", lambda: a.sleep(offload_tags=()))
+    a.wake_up()
+    step("level 1", lambda: a.sleep(offload_tags=("weights",)))
+    a.wake_up()
+    step("discard", lambda: a.discard("runtime"))
+    """
+    done = run(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "level 2 [('release', 'weights', 'runtime', 'kv_cache', 'drop', 'weights', 'kv_cache')]",
+        "level 1 [('release', 'weights', 'runtime', 'kv_cache', 'drop', 'kv_cache')]",
+        "discard [('release', 'runtime', 'drop', 'runtime')]",
     ]

@@ -119,6 +119,8 @@ def run_vllm(size: str) -> None:
           "a selective wake-up wakes every tag that is not deferrable")
     check(all(torch.equal(p.detach().cpu(), v) for p, v in zip(engine.parameters(), new_weights)),
           "level 1: weights bit-exact after the wake-up")
+    check(torch.equal(blocks, torch.arange(1 << 20, dtype=torch.int32, device="cuda")),
+          "level 1: runtime state kept")
     blocks.fill_(1)  # touching a non-deferrable tag after a weights-only wake: no fault
     torch.cuda.synchronize()
     engine.update(new_weights)
@@ -131,6 +133,7 @@ def run_vllm(size: str) -> None:
     trainer_pass()
     alloc.wake_up(tags=["weights"])
     check(float(engine.parameters()[0].detach().abs().sum()) == 0.0, "level 2: weights come back zeroed")
+    check(int(blocks.sum()) == blocks.numel(), "level 2: runtime state kept")
     with torch.no_grad():
         for n, b in engine.model.named_buffers():
             b.copy_(buffers[n])

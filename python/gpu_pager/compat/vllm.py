@@ -25,8 +25,8 @@ To switch vLLM without editing it, install the wheel and set
 gpu_pager``).
 
 vLLM's semantics, kept: which tags keep their contents is chosen at each ``sleep`` (the
-tags in ``offload_tags``, default ``("default",)``; every other tag is discarded and comes
-back zeroed); ``discard(tags)`` drops tags without a backup; a wake-up may defer only the
+tags in ``offload_tags``, default ``("default",)``, and the ``KEPT_TAGS``; every other tag
+is discarded and comes back zeroed); ``discard(tags)`` drops tags without a backup; a wake-up may defer only the
 ``DEFERRABLE_TAGS`` and always restores every other tag (``default``, block tables,
 scratch, the graph pool); ``sleep`` and ``wake_up`` are idempotent; tags already asleep keep
 how they went to sleep; where vLLM has tag hooks (``register_tag_hooks``, for a KV
@@ -55,6 +55,7 @@ from typing import Any, NamedTuple
 __all__ = [
     "DEFERRABLE_TAGS",
     "GRAPH_TAG",
+    "KEPT_TAGS",
     "CuMemAllocator",
     "RELEASE_HOST_MEMORY_ENV",
     "get_mem_allocator_instance",
@@ -66,6 +67,10 @@ logger = logging.getLogger(__name__)
 
 DEFERRABLE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
 """The tags a selective wake-up may leave asleep; any wake-up restores every other tag."""
+
+KEPT_TAGS: tuple[str, ...] = ("runtime",)
+"""The tags every ``sleep`` keeps, whatever ``offload_tags`` says: vLLM's runtime state
+(block tables, request state), which survives both sleep levels."""
 
 GRAPH_TAG = "cuda_graph"
 """The tag of the memory of CUDA graphs captured in ``use_cudagraph_pool()``."""
@@ -202,13 +207,14 @@ class CuMemAllocator:
 
     def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
         """Gives every tag's memory back: the tags in ``offload_tags`` (default
-        ``("default",)``) keep their contents in pinned host memory, the others are
+        ``("default",)``) and the ``KEPT_TAGS`` keep their contents, the others are
         discarded (zeroed when they wake). Tags already asleep keep how they went to sleep.
         Idempotent."""
         if offload_tags is None:
             offload_tags = (CuMemAllocator.default_tag,)
         elif isinstance(offload_tags, str):
             offload_tags = (offload_tags,)
+        offload_tags = (*offload_tags, *KEPT_TAGS)
         awake = [t for t in self._tags if t not in self._kept]
         changed = [t for t in self._tags if t in self._kept and self._kept[t] != (t in offload_tags)]
         if changed:

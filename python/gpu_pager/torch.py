@@ -422,17 +422,19 @@ def disable(device: Any = None) -> Iterator[None]:
 def graph(
     cuda_graph: Any,
     tag: str = "cuda_graph",
-    policy: Policy | str = "discard",
+    policy: Policy | str = "preserve",
     stream: Any = None,
     capture_error_mode: str = "global",
     device: Any = None,
 ) -> Iterator[Any]:
     """``torch.cuda.graph(cuda_graph, ...)`` whose memory (the tensors the captured work
-    allocates) comes from region ``tag`` (growing, ``policy``, default ``"discard"``: a
-    graph's intermediate tensors need no backup), so that it can be released with the
-    rest. Graphs captured in one tag share its pool, as graphs passed one pool handle do.
-    The captured addresses stay valid across release and resume: replay after resuming
-    ``tag`` and every tag the graph reads."""
+    allocates) comes from region ``tag`` (growing, ``policy``), so that it can be released
+    with the rest. The default ``"preserve"`` keeps its contents: kernels may keep state in
+    the pool that they set at capture and read at every replay (workspace metadata,
+    counters); ``"discard"`` saves the copy when the captured work rewrites all it reads.
+    Graphs captured in one tag share its pool, as graphs passed one pool handle do. The
+    captured addresses stay valid across release and resume: replay after resuming ``tag``
+    and every tag the graph reads."""
     torch = _torch()
     index = _index(device)
     _ensure_region(Pager.for_device(index), tag, policy, None, False)

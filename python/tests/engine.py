@@ -157,7 +157,7 @@ class Engine:
 
 def gpt_placement(tags: dict[str, str]) -> Placement:
     """The engine's memory in three gpu_pager.torch tags: ``tags["weights"]`` (preserve),
-    ``tags["kv"]`` (discard) and ``tags["graph"]`` (discard, the decode graph's pool)."""
+    ``tags["kv"]`` (discard) and ``tags["graph"]`` (preserve, the decode graph's pool)."""
     import gpu_pager.torch as gpt
 
     w, kv, g = tags["weights"], tags["kv"], tags["graph"]

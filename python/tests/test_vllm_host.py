@@ -173,11 +173,12 @@ def test_vllm_s_tag_hooks_run_around_unmapping_and_mapping() -> None:
     ]
 
 
-def test_runtime_state_is_kept_at_every_sleep_level() -> None:
-    """vLLM's runtime state (block tables) survives both levels: level 2 keeps nothing
-    else, level 1 the weights too; an explicit discard still drops it."""
+def test_runtime_state_and_graphs_are_kept_at_every_sleep_level() -> None:
+    """vLLM's runtime state (block tables) and the graphs' pool survive both levels:
+    level 2 keeps nothing else, level 1 the weights too; an explicit discard still drops
+    them."""
     code = RECORDED + """
-    a = allocator("weights", "runtime", "kv_cache")
+    a = allocator("weights", "runtime", "cuda_graph", "kv_cache")
     step("level 2", lambda: a.sleep(offload_tags=()))
     a.wake_up()
     step("level 1", lambda: a.sleep(offload_tags=("weights",)))
@@ -186,8 +187,9 @@ def test_runtime_state_is_kept_at_every_sleep_level() -> None:
     """
     done = run(code)
     assert done.returncode == 0, done.stderr
+    every = "'weights', 'runtime', 'cuda_graph', 'kv_cache'"
     assert done.stdout.splitlines() == [
-        "level 2 [('release', 'weights', 'runtime', 'kv_cache', 'drop', 'weights', 'kv_cache')]",
-        "level 1 [('release', 'weights', 'runtime', 'kv_cache', 'drop', 'kv_cache')]",
+        f"level 2 [('release', {every}, 'drop', 'weights', 'kv_cache')]",
+        f"level 1 [('release', {every}, 'drop', 'kv_cache')]",
         "discard [('release', 'runtime', 'drop', 'runtime')]",
     ]

@@ -68,12 +68,13 @@ logger = logging.getLogger(__name__)
 DEFERRABLE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
 """The tags a selective wake-up may leave asleep; any wake-up restores every other tag."""
 
-KEPT_TAGS: tuple[str, ...] = ("runtime",)
-"""The tags every ``sleep`` keeps, whatever ``offload_tags`` says: vLLM's runtime state
-(block tables, request state), which survives both sleep levels."""
-
 GRAPH_TAG = "cuda_graph"
 """The tag of the memory of CUDA graphs captured in ``use_cudagraph_pool()``."""
+
+KEPT_TAGS: tuple[str, ...] = ("runtime", GRAPH_TAG)
+"""The tags every ``sleep`` keeps, whatever ``offload_tags`` says: vLLM's runtime state
+(block tables, request state), which survives both sleep levels, and the graphs' pool,
+where kernels may keep state that they set at capture and read at every replay."""
 
 
 RELEASE_HOST_MEMORY_ENV = "VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY"
@@ -185,8 +186,8 @@ class CuMemAllocator:
     def use_cudagraph_pool(self) -> Iterator[tuple[int, int]]:
         """Yields the pool to capture CUDA graphs into (``torch.cuda.graph(g, pool=...)``):
         the graphs' memory lives in tag ``GRAPH_TAG``, which sleeps with the rest (its
-        contents discarded unless offloaded) and wakes with any wake-up, at the same
-        addresses, so the graphs replay without a capture."""
+        contents kept: ``KEPT_TAGS``) and wakes with any wake-up, at the same addresses, so
+        the graphs replay without a capture."""
         pool = self._ensure(GRAPH_TAG)
         # The capture itself routes the graph's allocations to the pool; this thread's
         # tag says which region they land in.

@@ -43,6 +43,12 @@ mode. gpu_pager's protections are the pager-mediated paths: ``read``/``write`` (
 ``Pager.read``/``Pager.write``) raise ``NotResidentError``, and ``lease(tags)`` keeps
 tags resident while kernels that use them may run (a release then raises ``BusyError``).
 
+**Registrations of the memory.** A resume maps new physical memory at the same addresses:
+whatever registered the old pages with a NIC or a library (an RDMA memory region, NCCL's
+registration of buffers in captured graphs, a KV connector's transport) goes stale.
+Re-register after the resume (vLLM's tag hooks do so through the vLLM drop-in); with NCCL
+under captured graphs, set ``NCCL_GRAPH_REGISTER=0``.
+
 **Never remove a region torch still has segments in** (``Pager.remove``): torch indexes
 its blocks by address, and a removed region's addresses can be handed to a new region.
 Let the tensors die and call ``empty_cache(tag)`` first (``stats`` then shows no buffers).

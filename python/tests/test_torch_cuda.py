@@ -154,6 +154,32 @@ def test_vllm_release_host_memory_gives_the_backup_back(
         assert backup >= w.nbytes if kept else backup == 0, (value, backup)
 
 
+def test_vllm_pointer_to_data_follows_the_mappings(new_tag: Callable[[], str]) -> None:
+    """``pointer_to_data`` as vLLM's own tests read it: one record per segment with its tag
+    and size, mapped bytes (the records not asleep) following discard, sleep and wake."""
+    alloc = CuMemAllocator()
+    w, kv = new_tag(), new_tag()
+    with alloc.use_memory_pool(tag=w):
+        a = torch.ones(16 * MIB, dtype=torch.uint8, device="cuda")
+    with alloc.use_memory_pool(tag=kv):
+        b = torch.ones(32 * MIB, dtype=torch.uint8, device="cuda")
+
+    def mapped() -> int:
+        return sum(d.handle[1] for d in alloc.pointer_to_data.values() if not d.is_asleep)
+
+    records = alloc.pointer_to_data
+    assert {d.tag for d in records.values()} == {w, kv}
+    assert {a.data_ptr(), b.data_ptr()} <= set(records)
+    assert mapped() == a.nbytes + b.nbytes == alloc.get_current_usage()
+    alloc.discard(kv)
+    assert mapped() == a.nbytes
+    alloc.sleep(offload_tags=(w,))
+    assert mapped() == 0
+    alloc.wake_up()
+    assert mapped() == a.nbytes + b.nbytes
+    assert int(a.sum()) == a.numel()
+
+
 def test_vllm_sleep_mode_backend_cycle() -> None:
     """The ``gpu_pager`` sleep-mode backend as vLLM's worker drives it (through vLLM's
     registry: the stand-in package): level 1 keeps the weights, a weights-only wake, then

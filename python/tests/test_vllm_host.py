@@ -25,7 +25,7 @@ def test_the_protocol_surface_and_its_refusals() -> None:
     a = drop_in.get_mem_allocator_instance()
     assert a is drop_in.CuMemAllocator.get_instance()
     assert drop_in.DEFERRABLE_TAGS == ("weights", "kv_cache")
-    assert a.get_current_usage() == 0
+    assert a.get_current_usage() == 0 and a.pointer_to_data == {}
     a.sleep()  # nothing allocated: nothing to do
     a.wake_up()
     with pytest.raises(ValueError, match="never allocated"):

@@ -44,6 +44,7 @@ handing out memory that is not mapped.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -53,6 +54,7 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 __all__ = [
+    "AllocationData",
     "DEFERRABLE_TAGS",
     "GRAPH_TAG",
     "KEPT_TAGS",
@@ -89,10 +91,21 @@ def release_host_memory() -> bool:
     return os.environ.get(RELEASE_HOST_MEMORY_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
+@dataclasses.dataclass
+class AllocationData:
+    """One allocation (a torch segment) of a tag, as vLLM's allocator describes its own:
+    ``handle`` is ``(device, bytes, address, 0)`` (gpu_pager keeps no driver handle per
+    allocation)."""
+
+    handle: tuple[int, int, int, int]
+    tag: str
+    cpu_backup_tensor: Any = None
+    is_asleep: bool = False
+
+
 class _TagHooks(NamedTuple):
     before_unmap: Callable[..., None]
     after_map: Callable[..., None]
-    record: Callable[..., Any]
 
 
 def _vllm_tag_hooks() -> _TagHooks | None:
@@ -105,10 +118,9 @@ def _vllm_tag_hooks() -> _TagHooks | None:
         return None
     before = getattr(allocators, "run_before_unmap_hooks", None)
     after = getattr(allocators, "run_after_map_hooks", None)
-    record = getattr(allocators, "AllocationData", None)
-    if before is None or after is None or record is None:
+    if before is None or after is None:
         return None
-    return _TagHooks(before, after, record)
+    return _TagHooks(before, after)
 
 
 def _gpt() -> Any:
@@ -245,23 +257,42 @@ class CuMemAllocator:
         after-map hooks again, so that nothing stays unregistered from a live mapping."""
         hooks = _vllm_tag_hooks()
         if hooks is not None:
-            hooks.before_unmap(self._records(hooks), tags)
+            hooks.before_unmap(self._records(), tags)
         try:
             _gpt().release(tags, self._device, drop=drop)
         except BaseException:
             if hooks is not None:
-                hooks.after_map(self._records(hooks))
+                hooks.after_map(self._records())
             raise
         for t in tags:
             self._kept[t] = t not in drop
 
-    def _records(self, hooks: _TagHooks) -> list[Any]:
-        """One vLLM ``AllocationData`` per tag, asleep or not: what vLLM's hooks read."""
+    def _records(self) -> list[AllocationData]:
+        """One record per tag, asleep or not: what vLLM's hooks read."""
         device = self._device or 0
         return [
-            hooks.record(handle=(device, 0, 0, 0), tag=t, is_asleep=t in self._kept)
-            for t in self._tags
+            AllocationData((device, 0, 0, 0), t, is_asleep=t in self._kept) for t in self._tags
         ]
+
+    @property
+    def pointer_to_data(self) -> dict[int, AllocationData]:
+        """The allocations by address, as vLLM's allocator keeps them: one per segment torch
+        holds in this allocator's tags, asleep or not. A snapshot (changing it changes
+        nothing)."""
+        if self._device is None:
+            return {}
+        gpt = _gpt()
+        out: dict[int, AllocationData] = {}
+        for tag in self._tags:
+            pool = gpt._pools.get((tag, self._device))
+            if pool is None:
+                continue
+            for seg in pool.snapshot(include_traces=False):
+                address, size = int(seg["address"]), int(seg["total_size"])
+                out[address] = AllocationData(
+                    (self._device, size, address, 0), tag, is_asleep=tag in self._kept
+                )
+        return out
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Maps the memory of ``tags`` back at the same addresses, with the contents of
@@ -279,7 +310,7 @@ class CuMemAllocator:
                 del self._kept[t]
         hooks = _vllm_tag_hooks()
         if hooks is not None:
-            hooks.after_map(self._records(hooks))
+            hooks.after_map(self._records())
 
     def get_current_usage(self) -> int:
         """Bytes of the segments torch holds in this allocator's tags, asleep or not (as

@@ -133,15 +133,13 @@ pub fn free_bytes(b: &gpu_pager::backend::cuda::CudaBackend) -> usize {
 /// The runs of `true` in `mask`, as ranges (what `Pager::overwritten` returns for a model's
 /// per-byte marks).
 pub fn runs_of(mask: &[bool]) -> Vec<std::ops::Range<usize>> {
-    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
-    for (i, &m) in mask.iter().enumerate() {
-        if !m {
-            continue;
-        }
-        match out.last_mut() {
-            Some(r) if r.end == i => r.end = i + 1,
-            _ => out.push(i..i + 1),
-        }
+    let mut out = Vec::new();
+    let mut at = 0;
+    while let Some(skip) = mask[at..].iter().position(|&m| m) {
+        let start = at + skip;
+        let len = mask[start..].iter().position(|&m| !m);
+        at = len.map_or(mask.len(), |n| start + n);
+        out.push(start..at);
     }
     out
 }

@@ -12,7 +12,7 @@
 //! Prints the ratio table first, then lets criterion time each kernel. Without a GPU it
 //! says so and measures nothing (the host backend has no kernels to measure).
 //!
-//!     cargo bench --bench kv_kernels
+//!     cargo bench -p gpu-pager-benches --bench kv_kernels
 
 use std::sync::Arc;
 use std::time::Duration;

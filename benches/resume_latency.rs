@@ -3,8 +3,8 @@
 //! `gpu_pager::bench` (every figure against its limit measured in the same run), then
 //! times each move with criterion.
 //!
-//!     cargo bench --bench resume_latency
-//!     GPU_PAGER_BENCH_TABLE=0 cargo bench --bench resume_latency   # criterion only
+//!     cargo bench -p gpu-pager-benches --bench resume_latency
+//!     GPU_PAGER_BENCH_TABLE=0 cargo bench -p gpu-pager-benches --bench resume_latency  # criterion
 
 use std::time::{Duration, Instant};
 

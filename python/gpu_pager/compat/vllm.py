@@ -26,20 +26,21 @@ gpu_pager``).
 
 vLLM's semantics, kept: which tags keep their contents is chosen at each ``sleep`` (the
 tags in ``offload_tags``, default ``("default",)``, and the ``KEPT_TAGS``; every other tag
-is discarded and comes back zeroed); ``discard(tags)`` drops tags without a backup; a wake-up may defer only the
-``DEFERRABLE_TAGS`` and always restores every other tag (``default``, block tables,
-scratch, the graph pool); ``sleep`` and ``wake_up`` are idempotent; tags already asleep keep
-how they went to sleep; where vLLM has tag hooks (``register_tag_hooks``, for a KV
-connector's transport registrations), a tag's before-unmap hooks run before it sleeps and
-the after-map hooks after every wake-up. Backups stay in pinned host memory across
-cycles, so a sleep of unchanged weights copies nothing; with
-``VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY=1`` each wake-up gives that memory back instead
-(:func:`release_host_memory`). Differences, on the safe side: a wake-up that runs out of memory raises ``gpu_pager.OutOfMemoryError`` (a
-``RuntimeError``, as vLLM's CUDA errors are, and a ``MemoryError``), restores nothing and
-loses nothing, and a retry succeeds; waking or discarding a tag that was never allocated
-is a ``ValueError`` naming the known tags; an allocation under a sleeping tag fails
-(``torch.OutOfMemoryError``, the reason in ``gpu_pager.torch.last_error()``) instead of
-handing out memory that is not mapped.
+is discarded and comes back zeroed); ``discard(tags)`` drops tags without a backup; a
+wake-up may defer only the ``DEFERRABLE_TAGS`` and always restores every other tag
+(``default``, block tables, scratch, the graph pool); ``sleep`` and ``wake_up`` are
+idempotent; tags already asleep keep how they went to sleep; where vLLM has tag hooks
+(``register_tag_hooks``, for a KV connector's transport registrations), a tag's
+before-unmap hooks run before it sleeps and the after-map hooks after every wake-up.
+Backups stay in pinned host memory across cycles, so a sleep of unchanged weights copies
+nothing; with ``VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY=1`` each wake-up gives that memory back
+instead (:func:`release_host_memory`). Differences, on the safe side: a wake-up that runs
+out of memory raises ``gpu_pager.OutOfMemoryError`` (a ``RuntimeError``, as vLLM's CUDA
+errors are, and a ``MemoryError``), restores nothing and loses nothing, and a retry
+succeeds; waking or discarding a tag that was never allocated is a ``ValueError`` naming
+the known tags; an allocation under a sleeping tag fails (``torch.OutOfMemoryError``, the
+reason in ``gpu_pager.torch.last_error()``) instead of handing out memory that is not
+mapped.
 """
 
 from __future__ import annotations

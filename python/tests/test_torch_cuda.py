@@ -193,14 +193,14 @@ def test_vllm_sleep_mode_backend_cycle() -> None:
         import gpu_pager.torch as gpt
         a = get_mem_allocator_instance()
         with a.use_memory_pool(tag="weights"):
-            w = torch.full((1 << 22,), 5.0, device="cuda")
+            w = torch.full((1 << 20,), 5.0, device="cuda")
         with a.use_memory_pool(tag="kv_cache"):
-            kv = torch.full((1 << 22,), 3.0, device="cuda")
+            kv = torch.full((1 << 20,), 3.0, device="cuda")
         b = SleepModeBackendFactory.get_backend_class("gpu_pager")()
         b.suspend(level=1)
         assert b.state() == "SUSPENDED"
         b.resume(["weights"])
-        assert float(w.sum()) == 5.0 * (1 << 22)
+        assert float(w.sum()) == 5.0 * (1 << 20)
         assert gpt.pager().info("kv_cache").state.value == "released"
         b.resume(["kv_cache"])
         assert b.state() == "RUNNING" and float(kv.abs().sum()) == 0.0
@@ -209,7 +209,7 @@ def test_vllm_sleep_mode_backend_cycle() -> None:
         assert gpt.pager().info("kv_cache").state.value == "released"
         assert gpt.pager().info("weights").state.value == "resident"
         b.resume(None)
-        assert float(w.sum()) == 5.0 * (1 << 22) and float(kv.abs().sum()) == 0.0
+        assert float(w.sum()) == 5.0 * (1 << 20) and float(kv.abs().sum()) == 0.0
         print("ok")
     """
     standin = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_standin")

@@ -92,7 +92,8 @@ class RegionInfo:
     """A region's description, as it was when the call returned."""
 
     @property
-    def tag(self) -> str: ...
+    def tag(self) -> str:
+        """The tag."""
     @property
     def base(self) -> int:
         """First device address; never changes while the region exists."""
@@ -100,20 +101,24 @@ class RegionInfo:
     def size(self) -> int:
         """Reserved bytes (rounded up to the granularity)."""
     @property
-    def chunk_bytes(self) -> int: ...
+    def chunk_bytes(self) -> int:
+        """Physical chunk size in bytes (the last chunk may be smaller)."""
     @property
-    def policy(self) -> Policy: ...
+    def policy(self) -> Policy:
+        """Contents policy."""
     @property
     def medium(self) -> str:
         """Where a ``PRESERVE`` region's contents go while released: ``"pinned"``, ``"host"``
         or ``"file"``."""
     @property
-    def state(self) -> State: ...
+    def state(self) -> State:
+        """State when the call returned."""
     @property
     def kind(self) -> str:
         """How its memory is mapped: ``"fixed"``, ``"growing"`` or ``"elastic"``."""
     @property
-    def id(self) -> int: ...
+    def id(self) -> int:
+        """Identity: unique among the regions and buffers of the process."""
     @property
     def releases(self) -> int:
         """Releases that changed the region so far."""
@@ -123,13 +128,17 @@ class Buffer:
     """A buffer inside a region: a handle (tag, offset, length), not a pointer."""
 
     @property
-    def tag(self) -> str: ...
+    def tag(self) -> str:
+        """The region's tag."""
     @property
-    def offset(self) -> int: ...
+    def offset(self) -> int:
+        """Offset in bytes from the region's base address."""
     @property
-    def nbytes(self) -> int: ...
+    def nbytes(self) -> int:
+        """Length in bytes."""
     @property
-    def device(self) -> int: ...
+    def device(self) -> int:
+        """The device of the pager that allocated it."""
     def __len__(self) -> int: ...
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
@@ -139,37 +148,50 @@ class Steps:
     """Seconds spent in each step of one region's move."""
 
     @property
-    def pin(self) -> float: ...
+    def pin(self) -> float:
+        """Allocating the pinned host backup (first release only, unless prepinned)."""
     @property
-    def copy(self) -> float: ...
+    def copy(self) -> float:
+        """Copying contents (device to host on release, host to device on resume)."""
     @property
-    def map(self) -> float: ...
+    def map(self) -> float:
+        """Creating and mapping physical memory and enabling access (for a resume that restores
+        contents, which maps ahead on a helper thread: the time it waited for its mappings)."""
     @property
-    def unmap(self) -> float: ...
+    def unmap(self) -> float:
+        """Unmapping and releasing physical memory."""
     @property
-    def fill(self) -> float: ...
+    def fill(self) -> float:
+        """Zero-filling."""
     @property
-    def hash(self) -> float: ...
+    def hash(self) -> float:
+        """Hashing contents."""
     @property
-    def total(self) -> float: ...
+    def total(self) -> float:
+        """Sum of the steps, in seconds."""
 
 @final
 class RegionReport:
     """One region's part of a ``Report``."""
 
     @property
-    def tag(self) -> str: ...
+    def tag(self) -> str:
+        """The region."""
     @property
     def outcome(self) -> str:
         """``"done"`` or ``"already_done"``."""
     @property
-    def bytes(self) -> int: ...
+    def bytes(self) -> int:
+        """Physical bytes mapped (resume) or unmapped (release)."""
     @property
-    def copied(self) -> int: ...
+    def copied(self) -> int:
+        """Bytes copied between device and host."""
     @property
-    def steps(self) -> Steps: ...
+    def steps(self) -> Steps:
+        """Seconds per step."""
     @property
-    def seconds(self) -> float: ...
+    def seconds(self) -> float:
+        """Seconds of all steps together."""
 
 @final
 class Report:
@@ -179,73 +201,101 @@ class Report:
     def op(self) -> str:
         """``"release"`` or ``"resume"``."""
     @property
-    def regions(self) -> list[RegionReport]: ...
+    def regions(self) -> list[RegionReport]:
+        """One entry per region named in the call, in tag order."""
     @property
-    def bytes(self) -> int: ...
+    def bytes(self) -> int:
+        """Physical bytes moved in or out of the device's memory map."""
     @property
-    def copied(self) -> int: ...
+    def copied(self) -> int:
+        """Bytes copied between device and host."""
     @property
-    def seconds(self) -> float: ...
+    def seconds(self) -> float:
+        """Wall time of the whole call, in seconds."""
     @property
-    def sync_seconds(self) -> float: ...
-    def region(self, tag: str) -> RegionReport | None: ...
+    def sync_seconds(self) -> float:
+        """Seconds spent waiting for outstanding device work (release only)."""
+    def region(self, tag: str) -> RegionReport | None:
+        """The entry for ``tag``, or ``None`` if the call did not name it."""
 
 @final
 class RegionStats:
     """Statistics of one region."""
 
     @property
-    def info(self) -> RegionInfo: ...
+    def info(self) -> RegionInfo:
+        """The region's description."""
     @property
-    def tag(self) -> str: ...
+    def tag(self) -> str:
+        """The region's tag (``info.tag``)."""
     @property
-    def resident_bytes(self) -> int: ...
+    def resident_bytes(self) -> int:
+        """Physical bytes mapped now (for an elastic region: its backed chunks)."""
     @property
-    def released_bytes(self) -> int: ...
+    def released_bytes(self) -> int:
+        """Reserved bytes with nothing mapped (the whole region while released)."""
     @property
-    def allocated_bytes(self) -> int: ...
+    def allocated_bytes(self) -> int:
+        """Bytes in live buffers."""
     @property
-    def buffers(self) -> int: ...
+    def buffers(self) -> int:
+        """Live buffers."""
     @property
-    def backup_bytes(self) -> int: ...
+    def backup_bytes(self) -> int:
+        """Backup held, in bytes: host memory, or the backup file's size (``info.medium`` says
+        which)."""
     @property
-    def held_bytes(self) -> int: ...
+    def held_bytes(self) -> int:
+        """Bytes the backup validly holds: while released, what a resume restores."""
     @property
-    def marked_bytes(self) -> int: ...
+    def marked_bytes(self) -> int:
+        """Bytes of live buffers marked overwritten by the next update (see
+        ``Pager.set_overwritten``), which a release does not save."""
     @property
-    def leases(self) -> int: ...
+    def leases(self) -> int:
+        """Live leases."""
     @property
-    def last_release(self) -> RegionReport | None: ...
+    def last_release(self) -> RegionReport | None:
+        """The last release that changed this region, if any."""
     @property
-    def last_resume(self) -> RegionReport | None: ...
+    def last_resume(self) -> RegionReport | None:
+        """The last resume that changed this region, if any."""
 
 @final
 class Stats:
     """Statistics of the whole pager."""
 
     @property
-    def regions(self) -> list[RegionStats]: ...
+    def regions(self) -> list[RegionStats]:
+        """One entry per region, in tag order."""
     @property
-    def resident_bytes(self) -> int: ...
+    def resident_bytes(self) -> int:
+        """Physical bytes mapped over all regions."""
     @property
-    def released_bytes(self) -> int: ...
+    def released_bytes(self) -> int:
+        """Reserved-but-unmapped bytes over all regions."""
     @property
-    def backup_bytes(self) -> int: ...
+    def backup_bytes(self) -> int:
+        """Backup bytes held over all regions (host memory and files)."""
     @property
     def deferred_errors(self) -> list[str]:
         """Failures no call could return, not yet taken; each also logged (``"gpu_pager"``)."""
     @property
-    def deferred_errors_total(self) -> int: ...
-    def region(self, tag: str) -> RegionStats | None: ...
+    def deferred_errors_total(self) -> int:
+        """Such failures since the pager was made, taken or not."""
+    def region(self, tag: str) -> RegionStats | None:
+        """The entry for ``tag``, or ``None`` if there is no such region."""
 
 @final
 class Lease:
     """Keeps tags resident while open; a context manager."""
 
     @property
-    def tags(self) -> list[str]: ...
+    def tags(self) -> list[str]:
+        """The leased tags, as given."""
     @property
-    def active(self) -> bool: ...
+    def active(self) -> bool:
+        """Whether the lease is still held."""
     def close(self) -> None:
         """Ends the lease; closing twice is harmless."""
     def __enter__(self) -> Self: ...
@@ -259,7 +309,8 @@ class Pager:
     def for_device(device: int = 0) -> Pager:
         """The pager of CUDA device ``device``, created on first use."""
     @property
-    def device(self) -> int: ...
+    def device(self) -> int:
+        """The device ordinal."""
     @property
     def backend(self) -> str:
         """``"cuda"`` or ``"host"``."""
@@ -282,15 +333,31 @@ class Pager:
     @property
     def backup_dir(self) -> str | None:
         """The directory of new ``"file"`` backups, or ``None``."""
-    def remove(self, tag: str) -> None: ...
-    def tags(self) -> list[str]: ...
-    def info(self, tag: str) -> RegionInfo: ...
-    def alloc(self, tag: str, nbytes: int, align: int | None = None) -> Buffer: ...
-    def free(self, buf: Buffer) -> None: ...
-    def ptr(self, buf: Buffer) -> int: ...
-    def buffer_containing(self, ptr: int) -> tuple[Buffer, int] | None: ...
-    def write(self, buf: Buffer, offset: int, data: _BytesLike) -> None: ...
-    def read(self, buf: Buffer, offset: int, n: int) -> bytes: ...
+    def remove(self, tag: str) -> None:
+        """Removes region ``tag``: unmaps it, frees its backup and its address range; its buffers
+        become stale. Refused (``BusyError``) while it is leased."""
+    def tags(self) -> list[str]:
+        """The tags of all regions, in order."""
+    def info(self, tag: str) -> RegionInfo:
+        """The description of region ``tag``."""
+    def alloc(self, tag: str, nbytes: int, align: int | None = None) -> Buffer:
+        """Allocates a buffer of ``nbytes`` in region ``tag``, aligned to ``align`` bytes (a power
+        of two; default 256). Works whether the region is resident or released."""
+    def free(self, buf: Buffer) -> None:
+        """Frees a buffer. Freeing it twice is ``StaleBufferError``."""
+    def ptr(self, buf: Buffer) -> int:
+        """The buffer's device address (an int). The address never changes, but it is backed by
+        memory only while the region is resident: ``NotResidentError`` otherwise."""
+    def buffer_containing(self, ptr: int) -> tuple[Buffer, int] | None:
+        """The live buffer whose bytes include device address ``ptr`` (an int, e.g. a torch tensor's
+        ``data_ptr()``) and ``ptr``'s offset in it, as ``(buffer, offset)``; ``None`` when no
+        live buffer of this pager holds that address. Works while the region is released too."""
+    def write(self, buf: Buffer, offset: int, data: _BytesLike) -> None:
+        """Copies ``data`` (bytes-like) into the buffer at ``offset``, through the pager: a released
+        region is ``NotResidentError``, never a fault."""
+    def read(self, buf: Buffer, offset: int, n: int) -> bytes:
+        """Reads ``n`` bytes of the buffer from ``offset``, through the pager (a released region is
+        ``NotResidentError``)."""
     def set_overwritten(
         self,
         buf: Buffer,
@@ -304,14 +371,31 @@ class Pager:
         """The ``(start, end)`` byte ranges of ``buf`` marked overwritten."""
     def read_backup(self, buf: Buffer, offset: int, n: int) -> bytes:
         """``n`` bytes of a released buffer from its pinned host backup."""
-    def release(self, tags: _Tags, drop: _Tags | None = None) -> Report: ...
-    def resume(self, tags: _Tags, keep_host_backups: bool = False) -> Report: ...
+    def release(self, tags: _Tags, drop: _Tags | None = None) -> Report:
+        """Gives the physical memory of ``tags`` (a str or a sequence of str) back to the device:
+        waits for outstanding device work, copies ``PRESERVE`` regions to their backups, unmaps.
+        All or nothing (``BusyError`` if one is leased). Regions already released are reported as
+        such. ``drop`` (tags among ``tags``) drops those regions' contents for this cycle instead
+        of backing them up: they come back zeroed at the next resume (a ``DISCARD`` region:
+        undefined)."""
+    def resume(self, tags: _Tags, keep_host_backups: bool = False) -> Report:
+        """Maps physical memory back under ``tags`` at the same addresses and restores ``PRESERVE``
+        contents bit-exact. All or nothing: on ``OutOfMemoryError`` every region stays released
+        with its backup, and a later resume succeeds. ``"host"`` backups give their memory back
+        after the restore unless ``keep_host_backups``."""
     def resume_on(self, tags: _Tags, stream: int | Any) -> Report:
         """``resume`` with the copies enqueued on ``stream`` (int or ``.cuda_stream``)."""
-    def resume_and_lease(self, tags: _Tags) -> tuple[Report, Lease]: ...
-    def lease(self, tags: _Tags) -> Lease: ...
-    def stats(self) -> Stats: ...
-    def region_stats(self, tag: str) -> RegionStats: ...
+    def resume_and_lease(self, tags: _Tags) -> tuple[Report, Lease]:
+        """``resume`` and ``lease`` in one step, so that no other thread can release the tags in
+        between. Returns ``(report, lease)``."""
+    def lease(self, tags: _Tags) -> Lease:
+        """Keeps ``tags`` resident until the lease is closed: releasing one of them is ``BusyError``
+        meanwhile. ``NotResidentError`` if one is released now. Use it as a context manager
+        (``with pager.lease("weights"): ...``) or call ``close()``."""
+    def stats(self) -> Stats:
+        """Statistics of every region."""
+    def region_stats(self, tag: str) -> RegionStats:
+        """Statistics of region ``tag``."""
     def take_deferred_errors(self) -> list[str]:
         """Takes the failures no call could return (``Stats.deferred_errors``)."""
     def __eq__(self, other: object, /) -> bool: ...
@@ -326,20 +410,41 @@ class PagerError(RuntimeError):
     tag: str | None
     tags: list[str]
 
-class NotResidentError(PagerError): ...
-class NotBackedError(PagerError): ...
-class UnknownTagError(PagerError): ...
-class BusyError(PagerError): ...
-class OutOfMemoryError(PagerError, MemoryError): ...
-class InvalidSizeError(PagerError): ...
-class OutOfRangeError(PagerError): ...
-class StaleBufferError(PagerError): ...
-class RegionFullError(PagerError): ...
-class TagConflictError(PagerError): ...
-class CorruptedError(PagerError): ...
-class BackupInUseError(PagerError): ...
-class InvalidArgumentError(PagerError): ...
-class KvError(PagerError): ...
-class BackendError(PagerError): ...
-class InternalError(PagerError): ...
-class PanicError(PagerError): ...
+class NotResidentError(PagerError):
+    """The region is released; the operation needs it resident. Resume it first."""
+class NotBackedError(PagerError):
+    """A range of an elastic region has no physical memory mapped (never backed, or trimmed)."""
+class UnknownTagError(PagerError):
+    """No region has this tag (the message suggests the nearest one)."""
+class BusyError(PagerError):
+    """The region is held resident by leases and cannot be released now."""
+class OutOfMemoryError(PagerError, MemoryError):
+    """The device has too little free memory for the step (resume, region creation, back). Nothing
+    was lost; retry once the memory is free. Also a MemoryError."""
+class InvalidSizeError(PagerError):
+    """A size was zero, too large, or not acceptable here."""
+class OutOfRangeError(PagerError):
+    """An access outside a buffer or region."""
+class StaleBufferError(PagerError):
+    """The buffer is not (or no longer) allocated in its region: freed already, or from another
+    pager."""
+class RegionFullError(PagerError):
+    """The region has no free range large enough for the allocation."""
+class TagConflictError(PagerError):
+    """The tag exists with another policy, size or option than the one asked for."""
+class CorruptedError(PagerError):
+    """Restored contents differ from the backup (verify_restore); the region stays released."""
+class BackupInUseError(PagerError):
+    """The backup holds the region's contents while it is released and cannot be freed."""
+class InvalidArgumentError(PagerError):
+    """An argument other than a size is not acceptable."""
+class KvError(PagerError):
+    """A paged-KV-cache call was refused; nothing was changed."""
+class BackendError(PagerError):
+    """The device driver or the operating system failed."""
+class InternalError(PagerError):
+    """A bug: an invariant of gpu-pager failed (never the caller's input). Please report it with the
+    message."""
+class PanicError(PagerError):
+    """A bug: gpu-pager panicked inside the call and the binding caught it. Please report it with
+    the message."""

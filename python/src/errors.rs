@@ -137,7 +137,8 @@ pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// Every code as `(number, name)`, in [`ErrorCode::ALL`] order.
+/// Every error code as ``(number, name)``, in the order of the table; the class of
+/// ``name`` is ``<name>Error``.
 #[pyfunction]
 pub(crate) fn error_codes() -> Vec<(u32, String)> {
     ErrorCode::ALL

@@ -420,7 +420,8 @@ pub struct RegionStats {
     pub allocated_bytes: usize,
     /// Live buffers.
     pub buffers: usize,
-    /// Pinned host backup held, in bytes.
+    /// Backup held, in bytes: host memory, or the backup file's size (``info.medium`` says
+    /// which).
     pub backup_bytes: usize,
     /// Bytes the backup validly holds: while released, what a resume restores.
     pub held_bytes: usize,
@@ -515,7 +516,7 @@ impl Stats {
         self.inner.released_bytes()
     }
 
-    /// Pinned host backup bytes over all regions.
+    /// Backup bytes held over all regions (host memory and files).
     #[getter]
     fn backup_bytes(&self) -> usize {
         self.inner.backup_bytes()

@@ -60,6 +60,22 @@ def test_mypy_strict_on_the_package_and_tests() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_every_public_item_of_the_stubs_has_a_docstring() -> None:
+    """What an editor shows comes from the stubs: every public class, function, method and
+    property there says what it is."""
+    import ast
+
+    stubs = os.path.join(os.path.dirname(native.__file__), "_native.pyi")
+    missing = [
+        f"{node.name} (line {node.lineno})"
+        for node in ast.walk(ast.parse(open(stubs).read()))
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+        and not node.name.startswith("_")
+        and ast.get_docstring(node) is None
+    ]
+    assert not missing, missing
+
+
 def test_every_public_name_has_a_docstring() -> None:
     for name in gpu_pager.__all__:
         if name.startswith("__"):

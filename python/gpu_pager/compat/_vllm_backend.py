@@ -14,10 +14,13 @@ class GpuPagerBackend(SleepModeBackend):  # type: ignore[misc,unused-ignore]
     (level 1 keeps the weights in pinned host memory, level 2 keeps nothing)."""
 
     def suspend(self, level: int = 1) -> None:
+        """vLLM's sleep: level 1 keeps the weights (``offload_tags=("weights",)``), level 2
+        keeps nothing but the allocator's ``KEPT_TAGS``."""
         self._state = "SUSPENDED"
         get_mem_allocator_instance().sleep(offload_tags=("weights",) if level == 1 else ())
 
     def resume(self, tags: list[str] | None = None) -> None:
+        """vLLM's wake-up of ``tags`` (default: all; see ``CuMemAllocator.wake_up``)."""
         self._state = "RESUMING"
         get_mem_allocator_instance().wake_up(tags)
         self._state = "RUNNING"
@@ -29,4 +32,5 @@ class GpuPagerBackend(SleepModeBackend):  # type: ignore[misc,unused-ignore]
 
     @classmethod
     def preserves_communicators(cls) -> bool:
+        """True: only memory moves; NCCL communicators stay as they are."""
         return True

@@ -148,12 +148,12 @@ class TorchMemorySaver:
 
     @property
     def memory_margin_bytes(self) -> int:
+        """Set only: allocations that would leave less than this many bytes of the device
+        free fail instead (out of memory)."""
         raise NotImplementedError("Only setter is supported")
 
     @memory_margin_bytes.setter
     def memory_margin_bytes(self, value: int) -> None:
-        """Allocations that would leave less than ``value`` bytes of the device free fail
-        instead (out of memory)."""
         impl = self._ensure_initialized()
         impl._binary_wrapper.cdll.set_memory_margin_bytes(int(value))
 

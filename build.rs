@@ -191,13 +191,13 @@ fn compile_fatbins(nvcc: &Path, kernels: &Path, sources: &[PathBuf], out_dir: &P
 
 /// Mirrors `abi.h` into Rust with bindgen (libclang found as documented above).
 fn generate_abi(root: &Path, abi_h: &Path, out: &Path) {
-    if env::var_os("LIBCLANG_PATH").is_none() {
-        if let Some(dir) = toolchain_path(root, "clang/native") {
-            // SAFETY: build scripts run `main` on one thread and nothing else in this process
-            // reads or writes the environment concurrently; clang-sys reads the variable
-            // below, on this thread, when bindgen loads libclang.
-            unsafe { env::set_var("LIBCLANG_PATH", dir) };
-        }
+    if env::var_os("LIBCLANG_PATH").is_none()
+        && let Some(dir) = toolchain_path(root, "clang/native")
+    {
+        // SAFETY: build scripts run `main` on one thread and nothing else in this process
+        // reads or writes the environment concurrently; clang-sys reads the variable
+        // below, on this thread, when bindgen loads libclang.
+        unsafe { env::set_var("LIBCLANG_PATH", dir) };
     }
 
     let builder = bindgen::Builder::default()

@@ -603,12 +603,12 @@ impl Region {
         }
         let gaps = self.map_ranges(backend, std::slice::from_ref(&extent), "alloc")?;
         self.zero_new(backend, &gaps)?;
-        if self.prepin {
-            if let Err(e) = self.pin(backend, offset, len) {
-                self.backups.remove(&offset);
-                self.mapped.remove_within(&extent);
-                return Err(e);
-            }
+        if self.prepin
+            && let Err(e) = self.pin(backend, offset, len)
+        {
+            self.backups.remove(&offset);
+            self.mapped.remove_within(&extent);
+            return Err(e);
         }
         Ok(())
     }
@@ -660,10 +660,10 @@ impl Region {
     /// Why runs: a map call made while copies run costs many times what it costs on an idle
     /// device, so a growing region of hundreds of buffers mapped one call per buffer makes
     /// the resume wait for its mapping.
-    pub fn map_and_restore<'h>(
+    pub fn map_and_restore<'s, 'e, 'h>(
         &'h mut self,
         backend: &dyn Backend,
-        sink: &mut Sink<'_, '_, 'h>,
+        sink: &mut Sink<'s, 'e, 'h>,
         overlap: bool,
     ) -> Result<(Duration, usize)> {
         debug_assert_eq!(self.mapped.bytes(), 0);
@@ -685,8 +685,10 @@ impl Region {
         });
         let ahead = overlap && groups.iter().any(|g| g.restores);
         let mut copied = 0;
+        // The sink's lifetimes are named: closures over elided ones are generic in them,
+        // which compilers before 1.94 cannot prove outlive the backups' borrow.
         let restore =
-            |sink: &mut Sink<'_, '_, 'h>, g: &map_ahead::Group, maps: BackendResult<_>| {
+            |sink: &mut Sink<'s, 'e, 'h>, g: &map_ahead::Group, maps: BackendResult<_>| {
                 let maps = maps.map_err(|e| map_error(tag, backend, e, "resume"))?;
                 mapped.insert(g.offset, maps);
                 if !g.restores {
@@ -708,7 +710,7 @@ impl Region {
                 }
                 Ok(())
             };
-        let feed = |sink: &mut Sink<'_, '_, 'h>| {
+        let feed = |sink: &mut Sink<'s, 'e, 'h>| {
             sink.poll()
                 .map_err(|e| Error::backend(tag, "restoring contents from the backup", e))
         };
@@ -986,12 +988,12 @@ fn restores_into(backups: &BTreeMap<usize, Backup>, range: &Range<usize>) -> boo
 
 /// Records the per-region entries of a report on the regions (for stats).
 pub(crate) fn remember(report: &Report, region: &mut Region) {
-    if let Some(r) = report.region(&region.tag) {
-        if r.outcome == crate::report::Outcome::Done {
-            match report.op {
-                crate::report::Move::Release => region.last_release = Some(r.clone()),
-                crate::report::Move::Resume => region.last_resume = Some(r.clone()),
-            }
+    if let Some(r) = report.region(&region.tag)
+        && r.outcome == crate::report::Outcome::Done
+    {
+        match report.op {
+            crate::report::Move::Release => region.last_release = Some(r.clone()),
+            crate::report::Move::Resume => region.last_resume = Some(r.clone()),
         }
     }
 }

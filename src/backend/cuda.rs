@@ -327,8 +327,11 @@ impl Drop for DeviceScratch {
         // SAFETY: `ptr` came from cuMemAlloc and is freed exactly once, here; every use was
         // followed by a stream synchronisation before the lock guarding it was released.
         if let Err(e) = check(unsafe { sys::cuMemFree_v2(self.ptr) }) {
-            let what = format_args!("{} bytes of scratch memory", self.bytes);
-            self.dev.record("cuMemFree", what, e);
+            self.dev.record(
+                "cuMemFree",
+                format_args!("{} bytes of scratch memory", self.bytes),
+                e,
+            );
         }
         drop(scope);
     }
@@ -634,7 +637,7 @@ impl CudaBackend {
     ) -> BackendResult<()> {
         self.check_stream("chunk_hash", stream)?;
         check_chunk_hash_args(src, bytes, chunk_bytes)?;
-        if out % 8 != 0 {
+        if !out.is_multiple_of(8) {
             return Err(BackendError::Invalid {
                 op: "chunk_hash",
                 reason: format!("output address {out:#x} is not 8-byte aligned"),
@@ -761,7 +764,7 @@ impl Backend for CudaBackend {
 
     fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>> {
         let g = self.info.granularity;
-        if bytes == 0 || bytes % g != 0 {
+        if bytes == 0 || !bytes.is_multiple_of(g) {
             return Err(BackendError::Invalid {
                 op: "reserve",
                 reason: format!("{bytes} bytes is not a non-zero multiple of the granularity {g}"),
@@ -1064,8 +1067,11 @@ impl Drop for CudaReservation {
         // is freed once, here; every mapping inside it holds this reservation, so all of
         // them have been unmapped.
         if let Err(e) = check(unsafe { sys::cuMemAddressFree(self.base, self.len) }) {
-            let what = format_args!("{} bytes at {:#x}", self.len, self.base);
-            self.dev.record("cuMemAddressFree", what, e);
+            self.dev.record(
+                "cuMemAddressFree",
+                format_args!("{} bytes at {:#x}", self.len, self.base),
+                e,
+            );
         }
         drop(scope);
     }
@@ -1093,8 +1099,8 @@ impl Drop for CudaChunk {
         let scope = self.dev.scope_in_drop("a physical chunk");
         // SAFETY: the handle came from cuMemCreate and is released once, here.
         if let Err(e) = check(unsafe { sys::cuMemRelease(self.handle) }) {
-            let what = format_args!("a {}-byte chunk", self.len);
-            self.dev.record("cuMemRelease", what, e);
+            self.dev
+                .record("cuMemRelease", format_args!("a {}-byte chunk", self.len), e);
         }
         drop(scope);
     }
@@ -1138,8 +1144,11 @@ impl Drop for CudaMapping {
         // SAFETY: exactly this range was mapped by cuMemMap and is unmapped once, here. The
         // owner synchronised the device before dropping, so no work still touches it.
         if let Err(e) = check(unsafe { sys::cuMemUnmap(self.ptr, self.len) }) {
-            let what = format_args!("{} bytes at {:#x}", self.len, self.ptr);
-            dev.record("cuMemUnmap", what, e);
+            dev.record(
+                "cuMemUnmap",
+                format_args!("{} bytes at {:#x}", self.len, self.ptr),
+                e,
+            );
         }
         drop(scope);
     }

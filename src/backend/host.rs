@@ -395,7 +395,7 @@ impl Backend for HostBackend {
     }
 
     fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>> {
-        if bytes == 0 || bytes % self.info.granularity != 0 {
+        if bytes == 0 || !bytes.is_multiple_of(self.info.granularity) {
             return Err(BackendError::Invalid {
                 op: "reserve",
                 reason: format!(

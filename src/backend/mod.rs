@@ -623,7 +623,7 @@ pub(crate) fn check_map(
     if chunk_sizes.is_empty() {
         return Err(invalid("no chunk sizes given".to_owned()));
     }
-    if offset % g != 0 {
+    if !offset.is_multiple_of(g) {
         return Err(invalid(format!(
             "offset {offset} is not a multiple of the granularity {g}"
         )));

@@ -196,13 +196,13 @@ pub fn chunk_count(bytes: usize, chunk_bytes: usize) -> usize {
 /// wrapping the address space, and at most [`MAX_HASH_CHUNKS`] chunks. Both backends call
 /// it, so both reject the same arguments. The error says what is wrong.
 pub fn check_chunk_hash_args(src: u64, bytes: usize, chunk_bytes: usize) -> Result<(), String> {
-    if src % 16 != 0 {
+    if !src.is_multiple_of(16) {
         return Err(format!("chunk hash source {src:#x} is not 16-byte aligned"));
     }
     if bytes == 0 {
         return Err("chunk hash over 0 bytes".to_owned());
     }
-    if chunk_bytes == 0 || chunk_bytes % 16 != 0 {
+    if chunk_bytes == 0 || !chunk_bytes.is_multiple_of(16) {
         return Err(format!(
             "chunk size {chunk_bytes} is not a non-zero multiple of 16 bytes"
         ));

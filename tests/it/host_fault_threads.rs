@@ -96,7 +96,7 @@ fn run(pager: &Pager, host: &HostBackend, tag: &'static str, seed: u64) {
             3 if !bufs.is_empty() => {
                 let i = rng.below(bufs.len());
                 let m = &mut bufs[i];
-                let (r, on) = (rng.range(m.data.len()), rng.next() % 2 == 0);
+                let (r, on) = (rng.range(m.data.len()), rng.next().is_multiple_of(2));
                 pager.set_overwritten(&m.buf, r.clone(), on).unwrap();
                 m.marked[r].fill(on);
             }
@@ -110,7 +110,7 @@ fn run(pager: &Pager, host: &HostBackend, tag: &'static str, seed: u64) {
                 }
             }
             _ => {
-                let resumed = if rng.next() % 2 == 0 {
+                let resumed = if rng.next().is_multiple_of(2) {
                     pager.resume(&[tag])
                 } else {
                     pager.resume_on(&[tag], RawStream(0))

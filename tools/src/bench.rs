@@ -499,7 +499,7 @@ fn trainer_step(backend: &dyn Backend, margin: usize) -> Result<usize> {
 
 /// Human size for row names: "2 MiB", "1 GiB".
 fn size_name(bytes: usize) -> String {
-    if bytes >= GIB && bytes % GIB == 0 {
+    if bytes >= GIB && bytes.is_multiple_of(GIB) {
         format!("{} GiB", bytes / GIB)
     } else {
         format!("{} MiB", bytes / MIB)
@@ -919,7 +919,7 @@ fn after_free_rows(
 /// `size` bytes is mapped, timed here with bare VMM calls.
 fn chunk_sizes(size: usize, chunk: usize) -> Vec<usize> {
     let mut out = vec![chunk; size / chunk];
-    if size % chunk != 0 {
+    if !size.is_multiple_of(chunk) {
         out.push(size % chunk);
     }
     out

@@ -182,7 +182,7 @@ impl StressConfig {
             return bad("stress sizes must be non-zero".to_owned());
         }
         let v = self.verify_chunk_bytes;
-        if v == 0 || v % 16 != 0 || self.max_buffer_bytes.div_ceil(v) > MAX_HASH_CHUNKS {
+        if v == 0 || !v.is_multiple_of(16) || self.max_buffer_bytes.div_ceil(v) > MAX_HASH_CHUNKS {
             return bad(format!(
                 "verify chunk {v}: a non-zero multiple of 16 with at most {MAX_HASH_CHUNKS} \
                  chunks per buffer of up to {} bytes",
@@ -423,7 +423,7 @@ pub fn run(
             skip_unchanged: cfg.skip_unchanged,
             verify_restore: cfg.verify_restore,
             // Both restore paths (overlapped with mapping, or map then copy), by seed.
-            overlap_restore: cfg.seed % 2 == 0,
+            overlap_restore: cfg.seed.is_multiple_of(2),
             ..PagerConfig::default()
         },
     ));

@@ -129,8 +129,8 @@ impl CudaBackend {
             RowsKernel::Gather => 4,
         };
         if params.block_size == 0
-            || params.row_bytes % params.vec_bytes != 0
-            || params.index % index_align != 0
+            || !params.row_bytes.is_multiple_of(params.vec_bytes)
+            || !params.index.is_multiple_of(index_align)
             || !matches!(params.planes, 1 | 2)
         {
             return Err(invalid(
@@ -173,9 +173,11 @@ impl CudaBackend {
         params: &abi::GpKvMoveParams,
     ) -> BackendResult<()> {
         check_vec_bytes(params.vec_bytes)?;
-        if params.block_bytes % u64::from(params.vec_bytes) != 0
-            || params.src_ids % 4 != 0
-            || params.dst_ids % 4 != 0
+        if !params
+            .block_bytes
+            .is_multiple_of(u64::from(params.vec_bytes))
+            || !params.src_ids.is_multiple_of(4)
+            || !params.dst_ids.is_multiple_of(4)
         {
             return Err(invalid(
                 "kv",

@@ -583,8 +583,11 @@ impl Drop for CudaPinned {
             if let Err(e) = unregistered {
                 // Still registered, maybe: the pages stay until the whole mapping goes.
                 self.mem.discard_on_drop = false;
-                let what = format_args!("{} bytes of pinned host memory", r.len());
-                self.dev.record("cuMemHostUnregister", what, e);
+                self.dev.record(
+                    "cuMemHostUnregister",
+                    format_args!("{} bytes of pinned host memory", r.len()),
+                    e,
+                );
             }
         }
         drop(scope);

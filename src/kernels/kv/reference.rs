@@ -212,7 +212,7 @@ pub fn check_write(
         )));
     }
     let elem = layout.dtype().size();
-    if stride % elem != 0 {
+    if !stride.is_multiple_of(elem) {
         return Err(invalid(format!(
             "write: token_stride_bytes {stride} is not a multiple of the element size \
              ({elem} bytes); pass a stride in whole elements"

@@ -83,10 +83,11 @@ impl Backend for Broken {
         offset: usize,
         sizes: &[usize],
     ) -> BackendResult<Vec<Box<dyn Mapping>>> {
-        if self.has(Flaw::LeakOnMap) && self.maps.fetch_add(1, Ordering::SeqCst) % 5 == 4 {
-            if let Ok(h) = Hog::take(&self.inner, self.inner.info().granularity) {
-                std::mem::forget(h);
-            }
+        if self.has(Flaw::LeakOnMap)
+            && self.maps.fetch_add(1, Ordering::SeqCst) % 5 == 4
+            && let Ok(h) = Hog::take(&self.inner, self.inner.info().granularity)
+        {
+            std::mem::forget(h);
         }
         // SAFETY: forwarded from the caller.
         unsafe { self.inner.map(reservation, offset, sizes) }

@@ -171,7 +171,7 @@ impl FillHashes {
         if len >= chunk {
             out = vec![self.one(pattern, chunk); len / chunk];
         }
-        if len % chunk != 0 {
+        if !len.is_multiple_of(chunk) {
             out.push(self.one(pattern, len % chunk));
         }
         out

@@ -213,11 +213,11 @@ impl<'a> Worker<'a> {
         for r in rep.regions.iter().filter(|r| r.outcome == Outcome::Done) {
             Shared::add(&self.sh.cycles, 1);
             Shared::add(&self.sh.bytes_moved, (r.bytes + r.copied) as u64);
-            if rep.op == Move::Resume {
-                if let Some(t) = TAGS.iter().position(|(n, _)| *n == r.tag) {
-                    Shared::add(&self.sh.resumes[t], 1);
-                    self.fresh[t] = Some(self.seq);
-                }
+            if rep.op == Move::Resume
+                && let Some(t) = TAGS.iter().position(|(n, _)| *n == r.tag)
+            {
+                Shared::add(&self.sh.resumes[t], 1);
+                self.fresh[t] = Some(self.seq);
             }
         }
     }

@@ -382,10 +382,10 @@ impl Worker<'_> {
             Ok(_) | Err(Error::Busy { .. }) => {}
             Err(e) => self.fail("paged release", &e),
         }
-        if let Err(e) = self.retry(|| pager.resume(&[PAGED_TAG])) {
-            if self.paged_verdict(&e, None) == Verdict::Wrong {
-                self.fail("paged resume", &e);
-            }
+        if let Err(e) = self.retry(|| pager.resume(&[PAGED_TAG]))
+            && self.paged_verdict(&e, None) == Verdict::Wrong
+        {
+            self.fail("paged resume", &e);
         }
     }
 
@@ -395,10 +395,10 @@ impl Worker<'_> {
             return;
         }
         let pager = self.pager;
-        if let Err(e) = self.retry(|| pager.resume(&[PAGED_TAG])) {
-            if !matches!(e, Error::OutOfMemory { .. }) {
-                self.fail("paged resume at the end", &e);
-            }
+        if let Err(e) = self.retry(|| pager.resume(&[PAGED_TAG]))
+            && !matches!(e, Error::OutOfMemory { .. })
+        {
+            self.fail("paged resume at the end", &e);
         }
         while let Some(i) = self.paged.len().checked_sub(1) {
             let id = self.paged[i].id;

@@ -11,7 +11,7 @@ from gpu_pager.compat.vllm import get_mem_allocator_instance
 
 class GpuPagerBackend(SleepModeBackend):  # type: ignore[misc,unused-ignore]
     """The ``gpu_pager`` sleep-mode backend: vLLM's sleep levels on gpu_pager's allocator
-    (level 1 keeps the weights in pinned host memory, level 2 keeps nothing)."""
+    (level 1 keeps the weights, level 2 only the allocator's ``KEPT_TAGS``)."""
 
     def suspend(self, level: int = 1) -> None:
         """vLLM's sleep: level 1 keeps the weights (``offload_tags=("weights",)``), level 2

@@ -21,6 +21,27 @@ fn whole_hash(pager: &Pager, b: &Buffer) -> u64 {
         .expect("chunk_hash")[0]
 }
 
+/// A `weights` Preserve region (growing, or fixed and just large enough) holding one buffer
+/// per length in `lens`.
+fn weights_of(pager: &Pager, lens: &[usize], growing: bool) -> Vec<Buffer> {
+    let bytes = if growing {
+        0
+    } else {
+        lens.iter().map(|l| l.next_multiple_of(256)).sum::<usize>()
+    };
+    common::table_region(
+        pager,
+        "weights",
+        bytes,
+        Policy::Preserve,
+        Default::default(),
+    )
+    .unwrap();
+    lens.iter()
+        .map(|&l| pager.alloc("weights", l).unwrap())
+        .collect()
+}
+
 fn read_at(pager: &Pager, b: &Buffer, offset: usize, len: usize) -> Vec<u8> {
     let mut out = vec![0u8; len];
     pager.read(b, offset, &mut out).unwrap();
@@ -61,23 +82,7 @@ fn half_marked(growing: bool) {
     let lens: Vec<usize> = (0..300)
         .map(|i| 1 + rng.next_u64() as usize % (32 * MIB / scale()) + i * 4099)
         .collect();
-    let bytes = if growing {
-        0
-    } else {
-        lens.iter().map(|l| l.next_multiple_of(256)).sum::<usize>()
-    };
-    common::table_region(
-        &pager,
-        "weights",
-        bytes,
-        Policy::Preserve,
-        Default::default(),
-    )
-    .unwrap();
-    let bufs: Vec<Buffer> = lens
-        .iter()
-        .map(|&l| pager.alloc("weights", l).unwrap())
-        .collect();
+    let bufs = weights_of(&pager, &lens, growing);
     let mapped = pager.region_stats("weights").unwrap().resident_bytes;
     let marks: Vec<Mark> = (0..300)
         .map(|i| match (i % 2, i % 17) {
@@ -277,23 +282,7 @@ fn gpu_all_marked_moves_no_bytes() {
         let lens: Vec<usize> = (0..64)
             .map(|i| (16 * MIB / scale()) + i * 4099 + 1)
             .collect();
-        let bytes = if growing {
-            0
-        } else {
-            lens.iter().map(|l| l.next_multiple_of(256)).sum::<usize>()
-        };
-        common::table_region(
-            &pager,
-            "weights",
-            bytes,
-            Policy::Preserve,
-            Default::default(),
-        )
-        .unwrap();
-        let bufs: Vec<Buffer> = lens
-            .iter()
-            .map(|&l| pager.alloc("weights", l).unwrap())
-            .collect();
+        let bufs = weights_of(&pager, &lens, growing);
         let ptrs: Vec<u64> = bufs.iter().map(|b| pager.ptr(b).unwrap()).collect();
         for b in &bufs {
             pager.fill(b, 0x5A5A_0101).unwrap();

@@ -65,11 +65,10 @@ impl Rng {
     }
 
     pub fn fill(&mut self, buf: &mut [u8]) {
-        let mut words = buf.chunks_exact_mut(8);
-        for w in &mut words {
-            w.copy_from_slice(&self.next_u64().to_le_bytes());
+        let (words, rest) = buf.as_chunks_mut::<8>();
+        for w in words {
+            *w = self.next_u64().to_le_bytes();
         }
-        let rest = words.into_remainder();
         let last = self.next_u64().to_le_bytes();
         rest.copy_from_slice(&last[..rest.len()]);
     }

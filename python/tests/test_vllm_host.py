@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -15,10 +17,39 @@ from fresh import run_python
 STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_standin")
 
 
-def run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+def run(code: str, standin: str = STANDIN, **env: str) -> subprocess.CompletedProcess[str]:
     """``run_python`` with the stand-in vLLM importable."""
-    path = STANDIN + os.pathsep + os.environ.get("PYTHONPATH", "")
+    path = standin + os.pathsep + os.environ.get("PYTHONPATH", "")
     return run_python(code, PYTHONPATH=path, **env)
+
+
+def moved_standin(root: Path, shims: bool) -> str:
+    """The stand-in in the layout of vLLM's main branch: the allocator package under
+    ``vllm.backends.platform`` and, with ``shims``, vLLM's compatibility shims at the old
+    path (the package forwards attribute reads, its modules are aliases in
+    ``sys.modules``)."""
+    shutil.copytree(
+        os.path.join(STANDIN, "vllm"), root / "vllm", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    old, new = "vllm.device_allocator", "vllm.backends.platform.device_allocator"
+    old_dir, new_dir = root / "vllm" / "device_allocator", root.joinpath(*new.split("."))
+    new_dir.parent.mkdir(parents=True)
+    for package in (new_dir.parent.parent, new_dir.parent):
+        (package / "__init__.py").write_text("")
+    old_dir.rename(new_dir)
+    for module in new_dir.glob("*.py"):
+        module.write_text(module.read_text().replace(old, new))
+    if shims:
+        old_dir.mkdir()
+        (old_dir / "__init__.py").write_text(
+            f"import importlib\n_real = importlib.import_module({new!r})\n"
+            "def __getattr__(name):\n    return getattr(_real, name)\n"
+        )
+        for name in ("cumem", "sleep_mode_backend"):
+            (old_dir / f"{name}.py").write_text(
+                f"import importlib, sys\nsys.modules[__name__] = importlib.import_module({new + '.' + name!r})\n"
+            )
+    return str(root)
 
 
 def test_the_protocol_surface_and_its_refusals() -> None:
@@ -76,6 +107,56 @@ def test_the_entry_point_without_vllm_s_registry_still_switches() -> None:
     done = run(code, GPU_PAGER_DROP_IN="all")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "gpu_pager.compat.vllm"
+
+
+@pytest.mark.parametrize("shims", [True, False], ids=["with-old-path-shims", "new-path-only"])
+def test_the_entry_point_switches_vllm_in_its_new_layout(tmp_path: Path, shims: bool) -> None:
+    """vLLM's main branch keeps the allocator under ``vllm.backends.platform``, and its
+    worker binds ``get_mem_allocator_instance`` at import, before the plugins run: that
+    function, the backend registry and the tag hooks are all gpu_pager's, with or without
+    the old path's shims."""
+    code = """
+        from vllm.backends.platform.device_allocator import get_mem_allocator_instance
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        import vllm.backends.platform.device_allocator.cumem as cumem
+        from vllm.backends.platform.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+        from gpu_pager.compat.vllm import _vllm_tag_hooks
+        b = SleepModeBackendFactory.get_backend_class("gpu_pager")()
+        b.suspend(level=1)
+        b.resume(None)
+        print(type(get_mem_allocator_instance()).__module__, cumem.CuMemAllocator.__module__)
+        print("hooks", _vllm_tag_hooks() is not None)
+        try:
+            import vllm.device_allocator as old
+        except ImportError:
+            print("no old path")
+        else:
+            print("old path", type(old.get_mem_allocator_instance()).__module__)
+    """
+    done = run(code, moved_standin(tmp_path, shims), GPU_PAGER_DROP_IN="vllm")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "gpu_pager.compat.vllm gpu_pager.compat.vllm",
+        "hooks True",
+        "old path gpu_pager.compat.vllm" if shims else "no old path",
+    ]
+
+
+def test_the_entry_point_without_vllm_s_allocator_says_so(tmp_path: Path) -> None:
+    """Asked to switch a vLLM that has the allocator in neither place, the entry point fails
+    with what to do instead of leaving vLLM's own allocator in place unnoticed."""
+    root = Path(moved_standin(tmp_path, shims=False))
+    shutil.rmtree(root / "vllm" / "backends")
+    code = """
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+    """
+    done = run(code, str(root), GPU_PAGER_DROP_IN="vllm")
+    assert done.returncode != 0
+    assert "this vLLM has neither vllm.backends.platform.device_allocator" in done.stderr
+    assert "unset GPU_PAGER_DROP_IN" in done.stderr
+    assert run(code, str(root), GPU_PAGER_DROP_IN="").returncode == 0
 
 
 def test_the_backend_discards_through_the_allocator() -> None:

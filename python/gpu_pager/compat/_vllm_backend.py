@@ -4,9 +4,13 @@ needs vLLM)."""
 
 from __future__ import annotations
 
-from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
+from typing import Any
 
-from gpu_pager.compat.vllm import get_mem_allocator_instance
+from gpu_pager.compat.vllm import _vllm_module, get_mem_allocator_instance
+
+# Found where vLLM keeps it (see ``_VLLM_PACKAGES``); only the registry imports this module,
+# so the registry's module has it.
+SleepModeBackend: Any = _vllm_module(".sleep_mode_backend").SleepModeBackend
 
 
 class GpuPagerBackend(SleepModeBackend):  # type: ignore[misc,unused-ignore]

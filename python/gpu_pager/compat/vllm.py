@@ -1,6 +1,6 @@
 """A drop-in for vLLM's sleep-mode allocator as it is on vLLM's main branch
-(``vllm/device_allocator/``: the ``MemAllocator`` protocol and ``CuMemAllocator``), on
-gpu_pager::
+(``vllm/backends/platform/device_allocator/``, formerly ``vllm/device_allocator/``: the
+``MemAllocator`` protocol and ``CuMemAllocator``), on gpu_pager::
 
     from gpu_pager.compat.vllm import get_mem_allocator_instance
 
@@ -20,7 +20,7 @@ gpu_pager::
 To switch vLLM without editing it, install the wheel and set
 ``GPU_PAGER_DROP_IN=vllm`` (or ``all``): vLLM loads the ``vllm.general_plugins`` entry point
 ``gpu_pager`` (:func:`register`) in every process, which then puts this allocator behind
-``vllm.device_allocator.get_mem_allocator_instance()``. The entry point always registers the
+vLLM's ``get_mem_allocator_instance()``. The entry point always registers the
 ``gpu_pager`` sleep-mode backend where vLLM has that registry (``--sleep-mode-backend
 gpu_pager``).
 
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib
 import logging
 import os
 import threading
@@ -109,14 +110,38 @@ class _TagHooks(NamedTuple):
     after_map: Callable[..., None]
 
 
+_VLLM_PACKAGES: tuple[str, ...] = (
+    "vllm.backends.platform.device_allocator",
+    "vllm.device_allocator",
+)
+# Where vLLM keeps its sleep-mode allocator, newest layout first: vLLM's main branch moved
+# ``vllm.device_allocator`` under ``vllm.backends.platform`` (shims stay at the old path for a
+# while); releases have only the old path. The drop-in looks in both.
+
+
+def _vllm_modules(name: str = "") -> list[Any]:
+    """The modules ``<package><name>`` of the running vLLM, for each package of
+    ``_VLLM_PACKAGES`` that it has (none without vLLM)."""
+    found = []
+    for package in _VLLM_PACKAGES:
+        try:
+            found.append(importlib.import_module(package + name))
+        except ImportError:
+            continue
+    return found
+
+
+def _vllm_module(name: str = "") -> Any:
+    """The newest of :func:`_vllm_modules`, or ``None``."""
+    found = _vllm_modules(name)
+    return found[0] if found else None
+
+
 def _vllm_tag_hooks() -> _TagHooks | None:
     """vLLM's tag hooks where the running vLLM has them (``register_tag_hooks``: state that
     must live exactly as long as a tag's mapping, such as a KV connector's transport
     registration of the KV cache), else ``None``."""
-    try:
-        import vllm.device_allocator as allocators
-    except ImportError:
-        return None
+    allocators = _vllm_module()
     before = getattr(allocators, "run_before_unmap_hooks", None)
     after = getattr(allocators, "run_after_map_hooks", None)
     if before is None or after is None:
@@ -350,16 +375,16 @@ def __getattr__(name: str) -> Any:
 def register() -> None:
     """vLLM's ``vllm.general_plugins`` entry point, run in every vLLM process. Registers the
     ``gpu_pager`` sleep-mode backend where vLLM has the registry; with ``GPU_PAGER_DROP_IN``
-    naming ``vllm`` (or ``all``) it also puts this allocator behind
-    ``vllm.device_allocator.get_mem_allocator_instance()`` and
-    ``vllm.device_allocator.cumem.CuMemAllocator``, so that vLLM's default path uses it."""
-    try:
-        from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
-    except ImportError:
-        pass
-    else:
+    naming ``vllm`` (or ``all``) it also puts this allocator behind vLLM's
+    ``get_mem_allocator_instance()`` and ``cumem.CuMemAllocator`` (under
+    ``vllm.backends.platform.device_allocator``, where vLLM's main branch keeps them, and
+    the older ``vllm.device_allocator``), so that vLLM's default path uses it, also where a
+    module bound ``get_mem_allocator_instance`` before this ran (vLLM's function looks the
+    class up when called)."""
+    backends = _vllm_module(".sleep_mode_backend")
+    if backends is not None:
         try:
-            SleepModeBackendFactory.register_backend(
+            backends.SleepModeBackendFactory.register_backend(
                 "gpu_pager", "gpu_pager.compat.vllm", "GpuPagerBackend"
             )
         except ValueError:
@@ -368,12 +393,14 @@ def register() -> None:
 
     if not wanted("vllm"):
         return
-    import vllm.device_allocator as allocators
-
-    setattr(allocators, "get_mem_allocator_instance", get_mem_allocator_instance)
-    try:
-        import vllm.device_allocator.cumem as cumem
-    except ImportError:
-        return
-    setattr(cumem, "CuMemAllocator", CuMemAllocator)
+    packages = _vllm_modules()
+    if not packages:
+        raise RuntimeError(
+            "GPU_PAGER_DROP_IN asks for vLLM's allocator, but this vLLM has neither "
+            f"{' nor '.join(_VLLM_PACKAGES)}: upgrade gpu_pager or unset GPU_PAGER_DROP_IN"
+        )
+    for allocators in packages:
+        setattr(allocators, "get_mem_allocator_instance", get_mem_allocator_instance)
+    for cumem in _vllm_modules(".cumem"):
+        setattr(cumem, "CuMemAllocator", CuMemAllocator)
     logger.info("gpu_pager: vLLM's sleep-mode allocator is gpu_pager's (%s)", os.environ.get("GPU_PAGER_DROP_IN"))

@@ -87,12 +87,29 @@ def install(names: str | None = None) -> list[str]:
     return done
 
 
+def vllm_plugins_problem() -> str | None:
+    """Why vLLM would not load gpu_pager's entry point, or ``None``: vLLM loads only the
+    plugins that ``VLLM_PLUGINS`` names (comma-separated, as vLLM splits it) when it is
+    set."""
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is None or "gpu_pager" in allowed.split(","):
+        return None
+    return (
+        f"{ENV} names vllm, but VLLM_PLUGINS={allowed!r} does not name gpu_pager, so vLLM "
+        "keeps its own allocator: add gpu_pager to VLLM_PLUGINS"
+    )
+
+
 def _startup() -> None:
     """What the ``.pth`` file runs: :func:`install` when the variable is set, with a bad
-    value reported on stderr (an exception in a ``.pth`` line would only be a warning)."""
+    value, or a ``VLLM_PLUGINS`` that keeps vLLM from switching, reported on stderr (an
+    exception in a ``.pth`` line would only be a warning)."""
     if not os.environ.get(ENV):
         return
     try:
         install()
     except ValueError as e:
         print(f"gpu_pager: {e}", file=sys.stderr)
+    problem = vllm_plugins_problem() if wanted("vllm") else None
+    if problem:
+        print(f"gpu_pager: {problem}", file=sys.stderr)

@@ -95,6 +95,30 @@ def test_the_entry_point_switches_vllm_only_when_asked() -> None:
     assert on.stdout.split() == ["gpu_pager.compat.vllm"] * 2
 
 
+def test_a_vllm_plugins_list_without_gpu_pager_is_reported_at_start() -> None:
+    """vLLM loads only the plugins ``VLLM_PLUGINS`` names: one that leaves gpu_pager out
+    would keep vLLM's own allocator without a word, so every process says so on stderr."""
+    code = """
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm.device_allocator import get_mem_allocator_instance
+        print(type(get_mem_allocator_instance()).__module__)
+    """
+    left_out = run(code, GPU_PAGER_DROP_IN="vllm", VLLM_PLUGINS="lora_resolver")
+    assert left_out.returncode == 0, left_out.stderr
+    assert left_out.stdout.strip() == "vllm.device_allocator.cumem"
+    assert (
+        "gpu_pager: GPU_PAGER_DROP_IN names vllm, but VLLM_PLUGINS='lora_resolver' does not "
+        "name gpu_pager, so vLLM keeps its own allocator: add gpu_pager to VLLM_PLUGINS"
+    ) in left_out.stderr
+    named = run(code, GPU_PAGER_DROP_IN="vllm", VLLM_PLUGINS="lora_resolver,gpu_pager")
+    assert named.returncode == 0, named.stderr
+    assert named.stdout.strip() == "gpu_pager.compat.vllm"
+    assert "VLLM_PLUGINS" not in named.stderr
+    other = run(code, GPU_PAGER_DROP_IN="torch_memory_saver", VLLM_PLUGINS="lora_resolver")
+    assert "VLLM_PLUGINS" not in other.stderr
+
+
 def test_the_entry_point_without_vllm_s_registry_still_switches() -> None:
     code = """
         import sys

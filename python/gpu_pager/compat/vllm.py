@@ -20,9 +20,10 @@
 To switch vLLM without editing it, install the wheel and set
 ``GPU_PAGER_DROP_IN=vllm`` (or ``all``): vLLM loads the ``vllm.general_plugins`` entry point
 ``gpu_pager`` (:func:`register`) in every process, which then puts this allocator behind
-vLLM's ``get_mem_allocator_instance()``. The entry point always registers the
-``gpu_pager`` sleep-mode backend where vLLM has that registry (``--sleep-mode-backend
-gpu_pager``).
+vLLM's ``get_mem_allocator_instance()`` (where ``VLLM_PLUGINS`` limits the plugins vLLM
+loads, it must name ``gpu_pager``; every process says so on stderr otherwise). The entry
+point always registers the ``gpu_pager`` sleep-mode backend where vLLM has that registry
+(``--sleep-mode-backend gpu_pager``).
 
 vLLM's semantics, kept: which tags keep their contents is chosen at each ``sleep`` (the
 tags in ``offload_tags``, default ``("default",)``, and the ``KEPT_TAGS``; every other tag

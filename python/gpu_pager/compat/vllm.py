@@ -120,22 +120,19 @@ _VLLM_PACKAGES: tuple[str, ...] = (
 # while); releases have only the old path. The drop-in looks in both.
 
 
-def _vllm_modules(name: str = "") -> list[Any]:
-    """The modules ``<package><name>`` of the running vLLM, for each package of
-    ``_VLLM_PACKAGES`` that it has (none without vLLM)."""
-    found = []
+def _vllm_modules(name: str = "") -> Iterator[Any]:
+    """The modules ``<package><name>`` of the running vLLM, newest first, for each package
+    of ``_VLLM_PACKAGES`` that it has (none without vLLM), imported as they are reached."""
     for package in _VLLM_PACKAGES:
         try:
-            found.append(importlib.import_module(package + name))
+            yield importlib.import_module(package + name)
         except ImportError:
             continue
-    return found
 
 
 def _vllm_module(name: str = "") -> Any:
-    """The newest of :func:`_vllm_modules`, or ``None``."""
-    found = _vllm_modules(name)
-    return found[0] if found else None
+    """The first of :func:`_vllm_modules`, or ``None``."""
+    return next(_vllm_modules(name), None)
 
 
 def _vllm_tag_hooks() -> _TagHooks | None:
@@ -394,7 +391,7 @@ def register() -> None:
 
     if not wanted("vllm"):
         return
-    packages = _vllm_modules()
+    packages = list(_vllm_modules())
     if not packages:
         raise RuntimeError(
             "GPU_PAGER_DROP_IN asks for vLLM's allocator, but this vLLM has neither "

@@ -46,8 +46,9 @@ def moved_standin(root: Path, shims: bool) -> str:
             "def __getattr__(name):\n    return getattr(_real, name)\n"
         )
         for name in ("cumem", "sleep_mode_backend"):
+            real = f"{new}.{name}"
             (old_dir / f"{name}.py").write_text(
-                f"import importlib, sys\nsys.modules[__name__] = importlib.import_module({new + '.' + name!r})\n"
+                f"import importlib, sys\nsys.modules[__name__] = importlib.import_module({real!r})\n"
             )
     return str(root)
 

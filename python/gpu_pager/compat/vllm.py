@@ -111,13 +111,13 @@ class _TagHooks(NamedTuple):
     after_map: Callable[..., None]
 
 
+# Where vLLM keeps its sleep-mode allocator, newest layout first: vLLM's main branch moved
+# ``vllm.device_allocator`` under ``vllm.backends.platform`` (shims stay at the old path for a
+# while); releases have only the old path. The drop-in looks in both.
 _VLLM_PACKAGES: tuple[str, ...] = (
     "vllm.backends.platform.device_allocator",
     "vllm.device_allocator",
 )
-# Where vLLM keeps its sleep-mode allocator, newest layout first: vLLM's main branch moved
-# ``vllm.device_allocator`` under ``vllm.backends.platform`` (shims stay at the old path for a
-# while); releases have only the old path. The drop-in looks in both.
 
 
 def _vllm_modules(name: str = "") -> Iterator[Any]:

@@ -66,9 +66,11 @@ def test_every_public_item_of_the_stubs_has_a_docstring() -> None:
     import ast
 
     stubs = os.path.join(os.path.dirname(native.__file__), "_native.pyi")
+    with open(stubs, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
     missing = [
         f"{node.name} (line {node.lineno})"
-        for node in ast.walk(ast.parse(open(stubs).read()))
+        for node in ast.walk(tree)
         if isinstance(node, (ast.FunctionDef, ast.ClassDef))
         and not node.name.startswith("_")
         and ast.get_docstring(node) is None

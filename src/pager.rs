@@ -547,9 +547,10 @@ impl Pager {
         self.region_with(tag, bytes, policy, RegionOptions::default())
     }
 
-    /// [`Pager::region`] with options (`prepin`, `elastic`, a per-region `chunk_bytes`).
-    /// An elastic region is created with nothing mapped; see [`Pager::back`]. Asking again
-    /// for an existing tag also needs the same `elastic`.
+    /// [`Pager::region`] with options: its [`RegionKind`] (fixed, growing, elastic),
+    /// `prepin`, a per-region `chunk_bytes`, the backup's medium. An elastic region is
+    /// created with nothing mapped; see [`Pager::back`]. Asking again for an existing tag
+    /// also needs the same kind and medium (`prepin` then pins an unpinned backup).
     pub fn region_with(
         &self,
         tag: &str,

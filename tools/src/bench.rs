@@ -688,11 +688,11 @@ pub fn run(
     // released).
     if cfg.growing {
         log("weights in a growing region: the same buffers, one mapping each, cycles 1 s apart");
-        let prepin = RegionOptions {
+        let growing = RegionOptions {
             prepin: true,
-            ..Default::default()
+            ..RegionOptions::GROWING
         };
-        pager.region_with("weights_grow", 0, Policy::Preserve, prepin)?;
+        pager.region_with("weights_grow", 0, Policy::Preserve, growing)?;
         let gbufs = weight_buffers(&pager, "weights_grow", cfg)?;
         write_weights(&pager, &gbufs, 0)?;
         pager.release(&["weights_grow"])?;
@@ -801,10 +801,9 @@ fn rejudge(rows: &mut [Row], link: &Link) {
     }
 }
 
-/// The rows of the sequence RL really runs: release, a trainer allocates, writes and frees
 /// A first release without `prepin` of the weights' size, in a fixed region (one buffer) and
 /// in a growing one (`cfg.weight_buffers` buffers): the backup pinned and filled in one pass
-/// (`first_save_overlap`), the save after it copying nothing. The total against 1 s per
+/// ([`gpu_pager::PagerConfig::first_save_overlap`]), the save after it copying nothing. The total against 1 s per
 /// 16 GiB, and the pinning with the copy in it against the link. Each sample is a first
 /// release (the backup is freed between samples). Leaves no region.
 fn first_release_rows(

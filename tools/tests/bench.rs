@@ -1,5 +1,5 @@
-//! The benchmark table on the host backend: every row whose limit is bytes over the link is
-//! judged against the best link measure of the run (the start's or the end's, each
+//! The benchmark table on the host backend: every group of rows runs, and every row whose
+//! limit is bytes over the link is judged against the best link measure of the run (the start's or the end's, each
 //! direction on its own), never against a low one.
 
 use std::sync::Arc;
@@ -19,11 +19,29 @@ fn rows_over_the_link_are_judged_against_the_best_measure_of_the_run() {
         kv_bytes: 256 << 20,
         chunk_bytes: 16 << 20,
         repeats: 1,
-        growing: false,
-        alloc_sizes: Vec::new(),
+        weight_buffers: 12,
+        cold_release: true,
+        alloc_sizes: vec![2 << 20],
         ..BenchConfig::small()
     };
     let table = bench::run(backend.clone(), &cfg, &mut |_| {}).expect("the bench runs");
+    // Every group of rows ran (the growing rows once asked for a fixed region of 0 bytes).
+    for row in [
+        "first release, backup pinned ahead",
+        "first release, no prepin, fixed region",
+        "first release, no prepin, growing region (12 buffers)",
+        "resume KV",
+        "growing region (12 buffers): resume weights",
+        "alloc 2 MiB",
+        "resume weights right after a trainer",
+        "release weights, every buffer marked",
+        "RL wake-up",
+    ] {
+        assert!(
+            table.rows.iter().any(|r| r.name.starts_with(row)),
+            "no row `{row}`: {table}"
+        );
+    }
     assert_eq!(table.link, table.link_start.best(&table.link_end));
     let over: Vec<_> = table.rows.iter().filter(|r| r.over.is_some()).collect();
     assert!(

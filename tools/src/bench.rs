@@ -667,7 +667,7 @@ pub fn run(
     }
     let chunks = kv_size.div_ceil(kv_chunk);
     rows.push(Row {
-        name: format!("release KV {:.0} GiB", kv_size as f64 / GIB as f64),
+        name: format!("release KV {}", size_name(kv_size)),
         figure: Spread::of(&rel),
         limit: Spread::of(&bunmap),
         limit_name: format!("bare unmap+release, {chunks} chunks"),
@@ -675,7 +675,7 @@ pub fn run(
         over: None,
     });
     rows.push(Row {
-        name: format!("resume KV {:.0} GiB", kv_size as f64 / GIB as f64),
+        name: format!("resume KV {}", size_name(kv_size)),
         figure: Spread::of(&res),
         limit: Spread::of(&bmap),
         limit_name: format!("bare create+map+set-access, {chunks} chunks"),

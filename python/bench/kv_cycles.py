@@ -130,7 +130,7 @@ def run_one(impl: str, kv_bytes: int, cycles: int) -> dict[str, Any]:
         if impl == "gpu_pager":
             from gpu_pager.compat.torch_memory_saver import torch_memory_saver as tms
         else:
-            from torch_memory_saver import torch_memory_saver as tms
+            from torch_memory_saver import torch_memory_saver as tms  # type: ignore[no-redef]
         tms.hook_mode = "torch"  # no LD_PRELOAD needed; the same allocator path for both
         with tms.region("kv_cache"):
             kv = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(TENSORS)]

@@ -40,7 +40,7 @@ def child(impl: str, medium: str, gib: int, cycles: int, directory: str) -> None
     if impl == "gpu_pager":
         from gpu_pager.compat.torch_memory_saver import torch_memory_saver as saver
     else:
-        from torch_memory_saver import torch_memory_saver as saver  # type: ignore[import-not-found]
+        from torch_memory_saver import torch_memory_saver as saver  # type: ignore[no-redef]
     saver.hook_mode = "torch"
     kwargs: dict[str, Any] = {"tag": "weights"}
     if medium == "disk":

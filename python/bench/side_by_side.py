@@ -123,7 +123,7 @@ def run_one(impl: str, weights_bytes: int, kv_bytes: int, n_tensors: int, repeat
     if impl == "gpu_pager":
         from gpu_pager.compat.torch_memory_saver import torch_memory_saver as tms
     else:
-        from torch_memory_saver import torch_memory_saver as tms
+        from torch_memory_saver import torch_memory_saver as tms  # type: ignore[no-redef]
     tms.hook_mode = "torch"  # no LD_PRELOAD needed; the same allocator path for both
     h2d, d2h = link(torch)
     _log(f"{impl}: link h2d {h2d / 1e9:.1f} GB/s, d2h {d2h / 1e9:.1f} GB/s")

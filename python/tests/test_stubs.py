@@ -44,13 +44,14 @@ def test_stubtest() -> None:
 
 
 def test_mypy_strict_on_the_package_and_tests() -> None:
-    """The stubs are usable: the package's Python code and these tests type-check."""
+    """The stubs are usable: the package's Python code, these tests and the benchmarks (run
+    only on a GPU machine) type-check."""
     pytest.importorskip("mypy", reason="mypy is not installed")
     env = dict(os.environ)
     env.setdefault("MYPY_CACHE_DIR", os.path.join(tempfile.gettempdir(), "gpu_pager-mypy-cache"))
     root = os.path.dirname(CONFIG)
     done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", CONFIG, "gpu_pager", "tests"],
+        [sys.executable, "-m", "mypy", "--config-file", CONFIG, "gpu_pager", "tests", "bench"],
         capture_output=True,
         text=True,
         env=env,

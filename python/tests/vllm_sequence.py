@@ -170,7 +170,7 @@ def run_vllm(size: str) -> None:
 
 
 def run_tms(size: str) -> None:
-    from torch_memory_saver import torch_memory_saver as tms  # type: ignore[import-not-found]
+    from torch_memory_saver import torch_memory_saver as tms
 
     tms.hook_mode = "torch"
     engine = Engine(

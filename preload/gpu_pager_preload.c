@@ -27,6 +27,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Only for the types of the core's functions, found with dlsym below: this library links
+ * nothing of the core, and the compiler checks every call against the C ABI. */
+#include "gpu_pager.h"
+
 #define EXPORT __attribute__((visibility("default")))
 
 typedef int cuda_error;
@@ -34,8 +38,6 @@ typedef int cuda_error;
 #define CUDA_ERROR_MEMORY_ALLOCATION 2
 /* cudaErrorInitializationError: no CUDA runtime in the process to pass a call to. */
 #define CUDA_ERROR_INITIALIZATION 3
-/* gpu_pager_code's success. */
-#define GPU_PAGER_OK 0
 
 /* The CUDA runtime's own functions, found behind this library. */
 static struct {
@@ -46,28 +48,30 @@ static struct {
 static pthread_once_t runtime_once = PTHREAD_ONCE_INIT;
 
 /* The core's C ABI (gpu_pager_tms_*); all NULL when the core could not be loaded. */
+#define CORE_FN(name) __typeof__(name) *
 static struct {
-    int (*cuda_malloc)(int, size_t, void **, bool *);
-    int (*cuda_free)(void *, bool *);
-    void (*set_enabled)(bool);
-    bool (*enabled)(void);
-    int (*set_tag)(const char *);
-    const char *(*tag)(void);
-    void (*set_cpu_backup)(bool);
-    bool (*cpu_backup)(void);
-    int (*set_cpu_backend)(const char *);
-    const char *(*cpu_backend)(void);
-    void (*set_disk_backup)(bool);
-    bool (*disk_backup)(void);
-    int (*set_disk_dir)(const char *);
-    void (*set_margin)(uint64_t);
-    void (*set_retain)(bool);
-    bool (*retain)(void);
-    int (*pause)(const char *);
-    int (*resume)(const char *);
-    uint8_t *(*backup_pointer)(uint64_t, uint64_t);
-    const char *(*last_error)(void);
+    CORE_FN(gpu_pager_tms_cuda_malloc) cuda_malloc;
+    CORE_FN(gpu_pager_tms_cuda_free) cuda_free;
+    CORE_FN(gpu_pager_tms_set_enabled) set_enabled;
+    CORE_FN(gpu_pager_tms_enabled) enabled;
+    CORE_FN(gpu_pager_tms_set_tag) set_tag;
+    CORE_FN(gpu_pager_tms_tag) tag;
+    CORE_FN(gpu_pager_tms_set_cpu_backup) set_cpu_backup;
+    CORE_FN(gpu_pager_tms_cpu_backup) cpu_backup;
+    CORE_FN(gpu_pager_tms_set_cpu_backend) set_cpu_backend;
+    CORE_FN(gpu_pager_tms_cpu_backend) cpu_backend;
+    CORE_FN(gpu_pager_tms_set_disk_backup) set_disk_backup;
+    CORE_FN(gpu_pager_tms_disk_backup) disk_backup;
+    CORE_FN(gpu_pager_tms_set_disk_dir) set_disk_dir;
+    CORE_FN(gpu_pager_tms_set_margin) set_margin;
+    CORE_FN(gpu_pager_tms_set_retain) set_retain;
+    CORE_FN(gpu_pager_tms_retain) retain;
+    CORE_FN(gpu_pager_tms_pause) pause;
+    CORE_FN(gpu_pager_tms_resume) resume;
+    CORE_FN(gpu_pager_tms_backup_pointer) backup_pointer;
+    CORE_FN(gpu_pager_last_error) last_error;
 } core;
+#undef CORE_FN
 static pthread_once_t core_once = PTHREAD_ONCE_INIT;
 
 /* Finds the loaded CUDA runtime for find_runtime: the first object named libcudart.so*. */
@@ -177,7 +181,7 @@ static bool have_core(void) {
 }
 
 /* A failed core call in a function torch_memory_saver declares void: say why on stderr. */
-static void report(const char *what, int code) {
+static void report(const char *what, gpu_pager_code code) {
     if (code != GPU_PAGER_OK) {
         fprintf(stderr, "gpu-pager preload: %s failed: %s\n", what, core.last_error());
     }
@@ -191,7 +195,7 @@ EXPORT cuda_error cudaMalloc(void **ptr, size_t size) {
             device = 0;
         }
         bool routed = false;
-        int code = core.cuda_malloc(device, size, ptr, &routed);
+        gpu_pager_code code = core.cuda_malloc(device, size, ptr, &routed);
         if (code != GPU_PAGER_OK) {
             return CUDA_ERROR_MEMORY_ALLOCATION;
         }
@@ -207,7 +211,7 @@ EXPORT cuda_error cudaFree(void *ptr) {
     /* cudaFree(NULL) initializes the runtime's context: always the runtime's. */
     if (ptr != NULL && have_core()) {
         bool freed = false;
-        int code = core.cuda_free(ptr, &freed);
+        gpu_pager_code code = core.cuda_free(ptr, &freed);
         if (freed) {
             return code == GPU_PAGER_OK ? 0 : CUDA_ERROR_MEMORY_ALLOCATION;
         }
@@ -265,16 +269,16 @@ EXPORT void set_memory_margin_bytes(uint64_t bytes) {
 
 EXPORT int tms_pause(const char *tag) {
     if (!have_core()) return CUDA_ERROR_INITIALIZATION;
-    int code = core.pause(tag);
+    gpu_pager_code code = core.pause(tag);
     report("tms_pause", code);
-    return code;
+    return (int)code;
 }
 
 EXPORT int tms_resume(const char *tag) {
     if (!have_core()) return CUDA_ERROR_INITIALIZATION;
-    int code = core.resume(tag);
+    gpu_pager_code code = core.resume(tag);
     report("tms_resume", code);
-    return code;
+    return (int)code;
 }
 
 EXPORT uint8_t *tms_get_cpu_backup_pointer(const uint8_t *gpu_ptr, uint64_t size) {

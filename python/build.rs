@@ -7,8 +7,14 @@ use std::path::PathBuf;
 fn main() {
     let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets it"));
     let source = manifest.join("../preload/gpu_pager_preload.c");
+    // The C ABI's header, for the types of the core functions the library looks up.
+    let include = manifest.join("../include");
     let out = manifest.join("gpu_pager/libgpu_pager_preload.so");
     println!("cargo:rerun-if-changed={}", source.display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        include.join("gpu_pager.h").display()
+    );
     let compiler = cc::Build::new().get_compiler();
     let status = compiler
         .to_command()
@@ -21,6 +27,8 @@ fn main() {
             "-Werror",
             "-fvisibility=hidden",
         ])
+        .arg("-I")
+        .arg(&include)
         .arg("-o")
         .arg(&out)
         .arg(&source)

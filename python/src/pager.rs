@@ -120,8 +120,8 @@ impl PyPager {
     /// ``"fixed"`` (all ``bytes`` mapped while resident) or ``"growing"`` (memory mapped only
     /// under live buffers; ``bytes`` is the address range it reserves, ``None`` for 4 times
     /// the device's memory); by default ``"growing"`` without ``bytes``, else ``"fixed"``.
-    /// ``prepin`` allocates the pinned host
-    /// backup now (``Policy.PRESERVE`` only), so that the first release pays no pinning.
+    /// ``prepin`` allocates the pinned host backup now (``Policy.PRESERVE`` only), so that
+    /// the first release pays no pinning.
     /// ``medium`` says where a ``PRESERVE`` region's contents go while it is released:
     /// ``"pinned"`` (pinned host memory kept across cycles: the fastest), ``"host"`` (host
     /// memory given back after each resume, pinned again at the next release) or ``"file"``

@@ -4,8 +4,9 @@ With ``GPU_PAGER_DROP_IN=torch_memory_saver`` (a comma-separated list of the nam
 ``NAMES``, or ``all``) in the environment, ``import torch_memory_saver`` and
 its submodules resolve to ``gpu_pager.compat.torch_memory_saver`` in every Python process
 of that environment, child processes included. The wheel installs ``gpu_pager_drop_in.pth``,
-which Python runs at start-up and which calls :func:`install`; without the variable it does
-nothing and imports nothing else.
+which Python runs at start-up: with the variable set it imports this module and calls
+:func:`_startup`; without it, it reads the variable and imports nothing (the line runs in
+every Python process of the environment).
 """
 
 from __future__ import annotations

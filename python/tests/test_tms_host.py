@@ -102,6 +102,21 @@ def test_the_switch_resolves_torch_memory_saver_to_gpu_pager() -> None:
     assert off.returncode != 0 or "gpu_pager" not in off.stdout
 
 
+def test_without_the_switch_the_start_up_imports_nothing_of_gpu_pager() -> None:
+    """The wheel's ``.pth`` runs in every Python process of the environment: without
+    ``GPU_PAGER_DROP_IN`` it must not load the package, its extension module or the import
+    machinery the switch needs (tens of milliseconds at every interpreter start)."""
+    code = """
+        import sys
+        print(sorted(m for m in sys.modules if m.startswith(("gpu_pager", "importlib.abc"))))
+    """
+    off = run_python(code, GPU_PAGER_DROP_IN="")
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.strip() == "[]"
+    on = run_python(code, GPU_PAGER_DROP_IN="torch_memory_saver")
+    assert "gpu_pager._drop_in" in on.stdout, on.stdout + on.stderr
+
+
 def test_a_bad_switch_value_names_the_known_ones() -> None:
     done = run_python("print('started')", GPU_PAGER_DROP_IN="torch_memory_saverr")
     assert done.returncode == 0

@@ -848,7 +848,8 @@ impl Pager {
             return Err(Error::InvalidArgument {
                 tag: Some(tag.to_owned()),
                 reason: format!(
-                    "an alignment of {align} bytes is above the device's granularity ({g}                      bytes), the most a region's addresses are aligned to; ask for at most {g}"
+                    "an alignment of {align} bytes is above the device's granularity ({g} \
+                     bytes), the most a region's addresses are aligned to; ask for at most {g}"
                 ),
             });
         }

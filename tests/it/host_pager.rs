@@ -367,6 +367,14 @@ fn bad_input_is_a_typed_error() {
         pager.alloc_aligned("weights", 8, 3),
         Err(Error::InvalidArgument { .. })
     ));
+    let g = pager.backend().info().granularity;
+    let above = pager.alloc_aligned("weights", 8, 2 * g).unwrap_err();
+    let said = above.to_string();
+    assert!(matches!(above, Error::InvalidArgument { .. }), "{said}");
+    assert!(
+        said.contains(&format!("granularity ({g} bytes)")) && !said.contains("  "),
+        "{said}"
+    );
     assert!(matches!(
         pager.alloc("weights", 4 * MIB + 1),
         Err(Error::RegionFull { .. })

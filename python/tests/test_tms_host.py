@@ -104,8 +104,8 @@ def test_the_switch_resolves_torch_memory_saver_to_gpu_pager() -> None:
 
 def test_without_the_switch_the_start_up_imports_nothing_of_gpu_pager() -> None:
     """The wheel's ``.pth`` runs in every Python process of the environment: without
-    ``GPU_PAGER_DROP_IN`` it must not load the package, its extension module or the import
-    machinery the switch needs (tens of milliseconds at every interpreter start)."""
+    ``GPU_PAGER_DROP_IN`` it must not load the package or its extension module (with the
+    import machinery the switch needs, tens of milliseconds at every interpreter start)."""
     code = """
         import sys
         print(sorted(m for m in sys.modules if m.startswith("gpu_pager")))

@@ -1,6 +1,6 @@
 //! The benchmark table on the host backend: every group of rows runs, and every row whose
-//! limit is bytes over the link is judged against the best link measure of the run (the start's or the end's, each
-//! direction on its own), never against a low one.
+//! limit is bytes over the link is judged against the best link measure of the run (the
+//! start's or the end's, each direction on its own), never against a low one.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -32,9 +32,14 @@ NAMES = (*ALIASES, "vllm")
 the ``vllm.general_plugins`` entry point that vLLM loads, ``gpu_pager.compat.vllm``)."""
 
 
+def _named(asked: str) -> set[str]:
+    """The names in a value of ``$GPU_PAGER_DROP_IN`` (comma-separated, blanks ignored)."""
+    return {n.strip() for n in asked.split(",") if n.strip()}
+
+
 def wanted(name: str) -> bool:
     """Whether ``$GPU_PAGER_DROP_IN`` names drop-in ``name`` (or ``all``)."""
-    chosen = {n.strip() for n in os.environ.get(ENV, "").split(",")}
+    chosen = _named(os.environ.get(ENV, ""))
     return name in chosen or "all" in chosen
 
 
@@ -70,7 +75,7 @@ def install(names: str | None = None) -> list[str]:
     importer; returns the module names now resolved to gpu_pager. Unknown names raise
     ``ValueError`` naming the known ones."""
     asked = os.environ.get(ENV, "") if names is None else names
-    chosen = {n.strip() for n in asked.split(",") if n.strip()}
+    chosen = _named(asked)
     if "all" in chosen:
         chosen = set(NAMES)
     unknown = chosen - set(NAMES)

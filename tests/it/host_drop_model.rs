@@ -101,9 +101,10 @@ proptest! {
                     pager.resume(&names(tags)).unwrap();
                     for i in 0..3 {
                         if tags & (1 << i) != 0
-                            && let Some(w) = &want[i] {
-                                prop_assert_eq!(&read(&pager, &bufs[i]), w, "{}", TAGS[i].0);
-                            }
+                            && let Some(w) = &want[i]
+                        {
+                            prop_assert_eq!(&read(&pager, &bufs[i]), w, "{}", TAGS[i].0);
+                        }
                     }
                 }
             }

@@ -1,32 +1,46 @@
-//! Build script: compiles every `kernels/*.cu` into `$OUT_DIR/<stem>.fatbin` with nvcc
-//! (sm_80 and sm_90 SASS plus compute_90 PTX) and mirrors `kernels/abi.h` into
-//! `$OUT_DIR/abi.rs` with bindgen. `src/kernels/mod.rs` embeds both.
+//! Build script: compiles every `kernels/*.cu` with NVRTC from a CUDA 12 toolkit into SASS
+//! for each GPU architecture in [`SASS`] plus PTX for [`PTX`], packs them with nvFatbin into
+//! `$OUT_DIR/<stem>.fatbin`, and mirrors `kernels/abi.h` into `$OUT_DIR/abi.rs` with
+//! bindgen. `src/kernels/mod.rs` embeds both.
+//!
+//! Why CUDA 12 and these libraries: images from a CUDA 12 toolkit load on every driver from
+//! CUDA 12.0 (r525) on, CUDA 13 drivers included, and NVRTC and nvFatbin are the CUDA 12
+//! compilers on PyPI (its nvcc package holds only ptxas). The kernels need no other part of
+//! CUDA, and no host compiler.
 //!
 //! Tools are looked up without root and without a system CUDA install:
-//! - nvcc: `$NVCC`, then `$CUDA_HOME/bin/nvcc`, `$CUDA_PATH/bin/nvcc`, then `nvcc` on `PATH`,
-//!   then the project's own `.toolchain/lib/python3*/site-packages/nvidia/cu13/bin/nvcc`;
-//! - libclang (for bindgen): `$LIBCLANG_PATH`, then the project's
-//!   `.toolchain/lib/python3*/site-packages/clang/native/`, then the system default.
+//! - `libnvrtc.so.12` and `libnvfatbin.so.12` (12.8 or newer, for sm_100 and sm_120): in
+//!   `$CUDA_HOME/lib64` or `$CUDA_PATH/lib64`, then under `nvidia/cuda_nvrtc/lib` and
+//!   `nvidia/nvfatbin/lib` of the Python environment the build runs in (`$PYO3_PYTHON`,
+//!   which maturin sets, else `python3`: `pip install ./python` brings them as build
+//!   requirements), then of the project's `.toolchain/`;
+//! - libclang (for bindgen): `$LIBCLANG_PATH`, then `clang/native/` in those same Python
+//!   environments, then the system default.
 //!
-//! `scripts/toolchain` installs both into `.toolchain/`.
+//! `scripts/toolchain` installs every one of them into `.toolchain/`.
 
+#[path = "build/cuda12.rs"]
+mod cuda12;
+
+use cuda12::{Cuda12, Target};
 use std::env;
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Command;
 
-/// The one command that installs every tool this build needs.
-const INSTALL_HINT: &str = "run `scripts/toolchain` from the repository root (installs nvcc 13.0 and libclang \
-     into .toolchain/, no root needed)";
+/// How to get every tool this build needs.
+const INSTALL_HINT: &str = "run `scripts/toolchain` from the repository root (installs NVRTC and nvFatbin \
+     12.9 and libclang into .toolchain/, no root needed), or build with `pip install ./python`, which \
+     brings them itself";
 
-/// Code generation: SASS for sm_80 (A100) and sm_90 (H100/H200), and compute_90 PTX that
-/// newer GPUs JIT-compile.
-const NVCC_ARCH_FLAGS: &[&str] = &[
-    "-gencode",
-    "arch=compute_80,code=sm_80",
-    "-gencode",
-    "arch=compute_90,code=[sm_90,compute_90]",
-];
+/// SASS for these architectures: A100 (80), A10/A40/RTX 30 (86), L40S/L4/RTX 40 (89),
+/// H100/H200/GH200 (90), B200/GB200 (100; B300 runs it too), RTX 50/RTX PRO (120). A GPU runs
+/// the SASS of its own major version with the highest minor not above its own.
+const SASS: [u32; 6] = [80, 86, 89, 90, 100, 120];
+/// PTX for this virtual architecture, which the driver JIT-compiles on GPUs newer than every
+/// SASS above (the lowest, so that any later GPU can take it).
+const PTX: u32 = 80;
+/// NVRTC's oldest 12.x that knows every architecture in [`SASS`].
+const NVRTC_MIN_MINOR: i32 = 8;
 
 fn main() {
     let root =
@@ -37,14 +51,8 @@ fn main() {
 
     println!("cargo:rerun-if-changed={}", kernels.display());
     println!("cargo:rerun-if-changed={}", abi_h.display());
-    for var in [
-        "NVCC",
-        "CUDA_HOME",
-        "CUDA_PATH",
-        "LIBCLANG_PATH",
-        "NVCC_CCBIN",
-        "CXX",
-    ] {
+    println!("cargo:rerun-if-changed=build/cuda12.rs");
+    for var in ["CUDA_HOME", "CUDA_PATH", "LIBCLANG_PATH", "PYO3_PYTHON"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
 
@@ -53,18 +61,11 @@ fn main() {
         println!("cargo:rerun-if-changed={}", src.display());
     }
 
-    let nvcc = find_nvcc(&root).unwrap_or_else(|| {
-        panic!(
-            "nvcc not found (looked at $NVCC, $CUDA_HOME/bin, $CUDA_PATH/bin, PATH and \
-             .toolchain/lib/python3*/site-packages/nvidia/cu13/bin); {INSTALL_HINT}"
-        )
-    });
-    if let Some(version) = nvcc_version(&nvcc) {
-        println!("cargo:rustc-env=GP_NVCC_VERSION={version}");
-    }
-    compile_fatbins(&nvcc, &kernels, &sources, &out_dir);
+    let site_dirs = python_site_dirs(&root);
+    let cuda = load_cuda12(&site_dirs);
+    compile_fatbins(&cuda, &kernels, &sources, &out_dir);
 
-    generate_abi(&root, &abi_h, &out_dir.join("abi.rs"));
+    generate_abi(&site_dirs, &abi_h, &out_dir.join("abi.rs"));
 }
 
 /// Every `kernels/*.cu`, sorted so the build is deterministic.
@@ -79,127 +80,148 @@ fn cuda_sources(kernels: &Path) -> Vec<PathBuf> {
     sources
 }
 
-/// nvcc in the documented order, or `None`.
-fn find_nvcc(root: &Path) -> Option<PathBuf> {
-    if let Some(nvcc) = env::var_os("NVCC").filter(|v| !v.is_empty()) {
-        // An explicit choice is taken as is (a bare name is resolved through PATH).
-        return Some(PathBuf::from(nvcc));
+/// The `site-packages` folders to look in for the PyPI tools: the build's own Python
+/// environment first (`sys.path` of `$PYO3_PYTHON`, else `python3`; under pip's isolated
+/// build that includes the build requirements), then `.toolchain/lib/python3*/site-packages`.
+fn python_site_dirs(root: &Path) -> Vec<PathBuf> {
+    let python = env::var_os("PYO3_PYTHON")
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| "python3".into());
+    let mut dirs: Vec<PathBuf> = Command::new(&python)
+        .args([
+            "-c",
+            "import sys; print('\\n'.join(p for p in sys.path if p))",
+        ])
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map(|out| {
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .map(PathBuf::from)
+                .filter(|p| p.join("nvidia").is_dir() || p.join("clang").is_dir())
+                .collect()
+        })
+        .unwrap_or_default();
+    if let Ok(entries) = std::fs::read_dir(root.join(".toolchain").join("lib")) {
+        let mut toolchain: Vec<PathBuf> = entries
+            .filter_map(|entry| entry.ok())
+            .filter(|entry| entry.file_name().to_string_lossy().starts_with("python3"))
+            .map(|entry| entry.path().join("site-packages"))
+            .filter(|p| p.is_dir())
+            .collect();
+        toolchain.sort();
+        dirs.extend(toolchain.into_iter().rev());
     }
+    dirs
+}
+
+/// The first existing `<dir>/<rel>` of the CUDA homes' `lib64` (for `lib64` files) or of the
+/// site-packages folders.
+fn find_cuda_lib(site_dirs: &[PathBuf], wheel_dir: &str, file: &str) -> Option<PathBuf> {
     ["CUDA_HOME", "CUDA_PATH"]
         .into_iter()
         .filter_map(|var| env::var_os(var).filter(|v| !v.is_empty()))
-        .map(|home| PathBuf::from(home).join("bin").join("nvcc"))
+        .map(|home| PathBuf::from(home).join("lib64").join(file))
+        .chain(
+            site_dirs
+                .iter()
+                .map(|d| d.join("nvidia").join(wheel_dir).join("lib").join(file)),
+        )
         .find(|p| p.is_file())
-        .or_else(|| {
-            env::var_os("PATH").and_then(|path| {
-                env::split_paths(&path)
-                    .map(|dir| dir.join("nvcc"))
-                    .find(|p| p.is_file())
-            })
-        })
-        .or_else(|| toolchain_path(root, "nvidia/cu13/bin/nvcc").filter(|p| p.is_file()))
 }
 
-/// `<root>/.toolchain/lib/python3*/site-packages/<rel>` for the first python version folder
-/// where it exists.
-fn toolchain_path(root: &Path, rel: &str) -> Option<PathBuf> {
-    let lib = root.join(".toolchain").join("lib");
-    let mut pythons: Vec<PathBuf> = std::fs::read_dir(lib)
-        .ok()?
-        .filter_map(|entry| entry.ok())
-        .filter(|entry| entry.file_name().to_string_lossy().starts_with("python3"))
-        .map(|entry| entry.path().join("site-packages").join(rel))
-        .filter(|p| p.exists())
-        .collect();
-    pythons.sort();
-    pythons.pop()
-}
-
-/// The line of `nvcc --version` that names the release, e.g.
-/// "Cuda compilation tools, release 13.0, V13.0.88".
-fn nvcc_version(nvcc: &Path) -> Option<String> {
-    let out = Command::new(nvcc).arg("--version").output().ok()?;
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find(|line| line.contains("release"))
-        .map(|line| line.trim().to_owned())
-}
-
-/// The host C++ compiler that nvcc should preprocess with, as the `cc` crate picks it
-/// (honouring `CXX` and its target-specific forms), unless `NVCC_CCBIN` already tells nvcc.
-fn host_compiler() -> Option<PathBuf> {
-    if env::var_os("NVCC_CCBIN").is_some() {
-        return None;
-    }
-    cc::Build::new()
-        .cpp(true)
-        .cargo_metadata(false)
-        .try_get_compiler()
-        .ok()
-        .map(|tool| tool.path().to_owned())
-}
-
-/// Runs nvcc on every source (all at once; each is a separate process) and panics with
-/// nvcc's diagnostics if any fails.
-fn compile_fatbins(nvcc: &Path, kernels: &Path, sources: &[PathBuf], out_dir: &Path) {
-    let ccbin = host_compiler();
-    let jobs: Vec<(PathBuf, std::io::Result<std::process::Child>)> = sources
-        .iter()
-        .map(|src| {
-            let stem = src.file_stem().expect("a .cu file has a stem");
-            let mut fatbin = OsString::from(stem);
-            fatbin.push(".fatbin");
-            let mut cmd = Command::new(nvcc);
-            cmd.arg("-fatbin")
-                .arg("-O3")
-                .arg("-lineinfo")
-                .args(NVCC_ARCH_FLAGS)
-                .arg("-I")
-                .arg(kernels);
-            if let Some(ccbin) = &ccbin {
-                cmd.arg("-ccbin").arg(ccbin);
-            }
-            cmd.arg(src)
-                .arg("-o")
-                .arg(out_dir.join(fatbin))
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            (src.clone(), cmd.spawn())
-        })
-        .collect();
-
-    for (src, child) in jobs {
-        let output: Output = child
-            .and_then(|c| c.wait_with_output())
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}; {INSTALL_HINT}", nvcc.display()));
-        if !output.status.success() {
+/// Loads NVRTC and nvFatbin 12.x (x ≥ [`NVRTC_MIN_MINOR`]), or panics saying how to get them.
+fn load_cuda12(site_dirs: &[PathBuf]) -> Cuda12 {
+    let find = |wheel_dir, file| {
+        find_cuda_lib(site_dirs, wheel_dir, file).unwrap_or_else(|| {
             panic!(
-                "nvcc failed on {} ({}):\n{}{}",
-                src.display(),
-                output.status,
-                String::from_utf8_lossy(&output.stdout),
-                String::from_utf8_lossy(&output.stderr),
-            );
-        }
-        // Warnings reach the developer through `cargo build -vv`.
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        for line in stderr.lines().filter(|l| !l.trim().is_empty()) {
-            println!("cargo:warning=nvcc: {line}");
-        }
+                "{file} not found (looked in $CUDA_HOME/lib64, $CUDA_PATH/lib64 and \
+                 nvidia/{wheel_dir}/lib of the Python environment and of .toolchain/); \
+                 {INSTALL_HINT}"
+            )
+        })
+    };
+    let nvrtc = find("cuda_nvrtc", "libnvrtc.so.12");
+    let fatbin = find("nvfatbin", "libnvfatbin.so.12");
+    println!("cargo:rerun-if-changed={}", nvrtc.display());
+    let cuda = Cuda12::load(&nvrtc, &fatbin).unwrap_or_else(|e| panic!("{e}; {INSTALL_HINT}"));
+    let (major, minor) = cuda.version();
+    if major != 12 || minor < NVRTC_MIN_MINOR {
+        panic!(
+            "{} is NVRTC {major}.{minor}; the kernels need NVRTC 12.{NVRTC_MIN_MINOR} or a later \
+             12.x (the oldest that compiles for sm_100 and sm_120); {INSTALL_HINT}",
+            nvrtc.display()
+        );
     }
+    cuda
+}
+
+/// Compiles every source for every target (one thread each: NVRTC programs are
+/// independent) and writes one fatbin per source; panics with NVRTC's log if one fails.
+fn compile_fatbins(cuda: &Cuda12, kernels: &Path, sources: &[PathBuf], out_dir: &Path) {
+    let include = format!("--include-path={}", kernels.display());
+    let options = [include, "-lineinfo".to_owned()];
+    let targets: Vec<Target> = SASS
+        .iter()
+        .map(|&n| Target::Sass(n))
+        .chain([Target::Ptx(PTX)])
+        .collect();
+    std::thread::scope(|scope| {
+        let jobs: Vec<_> = sources
+            .iter()
+            .map(|src| {
+                let stem = src
+                    .file_stem()
+                    .expect("a .cu file has a stem")
+                    .to_string_lossy()
+                    .into_owned();
+                let text = std::fs::read_to_string(src)
+                    .unwrap_or_else(|e| panic!("cannot read {}: {e}", src.display()));
+                let name = src.file_name().map(|n| n.to_string_lossy().into_owned());
+                let name = name.unwrap_or_default();
+                let images: Vec<_> = targets
+                    .iter()
+                    .map(|&t| {
+                        let (text, name, options) = (text.clone(), name.clone(), &options);
+                        scope.spawn(move || cuda.compile(&text, &name, t, options))
+                    })
+                    .collect();
+                (stem, images)
+            })
+            .collect();
+        for (stem, images) in jobs {
+            let images: Vec<_> = images
+                .into_iter()
+                .map(|j| {
+                    j.join()
+                        .expect("an NVRTC thread panicked")
+                        .unwrap_or_else(|e| panic!("{e}"))
+                })
+                .collect();
+            let fatbin = cuda
+                .fatbin(&stem, &images)
+                .unwrap_or_else(|e| panic!("packing {stem}.fatbin: {e}"));
+            let path = out_dir.join(format!("{stem}.fatbin"));
+            std::fs::write(&path, fatbin)
+                .unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
+        }
+    });
 }
 
 /// Mirrors `abi.h` into Rust with bindgen (libclang found as documented above).
-fn generate_abi(root: &Path, abi_h: &Path, out: &Path) {
+fn generate_abi(site_dirs: &[PathBuf], abi_h: &Path, out: &Path) {
     if env::var_os("LIBCLANG_PATH").is_none()
-        && let Some(dir) = toolchain_path(root, "clang/native")
+        && let Some(dir) = site_dirs
+            .iter()
+            .map(|d| d.join("clang").join("native"))
+            .find(|d| d.is_dir())
     {
-        // SAFETY: build scripts run `main` on one thread and nothing else in this process
-        // reads or writes the environment concurrently; clang-sys reads the variable
-        // below, on this thread, when bindgen loads libclang.
+        // SAFETY: build scripts run `main` on one thread (the NVRTC threads have ended) and
+        // nothing else in this process reads or writes the environment concurrently;
+        // clang-sys reads the variable below, on this thread, when bindgen loads libclang.
         unsafe { env::set_var("LIBCLANG_PATH", dir) };
     }
-
     let builder = bindgen::Builder::default()
         .header(abi_h.to_string_lossy())
         .allowlist_type("Gp.*")

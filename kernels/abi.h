@@ -1,7 +1,8 @@
 /*
  * abi.h — the parameter blocks shared by the CUDA kernels (kernels/<family>.cu) and Rust.
  *
- * Plain C, <stdint.h> only. build.rs runs bindgen on this file into `$OUT_DIR/abi.rs`
+ * Plain C, <stdint.h> only (under NVRTC, which has no C library headers, the same
+ * fixed-width types are declared here as every CUDA target defines them). build.rs runs bindgen on this file into `$OUT_DIR/abi.rs`
  * (re-exported as `gpu_pager::kernels::abi`), so every struct here has one layout on both
  * sides: fixed-width fields, naturally aligned, explicit padding, no pointers (device
  * addresses travel as uint64_t). Each kernel takes one of these structs by value as its only
@@ -13,7 +14,15 @@
 #ifndef GP_ABI_H
 #define GP_ABI_H
 
+#ifdef __CUDACC_RTC__
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+typedef long long int64_t;
+#else
 #include <stdint.h>
+#endif
 
 /*
  * gp_fill: fill [dst, dst + bytes) with a repeated 32-bit pattern.

@@ -102,6 +102,25 @@ fn wakeup_and_error_paths_from_c() {
     assert!(out.trim_end().ends_with("ok"), "{out}");
 }
 
+/// A driver below the floor (the stand-in driver on `LD_LIBRARY_PATH`, run on its own since
+/// `run` clears that variable): an error code and a message naming both versions.
+#[test]
+fn a_driver_below_the_floor_is_an_error_from_c() {
+    let exe = compile(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/old_driver.c"),
+        "old_driver",
+    );
+    let stub = gpu_pager_faults::driver_stub::build();
+    let out = Command::new(&exe)
+        .env("LD_LIBRARY_PATH", &stub)
+        .env(gpu_pager_faults::driver_stub::VERSION_ENV, "11080")
+        .output()
+        .expect("the program runs");
+    std::fs::remove_dir_all(&stub).ok();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.ends_with("ok\n"), "{stdout}");
+}
+
 /// The README's "## C" example, compiled and run as it stands there.
 #[test]
 fn readme_c_example() {

@@ -53,7 +53,9 @@ under captured graphs, set ``NCCL_GRAPH_REGISTER=0``.
 its blocks by address, and a removed region's addresses can be handed to a new region.
 Let the tensors die and call ``empty_cache(tag)`` first (``stats`` then shows no buffers).
 
-torch is imported on first use, so that this module imports without it.
+torch is imported on first use, so that this module imports without it. It must be torch
+2.8 or newer (``TORCH_FLOOR``); the first call that needs torch raises ``ImportError`` on an
+older one.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import re
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -70,6 +73,8 @@ from gpu_pager import _native
 from gpu_pager._native import Buffer, Lease, Pager, Policy, RegionInfo, Report
 
 __all__ = [
+    "TORCH_FLOOR",
+    "check_torch_version",
     "MALLOC_SYMBOL",
     "FREE_SYMBOL",
     "USE_TAG_SYMBOL",
@@ -111,9 +116,34 @@ _pools: dict[tuple[str, int], Any] = {}
 _lib: ctypes.CDLL | None = None
 
 
+TORCH_FLOOR = (2, 8)
+"""The oldest torch (major, minor) this module and the drop-ins run on: 2.8 is the first with
+``torch._C._cuda_beginAllocateCurrentThreadToPool``, which routes one thread's allocations to
+a tag's pool. SGLang, vLLM and verl pin 2.8 or newer; tested on 2.11."""
+
+_torch_checked = False
+
+
+def check_torch_version(version: str) -> None:
+    """Raises ``ImportError`` unless ``version`` (a ``torch.__version__`` such as
+    ``"2.9.1+cu128"``) is ``TORCH_FLOOR`` or newer."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) < TORCH_FLOOR:
+        floor = ".".join(map(str, TORCH_FLOOR))
+        raise ImportError(
+            f"gpu_pager.torch needs torch {floor} or newer, and this process has torch "
+            f"{version}: upgrade torch (pip install 'torch>={floor}')"
+        )
+
+
 def _torch() -> Any:
+    """torch, imported on first use and checked against ``TORCH_FLOOR`` once."""
+    global _torch_checked
     import torch
 
+    if not _torch_checked:
+        check_torch_version(str(torch.__version__))
+        _torch_checked = True
     return torch
 
 

@@ -392,14 +392,24 @@ impl CudaBackend {
     ///
     /// Returns [`BackendError::Unavailable`] (never panics) when the driver library is not
     /// installed, when `cuInit` fails, when there is no such device or when the device does
-    /// not support virtual memory management.
+    /// not support virtual memory management, and [`BackendError::UnsupportedDriver`] when
+    /// the driver is older than [`super::DRIVER_FLOOR`].
     pub fn new(ordinal: usize) -> BackendResult<Self> {
         // SAFETY: only tries to open the driver library; no driver call is made.
         if !unsafe { sys::is_culib_present() } {
             return Err(BackendError::Unavailable(
-                "the CUDA driver library (libcuda.so) is not installed".to_owned(),
+                "the CUDA driver library (libcuda.so) is not installed (gpu-pager needs an \
+                 NVIDIA driver for CUDA 12.0 or newer)"
+                    .to_owned(),
             ));
         }
+        // Before cuInit (which it does not need), so that a driver below the floor gets the
+        // error that says so, not whatever a newer call would do on it.
+        let mut version = 0;
+        // SAFETY: one valid out-pointer; cuDriverGetVersion exists in every driver.
+        check(unsafe { sys::cuDriverGetVersion(&mut version) })
+            .map_err(|e| driver_err("cuDriverGetVersion", e))?;
+        super::check_driver_version(version)?;
         cudarc::driver::result::init()
             .map_err(|e| BackendError::Unavailable(format!("cuInit failed: {}", describe(e))))?;
         let count = cudarc::driver::result::device::get_count().map_err(|e| {

@@ -142,6 +142,20 @@ pub enum BackendError {
     /// No usable device (no driver, no GPU).
     #[error("no usable device: {0}")]
     Unavailable(String),
+    /// The NVIDIA driver is older than [`DRIVER_FLOOR`]: a GPU is there, but gpu-pager's
+    /// kernels and driver calls need a newer driver.
+    #[error(
+        "the NVIDIA driver on this machine supports CUDA {} (cuDriverGetVersion: {found}); \
+         gpu-pager needs a driver for CUDA {} or newer (r525.60.13 or newer; CUDA 13 drivers \
+         included): update the NVIDIA driver",
+        cuda_version(*.found),
+        cuda_version(DRIVER_FLOOR)
+    )]
+    UnsupportedDriver {
+        /// The driver's CUDA version as `cuDriverGetVersion` gives it (`1000 * major + 10 *
+        /// minor`, e.g. 11080 for 11.8).
+        found: i32,
+    },
     /// A fault injected through a test hook.
     #[error("injected fault in {op}")]
     Injected {
@@ -152,6 +166,24 @@ pub enum BackendError {
 
 /// Result type of backend calls.
 pub type BackendResult<T> = Result<T, BackendError>;
+
+/// The oldest driver gpu-pager runs on, as `cuDriverGetVersion` counts: CUDA 12.0 (driver
+/// r525.60.13). The kernels are CUDA 12 images, which load on every CUDA 12 and 13 driver,
+/// and the driver calls are CUDA 12.0's API.
+pub const DRIVER_FLOOR: i32 = 12000;
+
+/// `12000` as `"12.0"`, `11080` as `"11.8"`.
+fn cuda_version(v: i32) -> String {
+    format!("{}.{}", v / 1000, (v % 1000) / 10)
+}
+
+/// Checks a driver version (as `cuDriverGetVersion` gives it) against [`DRIVER_FLOOR`].
+pub fn check_driver_version(found: i32) -> BackendResult<()> {
+    if found < DRIVER_FLOOR {
+        return Err(BackendError::UnsupportedDriver { found });
+    }
+    Ok(())
+}
 
 /// How many unread messages a [`DeferredErrors`] keeps; older ones are dropped (and still
 /// counted in [`DeferredErrors::total`]).
@@ -693,6 +725,26 @@ pub fn auto(ordinal: usize) -> crate::Result<(Arc<dyn Backend>, Option<String>)>
 mod tests {
     use super::host::{HostBackend, HostConfig};
     use super::*;
+
+    #[test]
+    fn the_driver_floor_is_cuda_12_0() {
+        for ok in [12000, 12020, 12090, 13000, 13020] {
+            assert!(check_driver_version(ok).is_ok(), "{ok}");
+        }
+        for old in [0, 10020, 11080, 11090] {
+            let err = check_driver_version(old).unwrap_err();
+            assert!(matches!(err, BackendError::UnsupportedDriver { found } if found == old));
+        }
+        let msg = check_driver_version(11040).unwrap_err().to_string();
+        assert!(
+            msg.contains("supports CUDA 11.4 (cuDriverGetVersion: 11040)"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("CUDA 12.0 or newer (r525.60.13 or newer"),
+            "{msg}"
+        );
+    }
 
     #[test]
     fn deferred_errors_keep_the_newest_and_count_all() {

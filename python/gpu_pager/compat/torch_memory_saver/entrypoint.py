@@ -33,9 +33,10 @@ if TYPE_CHECKING:
 
 
 def _torch() -> Any:
-    import torch
+    """torch, checked against gpu_pager.torch's floor."""
+    from gpu_pager.torch import _torch as checked
 
-    return torch
+    return checked()
 
 
 class TorchMemorySaver:

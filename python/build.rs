@@ -15,7 +15,9 @@ fn main() {
         "cargo:rerun-if-changed={}",
         include.join("gpu_pager.h").display()
     );
-    let compiler = cc::Build::new().get_compiler();
+    // Quiet: under zig (the manylinux wheels) cc's compiler probe warns about the glibc
+    // suffix of the target, which zig cc takes as it should.
+    let compiler = cc::Build::new().cargo_warnings(false).get_compiler();
     let status = compiler
         .to_command()
         .args([
@@ -36,4 +38,18 @@ fn main() {
         .status()
         .expect("the C compiler runs");
     assert!(status.success(), "compiling {} failed", source.display());
+
+    // The library lies in the source tree (maturin packs the package folder), where builds
+    // for every target write it: watch it, so that a build finding it gone writes it again
+    // (scripts/wheels removes it around each build for another architecture), and date it
+    // back to its source's time, so that writing it here does not make the next build stale.
+    println!("cargo:rerun-if-changed={}", out.display());
+    let source_time = std::fs::metadata(&source)
+        .and_then(|m| m.modified())
+        .expect("the source has a modification time");
+    std::fs::File::options()
+        .write(true)
+        .open(&out)
+        .and_then(|f| f.set_modified(source_time))
+        .expect("the library just built can be dated");
 }

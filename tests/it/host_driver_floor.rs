@@ -16,7 +16,7 @@ const CHILD: &str = "GPU_PAGER_DRIVER_FLOOR_TEST";
 /// Runs test `name` alone in a child whose driver reports `version`; panics unless it passed.
 fn with_driver(version: &str, name: &str) {
     let dir = driver_stub::build();
-    let out = Command::new(std::env::current_exe().unwrap())
+    let out = common::this_binary()
         .args(["--exact", &common::test_path(module_path!(), name)])
         .args(["--test-threads", "1", "--nocapture"])
         .env(CHILD, "1")

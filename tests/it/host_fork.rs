@@ -19,7 +19,7 @@ fn in_own_process(name: &str) -> bool {
     if std::env::var_os(CHILD).is_some() {
         return false;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
+    let out = common::this_binary()
         .args([
             "--exact",
             &common::test_path(module_path!(), name),

@@ -304,7 +304,7 @@ fn a_full_disk_fails_the_release_and_loses_nothing() {
         return;
     }
     let dir = scratch("media-full");
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap());
+    let mut child = common::this_binary();
     child
         .args([
             "--exact",
@@ -360,7 +360,7 @@ fn backup_files_go_when_the_process_exits() {
         return;
     }
     let dir = scratch("media-exit");
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
+    let out = common::this_binary()
         .args([
             "--exact",
             &common::test_path(module_path!(), "backup_files_go_when_the_process_exits"),

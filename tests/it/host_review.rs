@@ -62,7 +62,7 @@ fn many_mapped_chunks_need_no_descriptor_each() {
         }
         return;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
+    let out = common::this_binary()
         .args([
             "--exact",
             &common::test_path(module_path!(), "many_mapped_chunks_need_no_descriptor_each"),

@@ -6,8 +6,6 @@
 
 use crate::common;
 
-use std::process::Command;
-
 use gpu_pager::ErrorCode;
 use gpu_pager_faults::driver_stub;
 

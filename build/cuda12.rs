@@ -90,6 +90,23 @@ unsafe fn symbol<T: Copy>(lib: &Library, path: &Path, name: &str) -> Result<T, S
         .map_err(|e| format!("{} has no {name}: {e}", path.display()))
 }
 
+/// `Ok` for a result of 0, else the library's text for it (`nvrtcGetErrorString` or
+/// `nvFatbinGetErrorString`: both take any value and return a static NUL-terminated string).
+fn checked(
+    what: &str,
+    result: c_int,
+    error_string: unsafe extern "C" fn(c_int) -> *const c_char,
+) -> Result<(), String> {
+    if result == 0 {
+        return Ok(());
+    }
+    // SAFETY: takes any value.
+    let text = unsafe { error_string(result) };
+    // SAFETY: a static NUL-terminated string.
+    let text = unsafe { CStr::from_ptr(text) };
+    Err(format!("{what} failed: {}", text.to_string_lossy()))
+}
+
 /// `symbol` for a field of [`Cuda12`], whose type is the symbol's C type.
 macro_rules! field {
     ($lib:expr, $path:expr, $name:literal) => {
@@ -143,25 +160,11 @@ impl Cuda12 {
     }
 
     fn nvrtc_check(&self, what: &str, result: c_int) -> Result<(), String> {
-        if result == 0 {
-            return Ok(());
-        }
-        // SAFETY: takes any value.
-        let text = unsafe { (self.nvrtc_error)(result) };
-        // SAFETY: nvrtcGetErrorString returns a static NUL-terminated string.
-        let text = unsafe { CStr::from_ptr(text) };
-        Err(format!("{what} failed: {}", text.to_string_lossy()))
+        checked(what, result, self.nvrtc_error)
     }
 
     fn fatbin_check(&self, what: &str, result: c_int) -> Result<(), String> {
-        if result == 0 {
-            return Ok(());
-        }
-        // SAFETY: takes any value.
-        let text = unsafe { (self.fatbin_error)(result) };
-        // SAFETY: nvFatbinGetErrorString returns a static NUL-terminated string.
-        let text = unsafe { CStr::from_ptr(text) };
-        Err(format!("{what} failed: {}", text.to_string_lossy()))
+        checked(what, result, self.fatbin_error)
     }
 
     /// Compiles `source` (named `name` in diagnostics) for `target` with `options`; on

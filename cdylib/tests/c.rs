@@ -62,23 +62,9 @@ fn compile(source: &Path, name: &str) -> PathBuf {
     out
 }
 
-/// A command that runs a compiled program: directly, or under the emulator that
-/// `GPU_PAGER_TEST_RUNNER` names (`scripts/test-aarch64`: qemu-user, with `$CC` a cross
-/// compiler).
-fn program(exe: &Path) -> Command {
-    let runner = std::env::var("GPU_PAGER_TEST_RUNNER").unwrap_or_default();
-    let mut words = runner.split_whitespace();
-    let Some(emulator) = words.next() else {
-        return Command::new(exe);
-    };
-    let mut cmd = Command::new(emulator);
-    cmd.args(words).arg(exe);
-    cmd
-}
-
 /// Runs a compiled program; returns its stdout. Fails the test on a non-zero exit.
 fn run(exe: &Path, env: &[(&str, &str)]) -> String {
-    let mut cmd = program(exe);
+    let mut cmd = gpu_pager_faults::driver_stub::command(exe);
     cmd.env_remove(HOST_CAPACITY_ENV);
     // cargo puts target/<profile> on LD_LIBRARY_PATH, which outranks the program's runpath:
     // a libgpu_pager.so left there by an older `cargo build` would be loaded instead of the
@@ -125,7 +111,7 @@ fn a_driver_below_the_floor_is_an_error_from_c() {
         "old_driver",
     );
     let stub = gpu_pager_faults::driver_stub::build();
-    let out = program(&exe)
+    let out = gpu_pager_faults::driver_stub::command(&exe)
         .env("LD_LIBRARY_PATH", &stub)
         .env(gpu_pager_faults::driver_stub::VERSION_ENV, "11080")
         .output()

@@ -38,3 +38,17 @@ pub fn build() -> PathBuf {
     );
     dir
 }
+
+/// A command that runs the program `exe`: directly, or under the emulator command that the
+/// environment variable `GPU_PAGER_TEST_RUNNER` names (`scripts/test-aarch64` runs the tests
+/// with qemu-user, which does not follow `exec`, so the tests' own child processes need it).
+pub fn command(exe: impl AsRef<std::ffi::OsStr>) -> Command {
+    let runner = std::env::var("GPU_PAGER_TEST_RUNNER").unwrap_or_default();
+    let mut words = runner.split_whitespace();
+    let Some(emulator) = words.next() else {
+        return Command::new(exe);
+    };
+    let mut cmd = Command::new(emulator);
+    cmd.args(words).arg(exe);
+    cmd
+}

@@ -205,19 +205,12 @@ pub fn host_pager(capacity: usize) -> gpu_pager::Pager {
     })))
 }
 
-/// A command that runs this test binary again, for tests that need a process of their own.
-/// Under an emulator (`scripts/test-aarch64` runs the tests with qemu-user, which does not
-/// follow `exec`), the emulator command in `GPU_PAGER_TEST_RUNNER` comes first.
+/// A command that runs this test binary again, for tests that need a process of their own
+/// (under the tests' emulator, if one is set: [`gpu_pager_faults::driver_stub::command`]).
 pub fn this_binary() -> std::process::Command {
-    let exe = std::env::current_exe().expect("the test knows its path");
-    let runner = std::env::var("GPU_PAGER_TEST_RUNNER").unwrap_or_default();
-    let mut words = runner.split_whitespace();
-    let Some(emulator) = words.next() else {
-        return std::process::Command::new(exe);
-    };
-    let mut cmd = std::process::Command::new(emulator);
-    cmd.args(words).arg(exe);
-    cmd
+    gpu_pager_faults::driver_stub::command(
+        std::env::current_exe().expect("the test knows its path"),
+    )
 }
 
 /// The name libtest gives test `name` of the module at `module` (its `module_path!()`): the

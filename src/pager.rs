@@ -91,7 +91,8 @@ pub struct PagerConfig {
     /// Bytes per chunk of a file backup's transfers ([`crate::Medium::File`]): the pager
     /// pins a staging buffer of twice this size on the first file transfer, and one chunk
     /// crosses the link while the other is written to or read from the disk. Default
-    /// 64 MiB: sequential disk I/O at full speed, a small staging buffer.
+    /// 64 MiB: sequential disk I/O at full speed, a small staging buffer. Clamped to
+    /// 4 KiB ..= [`crate::MAX_FILE_CHUNK_BYTES`].
     pub file_chunk_bytes: usize,
 }
 
@@ -415,13 +416,11 @@ impl Pager {
             depth: config.copy_depth,
         }
         .normalized();
-        static SERIALS: AtomicU64 = AtomicU64::new(1);
-        let serial = SERIALS.fetch_add(1, Ordering::Relaxed);
+        let files = Arc::new(FileIo::new(config.file_chunk_bytes));
         Pager {
             backend,
-            files: Arc::new(FileIo::new(serial, config.file_chunk_bytes)),
-            pid: std::process::id(),
             config: PagerConfig {
+                file_chunk_bytes: files.chunk(),
                 chunk_bytes: chunk,
                 discard_chunk_bytes: discard_chunk,
                 hash_chunk_bytes: hash_chunk,
@@ -429,6 +428,8 @@ impl Pager {
                 copy_depth: copies.depth,
                 ..config
             },
+            files,
+            pid: std::process::id(),
             regions: RwLock::new(BTreeMap::new()),
             by_base: RwLock::new(BTreeMap::new()),
             traffic: pump::Traffic::default(),

@@ -628,10 +628,16 @@ impl Region {
     }
 
     /// Copies region bytes `range` from the backup that validly holds all of them into
-    /// `out`; returns whether one did.
-    pub fn read_backup(&self, range: Range<usize>, out: &mut [u8]) -> bool {
-        backup_at(&self.backups, range.start)
-            .is_some_and(|(start, b)| b.read(range.start - start..range.end - start, out))
+    /// `out`; returns whether one did (an unreadable file backup is an error).
+    pub fn read_backup(
+        &self,
+        range: Range<usize>,
+        out: &mut [u8],
+    ) -> Result<bool, crate::backend::BackendError> {
+        match backup_at(&self.backups, range.start) {
+            Some((start, b)) => b.read(range.start - start..range.end - start, out),
+            None => Ok(false),
+        }
     }
 
     /// Forgets everything kept for the buffer at `offset .. offset + len` (its allocation)

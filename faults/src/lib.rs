@@ -37,6 +37,7 @@ use std::sync::{Arc, Mutex};
 
 pub mod driver_stub;
 mod hog;
+pub mod spool;
 pub use hog::Hog;
 
 use gpu_pager::backend::{

@@ -110,18 +110,19 @@ pub enum BackendError {
         error: std::io::Error,
     },
     /// A file operation of a file backup ([`crate::Medium::File`]) failed: a full disk, a
-    /// directory that is not writable.
-    #[error(
-        "{op} `{path}` failed: {error}; the move did not happen and nothing was lost — free \
-         disk space, or set another backup directory (set_backup_dir)"
-    )]
+    /// directory that is not writable, too many open files, a backup that cannot be read
+    /// back. The message says whether anything was lost and what to do.
+    #[error("{op} `{path}` failed: {error}; {}", file_advice(*.lost, error))]
     File {
-        /// What was being done, e.g. `writing the backup file`.
+        /// What was being done, e.g. `writing a backup file in`.
         op: &'static str,
-        /// The file or directory.
+        /// The directory of the backup file (which has no name of its own).
         path: String,
         /// The OS error (part of the message, not a `source()`).
         error: std::io::Error,
+        /// Whether the backup's contents are gone (a read failed): a retry fails the same
+        /// way. Otherwise the move did not happen and nothing was lost.
+        lost: bool,
     },
     /// Arguments the backend cannot act on (misaligned, zero-sized, ...).
     #[error("invalid argument to {op}: {reason}")]
@@ -162,6 +163,34 @@ pub enum BackendError {
         /// The operation that was made to fail.
         op: &'static str,
     },
+}
+
+/// What to do about a failed file operation of a file backup, by its cause.
+fn file_advice(lost: bool, error: &std::io::Error) -> &'static str {
+    if lost {
+        return "the backup's contents are lost (the file was damaged, truncated or its disk \
+                failed) and a retry fails the same way: remove the region and load its \
+                contents again";
+    }
+    match error.raw_os_error() {
+        Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG) => {
+            "the move did not happen and nothing was lost — free disk space, or set another \
+             backup directory (set_backup_dir)"
+        }
+        Some(libc::EMFILE | libc::ENFILE) => {
+            "the move did not happen and nothing was lost — the process has too many open \
+             files: raise its limit (ulimit -n) or close files"
+        }
+        Some(libc::ENOENT | libc::ENOTDIR | libc::EACCES | libc::EPERM | libc::EROFS) => {
+            "the move did not happen and nothing was lost — the backup directory cannot hold \
+             files (missing, not a directory, read-only or not writable by this user): set a \
+             writable directory on a real disk (set_backup_dir or GPU_PAGER_BACKUP_DIR)"
+        }
+        _ => {
+            "the move did not happen and nothing was lost — check the backup directory's \
+             disk, or set another backup directory (set_backup_dir)"
+        }
+    }
 }
 
 /// Result type of backend calls.

@@ -1,146 +1,295 @@
-//! File backups ([`crate::Medium::File`]): a `Preserve` region's contents in files on the
+//! File backups ([`crate::Medium::File`]): a `Preserve` region's contents in a file on the
 //! host's disk, for hosts whose memory cannot hold every GPU's weights.
 //!
-//! Bytes move between the device and a file through the pager's one pinned staging buffer
+//! Bytes move between the device and the file through the pager's one pinned staging buffer
 //! ([`FileIo`], two halves of [`crate::PagerConfig::file_chunk_bytes`]): the copy of one
 //! chunk over the link overlaps the disk I/O of the other, so a move runs at the disk's
-//! speed and never needs host memory for the whole region. Each backup is one file, created
-//! with its whole size allocated on disk (`posix_fallocate`), so a full disk fails the
-//! release up front, before anything is unmapped, and the region stays resident. A file is
-//! deleted when its backup is dropped (the buffer freed, the region removed).
+//! speed and never needs host memory for the whole region.
+//!
+//! A pager keeps all its backups in one directory in one file ([`Spool`]) that has no name:
+//! it is opened with `O_TMPFILE` (or created under a random name and removed at once where
+//! the filesystem lacks `O_TMPFILE`), so nothing outlives the process however it ends, no
+//! other user can plant, take or block a name, and a pager holds one descriptor per
+//! directory it used, not one per backup. Each backup is an extent of that file, allocated
+//! on disk when the backup is made (`posix_fallocate`), so a full disk fails the release up
+//! front, before anything is unmapped, and the region stays resident. Dropping a backup
+//! punches its extent out of the file, giving the disk space back.
 
+use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::backend::{
     Backend, BackendError, BackendResult, Direction, Fence, HostBuffer, Mover, RawCopy,
 };
 
 /// The environment variable that sets a new pager's backup directory
-/// ([`crate::Pager::set_backup_dir`] changes it later).
+/// ([`crate::Pager::set_backup_dir`] changes it later and wins over it).
 pub const BACKUP_DIR_ENV: &str = "GPU_PAGER_BACKUP_DIR";
 
-/// The backup files of this process, deleted at its exit by [`remove_at_exit`]: a pager
-/// lives until then and never drops its regions, so their files would outlive it.
-static LIVE: Mutex<std::collections::BTreeSet<PathBuf>> =
-    Mutex::new(std::collections::BTreeSet::new());
+/// Largest staging half (1 GiB): pinned once per pager, so a larger one only costs host
+/// memory, and it keeps `2 * chunk` and every file offset computed from it in range.
+pub const MAX_FILE_CHUNK_BYTES: usize = 1 << 30;
 
-extern "C" fn remove_at_exit() {
-    let live = std::mem::take(&mut *LIVE.lock().unwrap_or_else(PoisonError::into_inner));
-    for path in live {
-        let _ = std::fs::remove_file(path);
+/// Smallest staging half (one page).
+const MIN_FILE_CHUNK_BYTES: usize = 4096;
+
+/// Backups start on this boundary in the spool, so that punching one out never touches a
+/// block of another.
+const EXTENT_ALIGN: u64 = 4096;
+
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The free and used extents of a spool: first fit over the holes, else the file grows.
+#[derive(Debug, Default)]
+struct Extents {
+    /// End of the last extent in use (the file's logical size).
+    end: u64,
+    /// Holes below `end`, by start: start → length (disjoint, never adjacent).
+    free: BTreeMap<u64, u64>,
+}
+
+impl Extents {
+    /// Takes an extent of `len` bytes (rounded up to [`EXTENT_ALIGN`]); returns its start.
+    fn take(&mut self, len: u64) -> Option<u64> {
+        let len = len
+            .checked_next_multiple_of(EXTENT_ALIGN)?
+            .max(EXTENT_ALIGN);
+        if let Some((&at, &hole)) = self.free.iter().find(|&(_, &l)| l >= len) {
+            self.free.remove(&at);
+            if hole > len {
+                self.free.insert(at + len, hole - len);
+            }
+            return Some(at);
+        }
+        let at = self.end;
+        self.end = at.checked_add(len).filter(|&e| e <= i64::MAX as u64)?;
+        Some(at)
+    }
+
+    /// Gives back the extent of `len` bytes at `at` (as [`Extents::take`] rounded it),
+    /// merging it with neighbouring holes; returns the file's new logical size.
+    fn give(&mut self, at: u64, len: u64) -> u64 {
+        let len = len.next_multiple_of(EXTENT_ALIGN).max(EXTENT_ALIGN);
+        let (mut start, mut end) = (at, at + len);
+        if let Some((&s, &l)) = self.free.range(..start).next_back()
+            && s + l == start
+        {
+            self.free.remove(&s);
+            start = s;
+        }
+        if let Some(l) = self.free.remove(&end) {
+            end += l;
+        }
+        if end == self.end {
+            self.end = start;
+        } else {
+            self.free.insert(start, end - start);
+        }
+        self.end
     }
 }
 
-/// Remembers `path` for deletion at exit (registering the exit handler once).
-fn register(path: &Path) {
-    static AT_EXIT: std::sync::Once = std::sync::Once::new();
-    AT_EXIT.call_once(|| {
-        // SAFETY: registers a function without arguments that only removes files; a failure
-        // to register leaves files behind at exit, nothing worse.
-        unsafe { libc::atexit(remove_at_exit) };
-    });
-    LIVE.lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .insert(path.to_owned());
+/// One unnamed file in a backup directory holding every backup a pager made there.
+#[derive(Debug)]
+pub(crate) struct Spool {
+    /// The directory it lives in (for messages: the file itself has no name).
+    dir: PathBuf,
+    file: File,
+    /// The process that opened it: a fork child shares the descriptor, and must neither
+    /// allocate in it nor punch the parent's extents out of it.
+    pid: u32,
+    extents: Mutex<Extents>,
 }
 
-/// What a pager shares between its file backups: the directory new files go to, and the
-/// pinned staging buffer every transfer streams through (one transfer at a time).
+impl Spool {
+    /// Opens a new unnamed file in `dir` and checks that it can be written.
+    fn open(dir: &Path) -> BackendResult<Spool> {
+        let file =
+            open_unnamed(dir).map_err(|e| file_error("creating a backup file in", dir, e))?;
+        file.write_all_at(&[0u8], 0)
+            .and_then(|()| file.set_len(0))
+            .map_err(|e| file_error("writing a backup file in", dir, e))?;
+        Ok(Spool {
+            dir: dir.to_owned(),
+            file,
+            pid: std::process::id(),
+            extents: Mutex::new(Extents::default()),
+        })
+    }
+
+    fn is_ours(&self) -> bool {
+        self.pid == std::process::id()
+    }
+}
+
+/// Opens a new file in `dir` that has no name, readable and writable by this user only:
+/// `O_TMPFILE` (never linkable: `O_EXCL`), or on filesystems without it a new file under a
+/// random name, removed at once.
+fn open_unnamed(dir: &Path) -> io::Result<File> {
+    let unnamed = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_TMPFILE | libc::O_EXCL | libc::O_CLOEXEC)
+        .open(dir);
+    match unnamed {
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EISDIR)) => {}
+        other => return other,
+    }
+    for _ in 0..16 {
+        let path = dir.join(format!(".gpu-pager-{:032x}", random()?));
+        let file = match OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+        {
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            other => other?,
+        };
+        std::fs::remove_file(&path)?;
+        return Ok(file);
+    }
+    Err(io::Error::from_raw_os_error(libc::EEXIST))
+}
+
+/// 128 random bits from the kernel.
+fn random() -> io::Result<u128> {
+    let mut bytes = [0u8; 16];
+    // SAFETY: writes at most `bytes.len()` bytes into `bytes`.
+    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if n != bytes.len() as isize {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(u128::from_ne_bytes(bytes))
+}
+
+/// Where a pager's new file backups go: the directory, and its spool once opened.
+#[derive(Debug, Default)]
+struct Target {
+    dir: Option<PathBuf>,
+    spool: Option<Arc<Spool>>,
+}
+
+/// What a pager shares between its file backups: the directory and spool new backups go
+/// to, and the pinned staging buffer every transfer streams through (one transfer at a
+/// time).
 #[derive(Debug)]
 pub(crate) struct FileIo {
-    dir: RwLock<Option<PathBuf>>,
+    target: Mutex<Target>,
     /// Bytes per half of the staging buffer.
     chunk: usize,
     staging: Mutex<Option<Box<dyn HostBuffer>>>,
-    /// Distinguishes this pager's files from other pagers' in one directory.
-    owner: u64,
-    next: AtomicU64,
 }
 
 impl FileIo {
-    /// File I/O of the pager with process-unique number `owner`, with staging halves of
-    /// `chunk` bytes and the directory from [`BACKUP_DIR_ENV`] if it is set.
-    pub fn new(owner: u64, chunk: usize) -> FileIo {
+    /// File I/O with staging halves of `chunk` bytes (clamped to 4 KiB ..=
+    /// [`MAX_FILE_CHUNK_BYTES`]) and the directory from [`BACKUP_DIR_ENV`] if it is set
+    /// (made absolute now: a later `chdir` does not move it). The directory is checked when
+    /// the first backup is made.
+    pub fn new(chunk: usize) -> FileIo {
         let dir = std::env::var_os(BACKUP_DIR_ENV)
             .filter(|d| !d.is_empty())
-            .map(PathBuf::from);
+            .and_then(|d| std::path::absolute(d).ok());
         FileIo {
-            dir: RwLock::new(dir),
-            chunk: chunk.max(4096),
+            target: Mutex::new(Target { dir, spool: None }),
+            chunk: chunk.clamp(MIN_FILE_CHUNK_BYTES, MAX_FILE_CHUNK_BYTES),
             staging: Mutex::new(None),
-            owner,
-            next: AtomicU64::new(0),
         }
     }
 
-    /// The directory new backup files go to.
-    pub fn dir(&self) -> Option<PathBuf> {
-        self.dir
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+    /// Bytes per half of the staging buffer.
+    pub fn chunk(&self) -> usize {
+        self.chunk
     }
 
-    /// Makes `dir` (created if missing) the directory of new backup files, after checking
-    /// that a file can be created and written there. Files already made stay where they are.
+    /// The directory new backups go to.
+    pub fn dir(&self) -> Option<PathBuf> {
+        locked(&self.target).dir.clone()
+    }
+
+    /// Makes `dir` (made absolute; created if missing) the directory of new backups, after
+    /// opening the file they will go to there and writing it. Backups made before stay
+    /// where they are. An empty path, or one that cannot be used, changes nothing.
     pub fn set_dir(&self, dir: &Path) -> BackendResult<()> {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| file_error("creating the backup directory", dir, e))?;
-        let probe = dir.join(format!(
-            ".gpu-pager-probe-{}-{}",
-            std::process::id(),
-            self.owner
-        ));
-        let written = create_private(&probe).and_then(|f| f.write_all_at(&[0u8], 0));
-        let _ = std::fs::remove_file(&probe);
-        written.map_err(|e| file_error("writing a file in the backup directory", dir, e))?;
-        *self.dir.write().unwrap_or_else(PoisonError::into_inner) = Some(dir.to_owned());
+        if dir.as_os_str().is_empty() {
+            return Err(BackendError::Invalid {
+                op: "setting the backup directory",
+                reason: "the path is empty; pass a directory on a real disk".to_owned(),
+            });
+        }
+        let dir = std::path::absolute(dir)
+            .map_err(|e| file_error("finding the backup directory", dir, e))?;
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| file_error("creating the backup directory", &dir, e))?;
+        let spool = Arc::new(Spool::open(&dir)?);
+        *locked(&self.target) = Target {
+            dir: Some(dir),
+            spool: Some(spool),
+        };
         Ok(())
     }
 
-    /// A new file of `len` bytes, all of them allocated on disk.
-    pub fn create(self: &Arc<Self>, len: usize) -> BackendResult<FileStore> {
-        let dir = self.dir().ok_or_else(|| BackendError::Invalid {
+    /// The spool of the current directory, opened on first use (and again in a fork child,
+    /// which must not allocate in its parent's).
+    fn spool(&self) -> BackendResult<Arc<Spool>> {
+        let mut target = locked(&self.target);
+        if let Some(s) = target.spool.as_ref().filter(|s| s.is_ours()) {
+            return Ok(s.clone());
+        }
+        let dir = target.dir.clone().ok_or_else(|| BackendError::Invalid {
             op: "creating a file backup",
             reason: format!(
                 "no backup directory is set; set one on the pager (set_backup_dir) or in \
                  {BACKUP_DIR_ENV}, on a real disk rather than tmpfs"
             ),
         })?;
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        let path = dir.join(format!(
-            "gpu-pager-{}-{}-{n}.backup",
-            std::process::id(),
-            self.owner
-        ));
-        let file =
-            create_private(&path).map_err(|e| file_error("creating the backup file", &path, e))?;
-        register(&path);
+        let spool = Arc::new(Spool::open(&dir)?);
+        target.spool = Some(spool.clone());
+        Ok(spool)
+    }
+
+    /// A new backup of `len` bytes, all of them allocated on disk.
+    pub fn create(self: &Arc<Self>, len: usize) -> BackendResult<FileStore> {
+        let spool = self.spool()?;
+        let too_big = || BackendError::Invalid {
+            op: "creating a file backup",
+            reason: format!("{len} bytes do not fit in a file"),
+        };
+        let at = locked(&spool.extents)
+            .take(u64::try_from(len).map_err(|_| too_big())?)
+            .ok_or_else(too_big)?;
+        // The store gives the extent back if allocating it fails.
         let store = FileStore {
-            file,
-            path,
+            spool,
+            at,
             len,
             io: self.clone(),
         };
         if len > 0 {
-            let size = libc::off_t::try_from(len).map_err(|_| BackendError::Invalid {
-                op: "creating a file backup",
-                reason: format!("{len} bytes do not fit in a file offset"),
-            })?;
-            // SAFETY: a plain system call on a descriptor this function owns (the store,
-            // which deletes the file if this fails).
-            let rc = unsafe { libc::posix_fallocate(store.file.as_raw_fd(), 0, size) };
+            // SAFETY: a plain system call on the spool's descriptor; the extent is this
+            // store's (`take` keeps it inside an off_t).
+            let rc = unsafe {
+                libc::posix_fallocate(
+                    store.spool.file.as_raw_fd(),
+                    at as libc::off_t,
+                    len as libc::off_t,
+                )
+            };
             if rc != 0 {
                 return Err(file_error(
-                    "allocating the backup file",
-                    &store.path,
+                    "allocating a backup file in",
+                    &store.spool.dir,
                     io::Error::from_raw_os_error(rc),
                 ));
             }
@@ -171,21 +320,41 @@ impl FileIo {
 /// A copy into a staging half, with the file range it goes to.
 type Pending = (Box<dyn Fence>, Range<usize>);
 
-/// One backup in a file, deleted when dropped.
+/// One backup: an extent of a spool, punched out of it when dropped.
 #[derive(Debug)]
 pub(crate) struct FileStore {
-    file: File,
-    path: PathBuf,
+    spool: Arc<Spool>,
+    /// Where the extent starts in the spool.
+    at: u64,
     len: usize,
     io: Arc<FileIo>,
 }
 
 impl Drop for FileStore {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-        LIVE.lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.path);
+        // A fork child's copy of a backup is its parent's extent: never touched.
+        if !self.spool.is_ours() {
+            return;
+        }
+        let len = self.len as u64;
+        if len > 0 {
+            // SAFETY: a plain system call on the spool's descriptor, over this store's own
+            // extent. Advice: where the filesystem cannot punch holes, the space is reused
+            // by a later backup and given back when the process ends.
+            unsafe {
+                libc::fallocate(
+                    self.spool.file.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    self.at as libc::off_t,
+                    len as libc::off_t,
+                )
+            };
+        }
+        let end = locked(&self.spool.extents).give(self.at, len);
+        if end <= self.at {
+            // The extent was the file's last: shrink the file (advice, as above).
+            let _ = self.spool.file.set_len(end);
+        }
     }
 }
 
@@ -198,9 +367,10 @@ impl FileStore {
     /// Copies the file's bytes `range` into `out` (of `range.len()` bytes).
     pub fn read(&self, range: Range<usize>, out: &mut [u8]) -> BackendResult<()> {
         self.check(&range)?;
-        self.file
-            .read_exact_at(out, range.start as u64)
-            .map_err(|e| file_error("reading the backup file", &self.path, e))
+        self.spool
+            .file
+            .read_exact_at(out, self.at + range.start as u64)
+            .map_err(|e| self.lost("reading", e))
     }
 
     fn check(&self, range: &Range<usize>) -> BackendResult<()> {
@@ -265,9 +435,10 @@ impl FileStore {
             settle(inflight.into_iter().flatten().map(|(f, _)| f), result)?;
             // On the disk before the release unmaps anything, and out of the page cache:
             // the host memory is what a file backup spares.
-            self.file
+            self.spool
+                .file
                 .sync_data()
-                .map_err(|e| file_error("writing the backup file", &self.path, e))?;
+                .map_err(|e| file_error("writing a backup file in", &self.spool.dir, e))?;
             self.drop_cached();
             Ok(written)
         })
@@ -284,9 +455,10 @@ impl FileStore {
         fence.wait()?;
         let at = half * self.io.chunk;
         let src = &staging.as_slice()[at..at + piece.len()];
-        self.file
-            .write_all_at(src, piece.start as u64)
-            .map_err(|e| file_error("writing the backup file", &self.path, e))?;
+        self.spool
+            .file
+            .write_all_at(src, self.at + piece.start as u64)
+            .map_err(|e| file_error("writing a backup file in", &self.spool.dir, e))?;
         Ok(piece.len())
     }
 
@@ -315,9 +487,10 @@ impl FileStore {
                     }
                     let at = half * self.io.chunk;
                     let dst = &mut staging.as_mut_slice()[at..at + piece.len()];
-                    self.file
-                        .read_exact_at(dst, piece.start as u64)
-                        .map_err(|e| file_error("reading the backup file", &self.path, e))?;
+                    self.spool
+                        .file
+                        .read_exact_at(dst, self.at + piece.start as u64)
+                        .map_err(|e| self.lost("reading", e))?;
                     // SAFETY: the device range is mapped and unused (the caller's contract);
                     // the half holds the piece and is not touched until its fence passed.
                     inflight[half] = Some(unsafe {
@@ -345,8 +518,25 @@ impl FileStore {
     /// Asks the kernel to drop the file's pages from its cache (advice: failures change
     /// nothing that matters).
     fn drop_cached(&self) {
-        // SAFETY: a plain system call on a descriptor this store owns.
-        unsafe { libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        // SAFETY: a plain system call on the spool's descriptor, over this store's extent.
+        unsafe {
+            libc::posix_fadvise(
+                self.spool.file.as_raw_fd(),
+                self.at as libc::off_t,
+                self.len as libc::off_t,
+                libc::POSIX_FADV_DONTNEED,
+            )
+        };
+    }
+
+    /// A failed read of this backup: its contents cannot be restored.
+    fn lost(&self, op: &'static str, error: io::Error) -> BackendError {
+        BackendError::File {
+            op,
+            path: self.spool.dir.display().to_string(),
+            error,
+            lost: true,
+        }
     }
 
     /// `ranges` cut into pieces of at most one staging half.
@@ -409,23 +599,13 @@ fn settle(
     out
 }
 
-/// Creates a new file at `path`, readable and writable by this user only; fails if one is
-/// there (a backup never takes over a file it did not make).
-fn create_private(path: &Path) -> io::Result<File> {
-    OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-}
-
-/// A failed file operation, with what to do about it.
+/// A failed file operation that lost nothing (the move did not happen).
 fn file_error(op: &'static str, path: &Path, error: io::Error) -> BackendError {
     BackendError::File {
         op,
         path: path.display().to_string(),
         error,
+        lost: false,
     }
 }
 
@@ -440,7 +620,7 @@ mod tests {
     #[test]
     fn bytes_survive_a_round_trip_through_small_chunks() {
         let dir = std::env::temp_dir().join(format!("gpu-pager-file-test-{}", std::process::id()));
-        let io = Arc::new(FileIo::new(9, 4096));
+        let io = Arc::new(FileIo::new(4096));
         io.set_dir(&dir).unwrap();
         let b = HostBackend::new(HostConfig {
             capacity: 4 * G,
@@ -453,7 +633,12 @@ mod tests {
         // SAFETY: mapped.
         unsafe { b.copy_to_device(r.base(), &data) }.unwrap();
         let store = io.create(4 * G).unwrap();
-        assert_eq!(std::fs::metadata(&store.path).unwrap().len(), 4 * G as u64);
+        assert_eq!(store.spool.file.metadata().unwrap().len(), 4 * G as u64);
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            0,
+            "the backup has no name"
+        );
         let ranges = [3..10_000, G..3 * G + 5];
         // SAFETY: mapped, not written meanwhile.
         let n = unsafe { store.write_from_device(&b, r.base(), &ranges) }.unwrap();
@@ -472,20 +657,22 @@ mod tests {
         let mut part = vec![0u8; 100];
         store.read(G..G + 100, &mut part).unwrap();
         assert_eq!(part, data[G..G + 100]);
-        let path = store.path.clone();
+        let spool = store.spool.clone();
         drop(store);
-        assert!(!path.exists(), "the file goes with its backup");
+        assert_eq!(
+            spool.file.metadata().unwrap().len(),
+            0,
+            "its extent goes with it"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn no_directory_and_an_unwritable_one_are_clear_errors() {
         let io = Arc::new(FileIo {
-            dir: RwLock::new(None),
+            target: Mutex::new(Target::default()),
             chunk: 4096,
             staging: Mutex::new(None),
-            owner: 1,
-            next: AtomicU64::new(0),
         });
         let e = io.create(10).unwrap_err().to_string();
         assert!(
@@ -497,5 +684,68 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("backup directory"), "{e}");
         assert!(io.dir().is_none(), "a failed set changes nothing");
+        let e = io.set_dir(Path::new("")).unwrap_err().to_string();
+        assert!(e.contains("empty"), "{e}");
+    }
+
+    #[test]
+    fn extents_reuse_holes_merge_neighbours_and_shrink_the_file() {
+        let mut x = Extents::default();
+        let a = x.take(1).unwrap();
+        let b = x.take(5000).unwrap();
+        let c = x.take(4096).unwrap();
+        assert_eq!((a, b, c, x.end), (0, 4096, 3 * 4096, 4 * 4096));
+        assert_eq!(x.give(b, 5000), 4 * 4096, "a hole inside the file");
+        assert_eq!(x.take(4096), Some(b), "first fit");
+        assert_eq!(x.free, BTreeMap::from([(2 * 4096, 4096)]));
+        assert_eq!(x.give(b, 4096), 4 * 4096);
+        assert_eq!(x.free, BTreeMap::from([(4096, 2 * 4096)]), "merged");
+        assert_eq!(
+            x.give(c, 4096),
+            4096,
+            "the last extent shrinks the file over the hole"
+        );
+        assert!(x.free.is_empty());
+        assert_eq!(x.give(a, 1), 0);
+        assert_eq!(x.take(u64::MAX), None, "no overflow");
+        assert_eq!(x.take(i64::MAX as u64), None, "beyond a file offset");
+    }
+
+    #[test]
+    fn a_fork_childs_copy_of_a_backup_leaves_the_extent_alone() {
+        let dir = std::env::temp_dir().join(format!("gpu-pager-file-fork-{}", std::process::id()));
+        let io = Arc::new(FileIo::new(4096));
+        io.set_dir(&dir).unwrap();
+        let store = io.create(8192).unwrap();
+        store.spool.file.write_all_at(&[7; 8192], store.at).unwrap();
+        // The child's view: the same descriptor, opened by another process.
+        let theirs = FileStore {
+            spool: Arc::new(Spool {
+                dir: dir.clone(),
+                file: store.spool.file.try_clone().unwrap(),
+                pid: std::process::id() + 1,
+                extents: Mutex::new(Extents::default()),
+            }),
+            at: store.at,
+            len: store.len,
+            io: io.clone(),
+        };
+        assert!(!theirs.spool.is_ours());
+        drop(theirs);
+        let mut back = [0u8; 8192];
+        store.read(0..8192, &mut back).unwrap();
+        assert_eq!(back, [7; 8192], "not punched out");
+        assert!(
+            io.spool().unwrap().is_ours(),
+            "a fork child opens its own spool"
+        );
+        drop(store);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_staging_chunk_is_clamped() {
+        assert_eq!(FileIo::new(1).chunk, MIN_FILE_CHUNK_BYTES);
+        assert_eq!(FileIo::new(usize::MAX).chunk, MAX_FILE_CHUNK_BYTES);
     }
 }

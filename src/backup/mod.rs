@@ -122,21 +122,22 @@ impl Backup {
     }
 
     /// Copies the backup's bytes `range` (from its start) into `out` (of `range.len()`
-    /// bytes) when the backup validly holds every one of them; returns whether it did.
-    pub fn read(&self, range: Range<usize>, out: &mut [u8]) -> bool {
-        if !crate::ranges::covers(&self.valid, &range) {
-            return false;
+    /// bytes) when the backup validly holds every one of them; returns whether it did. A
+    /// file that cannot be read is an error, not "no copy".
+    pub fn read(&self, range: Range<usize>, out: &mut [u8]) -> Result<bool, BackendError> {
+        if !crate::ranges::covers(&self.valid, &range) || out.len() != range.len() {
+            return Ok(false);
         }
         match &self.buf {
             Some(Store::Memory(b)) => match b.as_slice().get(range) {
-                Some(src) if src.len() == out.len() => {
+                Some(src) => {
                     out.copy_from_slice(src);
-                    true
+                    Ok(true)
                 }
-                _ => false,
+                None => Ok(false),
             },
-            Some(Store::File(f)) => out.len() == range.len() && f.read(range, out).is_ok(),
-            None => false,
+            Some(Store::File(f)) => f.read(range, out).map(|()| true),
+            None => Ok(false),
         }
     }
 

@@ -13,7 +13,8 @@ impl Pager {
     /// buffer), and [`Error::InvalidArgument`] when the region is resident (its device
     /// memory is current and the backup may be older: use [`Pager::read`]) or when the
     /// backup does not hold every requested byte (a `Discard` region, or bytes marked
-    /// overwritten at the release, see [`Pager::set_overwritten`]).
+    /// overwritten at the release, see [`Pager::set_overwritten`]); [`Error::Backend`] when
+    /// a file backup cannot be read.
     pub fn read_backup(&self, buf: &Buffer, offset: usize, out: &mut [u8]) -> Result<()> {
         let slot = self.slot_of(buf)?;
         let r = lock(&slot);
@@ -26,7 +27,10 @@ impl Pager {
                     .to_owned(),
             });
         }
-        if !out.is_empty() && !r.read_backup(range, out) {
+        let held = out.is_empty()
+            || r.read_backup(range, out)
+                .map_err(|e| Error::backend(&buf.tag, "reading the backup", e))?;
+        if !held {
             return Err(Error::InvalidArgument {
                 tag: Some(buf.tag.to_string()),
                 reason: format!(

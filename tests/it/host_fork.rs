@@ -13,31 +13,14 @@ use gpu_pager::{Pager, Policy};
 
 const MIB: usize = 1 << 20;
 
-/// Runs test `name` of this binary alone in a child process; true when it passed.
+/// Runs test `name` of this module alone in a child process (see [`common::run_alone`]).
 fn in_own_process(name: &str) -> bool {
-    const CHILD: &str = "GPU_PAGER_FORK_TEST";
-    if std::env::var_os(CHILD).is_some() {
-        return false;
-    }
-    let out = common::this_binary()
-        .args([
-            "--exact",
-            &common::test_path(module_path!(), name),
-            "--test-threads",
-            "1",
-        ])
-        .env(CHILD, "1")
-        .output()
-        .unwrap();
-    let log =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() && log.contains("1 passed"), "{log}");
-    true
+    common::run_alone(module_path!(), name, &[])
 }
 
 /// Forks; the child runs `child` and exits with its result (0: it held); the parent waits at
 /// most 10 s and says whether the child exited 0.
-fn fork_and_check(child: impl FnOnce() -> bool) -> bool {
+pub fn fork_and_check(child: impl FnOnce() -> bool) -> bool {
     // SAFETY: the child only runs `child` and `_exit`s; no lock of the parent's is taken
     // before the pager's own check (what the test is about).
     let pid = unsafe { libc::fork() };

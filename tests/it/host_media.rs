@@ -3,12 +3,13 @@
 
 use crate::common;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{Rng, read};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Error, Medium, Pager, PagerConfig, Policy, RegionOptions, ResumeOptions, State};
+use gpu_pager_faults::spool;
 
 const MIB: usize = 1 << 20;
 const G: usize = 2 * MIB;
@@ -33,19 +34,9 @@ fn scratch(test: &str) -> PathBuf {
     dir
 }
 
-fn files_in(dir: &PathBuf) -> Vec<(String, u64)> {
-    let mut out: Vec<(String, u64)> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| {
-            let e = e.unwrap();
-            (
-                e.file_name().to_string_lossy().into_owned(),
-                e.metadata().unwrap().len(),
-            )
-        })
-        .collect();
-    out.sort();
-    out
+/// Names in `dir`, and this process's unnamed backup files there.
+fn files_in(dir: &Path) -> (Vec<String>, Vec<spool::Spooled>) {
+    (spool::names(dir), spool::spooled(dir))
 }
 
 fn with_medium(medium: Medium) -> RegionOptions {
@@ -85,9 +76,14 @@ fn every_medium_restores_fixed_and_growing_regions_bit_exact() {
                 let held = pager.region_stats("w").unwrap();
                 assert!(held.backup_bytes > 0, "{what}: a backup while released");
                 if medium == Medium::File {
-                    let files = files_in(&dir);
-                    let want = if bytes == 0 { bufs.len() } else { 1 };
-                    assert_eq!(files.len(), want, "{what}: one file per backup: {files:?}");
+                    let (names, files) = files_in(&dir);
+                    assert!(names.is_empty(), "{what}: no names: {names:?}");
+                    assert_eq!(files.len(), 1, "{what}: one file per pager: {files:?}");
+                    assert!(
+                        files[0].on_disk >= held.backup_bytes as u64,
+                        "{what}: {files:?} holds the backups ({} bytes)",
+                        held.backup_bytes
+                    );
                 }
                 pager.resume(&["w"]).unwrap();
                 for (b, data) in &bufs {
@@ -101,7 +97,11 @@ fn every_medium_restores_fixed_and_growing_regions_bit_exact() {
                 }
             }
             pager.remove("w").unwrap();
-            assert!(files_in(&dir).is_empty(), "files go with their region");
+            assert_eq!(
+                spool::on_disk(&dir),
+                0,
+                "the disk space goes with the region"
+            );
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
@@ -133,16 +133,17 @@ fn a_file_backup_skips_unchanged_chunks_and_follows_freed_buffers() {
     let again = pager.release(&["w"]).unwrap();
     assert_eq!(again.regions[0].copied, 0, "unchanged: nothing written");
     pager.resume(&["w"]).unwrap();
+    assert!((6 * MIB as u64..7 * MIB as u64).contains(&spool::on_disk(&dir)));
     pager.free(&b).unwrap();
-    assert_eq!(
-        files_in(&dir).len(),
-        1,
-        "the freed buffer's file is deleted"
+    assert!(
+        (4 * MIB as u64..5 * MIB as u64).contains(&spool::on_disk(&dir)),
+        "the freed buffer's disk space is given back: {:?}",
+        spool::spooled(&dir)
     );
-    // A buffer freed while released loses its file too, and the rest comes back.
+    // A buffer freed while released gives its space back too, and the rest comes back.
     pager.release(&["w"]).unwrap();
     pager.free(&a).unwrap();
-    assert!(files_in(&dir).is_empty());
+    assert_eq!(spool::on_disk(&dir), 0);
     pager.resume(&["w"]).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -300,7 +301,12 @@ fn a_full_disk_fails_the_release_and_loses_nothing() {
         );
         assert_eq!(pager.info("w").unwrap().state, State::Resident);
         assert_eq!(read(&pager, &b), vec![3; 8 * MIB]);
-        assert!(files_in(&dir).is_empty(), "{:?}", files_in(&dir));
+        assert_eq!(files_in(&dir).0, Vec::<String>::new());
+        assert_eq!(
+            spool::on_disk(&dir),
+            0,
+            "the backup's extent was given back"
+        );
         return;
     }
     let dir = scratch("media-full");
@@ -337,42 +343,4 @@ fn a_buffer_of_one_pager_is_stale_in_another() {
     ));
     assert!(matches!(p2.free(&a), Err(Error::StaleBuffer { .. })));
     assert_eq!(read(&p2, &b), vec![2; 4096], "p2's buffer untouched");
-}
-
-/// A pager lives until its process exits and never drops its regions: their backup files
-/// go at the exit.
-#[test]
-fn backup_files_go_when_the_process_exits() {
-    const CHILD: &str = "GPU_PAGER_EXIT_CHILD";
-    if let Some(dir) = std::env::var_os(CHILD) {
-        let pager = Box::leak(Box::new(pager()));
-        pager.set_backup_dir(PathBuf::from(dir)).unwrap();
-        pager
-            .region_with("w", 8 * MIB, Policy::Preserve, with_medium(Medium::File))
-            .unwrap();
-        let b = pager.alloc("w", 4096).unwrap();
-        pager.write(&b, 0, &[1; 4096]).unwrap();
-        pager.release(&["w"]).unwrap();
-        assert_eq!(
-            files_in(&PathBuf::from(std::env::var_os(CHILD).unwrap())).len(),
-            1
-        );
-        return;
-    }
-    let dir = scratch("media-exit");
-    let out = common::this_binary()
-        .args([
-            "--exact",
-            &common::test_path(module_path!(), "backup_files_go_when_the_process_exits"),
-        ])
-        .env(CHILD, &dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(files_in(&dir).is_empty(), "{:?}", files_in(&dir));
-    std::fs::remove_dir_all(&dir).unwrap();
 }

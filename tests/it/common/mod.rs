@@ -213,6 +213,31 @@ pub fn this_binary() -> std::process::Command {
     )
 }
 
+/// Runs test `name` of module `module` (its `module_path!()`) alone in a child process of
+/// this binary, with `env` added, and asserts that it passed there; returns `true` in the
+/// parent (which then returns) and `false` in the child (which runs the test's body).
+pub fn run_alone(module: &str, name: &str, env: &[(&str, &std::ffi::OsStr)]) -> bool {
+    const CHILD: &str = "GPU_PAGER_TEST_ALONE";
+    if std::env::var_os(CHILD).is_some() {
+        return false;
+    }
+    let mut child = this_binary();
+    child
+        .args(["--exact", &test_path(module, name), "--test-threads", "1"])
+        .env(CHILD, "1");
+    for (k, v) in env {
+        child.env(k, v);
+    }
+    let out = child.output().expect("the test binary runs");
+    let log =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && log.contains("1 passed"),
+        "{name} in its own process:\n{log}"
+    );
+    true
+}
+
 /// The name libtest gives test `name` of the module at `module` (its `module_path!()`): the
 /// path inside the test binary, for running that one test alone in a child process.
 pub fn test_path(module: &str, name: &str) -> String {

@@ -1,0 +1,356 @@
+//! File backups that nothing can leak, take or confuse (issue 37's disk items), on the host
+//! backend: a killed process leaves nothing on disk, names planted in the directory change
+//! nothing, a low descriptor limit still backs up hundreds of buffers, the directory is
+//! absolute and never empty, a fork child's exit leaves the parent's backups alone, and each
+//! file error says whether anything was lost and what to do.
+
+use crate::common;
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+
+use common::read;
+use gpu_pager::backend::host::{HostBackend, HostConfig};
+use gpu_pager::{Error, Medium, Pager, PagerConfig, Policy, RegionOptions, State};
+use gpu_pager_faults::spool;
+
+const MIB: usize = 1 << 20;
+
+fn pager() -> Pager {
+    common::host_pager(256 * MIB)
+}
+
+/// A fresh directory for one test's backups.
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("gpu-pager-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn file_backed(kind: gpu_pager::RegionKind) -> RegionOptions {
+    RegionOptions {
+        medium: Medium::File,
+        kind,
+        ..RegionOptions::default()
+    }
+}
+
+/// A pager with region `w` of `n` buffers of `len` bytes (buffer `i` filled with `i + 1`)
+/// backed up in files in `dir`.
+fn filled(dir: &Path, n: usize, len: usize) -> (Pager, Vec<gpu_pager::Buffer>) {
+    // A small granularity: each buffer of a growing region takes whole granules.
+    let backend = std::sync::Arc::new(HostBackend::new(HostConfig {
+        capacity: 256 * MIB,
+        granularity: 64 << 10,
+    }));
+    let pager = Pager::with_config(backend, common::small_chunks());
+    pager.set_backup_dir(dir).unwrap();
+    pager
+        .region_with(
+            "w",
+            0,
+            Policy::Preserve,
+            file_backed(gpu_pager::RegionKind::Growing),
+        )
+        .unwrap();
+    let bufs = (0..n)
+        .map(|i| {
+            let b = pager.alloc("w", len).unwrap();
+            pager.write(&b, 0, &vec![(i + 1) as u8; len]).unwrap();
+            b
+        })
+        .collect();
+    (pager, bufs)
+}
+
+fn assert_intact(pager: &Pager, bufs: &[gpu_pager::Buffer]) {
+    for (i, b) in bufs.iter().enumerate() {
+        assert_eq!(read(pager, b), vec![(i + 1) as u8; b.len()], "buffer {i}");
+    }
+}
+
+/// Item 1: a process killed with SIGKILL while its backups are on disk leaves nothing in
+/// the directory (they had no name to leave behind).
+#[test]
+fn a_killed_process_leaves_no_backup_file() {
+    const CHILD: &str = "GPU_PAGER_KILLED_CHILD";
+    if let Some(dir) = std::env::var_os(CHILD) {
+        let (pager, _bufs) = filled(Path::new(&dir), 20, 2 * MIB);
+        pager.release(&["w"]).unwrap();
+        assert!(spool::on_disk(Path::new(&dir)) >= 40 * MIB as u64);
+        let me = std::process::id() as libc::pid_t;
+        // SAFETY: ends this child process at once, as a crash or the OOM killer would.
+        unsafe { libc::kill(me, libc::SIGKILL) };
+        unreachable!("SIGKILL ends the process");
+    }
+    let dir = scratch("killed");
+    let out = common::this_binary()
+        .args([
+            "--exact",
+            &common::test_path(module_path!(), "a_killed_process_leaves_no_backup_file"),
+        ])
+        .env(CHILD, &dir)
+        .output()
+        .unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGKILL),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        spool::names(&dir),
+        Vec::<String>::new(),
+        "nothing left behind"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Item 2: files another user plants in the directory under the names backups and the
+/// directory check used to take (this process's pid) neither stop backups nor get touched.
+#[test]
+fn planted_names_neither_block_backups_nor_get_touched() {
+    let dir = scratch("planted");
+    let pid = std::process::id();
+    let mut planted = Vec::new();
+    for owner in 0..64 {
+        planted.push(dir.join(format!(".gpu-pager-probe-{pid}-{owner}")));
+        for n in 0..4 {
+            planted.push(dir.join(format!("gpu-pager-{pid}-{owner}-{n}.backup")));
+        }
+    }
+    for p in &planted {
+        std::fs::write(p, b"not yours").unwrap();
+    }
+    std::os::unix::fs::symlink("/dev/null", dir.join(".gpu-pager-link")).unwrap();
+    let (pager, bufs) = filled(&dir, 4, MIB);
+    for _ in 0..3 {
+        pager.release(&["w"]).unwrap();
+        pager.resume(&["w"]).unwrap();
+    }
+    assert_intact(&pager, &bufs);
+    for p in &planted {
+        assert_eq!(std::fs::read(p).unwrap(), b"not yours", "{}", p.display());
+    }
+    assert_eq!(spool::names(&dir).len(), planted.len() + 1, "nothing added");
+    drop(pager);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Item 6: with a limit of 64 open descriptors, 300 buffers still back up and come back
+/// (the backups share the pager's one file).
+#[test]
+fn hundreds_of_buffers_back_up_under_a_low_descriptor_limit() {
+    if common::run_alone(
+        module_path!(),
+        "hundreds_of_buffers_back_up_under_a_low_descriptor_limit",
+        &[],
+    ) {
+        return;
+    }
+    let dir = scratch("descriptors");
+    let (pager, bufs) = filled(&dir, 300, 64 << 10);
+    let limit = libc::rlimit {
+        rlim_cur: 64,
+        rlim_max: 64,
+    };
+    // SAFETY: a plain system call with a valid rlimit; this process runs this test alone.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) }, 0);
+    for _ in 0..2 {
+        pager.release(&["w"]).unwrap();
+        pager.resume(&["w"]).unwrap();
+    }
+    assert_intact(&pager, &bufs);
+    assert_eq!(spool::spooled(&dir).len(), 1, "one file for every backup");
+    drop(pager);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Item 7: an empty directory is refused and changes nothing; a relative one (set, or from
+/// the environment) is made absolute at once, so a later `chdir` does not move the backups.
+#[test]
+fn the_directory_is_absolute_and_never_empty() {
+    const REL: &str = "gpu-pager-relative-backups";
+    let base = scratch("relative");
+    if common::run_alone(
+        module_path!(),
+        "the_directory_is_absolute_and_never_empty",
+        &[(gpu_pager::BACKUP_DIR_ENV, OsStr::new(REL))],
+    ) {
+        std::fs::remove_dir_all(&base).unwrap();
+        return;
+    }
+    std::env::set_current_dir(&base).unwrap();
+    let pager = pager();
+    assert_eq!(
+        pager.backup_dir(),
+        Some(base.join(REL)),
+        "from the environment"
+    );
+    let e = pager.set_backup_dir("").unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+    assert!(e.to_string().contains("empty"), "{e}");
+    assert_eq!(pager.backup_dir(), Some(base.join(REL)), "unchanged");
+    pager.set_backup_dir("set-later").unwrap();
+    let dir = base.join("set-later");
+    assert_eq!(pager.backup_dir(), Some(dir.clone()));
+    pager
+        .region_with(
+            "w",
+            4 * MIB,
+            Policy::Preserve,
+            file_backed(gpu_pager::RegionKind::Fixed),
+        )
+        .unwrap();
+    let b = pager.alloc("w", MIB).unwrap();
+    pager.write(&b, 0, &vec![9; MIB]).unwrap();
+    std::env::set_current_dir("/").unwrap();
+    pager.release(&["w"]).unwrap();
+    assert!(
+        spool::on_disk(&dir) >= MIB as u64,
+        "in the directory that was set: {:?}",
+        spool::spooled(&dir)
+    );
+    pager.resume(&["w"]).unwrap();
+    assert_eq!(read(&pager, &b), vec![9; MIB]);
+}
+
+/// Item 8: a fork child that exits normally (running exit handlers) leaves the parent's
+/// backups on disk and intact.
+#[test]
+fn a_fork_childs_exit_leaves_the_parents_backups() {
+    if common::run_alone(
+        module_path!(),
+        "a_fork_childs_exit_leaves_the_parents_backups",
+        &[],
+    ) {
+        return;
+    }
+    let dir = scratch("fork-exit");
+    let (pager, bufs) = filled(&dir, 3, MIB);
+    pager.release(&["w"]).unwrap();
+    let held = spool::on_disk(&dir);
+    assert!(held >= 3 * MIB as u64);
+    // SAFETY: the child only calls exit(0), which runs the process's exit handlers.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        // SAFETY: ends the child through the C library's exit, handlers included.
+        unsafe { libc::exit(0) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert_eq!(
+        spool::on_disk(&dir),
+        held,
+        "the parent's disk use still shows"
+    );
+    pager.resume(&["w"]).unwrap();
+    assert_intact(&pager, &bufs);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Item 5: a backup that cannot be read back says its contents are lost and that retrying
+/// cannot help (not "nothing was lost — free disk space"); `read_backup` reports the
+/// failure instead of "no copy"; removing the region gets out of it.
+#[test]
+fn a_damaged_backup_says_its_contents_are_lost() {
+    let dir = scratch("damaged");
+    let (pager, bufs) = filled(&dir, 2, MIB);
+    pager.release(&["w"]).unwrap();
+    // Truncate the unnamed file behind the pager's back, as a damaged disk would.
+    let fd = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .find(|e| {
+            std::fs::read_link(e.path())
+                .is_ok_and(|t| t.to_string_lossy().ends_with(" (deleted)") && t.starts_with(&dir))
+        })
+        .expect("the pager's backup file is open");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(fd.path())
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    for _ in 0..2 {
+        let text = pager.resume(&["w"]).unwrap_err().to_string();
+        assert!(
+            text.contains("contents are lost") && text.contains("retry fails"),
+            "{text}"
+        );
+        assert!(!text.contains("nothing was lost"), "{text}");
+        assert_eq!(pager.info("w").unwrap().state, State::Released);
+    }
+    let mut out = vec![0u8; 16];
+    let e = pager.read_backup(&bufs[0], 0, &mut out).unwrap_err();
+    assert!(matches!(e, Error::Backend { .. }), "not 'no copy': {e}");
+    assert!(e.to_string().contains("contents are lost"), "{e}");
+    pager.remove("w").unwrap();
+    assert_eq!(spool::on_disk(&dir), 0);
+    drop(pager);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Item 5: too many open files and a directory that cannot hold files each get their own
+/// advice, not "free disk space".
+#[test]
+fn descriptor_limits_and_bad_directories_get_their_own_advice() {
+    if common::run_alone(
+        module_path!(),
+        "descriptor_limits_and_bad_directories_get_their_own_advice",
+        &[],
+    ) {
+        return;
+    }
+    let pager = pager();
+    let e = pager
+        .set_backup_dir("/proc/gpu-pager-not-writable")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("cannot hold files") && !e.contains("disk space"),
+        "{e}"
+    );
+    let dir = scratch("emfile");
+    let limit = libc::rlimit {
+        rlim_cur: 64,
+        rlim_max: 64,
+    };
+    // SAFETY: a plain system call with a valid rlimit; this process runs this test alone.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) }, 0);
+    // Every descriptor the limit allows taken.
+    let taken: Vec<std::fs::File> = std::iter::from_fn(|| std::fs::File::open("/dev/null").ok())
+        .take(64)
+        .collect();
+    let e = pager.set_backup_dir(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("too many open files") && e.contains("ulimit") && !e.contains("disk space"),
+        "{e}"
+    );
+    drop(taken);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The clamp: a staging chunk beyond the largest is the largest, not an overflow.
+#[test]
+fn the_file_chunk_is_clamped() {
+    let backend = std::sync::Arc::new(HostBackend::new(HostConfig {
+        capacity: 64 * MIB,
+        granularity: 2 * MIB,
+    }));
+    let pager = Pager::with_config(
+        backend,
+        PagerConfig {
+            file_chunk_bytes: usize::MAX,
+            ..PagerConfig::default()
+        },
+    );
+    assert_eq!(
+        pager.config().file_chunk_bytes,
+        gpu_pager::MAX_FILE_CHUNK_BYTES
+    );
+}

@@ -11,6 +11,10 @@
 // Records kept for [`take_records`] at most: the newest, older ones are dropped.
 #define QUEUED_RECORDS 256
 
+// The longest tag [`gpu_pager_tms_set_tag`] takes: region names are the tag and a suffix
+// of at most 32 bytes, within gpu-pager's 256.
+#define GPU_PAGER_TMS_TAG_MAX_BYTES 224
+
 // `gpu_pager_resume_with`'s flag: keep the host memory of `GPU_PAGER_MEDIUM_HOST` backups
 // after restoring (the next release of unchanged contents then copies nothing).
 #define GPU_PAGER_RESUME_KEEP_HOST_BACKUPS 1
@@ -481,8 +485,10 @@ void gpu_pager_tms_set_enabled(bool on);
 // Whether this thread is in a region (torch_memory_saver's `tms_get_interesting_region`).
 bool gpu_pager_tms_enabled(void);
 
-// Sets this thread's tag. NULL, or a string that is not UTF-8 or empty, is
-// `GPU_PAGER_ERROR_INVALID_ARGUMENT` and changes nothing.
+// Sets this thread's tag: any UTF-8 string of at most [`GPU_PAGER_TMS_TAG_MAX_BYTES`]
+// bytes, the empty one included (its allocations are paused by a pause of every tag, as
+// torch_memory_saver's). NULL, a string that is not UTF-8 and a longer one are
+// `GPU_PAGER_ERROR_INVALID_ARGUMENT` and change nothing.
 //
 // # Safety
 // `tag` is NULL or a NUL-terminated string.
@@ -517,7 +523,9 @@ void gpu_pager_tms_set_disk_backup(bool on);
 bool gpu_pager_tms_disk_backup(void);
 
 // Sets the directory of disk backups for every device (created if missing, and checked
-// by writing a file there); regions made before keep their files where they are.
+// by writing a file there), before or after the first allocation; it wins over
+// `GPU_PAGER_BACKUP_DIR` and `TMS_DISK_BACKUP_DIR`. Backups made before stay where they
+// are. An empty path is `GPU_PAGER_ERROR_INVALID_ARGUMENT` and changes nothing.
 //
 // # Safety
 // `dir` is NULL or a NUL-terminated string.
@@ -534,14 +542,14 @@ void gpu_pager_tms_set_retain(bool on);
 // See [`gpu_pager_tms_set_retain`].
 bool gpu_pager_tms_retain(void);
 
-// Pauses the regions of `tag` (NULL: every region made here) on every device: waits for
+// Pauses the regions of `tag` (NULL or empty: every region made here) on every device: waits for
 // device work, backs up what keeps a backup, gives the memory back. Idempotent.
 //
 // # Safety
 // `tag` is NULL or a NUL-terminated string.
 gpu_pager_code gpu_pager_tms_pause(const char *tag);
 
-// Resumes the regions of `tag` (NULL: every region made here) on every device, restoring
+// Resumes the regions of `tag` (NULL or empty: every region made here) on every device, restoring
 // what has a backup; CPU backups are then given back unless retained. Idempotent. Out of
 // memory is `GPU_PAGER_ERROR_OUT_OF_MEMORY` and loses nothing: a later resume succeeds.
 //

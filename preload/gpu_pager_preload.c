@@ -39,13 +39,16 @@ typedef int cuda_error;
 /* cudaErrorInitializationError: no CUDA runtime in the process to pass a call to. */
 #define CUDA_ERROR_INITIALIZATION 3
 
-/* The CUDA runtime's own functions, found behind this library. */
+/* The CUDA runtime's own functions, found behind this library: looked up again on each
+ * call until all three are there (the runtime may be loaded after the first call, e.g. a
+ * cudaFree(NULL) before libcudart), then kept. Each pointer is written and read atomically;
+ * `runtime_found` is set last. */
 static struct {
     cuda_error (*malloc)(void **, size_t);
     cuda_error (*free)(void *);
     cuda_error (*get_device)(int *);
 } runtime;
-static pthread_once_t runtime_once = PTHREAD_ONCE_INIT;
+static bool runtime_found;
 
 /* The core's C ABI (gpu_pager_tms_*); all NULL when the core could not be loaded. */
 #define CORE_FN(name) __typeof__(name) *
@@ -85,25 +88,42 @@ static int find_cudart(struct dl_phdr_info *info, size_t size, void *out) {
     return 0;
 }
 
+/* Looks the runtime's three functions up: behind this library, else (a runtime loaded
+ * without RTLD_GLOBAL, as a dependency of a library opened locally) in the copy already in
+ * the process, by its path. Stores them only when all three are found. */
 static void find_runtime(void) {
-    runtime.malloc = dlsym(RTLD_NEXT, "cudaMalloc");
-    runtime.free = dlsym(RTLD_NEXT, "cudaFree");
-    runtime.get_device = dlsym(RTLD_NEXT, "cudaGetDevice");
-    if (runtime.malloc != NULL && runtime.free != NULL && runtime.get_device != NULL) {
+    if (__atomic_load_n(&runtime_found, __ATOMIC_ACQUIRE)) {
         return;
     }
-    /* The runtime was loaded without RTLD_GLOBAL (a dependency of a library opened
-     * locally): take the copy already in the process by its path. */
-    const char *path = NULL;
-    dl_iterate_phdr(find_cudart, &path);
-    void *h = path != NULL ? dlopen(path, RTLD_NOW | RTLD_NOLOAD) : NULL;
-    if (h == NULL) {
-        return;
+    __typeof__(runtime) found;
+    void *h = RTLD_NEXT;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        if (attempt == 1) {
+            const char *path = NULL;
+            dl_iterate_phdr(find_cudart, &path);
+            h = path != NULL ? dlopen(path, RTLD_NOW | RTLD_NOLOAD) : NULL;
+            if (h == NULL) {
+                return;
+            }
+        }
+        *(void **)(&found.malloc) = dlsym(h, "cudaMalloc");
+        *(void **)(&found.free) = dlsym(h, "cudaFree");
+        *(void **)(&found.get_device) = dlsym(h, "cudaGetDevice");
+        if (attempt == 1) {
+            dlclose(h); /* RTLD_NOLOAD took a reference; the runtime stays loaded */
+        }
+        if (found.malloc != NULL && found.free != NULL && found.get_device != NULL) {
+            __atomic_store_n(&runtime.malloc, found.malloc, __ATOMIC_RELAXED);
+            __atomic_store_n(&runtime.free, found.free, __ATOMIC_RELAXED);
+            __atomic_store_n(&runtime.get_device, found.get_device, __ATOMIC_RELAXED);
+            __atomic_store_n(&runtime_found, true, __ATOMIC_RELEASE);
+            return;
+        }
     }
-    runtime.malloc = dlsym(h, "cudaMalloc");
-    runtime.free = dlsym(h, "cudaFree");
-    runtime.get_device = dlsym(h, "cudaGetDevice");
 }
+
+/* One of the runtime's functions as last stored (NULL: not found yet). */
+#define RUNTIME(fn) __atomic_load_n(&runtime.fn, __ATOMIC_ACQUIRE)
 
 /* Whether the user asked for every allocation to be routed (then a missing core is worth a
  * word on stderr; otherwise a process that never routes stays quiet). */
@@ -188,10 +208,11 @@ static void report(const char *what, gpu_pager_code code) {
 }
 
 EXPORT cuda_error cudaMalloc(void **ptr, size_t size) {
-    pthread_once(&runtime_once, find_runtime);
+    find_runtime();
     if (have_core() && core.enabled()) {
         int device = 0;
-        if (runtime.get_device != NULL && runtime.get_device(&device) != 0) {
+        __typeof__(runtime.get_device) get_device = RUNTIME(get_device);
+        if (get_device != NULL && get_device(&device) != 0) {
             device = 0;
         }
         bool routed = false;
@@ -203,11 +224,12 @@ EXPORT cuda_error cudaMalloc(void **ptr, size_t size) {
             return 0;
         }
     }
-    return runtime.malloc != NULL ? runtime.malloc(ptr, size) : CUDA_ERROR_INITIALIZATION;
+    __typeof__(runtime.malloc) next = RUNTIME(malloc);
+    return next != NULL ? next(ptr, size) : CUDA_ERROR_INITIALIZATION;
 }
 
 EXPORT cuda_error cudaFree(void *ptr) {
-    pthread_once(&runtime_once, find_runtime);
+    find_runtime();
     /* cudaFree(NULL) initializes the runtime's context: always the runtime's. */
     if (ptr != NULL && have_core()) {
         bool freed = false;
@@ -216,7 +238,8 @@ EXPORT cuda_error cudaFree(void *ptr) {
             return code == GPU_PAGER_OK ? 0 : CUDA_ERROR_MEMORY_ALLOCATION;
         }
     }
-    return runtime.free != NULL ? runtime.free(ptr) : CUDA_ERROR_INITIALIZATION;
+    __typeof__(runtime.free) next = RUNTIME(free);
+    return next != NULL ? next(ptr) : CUDA_ERROR_INITIALIZATION;
 }
 
 /* torch_memory_saver's entry points, with its signatures. */

@@ -32,7 +32,7 @@ use std::sync::{LazyLock, Mutex, MutexGuard, PoisonError};
 use gpu_pager::{Error, Medium, Pager, Policy, RegionOptions, Result, ResumeOptions, State};
 
 use crate::boundary::{self, call, call_or, invalid, untagged, write_out};
-use crate::torch::{alloc_segment, free_segment, segment_device};
+use crate::torch::{alloc_segment, check_process, free_segment, segment_device};
 use crate::types::gpu_pager_code;
 
 /// How a routed allocation's contents survive a pause.
@@ -142,6 +142,32 @@ fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// The region name of (`tag`, `keep`), chosen on first use and the same from then on, one
+/// to one whatever characters tags hold: the tag itself for the first kind of backup used
+/// with it, else `tag#<kind>` (`#discard`, `#pinned`, `#host`, `#file`), followed by `#2`,
+/// `#3`, ... while that name belongs to another pair (the user's tag `x#pinned` and the
+/// pinned kind of tag `x`, say). The empty tag always takes a suffix.
+fn name_for(tag: &str, keep: Keep) -> String {
+    let mut names = locked(&NAMES);
+    if let Some(n) = names.get(&(tag.to_owned(), keep)) {
+        return n.clone();
+    }
+    let taken = |n: &String| n.is_empty() || names.values().any(|m| m == n);
+    let plain = std::iter::once(tag.to_owned());
+    let suffixed = (1u64..).map(|k| match k {
+        1 => format!("{tag}#{}", keep.suffix()),
+        k => format!("{tag}#{}#{k}", keep.suffix()),
+    });
+    let first = !names.keys().any(|(t, _)| t == tag);
+    let name = plain
+        .filter(|_| first)
+        .chain(suffixed)
+        .find(|n| !taken(n))
+        .unwrap_or_default();
+    names.insert((tag.to_owned(), keep), name.clone());
+    name
+}
+
 /// The region of `route` on device `d`, created (growing) on first use.
 fn region_for(d: usize, route: &Route) -> Result<String> {
     let tag = route.tag.to_str().map_err(|_| {
@@ -151,29 +177,21 @@ fn region_for(d: usize, route: &Route) -> Result<String> {
         )
     })?;
     let keep = route.keep();
-    let name = {
-        let mut names = locked(&NAMES);
-        match names.get(&(tag.to_owned(), keep)) {
-            Some(n) => n.clone(),
-            None => {
-                let taken = names.keys().any(|(t, _)| t == tag);
-                let n = if taken {
-                    format!("{tag}#{}", keep.suffix())
-                } else {
-                    tag.to_owned()
-                };
-                names.insert((tag.to_owned(), keep), n.clone());
-                n
-            }
-        }
-    };
+    let name = name_for(tag, keep);
     let pager = Pager::for_device(d)?;
     // Made here and still there (a region removed behind the façade's back is made again).
     if locked(&MADE).contains_key(&(d, name.clone())) && pager.info(&name).is_ok() {
         return Ok(name);
     }
-    if keep == Keep::File && pager.backup_dir().is_none() {
-        pager.set_backup_dir(disk_dir())?;
+    if keep == Keep::File {
+        // The drop-in's own setting wins over the pager's GPU_PAGER_BACKUP_DIR.
+        let explicit = locked(&DISK_DIR).clone();
+        match (explicit, pager.backup_dir()) {
+            (Some(dir), Some(now)) if dir == now => {}
+            (Some(dir), _) => pager.set_backup_dir(dir)?,
+            (None, None) => pager.set_backup_dir(disk_dir())?,
+            (None, Some(_)) => {}
+        }
     }
     let (policy, medium) = keep.policy();
     let options = RegionOptions {
@@ -202,6 +220,7 @@ fn disk_dir() -> PathBuf {
 /// Allocates `size` bytes on device `d` as this thread's config says, or `None` when the
 /// thread is not in a region.
 fn routed_alloc(d: usize, size: usize) -> Result<Option<u64>> {
+    check_process()?;
     let Some(route) = with_route(|r| r.clone()).filter(|r| r.enabled) else {
         return Ok(None);
     };
@@ -241,6 +260,7 @@ fn family(tag: Option<&str>) -> BTreeMap<usize, Vec<String>> {
 /// (`release`) or a resume. A device that fails does not stop the others; the first
 /// failure is returned.
 fn move_family(tag: Option<&str>, release: bool) -> Result<()> {
+    check_process()?;
     let retain = RETAIN.load(Ordering::Relaxed);
     let mut first = None;
     for (d, mut names) in family(tag) {
@@ -290,6 +310,7 @@ fn move_family(tag: Option<&str>, release: bool) -> Result<()> {
 /// torch_memory_saver's `get_cpu_backup_pointer` answers: while their region is paused, or
 /// resumed with its backup retained; `None` otherwise.
 fn backup_pointer(ptr: u64, size: usize) -> Result<Option<u64>> {
+    check_process()?;
     for (d, pager) in gpu_pager::registry::pagers() {
         let Some((buf, offset)) = pager.buffer_containing(ptr) else {
             continue;
@@ -331,8 +352,10 @@ pub extern "C" fn gpu_pager_tms_enabled() -> bool {
     with_route(|r| r.enabled).unwrap_or(false)
 }
 
-/// Sets this thread's tag. NULL, or a string that is not UTF-8 or empty, is
-/// `GPU_PAGER_ERROR_INVALID_ARGUMENT` and changes nothing.
+/// Sets this thread's tag: any UTF-8 string of at most [`GPU_PAGER_TMS_TAG_MAX_BYTES`]
+/// bytes, the empty one included (its allocations are paused by a pause of every tag, as
+/// torch_memory_saver's). NULL, a string that is not UTF-8 and a longer one are
+/// `GPU_PAGER_ERROR_INVALID_ARGUMENT` and change nothing.
 ///
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string.
@@ -341,14 +364,25 @@ pub unsafe extern "C" fn gpu_pager_tms_set_tag(tag: *const c_char) -> gpu_pager_
     call("gpu_pager_tms_set_tag", || {
         // SAFETY: NULL or NUL-terminated and alive for this call (the contract).
         let tag = unsafe { boundary::tag(tag, "tag") }?;
-        if tag.is_empty() {
-            return Err(invalid(tag, "the tag is empty; pass a name"));
+        if tag.len() > GPU_PAGER_TMS_TAG_MAX_BYTES {
+            return Err(untagged(format!(
+                "a tag of {} bytes (starting {:?}); the drop-in's tags hold at most \
+                 {GPU_PAGER_TMS_TAG_MAX_BYTES} bytes (its region names add a suffix to the \
+                 tag): pass a shorter tag",
+                tag.len(),
+                tag.chars().take(16).collect::<String>()
+            )));
         }
         let tag = CString::new(tag).map_err(|_| invalid(tag, "the tag holds a NUL byte"))?;
         with_route(|r| r.tag = tag);
         Ok(())
     })
 }
+
+/// The longest tag [`gpu_pager_tms_set_tag`] takes: region names are the tag and a suffix
+/// of at most 32 bytes, within gpu-pager's 256.
+pub const GPU_PAGER_TMS_TAG_MAX_BYTES: usize = 224;
+const _: () = assert!(GPU_PAGER_TMS_TAG_MAX_BYTES + 32 == gpu_pager::MAX_TAG_BYTES);
 
 /// This thread's tag (initially `default`); valid until the thread's next
 /// `gpu_pager_tms_set_tag`. Never NULL.
@@ -419,7 +453,9 @@ pub extern "C" fn gpu_pager_tms_disk_backup() -> bool {
 }
 
 /// Sets the directory of disk backups for every device (created if missing, and checked
-/// by writing a file there); regions made before keep their files where they are.
+/// by writing a file there), before or after the first allocation; it wins over
+/// `GPU_PAGER_BACKUP_DIR` and `TMS_DISK_BACKUP_DIR`. Backups made before stay where they
+/// are. An empty path is `GPU_PAGER_ERROR_INVALID_ARGUMENT` and changes nothing.
 ///
 /// # Safety
 /// `dir` is NULL or a NUL-terminated string.
@@ -428,6 +464,12 @@ pub unsafe extern "C" fn gpu_pager_tms_set_disk_dir(dir: *const c_char) -> gpu_p
     call("gpu_pager_tms_set_disk_dir", || {
         // SAFETY: NULL or NUL-terminated and alive for this call (the contract).
         let dir = PathBuf::from(unsafe { boundary::tag(dir, "dir") }?);
+        check_process()?;
+        if dir.as_os_str().is_empty() {
+            return Err(untagged(
+                "the disk backup directory is empty; pass a directory on a real disk",
+            ));
+        }
         std::fs::create_dir_all(&dir).map_err(|e| {
             untagged(format!(
                 "the disk backup directory {} cannot be created: {e}; pass a writable \
@@ -435,6 +477,7 @@ pub unsafe extern "C" fn gpu_pager_tms_set_disk_dir(dir: *const c_char) -> gpu_p
                 dir.display()
             ))
         })?;
+        let dir = std::path::absolute(&dir).unwrap_or(dir);
         for (_, p) in gpu_pager::registry::pagers() {
             p.set_backup_dir(&dir)?;
         }
@@ -463,7 +506,7 @@ pub extern "C" fn gpu_pager_tms_retain() -> bool {
     RETAIN.load(Ordering::Relaxed)
 }
 
-/// Pauses the regions of `tag` (NULL: every region made here) on every device: waits for
+/// Pauses the regions of `tag` (NULL or empty: every region made here) on every device: waits for
 /// device work, backs up what keeps a backup, gives the memory back. Idempotent.
 ///
 /// # Safety
@@ -477,7 +520,7 @@ pub unsafe extern "C" fn gpu_pager_tms_pause(tag: *const c_char) -> gpu_pager_co
     })
 }
 
-/// Resumes the regions of `tag` (NULL: every region made here) on every device, restoring
+/// Resumes the regions of `tag` (NULL or empty: every region made here) on every device, restoring
 /// what has a backup; CPU backups are then given back unless retained. Idempotent. Out of
 /// memory is `GPU_PAGER_ERROR_OUT_OF_MEMORY` and loses nothing: a later resume succeeds.
 ///
@@ -492,6 +535,9 @@ pub unsafe extern "C" fn gpu_pager_tms_resume(tag: *const c_char) -> gpu_pager_c
     })
 }
 
+/// The tag a pause or resume names: NULL and the empty string are every tag, as
+/// torch_memory_saver treats a falsy tag.
+///
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string alive for `'a`.
 unsafe fn optional_tag<'a>(tag: *const c_char) -> Result<Option<&'a str>> {
@@ -499,7 +545,8 @@ unsafe fn optional_tag<'a>(tag: *const c_char) -> Result<Option<&'a str>> {
         return Ok(None);
     }
     // SAFETY: non-NULL, NUL-terminated and alive for 'a (the contract).
-    unsafe { boundary::tag(tag, "tag") }.map(Some)
+    let tag = unsafe { boundary::tag(tag, "tag") }?;
+    Ok(Some(tag).filter(|t| !t.is_empty()))
 }
 
 /// The host address of the CPU backup of the `size` device bytes at `ptr`, while their
@@ -557,7 +604,7 @@ pub unsafe extern "C" fn gpu_pager_tms_cuda_free(
     call("gpu_pager_tms_cuda_free", || {
         boundary::required(freed, "freed")?;
         let addr = ptr as usize as u64;
-        let device = segment_device(addr);
+        let device = segment_device(addr)?;
         if let Some(d) = device {
             free_segment(d, addr, None, None)?;
         }

@@ -15,9 +15,10 @@
 //! restores the caller's after.
 
 use std::cell::RefCell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_char, c_int, c_void};
-use std::sync::{Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{LazyLock, Mutex, PoisonError};
 
 use gpu_pager::backend::RawStream;
 use gpu_pager::{Buffer, Error, Pager, Result};
@@ -28,14 +29,51 @@ use crate::types::gpu_pager_code;
 /// Alignment of torch segments of at least this size.
 const SEGMENT_ALIGN: usize = 2 << 20;
 
-/// The segments handed to torch, by (device, address), with the buffer handle each came
-/// from. A free looks its handle up here rather than by address, so that a segment whose
-/// region was removed (and whose addresses may belong to a new region by now) fails as
-/// `StaleBuffer` instead of freeing someone else's buffer.
-static SEGMENTS: Mutex<BTreeMap<(usize, u64), Buffer>> = Mutex::new(BTreeMap::new());
+/// The segments handed to torch, by address (device addresses are unique across devices,
+/// in one address space), with the device and the buffer handle each came from: a free
+/// finds its segment in constant time whatever the count. A free looks its handle up here
+/// rather than by address, so that a segment whose region was removed (and whose addresses
+/// may belong to a new region by now) fails as `StaleBuffer` instead of freeing someone
+/// else's buffer.
+static SEGMENTS: LazyLock<Mutex<HashMap<u64, (usize, Buffer)>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
 
-fn segments() -> std::sync::MutexGuard<'static, BTreeMap<(usize, u64), Buffer>> {
+fn segments() -> std::sync::MutexGuard<'static, HashMap<u64, (usize, Buffer)>> {
     SEGMENTS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Set in a child forked after the hooks or the drop-in were first used (by the fork
+/// handler [`check_process`] registers then); a flag read per call, where asking for the
+/// process id would be a system call on every `cudaFree`.
+static FORKED: AtomicBool = AtomicBool::new(false);
+static WATCHING: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn forked() {
+    FORKED.store(true, Ordering::Release);
+}
+
+/// Fails in a child forked after the hooks or the drop-in were first used, before any of
+/// their locks is taken: a lock a parent thread held at the fork is never released in the
+/// child, and the parent's segments are not the child's. Every entry point that takes one
+/// of their locks calls this first.
+pub(crate) fn check_process() -> Result<()> {
+    if !WATCHING.load(Ordering::Acquire)
+        && WATCHING
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    {
+        // SAFETY: registers a handler without arguments that only stores to an atomic
+        // (async-signal-safe, as a handler in a fork child must be).
+        unsafe { libc::pthread_atfork(None, None, Some(forked)) };
+    }
+    if !FORKED.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    Err(untagged(
+        "this process is a fork of one that allocated through gpu-pager's allocator hooks: \
+         its device memory cannot be used or freed here (CUDA forbids it too); start the \
+         child with spawn rather than fork, or fork before the first allocation",
+    ))
 }
 
 thread_local! {
@@ -115,6 +153,7 @@ pub(crate) fn alloc_segment(d: usize, tag: &str, size: usize) -> Result<u64> {
             reason: "an allocation of 0 bytes; ask for at least one".to_owned(),
         });
     }
+    check_process()?;
     let pager = Pager::for_device(d)?;
     // Whole segments (torch asks for multiples of 2 MiB from 2 MiB up) start on a 2 MiB
     // boundary, as cudaMalloc's do; smaller ones at the default alignment.
@@ -126,7 +165,7 @@ pub(crate) fn alloc_segment(d: usize, tag: &str, size: usize) -> Result<u64> {
     let buf = pager.alloc_aligned(tag, size, align)?;
     match pager.ptr(&buf) {
         Ok(p) => {
-            segments().insert((d, p), buf);
+            segments().insert(p, (d, buf));
             Ok(p)
         }
         Err(e) => {
@@ -137,8 +176,9 @@ pub(crate) fn alloc_segment(d: usize, tag: &str, size: usize) -> Result<u64> {
 }
 
 /// The device of the segment at `addr` from [`alloc_segment`], if one starts there.
-pub(crate) fn segment_device(addr: u64) -> Option<usize> {
-    segments().keys().find(|(_, a)| *a == addr).map(|(d, _)| *d)
+pub(crate) fn segment_device(addr: u64) -> Result<Option<usize>> {
+    check_process()?;
+    Ok(segments().get(&addr).map(|(d, _)| *d))
 }
 
 /// Frees the segment of device `d` at `addr` from [`alloc_segment`] (after work enqueued
@@ -151,13 +191,23 @@ pub(crate) fn free_segment(
     size: Option<usize>,
     stream: Option<usize>,
 ) -> Result<()> {
+    check_process()?;
     let pager = Pager::for_device(d)?;
-    let buf = segments().remove(&(d, addr)).ok_or_else(|| {
-        untagged(format!(
-            "freeing {addr:#x} on device {d}: not a segment the allocator returned, or \
-                 freed already; nothing was freed"
-        ))
-    })?;
+    let buf = {
+        let mut segments = segments();
+        match segments.remove(&addr) {
+            Some((on, buf)) if on == d => buf,
+            other => {
+                if let Some(seg) = other {
+                    segments.insert(addr, seg);
+                }
+                return Err(untagged(format!(
+                    "freeing {addr:#x} on device {d}: not a segment the allocator returned \
+                     for that device, or freed already; nothing was freed"
+                )));
+            }
+        }
+    };
     if let Some(size) = size.filter(|&n| n != buf.len()) {
         log::warn!(
             "gpu-pager: free of {addr:#x} ({size} bytes): the buffer in `{}` has {} bytes; \

@@ -186,10 +186,12 @@ fn one_tag_with_every_kind_of_backup_pauses_and_resumes_as_one() {
         for (p, _, _) in &made {
             assert!(cuda_free(*p));
         }
-        assert!(
-            std::fs::read_dir(&dir).unwrap().next().is_none(),
-            "files gone"
+        assert_eq!(
+            gpu_pager_faults::spool::on_disk(&dir),
+            0,
+            "disk space given back"
         );
+        assert!(gpu_pager_faults::spool::names(&dir).is_empty(), "no names");
         gpu_pager_tms_set_enabled(false);
         gpu_pager_tms_set_disk_backup(false);
     })

@@ -195,8 +195,8 @@ pub(crate) struct FileIo {
 impl FileIo {
     /// File I/O with staging halves of `chunk` bytes (clamped to 4 KiB ..=
     /// [`MAX_FILE_CHUNK_BYTES`]) and the directory from [`BACKUP_DIR_ENV`] if it is set
-    /// (made absolute now: a later `chdir` does not move it). The directory is checked when
-    /// the first backup is made.
+    /// (made absolute now: a later `chdir` does not move it). The directory is created and
+    /// checked when the first backup is made.
     pub fn new(chunk: usize) -> FileIo {
         let dir = std::env::var_os(BACKUP_DIR_ENV)
             .filter(|d| !d.is_empty())
@@ -254,6 +254,8 @@ impl FileIo {
                  {BACKUP_DIR_ENV}, on a real disk rather than tmpfs"
             ),
         })?;
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| file_error("creating the backup directory", &dir, e))?;
         let spool = Arc::new(Spool::open(&dir)?);
         target.spool = Some(spool.clone());
         Ok(spool)

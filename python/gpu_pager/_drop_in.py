@@ -7,6 +7,12 @@ of that environment, child processes included. The wheel installs ``gpu_pager_dr
 which Python runs at start-up: with the variable set it imports this module and calls
 :func:`_startup`; without it, it reads the variable and imports nothing (the line runs in
 every Python process of the environment).
+
+The switch never stops or clutters a program: whatever goes wrong in it (a broken install,
+an exception of any kind, ``SystemExit`` included) leaves the program running without the
+drop-ins and costs at most one line on stderr; it runs once per process even where the
+``.pth`` file is seen twice (a venv's ``lib64`` symlink). ``0``, ``off``, ``false``, ``no``
+and ``none`` (any case) switch it off, as an empty value does.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
 from types import ModuleType
@@ -32,8 +39,16 @@ NAMES = (*ALIASES, "vllm")
 the ``vllm.general_plugins`` entry point that vLLM loads, ``gpu_pager.compat.vllm``)."""
 
 
+OFF = ("", "0", "off", "false", "no", "none")
+"""Values of the variable that switch every drop-in off (compared stripped, in lower case;
+``gpu_pager_drop_in.pth`` checks the same ones before importing anything)."""
+
+
 def _named(asked: str) -> set[str]:
-    """The names in a value of ``$GPU_PAGER_DROP_IN`` (comma-separated, blanks ignored)."""
+    """The names in a value of ``$GPU_PAGER_DROP_IN`` (comma-separated, blanks ignored;
+    none for a value in :data:`OFF`)."""
+    if asked.strip().lower() in OFF:
+        return set()
     return {n.strip() for n in asked.split(",") if n.strip()}
 
 
@@ -54,13 +69,22 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
+        """The spec of ``fullname`` as gpu_pager's module: its file as ``origin``, and
+        ``None`` for a submodule that does not exist (as for any missing module)."""
         if fullname != self.name and not fullname.startswith(self.name + "."):
             return None
-        real = self.target + fullname[len(self.name) :]
-        module = importlib.import_module(real)
+        real = importlib.util.find_spec(self.target + fullname[len(self.name) :])
+        if real is None:
+            return None
         spec = importlib.machinery.ModuleSpec(
-            fullname, self, is_package=hasattr(module, "__path__")
+            fullname,
+            self,
+            origin=real.origin,
+            is_package=real.submodule_search_locations is not None,
         )
+        if real.submodule_search_locations is not None:
+            spec.submodule_search_locations = list(real.submodule_search_locations)
+        spec.has_location = real.has_location
         return spec
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
@@ -106,16 +130,25 @@ def vllm_plugins_problem() -> str | None:
     )
 
 
+_started = False
+
+
 def _startup() -> None:
-    """What the ``.pth`` file runs: :func:`install` when the variable is set, with a bad
-    value, or a ``VLLM_PLUGINS`` that keeps vLLM from switching, reported on stderr (an
-    exception in a ``.pth`` line would only be a warning)."""
-    if not os.environ.get(ENV):
+    """What the ``.pth`` file runs, once per process: :func:`install` when the variable is
+    set, with a bad value, or a ``VLLM_PLUGINS`` that keeps vLLM from switching, reported in
+    one line on stderr (an exception in a ``.pth`` line would print a traceback, or stop
+    the interpreter)."""
+    global _started
+    if _started or not _named(os.environ.get(ENV, "")):
         return
+    _started = True
+    problems = []
     try:
         install()
     except ValueError as e:
-        print(f"gpu_pager: {e}", file=sys.stderr)
+        problems.append(str(e))
     problem = vllm_plugins_problem() if wanted("vllm") else None
     if problem:
-        print(f"gpu_pager: {problem}", file=sys.stderr)
+        problems.append(problem)
+    if problems:
+        print(f"gpu_pager: {'; '.join(problems)}", file=sys.stderr)

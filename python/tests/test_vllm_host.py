@@ -60,10 +60,10 @@ def test_the_protocol_surface_and_its_refusals() -> None:
     assert a.get_current_usage() == 0 and a.pointer_to_data == {}
     a.sleep()  # nothing allocated: nothing to do
     a.wake_up()
-    with pytest.raises(ValueError, match="never allocated"):
-        a.wake_up(["weights"])
-    with pytest.raises(ValueError, match="never allocated"):
-        a.discard("kv_cache")
+    # vLLM ignores tags without allocations (a KV-only worker, a wake before weights exist).
+    a.wake_up(["weights"])
+    a.discard("kv_cache")
+    assert a.get_current_usage() == 0 and a.pointer_to_data == {}
     with pytest.raises(ValueError, match="does not exist"):
         with a.reuse_memory_pool("weights"):
             pass
@@ -186,21 +186,26 @@ def test_the_entry_point_without_vllm_s_allocator_says_so(tmp_path: Path) -> Non
 
 def test_the_backend_discards_through_the_allocator() -> None:
     """vLLM's ``release_kv_cache_memory`` calls the backend's ``discard``, which vLLM's base
-    class refuses: gpu_pager's backend hands it to the allocator (here it names the tags the
-    allocator knows, as a discard of a tag never allocated does)."""
+    class refuses: gpu_pager's backend hands it to the allocator (which, as vLLM's, ignores
+    a tag without allocations)."""
     code = """
         from vllm.plugins import load_general_plugins
         load_general_plugins()
         from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+        from gpu_pager.compat import vllm as drop_in
+        calls = []
+        original = drop_in.CuMemAllocator.discard
+        def discard(self, tags):
+            calls.append(tuple(tags))
+            original(self, tags)
+        drop_in.CuMemAllocator.discard = discard
         b = SleepModeBackendFactory.get_backend_class("gpu_pager")()
-        try:
-            b.discard(("kv_cache",))
-        except ValueError as e:
-            print("allocator:", e)
+        b.discard(("kv_cache",))
+        print("allocator:", calls)
     """
     done = run(code, GPU_PAGER_DROP_IN="")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("allocator: discard: ['kv_cache'] never allocated"), done.stdout
+    assert done.stdout.startswith("allocator: [('kv_cache',)]"), done.stdout
 
 
 @pytest.mark.parametrize(

@@ -502,6 +502,16 @@ impl CudaBackend {
             first_backup_piece: AtomicUsize::new(FIRST_BACKUP_PIECE_BYTES),
             dev: dev.clone(),
         };
+        // Every kernel module loaded now, once per device: a first wake-up or release then
+        // spends nothing on loading (tens of milliseconds), and a GPU the kernels were not
+        // built for fails here, with its name, rather than at the first release.
+        backend.preload_kernels().map_err(|e| {
+            BackendError::Unavailable(format!(
+                "gpu-pager's kernels cannot be loaded on CUDA device {ordinal} ({}, compute \
+                 capability {}.{}); they are built for compute capability 8.0 and newer: {e}",
+                backend.info.name, compute_capability.0, compute_capability.1
+            ))
+        })?;
         drop(restore);
         Ok(backend)
     }
@@ -517,9 +527,9 @@ impl CudaBackend {
         &self.kernel_stream
     }
 
-    /// Loads every kernel module now instead of at first use. Call it before capturing
-    /// [`CudaBackend::fill_on`] or [`CudaBackend::chunk_hash_on`] into a CUDA graph, so that
-    /// no module is loaded while a stream captures.
+    /// Loads every kernel module that is not loaded yet. [`CudaBackend::new`] does, so a
+    /// backend has them all from the start (no module is loaded at a first wake-up or while
+    /// a stream captures); a no-op then.
     pub fn preload_kernels(&self) -> BackendResult<()> {
         let _scope = self.dev.scope()?;
         self.fill_kernels()?;
@@ -527,6 +537,14 @@ impl CudaBackend {
         self.kv_functions()?;
         self.copy_functions()?;
         Ok(())
+    }
+
+    /// Whether every kernel module is loaded (from [`CudaBackend::new`] on).
+    pub fn kernels_loaded(&self) -> bool {
+        self.fill_kernels.get().is_some()
+            && self.chunk_hash_kernels.get().is_some()
+            && self.kv_functions.get().is_some()
+            && self.copy_functions.get().is_some()
     }
 
     /// The device's streaming multiprocessors.

@@ -108,6 +108,7 @@ fn map_copy_round_trip_and_unmap_frees_memory() {
     assert!(g > 0 && g.is_power_of_two(), "granularity {g}");
     assert_eq!(info.kind, gpu_pager::backend::BackendKind::Cuda);
     assert!(info.compute_capability.is_some());
+    assert!(b.kernels_loaded(), "every kernel module loaded at creation");
 
     // Granularity-sized chunks and bigger ones, mapped one granule into the reservation.
     let sizes = [g, g, 3 * g, round_up(64 * MIB, g), g, round_up(GIB, g)];

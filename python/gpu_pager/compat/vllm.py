@@ -30,7 +30,9 @@ tags in ``offload_tags``, default ``("default",)``, and the ``KEPT_TAGS``; every
 is discarded and comes back zeroed); ``discard(tags)`` drops tags without a backup; a
 wake-up may defer only the ``DEFERRABLE_TAGS`` and always restores every other tag
 (``default``, block tables, scratch, the graph pool); ``sleep`` and ``wake_up`` are
-idempotent; tags already asleep keep how they went to sleep; where vLLM has tag hooks
+idempotent; tags already asleep keep how they went to sleep; waking or discarding a tag
+that has no allocations moves nothing (a KV-only worker, or a wake-up before any weights
+exist); where vLLM has tag hooks
 (``register_tag_hooks``, for a KV connector's transport registrations), a tag's
 before-unmap hooks run before it sleeps and the after-map hooks after every wake-up.
 Backups stay in pinned host memory across cycles, so a sleep of unchanged weights copies
@@ -38,8 +40,7 @@ nothing; with ``VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY=1`` each wake-up gives that 
 instead (:func:`release_host_memory`). Differences, on the safe side: a wake-up that runs
 out of memory raises ``gpu_pager.OutOfMemoryError`` (a ``RuntimeError``, as vLLM's CUDA
 errors are, and a ``MemoryError``), restores nothing and loses nothing, and a retry
-succeeds; waking or discarding a tag that was never allocated is a ``ValueError`` naming
-the known tags; an allocation under a sleeping tag fails (``torch.OutOfMemoryError``, the
+succeeds; an allocation under a sleeping tag fails (``torch.OutOfMemoryError``, the
 reason in ``gpu_pager.torch.last_error()``) instead of handing out memory that is not
 mapped.
 """
@@ -233,15 +234,6 @@ class CuMemAllocator:
     def _pager(self) -> Any:
         return _gpt().pager(self._device)
 
-    def _known(self, tags: Sequence[str], call: str) -> list[str]:
-        unknown = [t for t in tags if t not in self._tags]
-        if unknown:
-            raise ValueError(
-                f"{call}: {unknown} never allocated through this allocator; its tags are "
-                f"{self._tags} (allocate in use_memory_pool(tag) first)"
-            )
-        return list(tags)
-
     def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
         """Gives every tag's memory back: the tags in ``offload_tags`` (default
         ``("default",)``) and the ``KEPT_TAGS`` keep their contents, the others are
@@ -269,9 +261,9 @@ class CuMemAllocator:
     def discard(self, tags: Sequence[str] | str) -> None:
         """Gives the memory of ``tags`` back without keeping their contents (they come back
         zeroed when they wake), after the device's work. Tags already asleep are left as
-        they are."""
-        names = self._known((tags,) if isinstance(tags, str) else tuple(tags), "discard")
-        awake = [t for t in names if t not in self._kept]
+        they are, and tags without allocations are ignored, as in vLLM."""
+        names = (tags,) if isinstance(tags, str) else tuple(tags)
+        awake = [t for t in self._tags if t in names and t not in self._kept]
         if awake:
             self._unmap(awake, drop=awake)
 
@@ -323,9 +315,7 @@ class CuMemAllocator:
         those that kept them (default: every tag); a selective wake-up also wakes every tag
         that is not in ``DEFERRABLE_TAGS``. All or nothing: out of memory raises
         ``gpu_pager.OutOfMemoryError`` (a ``RuntimeError``) and every tag stays asleep with
-        its backup. Idempotent."""
-        if tags is not None:
-            self._known(tags, "wake_up")
+        its backup. Tags without allocations are ignored, as in vLLM. Idempotent."""
         asleep = [t for t in self._tags if t in self._kept]
         want = [t for t in asleep if tags is None or t in tags or t not in DEFERRABLE_TAGS]
         if want:

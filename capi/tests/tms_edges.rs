@@ -212,7 +212,8 @@ fn an_explicit_disk_directory_wins_over_the_environment() {
     let base = std::env::temp_dir().join(format!("gpu-pager-tms-dirs-{}", std::process::id()));
     let from_env = base.join("from-env");
     let Some(dirs) = std::env::var_os(CHILD) else {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
+        // Under the tests' emulator, if one is set.
+        let out = gpu_pager_faults::driver_stub::command(std::env::current_exe().unwrap())
             .args([
                 "--exact",
                 "an_explicit_disk_directory_wins_over_the_environment",

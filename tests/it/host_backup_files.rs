@@ -64,6 +64,16 @@ fn filled(dir: &Path, n: usize, len: usize) -> (Pager, Vec<gpu_pager::Buffer>) {
     (pager, bufs)
 }
 
+/// Lets this process (running one test alone) open at most `n` descriptors.
+fn limit_descriptors(n: libc::rlim_t) {
+    let limit = libc::rlimit {
+        rlim_cur: n,
+        rlim_max: n,
+    };
+    // SAFETY: a plain system call with a valid rlimit.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) }, 0);
+}
+
 fn assert_intact(pager: &Pager, bufs: &[gpu_pager::Buffer]) {
     for (i, b) in bufs.iter().enumerate() {
         assert_eq!(read(pager, b), vec![(i + 1) as u8; b.len()], "buffer {i}");
@@ -152,12 +162,7 @@ fn hundreds_of_buffers_back_up_under_a_low_descriptor_limit() {
     }
     let dir = scratch("descriptors");
     let (pager, bufs) = filled(&dir, 300, 64 << 10);
-    let limit = libc::rlimit {
-        rlim_cur: 64,
-        rlim_max: 64,
-    };
-    // SAFETY: a plain system call with a valid rlimit; this process runs this test alone.
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) }, 0);
+    limit_descriptors(64);
     for _ in 0..2 {
         pager.release(&["w"]).unwrap();
         pager.resume(&["w"]).unwrap();
@@ -316,12 +321,7 @@ fn descriptor_limits_and_bad_directories_get_their_own_advice() {
         "{e}"
     );
     let dir = scratch("emfile");
-    let limit = libc::rlimit {
-        rlim_cur: 64,
-        rlim_max: 64,
-    };
-    // SAFETY: a plain system call with a valid rlimit; this process runs this test alone.
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) }, 0);
+    limit_descriptors(64);
     // Every descriptor the limit allows taken.
     let taken: Vec<std::fs::File> = std::iter::from_fn(|| std::fs::File::open("/dev/null").ok())
         .take(64)

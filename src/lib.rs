@@ -51,7 +51,7 @@ pub mod report;
 mod runs;
 mod suballoc;
 
-pub use backup::file::{BACKUP_DIR_ENV, MAX_FILE_CHUNK_BYTES};
+pub use backup::file::{BACKUP_DIR_ENV, BackupFiles, MAX_FILE_CHUNK_BYTES};
 pub use error::{Error, ErrorCode, Result};
 pub use map_ahead::ABSORBED_MAP_ERROR;
 pub use pager::{

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crate::backend::{Backend, BackendKind, Mover, RawStream};
-use crate::backup::file::FileIo;
+use crate::backup::file::{BackupFiles, FileIo};
 use crate::error::{Error, Result, nearest_tag};
 use crate::pump::{self, CopyRoute, PumpConfig};
 use crate::region::{
@@ -446,21 +446,40 @@ impl Pager {
     }
 
     /// Makes `dir` (created if missing) the directory where new [`Medium::File`] backups
-    /// go, after checking that a file can be written there. Backups made before stay where
-    /// they are. A new pager takes the directory from the environment variable
-    /// `GPU_PAGER_BACKUP_DIR`, if set. Put it on a real disk: on tmpfs the "disk" is the
-    /// host memory a file backup is meant to spare.
+    /// go, after checking that a file can be written there; they have no name there
+    /// ([`BackupFiles::Unnamed`]). Backups made before stay where they are. A new pager
+    /// takes the directory from the environment variable `GPU_PAGER_BACKUP_DIR`, if set.
+    /// Put it on a real disk: on tmpfs the "disk" is the host memory a file backup is meant
+    /// to spare.
     pub fn set_backup_dir(&self, dir: impl AsRef<std::path::Path>) -> Result<()> {
+        self.set_backup_files(dir, BackupFiles::Unnamed)
+    }
+
+    /// [`Pager::set_backup_dir`], with new backups named as `files` says
+    /// ([`BackupFiles::Named`]: one visible file per backup, as torch_memory_saver lays
+    /// them out).
+    pub fn set_backup_files(
+        &self,
+        dir: impl AsRef<std::path::Path>,
+        files: BackupFiles,
+    ) -> Result<()> {
         let dir = dir.as_ref();
-        self.files.set_dir(dir).map_err(|e| Error::InvalidArgument {
-            tag: None,
-            reason: format!("the backup directory {} cannot be used: {e}", dir.display()),
-        })
+        self.files
+            .set_dir(dir, files)
+            .map_err(|e| Error::InvalidArgument {
+                tag: None,
+                reason: format!("the backup directory {} cannot be used: {e}", dir.display()),
+            })
     }
 
     /// The directory new [`Medium::File`] backups go to, if one is set.
     pub fn backup_dir(&self) -> Option<std::path::PathBuf> {
         self.files.dir()
+    }
+
+    /// How new [`Medium::File`] backups are named in their directory.
+    pub fn backup_files(&self) -> BackupFiles {
+        self.files.files()
     }
 
     /// The backend.

@@ -29,7 +29,9 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{LazyLock, Mutex, MutexGuard, PoisonError};
 
-use gpu_pager::{Error, Medium, Pager, Policy, RegionOptions, Result, ResumeOptions, State};
+use gpu_pager::{
+    BackupFiles, Error, Medium, Pager, Policy, RegionOptions, Result, ResumeOptions, State,
+};
 
 use crate::boundary::{self, call, call_or, invalid, untagged, write_out};
 use crate::torch::{alloc_segment, check_process, free_segment, segment_device};
@@ -184,12 +186,14 @@ fn region_for(d: usize, route: &Route) -> Result<String> {
         return Ok(name);
     }
     if keep == Keep::File {
-        // The drop-in's own setting wins over the pager's GPU_PAGER_BACKUP_DIR.
+        // The drop-in's own setting wins over the pager's GPU_PAGER_BACKUP_DIR; its files
+        // are named, one per backup, as torch_memory_saver's are.
         let explicit = locked(&DISK_DIR).clone();
+        let named = pager.backup_files() == BackupFiles::Named;
         match (explicit, pager.backup_dir()) {
-            (Some(dir), Some(now)) if dir == now => {}
-            (Some(dir), _) => pager.set_backup_dir(dir)?,
-            (None, None) => pager.set_backup_dir(disk_dir())?,
+            (Some(dir), Some(now)) if dir == now && named => {}
+            (Some(dir), _) => pager.set_backup_files(dir, BackupFiles::Named)?,
+            (None, None) => pager.set_backup_files(disk_dir(), BackupFiles::Named)?,
             (None, Some(_)) => {}
         }
     }
@@ -479,7 +483,7 @@ pub unsafe extern "C" fn gpu_pager_tms_set_disk_dir(dir: *const c_char) -> gpu_p
         })?;
         let dir = std::path::absolute(&dir).unwrap_or(dir);
         for (_, p) in gpu_pager::registry::pagers() {
-            p.set_backup_dir(&dir)?;
+            p.set_backup_files(&dir, BackupFiles::Named)?;
         }
         *locked(&DISK_DIR) = Some(dir);
         Ok(())

@@ -166,6 +166,11 @@ fn one_tag_with_every_kind_of_backup_pauses_and_resumes_as_one() {
             assert_eq!(pager.info(name).unwrap().state, State::Released, "{name}");
         }
         ok(pause(Some(c"family")));
+        // The disk backup is a named file of its own, as torch_memory_saver's are, next to
+        // this process's owner file.
+        assert_eq!(spool::named(&dir).len(), 1, "{:?}", spool::names(&dir));
+        assert_eq!(spool::owners(&dir).len(), 1, "{:?}", spool::names(&dir));
+        assert!(spool::on_disk(&dir) >= 3 << 20);
         // While paused, the CPU backups show, the others do not.
         for (i, (p, data, keeps)) in made.iter().enumerate() {
             let q = backup_ptr(*p, data.len());
@@ -189,7 +194,10 @@ fn one_tag_with_every_kind_of_backup_pauses_and_resumes_as_one() {
             assert!(cuda_free(*p));
         }
         assert_eq!(spool::on_disk(&dir), 0, "disk space given back");
-        assert!(spool::names(&dir).is_empty(), "no names");
+        assert!(
+            spool::named(&dir).is_empty(),
+            "the backup's file went with it"
+        );
         gpu_pager_tms_set_enabled(false);
         gpu_pager_tms_set_disk_backup(false);
     })

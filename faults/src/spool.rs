@@ -1,6 +1,7 @@
 //! What this process holds on disk for file backups, seen from outside the pager: its open
 //! files in a directory that have no name there (unnamed or removed), as
-//! `/proc/self/fd` lists them, with the bytes the disk really holds for each.
+//! `/proc/self/fd` lists them, with the bytes the disk really holds for each, and the named
+//! backup files (`gpu-pager-<id>-<n>.backup`) of the named layout.
 
 use std::path::Path;
 
@@ -44,9 +45,33 @@ pub fn spooled(dir: &Path) -> Vec<Spooled> {
     out
 }
 
-/// Bytes the disk holds for every backup file of this process in `dir`.
+/// Bytes the disk holds for every backup file in `dir`: this process's unnamed ones and
+/// every named one.
 pub fn on_disk(dir: &Path) -> u64 {
-    spooled(dir).iter().map(|s| s.on_disk).sum()
+    use std::os::unix::fs::MetadataExt;
+    let named: u64 = named(dir)
+        .iter()
+        .filter_map(|n| std::fs::metadata(dir.join(n)).ok())
+        .map(|m| m.blocks() * 512)
+        .sum();
+    named + spooled(dir).iter().map(|s| s.on_disk).sum::<u64>()
+}
+
+/// The named backup files in `dir` (`gpu-pager-*.backup`), sorted.
+pub fn named(dir: &Path) -> Vec<String> {
+    names(dir)
+        .into_iter()
+        .filter(|n| n.starts_with("gpu-pager-") && n.ends_with(".backup"))
+        .collect()
+}
+
+/// The owner files in `dir` (`gpu-pager-<id>.owner`: one per process that writes named
+/// backups there), sorted.
+pub fn owners(dir: &Path) -> Vec<String> {
+    names(dir)
+        .into_iter()
+        .filter(|n| n.starts_with("gpu-pager-") && n.ends_with(".owner"))
+        .collect()
 }
 
 /// Names in `dir` (none, while every backup file is unnamed).

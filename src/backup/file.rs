@@ -14,6 +14,10 @@
 //! on disk when the backup is made (`posix_fallocate`), so a full disk fails the release up
 //! front, before anything is unmapped, and the region stays resident. Dropping a backup
 //! punches its extent out of the file, giving the disk space back.
+//!
+//! Where the backups must be seen in the directory ([`BackupFiles::Named`], the
+//! torch_memory_saver drop-in's layout), each has a file of its own instead
+//! ([`super::named`]).
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -24,6 +28,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use super::named::{self, Owner};
 use crate::backend::{
     Backend, BackendError, BackendResult, Direction, Fence, HostBuffer, Mover, RawCopy,
 };
@@ -31,6 +36,21 @@ use crate::backend::{
 /// The environment variable that sets a new pager's backup directory
 /// ([`crate::Pager::set_backup_dir`] changes it later and wins over it).
 pub const BACKUP_DIR_ENV: &str = "GPU_PAGER_BACKUP_DIR";
+
+/// How a pager's file backups appear in their directory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BackupFiles {
+    /// One file per pager and directory that has no name there (the default): nothing
+    /// outlives the process however it ends, and the disk use shows in `df`, not in the
+    /// directory.
+    #[default]
+    Unnamed,
+    /// One file per backup, named `gpu-pager-<id>-<n>.backup` (`<id>` random per process and
+    /// directory), as torch_memory_saver names its files: the directory shows what a release
+    /// put on disk. The files go with their backups and at exit; those of a process that
+    /// was killed go when the next process writes named backups in that directory.
+    Named,
+}
 
 /// Largest staging half (1 GiB): pinned once per pager, so a larger one only costs host
 /// memory, and it keeps `2 * chunk` and every file offset computed from it in range.
@@ -164,7 +184,7 @@ fn open_unnamed(dir: &Path) -> io::Result<File> {
 }
 
 /// 128 random bits from the kernel.
-fn random() -> io::Result<u128> {
+pub(crate) fn random() -> io::Result<u128> {
     let mut bytes = [0u8; 16];
     // SAFETY: writes at most `bytes.len()` bytes into `bytes`.
     let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
@@ -174,11 +194,58 @@ fn random() -> io::Result<u128> {
     Ok(u128::from_ne_bytes(bytes))
 }
 
-/// Where a pager's new file backups go: the directory, and its spool once opened.
+/// Where a pager's new file backups go: the directory, how they are named there, and the
+/// spool or owner once opened.
 #[derive(Debug, Default)]
 struct Target {
     dir: Option<PathBuf>,
+    files: BackupFiles,
     spool: Option<Arc<Spool>>,
+    owner: Option<Arc<Owner>>,
+}
+
+impl Target {
+    /// Opens what new backups in `dir` go to (checking that the directory can be written).
+    fn open(dir: PathBuf, files: BackupFiles) -> BackendResult<Target> {
+        let mut t = Target {
+            dir: Some(dir),
+            files,
+            spool: None,
+            owner: None,
+        };
+        t.ready()?;
+        Ok(t)
+    }
+
+    /// Opens the spool or owner of the directory if this process has none open there (a
+    /// fork child must not use its parent's).
+    fn ready(&mut self) -> BackendResult<()> {
+        let dir = self.dir.clone().ok_or_else(|| BackendError::Invalid {
+            op: "creating a file backup",
+            reason: format!(
+                "no backup directory is set; set one on the pager (set_backup_dir) or in \
+                 {BACKUP_DIR_ENV}, on a real disk rather than tmpfs"
+            ),
+        })?;
+        let open = match self.files {
+            BackupFiles::Unnamed => self.spool.as_ref().is_some_and(|s| s.is_ours()),
+            BackupFiles::Named => self.owner.as_ref().is_some_and(|o| o.is_ours()),
+        };
+        if open {
+            return Ok(());
+        }
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| file_error("creating the backup directory", &dir, e))?;
+        match self.files {
+            BackupFiles::Unnamed => self.spool = Some(Arc::new(Spool::open(&dir)?)),
+            BackupFiles::Named => {
+                let owner = Owner::in_dir(&dir)
+                    .map_err(|e| file_error("creating a backup file in", &dir, e))?;
+                self.owner = Some(owner);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What a pager shares between its file backups: the directory and spool new backups go
@@ -202,7 +269,10 @@ impl FileIo {
             .filter(|d| !d.is_empty())
             .and_then(|d| std::path::absolute(d).ok());
         FileIo {
-            target: Mutex::new(Target { dir, spool: None }),
+            target: Mutex::new(Target {
+                dir,
+                ..Target::default()
+            }),
             chunk: chunk.clamp(MIN_FILE_CHUNK_BYTES, MAX_FILE_CHUNK_BYTES),
             staging: Mutex::new(None),
         }
@@ -218,10 +288,16 @@ impl FileIo {
         locked(&self.target).dir.clone()
     }
 
-    /// Makes `dir` (made absolute; created if missing) the directory of new backups, after
-    /// opening the file they will go to there and writing it. Backups made before stay
-    /// where they are. An empty path, or one that cannot be used, changes nothing.
-    pub fn set_dir(&self, dir: &Path) -> BackendResult<()> {
+    /// How new backups are named.
+    pub fn files(&self) -> BackupFiles {
+        locked(&self.target).files
+    }
+
+    /// Makes `dir` (made absolute; created if missing) the directory of new backups, named
+    /// as `files` says, after opening what they will go to there (and writing it). Backups
+    /// made before stay where they are. An empty path, or one that cannot be used, changes
+    /// nothing.
+    pub fn set_dir(&self, dir: &Path, files: BackupFiles) -> BackendResult<()> {
         if dir.as_os_str().is_empty() {
             return Err(BackendError::Invalid {
                 op: "setting the backup directory",
@@ -230,40 +306,40 @@ impl FileIo {
         }
         let dir = std::path::absolute(dir)
             .map_err(|e| file_error("finding the backup directory", dir, e))?;
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| file_error("creating the backup directory", &dir, e))?;
-        let spool = Arc::new(Spool::open(&dir)?);
-        *locked(&self.target) = Target {
-            dir: Some(dir),
-            spool: Some(spool),
-        };
+        *locked(&self.target) = Target::open(dir, files)?;
         Ok(())
-    }
-
-    /// The spool of the current directory, opened on first use (and again in a fork child,
-    /// which must not allocate in its parent's).
-    fn spool(&self) -> BackendResult<Arc<Spool>> {
-        let mut target = locked(&self.target);
-        if let Some(s) = target.spool.as_ref().filter(|s| s.is_ours()) {
-            return Ok(s.clone());
-        }
-        let dir = target.dir.clone().ok_or_else(|| BackendError::Invalid {
-            op: "creating a file backup",
-            reason: format!(
-                "no backup directory is set; set one on the pager (set_backup_dir) or in \
-                 {BACKUP_DIR_ENV}, on a real disk rather than tmpfs"
-            ),
-        })?;
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| file_error("creating the backup directory", &dir, e))?;
-        let spool = Arc::new(Spool::open(&dir)?);
-        target.spool = Some(spool.clone());
-        Ok(spool)
     }
 
     /// A new backup of `len` bytes, all of them allocated on disk.
     pub fn create(self: &Arc<Self>, len: usize) -> BackendResult<FileStore> {
-        let spool = self.spool()?;
+        let place = {
+            let mut target = locked(&self.target);
+            target.ready()?;
+            match (&target.spool, &target.owner, target.files) {
+                (_, Some(owner), BackupFiles::Named) => {
+                    let dir = target.dir.clone().unwrap_or_default();
+                    let path = owner
+                        .create(len as u64)
+                        .map_err(|e| file_error("allocating a backup file in", &dir, e))?;
+                    return Ok(FileStore {
+                        place: Place::Named {
+                            owner: owner.clone(),
+                            path,
+                        },
+                        len,
+                        io: self.clone(),
+                    });
+                }
+                (Some(spool), _, _) => spool.clone(),
+                _ => {
+                    return Err(BackendError::Internal {
+                        op: "creating a file backup",
+                        reason: "the backup directory was not opened".to_owned(),
+                    });
+                }
+            }
+        };
+        let spool = place;
         let too_big = || BackendError::Invalid {
             op: "creating a file backup",
             reason: format!("{len} bytes do not fit in a file"),
@@ -273,25 +349,26 @@ impl FileIo {
             .ok_or_else(too_big)?;
         // The store gives the extent back if allocating it fails.
         let store = FileStore {
-            spool,
-            at,
+            place: Place::Extent { spool, at },
             len,
             io: self.clone(),
         };
-        if len > 0 {
+        if let Place::Extent { spool, at } = &store.place
+            && len > 0
+        {
             // SAFETY: a plain system call on the spool's descriptor; the extent is this
             // store's (`take` keeps it inside an off_t).
             let rc = unsafe {
                 libc::posix_fallocate(
-                    store.spool.file.as_raw_fd(),
-                    at as libc::off_t,
+                    spool.file.as_raw_fd(),
+                    *at as libc::off_t,
                     len as libc::off_t,
                 )
             };
             if rc != 0 {
                 return Err(file_error(
                     "allocating a backup file in",
-                    &store.spool.dir,
+                    &spool.dir,
                     io::Error::from_raw_os_error(rc),
                 ));
             }
@@ -322,40 +399,80 @@ impl FileIo {
 /// A copy into a staging half, with the file range it goes to.
 type Pending = (Box<dyn Fence>, Range<usize>);
 
-/// One backup: an extent of a spool, punched out of it when dropped.
+/// Where a backup's bytes are.
+#[derive(Debug)]
+enum Place {
+    /// An extent of the pager's unnamed spool, starting at `at`.
+    Extent { spool: Arc<Spool>, at: u64 },
+    /// A named file of its own ([`BackupFiles::Named`]), opened for each move.
+    Named { owner: Arc<Owner>, path: PathBuf },
+}
+
+/// An open backup file and where the backup starts in it, for one move.
+enum Opened<'a> {
+    Shared(&'a File, u64),
+    Own(File),
+}
+
+impl Opened<'_> {
+    fn file(&self) -> &File {
+        match self {
+            Opened::Shared(f, _) => f,
+            Opened::Own(f) => f,
+        }
+    }
+
+    fn at(&self) -> u64 {
+        match self {
+            Opened::Shared(_, at) => *at,
+            Opened::Own(_) => 0,
+        }
+    }
+}
+
+/// One backup: an extent of a spool, punched out of it when dropped, or a named file,
+/// removed when dropped.
 #[derive(Debug)]
 pub(crate) struct FileStore {
-    spool: Arc<Spool>,
-    /// Where the extent starts in the spool.
-    at: u64,
+    place: Place,
     len: usize,
     io: Arc<FileIo>,
 }
 
 impl Drop for FileStore {
     fn drop(&mut self) {
-        // A fork child's copy of a backup is its parent's extent: never touched.
-        if !self.spool.is_ours() {
-            return;
-        }
-        let len = self.len as u64;
-        if len > 0 {
-            // SAFETY: a plain system call on the spool's descriptor, over this store's own
-            // extent. Advice: where the filesystem cannot punch holes, the space is reused
-            // by a later backup and given back when the process ends.
-            unsafe {
-                libc::fallocate(
-                    self.spool.file.as_raw_fd(),
-                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                    self.at as libc::off_t,
-                    len as libc::off_t,
-                )
-            };
-        }
-        let end = locked(&self.spool.extents).give(self.at, len);
-        if end <= self.at {
-            // The extent was the file's last: shrink the file (advice, as above).
-            let _ = self.spool.file.set_len(end);
+        match &self.place {
+            // A fork child's copy of a backup is its parent's: never touched.
+            Place::Named { owner, path } => {
+                if owner.is_ours() {
+                    let _ = std::fs::remove_file(path);
+                }
+            }
+            Place::Extent { spool, at } => {
+                if !spool.is_ours() {
+                    return;
+                }
+                let len = self.len as u64;
+                if len > 0 {
+                    // SAFETY: a plain system call on the spool's descriptor, over this
+                    // store's own extent. Advice: where the filesystem cannot punch holes,
+                    // the space is reused by a later backup and given back when the process
+                    // ends.
+                    unsafe {
+                        libc::fallocate(
+                            spool.file.as_raw_fd(),
+                            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                            *at as libc::off_t,
+                            len as libc::off_t,
+                        )
+                    };
+                }
+                let end = locked(&spool.extents).give(*at, len);
+                if end <= *at {
+                    // The extent was the file's last: shrink the file (advice, as above).
+                    let _ = spool.file.set_len(end);
+                }
+            }
         }
     }
 }
@@ -369,10 +486,26 @@ impl FileStore {
     /// Copies the file's bytes `range` into `out` (of `range.len()` bytes).
     pub fn read(&self, range: Range<usize>, out: &mut [u8]) -> BackendResult<()> {
         self.check(&range)?;
-        self.spool
-            .file
-            .read_exact_at(out, self.at + range.start as u64)
+        let f = self.open().map_err(|e| self.lost("opening", e))?;
+        f.file()
+            .read_exact_at(out, f.at() + range.start as u64)
             .map_err(|e| self.lost("reading", e))
+    }
+
+    /// The file, opened for one move where the backup has a file of its own.
+    fn open(&self) -> io::Result<Opened<'_>> {
+        match &self.place {
+            Place::Extent { spool, at } => Ok(Opened::Shared(&spool.file, *at)),
+            Place::Named { path, .. } => named::open(path).map(Opened::Own),
+        }
+    }
+
+    /// Where the backup is, for messages: its file, or the directory of an unnamed one.
+    fn path(&self) -> &Path {
+        match &self.place {
+            Place::Extent { spool, .. } => &spool.dir,
+            Place::Named { path, .. } => path,
+        }
     }
 
     fn check(&self, range: &Range<usize>) -> BackendResult<()> {
@@ -399,6 +532,9 @@ impl FileStore {
         ranges: &[Range<usize>],
     ) -> BackendResult<usize> {
         let pieces = self.pieces(ranges)?;
+        let f = self
+            .open()
+            .map_err(|e| file_error("opening a backup file in", self.path(), e))?;
         self.io.with_staging(backend, |staging| {
             let mut inflight: [Option<Pending>; 2] = [None, None];
             let mut written = 0;
@@ -421,13 +557,13 @@ impl FileStore {
                     }?;
                     inflight[half] = Some((fence, piece.clone()));
                     // Write out the other half's piece while this one copies.
-                    if let Some((f, p)) = inflight[1 - half].take() {
-                        written += self.flush(staging, 1 - half, f, p)?;
+                    if let Some((fence, p)) = inflight[1 - half].take() {
+                        written += self.flush(&f, staging, 1 - half, fence, p)?;
                     }
                 }
                 for (half, slot) in inflight.iter_mut().enumerate() {
-                    if let Some((f, p)) = slot.take() {
-                        written += self.flush(staging, half, f, p)?;
+                    if let Some((fence, p)) = slot.take() {
+                        written += self.flush(&f, staging, half, fence, p)?;
                     }
                 }
                 Ok(())
@@ -437,11 +573,10 @@ impl FileStore {
             settle(inflight.into_iter().flatten().map(|(f, _)| f), result)?;
             // On the disk before the release unmaps anything, and out of the page cache:
             // the host memory is what a file backup spares.
-            self.spool
-                .file
+            f.file()
                 .sync_data()
-                .map_err(|e| file_error("writing a backup file in", &self.spool.dir, e))?;
-            self.drop_cached();
+                .map_err(|e| file_error("writing a backup file in", self.path(), e))?;
+            self.drop_cached(&f);
             Ok(written)
         })
     }
@@ -449,6 +584,7 @@ impl FileStore {
     /// Waits for the copy of `piece` into staging half `half`, then writes it to the file.
     fn flush(
         &self,
+        f: &Opened<'_>,
         staging: &dyn HostBuffer,
         half: usize,
         fence: Box<dyn Fence>,
@@ -457,10 +593,9 @@ impl FileStore {
         fence.wait()?;
         let at = half * self.io.chunk;
         let src = &staging.as_slice()[at..at + piece.len()];
-        self.spool
-            .file
-            .write_all_at(src, self.at + piece.start as u64)
-            .map_err(|e| file_error("writing a backup file in", &self.spool.dir, e))?;
+        f.file()
+            .write_all_at(src, f.at() + piece.start as u64)
+            .map_err(|e| file_error("writing a backup file in", self.path(), e))?;
         Ok(piece.len())
     }
 
@@ -477,6 +612,7 @@ impl FileStore {
         ranges: &[Range<usize>],
     ) -> BackendResult<usize> {
         let pieces = self.pieces(ranges)?;
+        let f = self.open().map_err(|e| self.lost("opening", e))?;
         self.io.with_staging(backend, |staging| {
             let mut inflight: [Option<Box<dyn Fence>>; 2] = [None, None];
             let mut read = 0;
@@ -484,14 +620,13 @@ impl FileStore {
                 for (k, piece) in pieces.iter().enumerate() {
                     let half = k % 2;
                     // The half's last copy must be over before the disk overwrites it.
-                    if let Some(f) = inflight[half].take() {
-                        f.wait()?;
+                    if let Some(fence) = inflight[half].take() {
+                        fence.wait()?;
                     }
                     let at = half * self.io.chunk;
                     let dst = &mut staging.as_mut_slice()[at..at + piece.len()];
-                    self.spool
-                        .file
-                        .read_exact_at(dst, self.at + piece.start as u64)
+                    f.file()
+                        .read_exact_at(dst, f.at() + piece.start as u64)
                         .map_err(|e| self.lost("reading", e))?;
                     // SAFETY: the device range is mapped and unused (the caller's contract);
                     // the half holds the piece and is not touched until its fence passed.
@@ -512,19 +647,19 @@ impl FileStore {
             };
             let result = run();
             settle(inflight.into_iter().flatten(), result)?;
-            self.drop_cached();
+            self.drop_cached(&f);
             Ok(read)
         })
     }
 
     /// Asks the kernel to drop the file's pages from its cache (advice: failures change
     /// nothing that matters).
-    fn drop_cached(&self) {
-        // SAFETY: a plain system call on the spool's descriptor, over this store's extent.
+    fn drop_cached(&self, f: &Opened<'_>) {
+        // SAFETY: a plain system call on an open descriptor, over this store's bytes.
         unsafe {
             libc::posix_fadvise(
-                self.spool.file.as_raw_fd(),
-                self.at as libc::off_t,
+                f.file().as_raw_fd(),
+                f.at() as libc::off_t,
                 self.len as libc::off_t,
                 libc::POSIX_FADV_DONTNEED,
             )
@@ -535,7 +670,7 @@ impl FileStore {
     fn lost(&self, op: &'static str, error: io::Error) -> BackendError {
         BackendError::File {
             op,
-            path: self.spool.dir.display().to_string(),
+            path: self.path().display().to_string(),
             error,
             lost: true,
         }
@@ -623,7 +758,7 @@ mod tests {
     fn bytes_survive_a_round_trip_through_small_chunks() {
         let dir = std::env::temp_dir().join(format!("gpu-pager-file-test-{}", std::process::id()));
         let io = Arc::new(FileIo::new(4096));
-        io.set_dir(&dir).unwrap();
+        io.set_dir(&dir, BackupFiles::Unnamed).unwrap();
         let b = HostBackend::new(HostConfig {
             capacity: 4 * G,
             granularity: G,
@@ -635,7 +770,11 @@ mod tests {
         // SAFETY: mapped.
         unsafe { b.copy_to_device(r.base(), &data) }.unwrap();
         let store = io.create(4 * G).unwrap();
-        assert_eq!(store.spool.file.metadata().unwrap().len(), 4 * G as u64);
+        let Place::Extent { spool, .. } = &store.place else {
+            panic!("an extent of the spool")
+        };
+        let spool = spool.clone();
+        assert_eq!(spool.file.metadata().unwrap().len(), 4 * G as u64);
         assert_eq!(
             std::fs::read_dir(&dir).unwrap().count(),
             0,
@@ -659,7 +798,6 @@ mod tests {
         let mut part = vec![0u8; 100];
         store.read(G..G + 100, &mut part).unwrap();
         assert_eq!(part, data[G..G + 100]);
-        let spool = store.spool.clone();
         drop(store);
         assert_eq!(
             spool.file.metadata().unwrap().len(),
@@ -681,13 +819,15 @@ mod tests {
             e.contains("no backup directory") && e.contains("set_backup_dir"),
             "{e}"
         );
-        let e = io
-            .set_dir(Path::new("/proc/gpu-pager-cannot-be-here"))
-            .unwrap_err();
-        assert!(e.to_string().contains("backup directory"), "{e}");
-        assert!(io.dir().is_none(), "a failed set changes nothing");
-        let e = io.set_dir(Path::new("")).unwrap_err().to_string();
-        assert!(e.contains("empty"), "{e}");
+        for files in [BackupFiles::Unnamed, BackupFiles::Named] {
+            let e = io
+                .set_dir(Path::new("/proc/gpu-pager-cannot-be-here"), files)
+                .unwrap_err();
+            assert!(e.to_string().contains("backup directory"), "{e}");
+            assert!(io.dir().is_none(), "a failed set changes nothing");
+            let e = io.set_dir(Path::new(""), files).unwrap_err().to_string();
+            assert!(e.contains("empty"), "{e}");
+        }
     }
 
     #[test]
@@ -717,30 +857,41 @@ mod tests {
     fn a_fork_childs_copy_of_a_backup_leaves_the_extent_alone() {
         let dir = std::env::temp_dir().join(format!("gpu-pager-file-fork-{}", std::process::id()));
         let io = Arc::new(FileIo::new(4096));
-        io.set_dir(&dir).unwrap();
+        io.set_dir(&dir, BackupFiles::Unnamed).unwrap();
         let store = io.create(8192).unwrap();
-        store.spool.file.write_all_at(&[7; 8192], store.at).unwrap();
+        let Place::Extent { spool, at } = &store.place else {
+            panic!("an extent of the spool")
+        };
+        spool.file.write_all_at(&[7; 8192], *at).unwrap();
         // The child's view: the same descriptor, opened by another process.
         let theirs = FileStore {
-            spool: Arc::new(Spool {
-                dir: dir.clone(),
-                file: store.spool.file.try_clone().unwrap(),
-                pid: std::process::id() + 1,
-                extents: Mutex::new(Extents::default()),
-            }),
-            at: store.at,
+            place: Place::Extent {
+                spool: Arc::new(Spool {
+                    dir: dir.clone(),
+                    file: spool.file.try_clone().unwrap(),
+                    pid: std::process::id() + 1,
+                    extents: Mutex::new(Extents::default()),
+                }),
+                at: *at,
+            },
             len: store.len,
             io: io.clone(),
         };
-        assert!(!theirs.spool.is_ours());
         drop(theirs);
         let mut back = [0u8; 8192];
         store.read(0..8192, &mut back).unwrap();
         assert_eq!(back, [7; 8192], "not punched out");
-        assert!(
-            io.spool().unwrap().is_ours(),
-            "a fork child opens its own spool"
-        );
+        // A fork child opens its own spool.
+        let ours = |t: &Target| t.spool.as_ref().is_some_and(|s| s.is_ours());
+        let mut target = locked(&io.target);
+        target.spool = Some(Arc::new(Spool {
+            pid: std::process::id() + 1,
+            ..Spool::open(&dir).unwrap()
+        }));
+        assert!(!ours(&target));
+        target.ready().unwrap();
+        assert!(ours(&target));
+        drop(target);
         drop(store);
         std::fs::remove_dir_all(&dir).unwrap();
     }

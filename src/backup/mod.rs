@@ -32,6 +32,7 @@ use crate::kernels;
 use crate::pump::{Pinned, PinnedMut, Pump, Sink};
 
 pub(crate) mod file;
+mod named;
 
 use file::FileStore;
 

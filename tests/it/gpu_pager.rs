@@ -374,13 +374,20 @@ fn rss_bytes() -> usize {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_every_backup_medium_cycles_bit_exact() {
-    use gpu_pager::{Medium, PagerConfig};
+    use gpu_pager::{BackupFiles, Medium, PagerConfig};
+    use gpu_pager_faults::spool;
     let _lock = gpu_lock();
     let backend = gpu();
     let dir = std::env::temp_dir().join(format!("gpu-pager-media-{}", std::process::id()));
     let bytes = 2 * GIB / scale();
     let mut rng = Rng::seeded("gpu_every_backup_medium_cycles_bit_exact");
-    for medium in [Medium::Pinned, Medium::Host, Medium::File] {
+    let layouts = [
+        (Medium::Pinned, BackupFiles::Unnamed),
+        (Medium::Host, BackupFiles::Unnamed),
+        (Medium::File, BackupFiles::Unnamed),
+        (Medium::File, BackupFiles::Named),
+    ];
+    for (medium, files) in layouts {
         for growing in [false, true] {
             let pager = Pager::with_config(
                 backend.clone(),
@@ -389,7 +396,7 @@ fn gpu_every_backup_medium_cycles_bit_exact() {
                     ..PagerConfig::default()
                 },
             );
-            pager.set_backup_dir(&dir).unwrap();
+            pager.set_backup_files(&dir, files).unwrap();
             let options = RegionOptions {
                 medium,
                 ..RegionOptions::default()
@@ -399,7 +406,7 @@ fn gpu_every_backup_medium_cycles_bit_exact() {
             let lens = [bytes / 2 + 12_345, bytes / 4 - 777];
             let bufs: Vec<Buffer> = lens.iter().map(|&n| pager.alloc("w", n).unwrap()).collect();
             for cycle in 0..2 {
-                let what = format!("{medium:?}, growing {growing}, cycle {cycle}");
+                let what = format!("{medium:?} {files:?}, growing {growing}, cycle {cycle}");
                 let want: Vec<u64> = bufs
                     .iter()
                     .map(|b| {
@@ -413,8 +420,15 @@ fn gpu_every_backup_medium_cycles_bit_exact() {
                 pager.release(&["w"]).unwrap();
                 let released = rss_bytes();
                 if medium == Medium::File {
-                    let files = std::fs::read_dir(&dir).unwrap().count();
-                    assert_eq!(files, if growing { 2 } else { 1 }, "{what}");
+                    let held = lens.iter().sum::<usize>() as u64;
+                    assert!(spool::on_disk(&dir) >= held, "{what}: on disk");
+                    let (named, unnamed) = (spool::named(&dir).len(), spool::spooled(&dir).len());
+                    let want = match files {
+                        // One file per backup: a growing region backs each buffer up apart.
+                        BackupFiles::Named => (if growing { 2 } else { 1 }, 0),
+                        BackupFiles::Unnamed => (0, 1),
+                    };
+                    assert_eq!((named, unnamed), want, "{what}: files");
                 }
                 pager.resume(&["w"]).unwrap();
                 let resumed = rss_bytes();
@@ -441,7 +455,8 @@ fn gpu_every_backup_medium_cycles_bit_exact() {
                 }
             }
             pager.remove("w").unwrap();
-            assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+            assert_eq!(spool::named(&dir), Vec::<String>::new());
+            assert_eq!(spool::on_disk(&dir), 0, "the disk space is back");
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use common::read;
 use gpu_pager::backend::host::{HostBackend, HostConfig};
-use gpu_pager::{Error, Medium, Pager, PagerConfig, Policy, RegionOptions, State};
+use gpu_pager::{BackupFiles, Error, Medium, Pager, PagerConfig, Policy, RegionOptions, State};
 use gpu_pager_faults::spool;
 
 const MIB: usize = 1 << 20;
@@ -37,15 +37,25 @@ fn file_backed(kind: gpu_pager::RegionKind) -> RegionOptions {
 }
 
 /// A pager with region `w` of `n` buffers of `len` bytes (buffer `i` filled with `i + 1`)
-/// backed up in files in `dir`.
+/// backed up in unnamed files in `dir`.
 fn filled(dir: &Path, n: usize, len: usize) -> (Pager, Vec<gpu_pager::Buffer>) {
+    filled_as(dir, n, len, BackupFiles::Unnamed)
+}
+
+/// [`filled`], with the backups named as `files` says.
+fn filled_as(
+    dir: &Path,
+    n: usize,
+    len: usize,
+    files: BackupFiles,
+) -> (Pager, Vec<gpu_pager::Buffer>) {
     // A small granularity: each buffer of a growing region takes whole granules.
     let backend = std::sync::Arc::new(HostBackend::new(HostConfig {
         capacity: 256 * MIB,
         granularity: 64 << 10,
     }));
     let pager = Pager::with_config(backend, common::small_chunks());
-    pager.set_backup_dir(dir).unwrap();
+    pager.set_backup_files(dir, files).unwrap();
     pager
         .region_with(
             "w",
@@ -173,6 +183,119 @@ fn hundreds_of_buffers_back_up_under_a_low_descriptor_limit() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The named layout (the torch_memory_saver drop-in's): one file per backup, mode 0600, in
+/// the directory while released, next to the process's one owner file; 300 backups under a
+/// limit of 64 descriptors (a backup's file is open only while its bytes move); the files
+/// go with their backups.
+#[test]
+fn named_backups_show_one_file_each_and_hold_no_descriptor() {
+    if common::run_alone(
+        module_path!(),
+        "named_backups_show_one_file_each_and_hold_no_descriptor",
+        &[],
+    ) {
+        return;
+    }
+    let dir = scratch("named");
+    let (pager, bufs) = filled_as(&dir, 300, 64 << 10, BackupFiles::Named);
+    assert_eq!(pager.backup_files(), BackupFiles::Named);
+    limit_descriptors(64);
+    for _ in 0..2 {
+        pager.release(&["w"]).unwrap();
+        let named = spool::named(&dir);
+        assert_eq!(named.len(), 300);
+        assert_eq!(spool::owners(&dir).len(), 1, "{:?}", spool::names(&dir));
+        assert!(spool::on_disk(&dir) >= 300 * (64 << 10));
+        use std::os::unix::fs::PermissionsExt;
+        let meta = std::fs::symlink_metadata(dir.join(&named[0])).unwrap();
+        assert!(meta.is_file());
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        pager.resume(&["w"]).unwrap();
+    }
+    assert_intact(&pager, &bufs);
+    assert!(spool::spooled(&dir).is_empty(), "no unnamed file");
+    pager.remove("w").unwrap();
+    assert_eq!(spool::named(&dir), Vec::<String>::new(), "gone with them");
+    drop(pager);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Named backups of a process that exits go with it, owner file included; those of a
+/// killed process stay until the next process takes an id in the directory, which removes
+/// them and nothing else: a live owner's files (its owner file locked) and other files stay.
+#[test]
+fn named_files_go_at_exit_and_a_killed_owners_at_the_next_start() {
+    const CHILD: &str = "GPU_PAGER_NAMED_CHILD";
+    const DIR: &str = "GPU_PAGER_NAMED_DIR";
+    let test = "named_files_go_at_exit_and_a_killed_owners_at_the_next_start";
+    if let (Some(how), Some(dir)) = (std::env::var_os(CHILD), std::env::var_os(DIR)) {
+        let (pager, bufs) = filled_as(Path::new(&dir), 5, MIB, BackupFiles::Named);
+        pager.release(&["w"]).unwrap();
+        assert_eq!(spool::named(Path::new(&dir)).len(), 5);
+        if how == "kill" {
+            let me = std::process::id() as libc::pid_t;
+            // SAFETY: ends this child process at once, as a crash or the OOM killer would.
+            unsafe { libc::kill(me, libc::SIGKILL) };
+        }
+        // The process exits with its backups alive: the exit handler removes the files.
+        std::mem::forget((pager, bufs));
+        return;
+    }
+    let dir = scratch("named-exit");
+    let run = |how: &str| {
+        common::this_binary()
+            .args(["--exact", &common::test_path(module_path!(), test)])
+            .env(CHILD, how)
+            .env(DIR, &dir)
+            .output()
+            .unwrap()
+    };
+    let out = run("exit");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        spool::names(&dir),
+        Vec::<String>::new(),
+        "nothing after an exit"
+    );
+    let out = run("kill");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(libc::SIGKILL));
+    assert_eq!(
+        spool::named(&dir).len(),
+        5,
+        "a killed process cannot clean up"
+    );
+    assert_eq!(spool::owners(&dir).len(), 1);
+    // A live owner (holding its owner file's lock) and someone's own file.
+    let live = "ab".repeat(16);
+    let owner = std::fs::File::create(dir.join(format!("gpu-pager-{live}.owner"))).unwrap();
+    use std::os::fd::AsRawFd;
+    // SAFETY: a plain system call on an open descriptor.
+    assert_eq!(unsafe { libc::flock(owner.as_raw_fd(), libc::LOCK_EX) }, 0);
+    let kept = [
+        format!("gpu-pager-{live}-0.backup"),
+        format!("gpu-pager-{live}.owner"),
+        "notes.txt".to_owned(),
+    ];
+    std::fs::write(dir.join(&kept[0]), b"live").unwrap();
+    std::fs::write(dir.join(&kept[2]), b"mine").unwrap();
+    let pager = pager();
+    pager.set_backup_files(&dir, BackupFiles::Named).unwrap();
+    let mut left = spool::names(&dir);
+    let ours = spool::owners(&dir)
+        .into_iter()
+        .find(|n| !n.contains(&live))
+        .expect("this process's owner file");
+    left.retain(|n| *n != ours);
+    assert_eq!(left, kept, "the killed owner's files went, nothing else");
+    drop(owner);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Item 7: an empty directory is refused and changes nothing; a relative one (set, or from
 /// the environment) is made absolute at once, so a later `chdir` does not move the backups.
 #[test]
@@ -233,29 +356,31 @@ fn a_fork_childs_exit_leaves_the_parents_backups() {
     ) {
         return;
     }
-    let dir = scratch("fork-exit");
-    let (pager, bufs) = filled(&dir, 3, MIB);
-    pager.release(&["w"]).unwrap();
-    let held = spool::on_disk(&dir);
-    assert!(held >= 3 * MIB as u64);
-    // SAFETY: the child only calls exit(0), which runs the process's exit handlers.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0);
-    if pid == 0 {
-        // SAFETY: ends the child through the C library's exit, handlers included.
-        unsafe { libc::exit(0) };
+    for files in [BackupFiles::Unnamed, BackupFiles::Named] {
+        let dir = scratch("fork-exit");
+        let (pager, bufs) = filled_as(&dir, 3, MIB, files);
+        pager.release(&["w"]).unwrap();
+        let held = (spool::on_disk(&dir), spool::names(&dir));
+        assert!(held.0 >= 3 * MIB as u64);
+        // SAFETY: the child only calls exit(0), which runs the process's exit handlers.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            // SAFETY: ends the child through the C library's exit, handlers included.
+            unsafe { libc::exit(0) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert_eq!(
+            (spool::on_disk(&dir), spool::names(&dir)),
+            held,
+            "{files:?}: the parent's files and disk use are still there"
+        );
+        pager.resume(&["w"]).unwrap();
+        assert_intact(&pager, &bufs);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
-    let mut status = 0;
-    // SAFETY: waits for our own child.
-    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-    assert_eq!(
-        spool::on_disk(&dir),
-        held,
-        "the parent's disk use still shows"
-    );
-    pager.resume(&["w"]).unwrap();
-    assert_intact(&pager, &bufs);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Item 5: a backup that cannot be read back says its contents are lost and that retrying

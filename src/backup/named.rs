@@ -1,0 +1,265 @@
+//! Named backup files ([`crate::BackupFiles::Named`]): one file per backup, visible in the
+//! backup directory, as torch_memory_saver lays them out (its users and its test suite look
+//! at the directory to see what a pause put on disk).
+//!
+//! Names cannot be guessed or planted: every process that writes named backups in a
+//! directory takes a random 128-bit id there and publishes it as an owner file,
+//! `gpu-pager-<id>.owner`, that it keeps locked (`flock`) for its whole life; its backups are
+//! `gpu-pager-<id>-<n>.backup`, created exclusively (never through a symbolic link), mode
+//! 0600. A backup's file is opened only while bytes move, so a process holds one descriptor
+//! per directory (the owner's), not one per backup.
+//!
+//! Nothing stays behind for long: a backup's file goes with the backup, every file of the
+//! process goes at a normal exit, and the files of an owner that died without cleaning up
+//! (SIGKILL, a crash, `os._exit`) go when the next process takes an id in that directory:
+//! an owner file whose lock can be taken has no live owner. The lock lives in the kernel,
+//! so this holds across PID namespaces (containers sharing a directory).
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Once, PoisonError};
+
+const PREFIX: &str = "gpu-pager-";
+const OWNER_SUFFIX: &str = ".owner";
+const BACKUP_SUFFIX: &str = ".backup";
+/// An owner file before it is published (locked first, then renamed).
+const PENDING_PREFIX: &str = ".gpu-pager-";
+const PENDING_SUFFIX: &str = ".pending";
+
+/// This process's id in one directory: its locked owner file and the backups it names.
+#[derive(Debug)]
+pub(crate) struct Owner {
+    dir: PathBuf,
+    id: String,
+    /// The owner file, locked while this process (or a fork child sharing the descriptor)
+    /// lives.
+    _lock: File,
+    pid: u32,
+    next: AtomicU64,
+}
+
+/// The owners of this process, one per directory, kept for the exit handler.
+static OWNERS: Mutex<Vec<Arc<Owner>>> = Mutex::new(Vec::new());
+
+impl Owner {
+    /// This process's owner in `dir` (absolute, existing), published on first use after the
+    /// files of dead owners there were removed.
+    pub fn in_dir(dir: &Path) -> io::Result<Arc<Owner>> {
+        let mut owners = OWNERS.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(o) = owners.iter().find(|o| o.dir == dir && o.is_ours()) {
+            return Ok(o.clone());
+        }
+        sweep(dir);
+        let id = format!("{:032x}", super::file::random()?);
+        let pending = dir.join(format!("{PENDING_PREFIX}{id}{PENDING_SUFFIX}"));
+        let lock = create_new(&pending)?;
+        let published = flock(&lock, libc::LOCK_EX | libc::LOCK_NB)
+            .and_then(|()| std::fs::rename(&pending, dir.join(owner_name(&id))));
+        if let Err(e) = published {
+            let _ = std::fs::remove_file(&pending);
+            return Err(e);
+        }
+        static AT_EXIT: Once = Once::new();
+        AT_EXIT.call_once(|| {
+            // SAFETY: registers a handler without arguments; it only takes a lock no exit
+            // path holds and removes files.
+            unsafe { libc::atexit(remove_at_exit) };
+        });
+        let owner = Arc::new(Owner {
+            dir: dir.to_owned(),
+            id,
+            _lock: lock,
+            pid: std::process::id(),
+            next: AtomicU64::new(0),
+        });
+        owners.push(owner.clone());
+        Ok(owner)
+    }
+
+    /// Whether this process published the owner (a fork child did not).
+    pub fn is_ours(&self) -> bool {
+        self.pid == std::process::id()
+    }
+
+    /// A new backup file of `len` bytes, all allocated on disk; returns its path. Nothing
+    /// stays behind on failure.
+    pub fn create(&self, len: u64) -> io::Result<PathBuf> {
+        loop {
+            let n = self.next.fetch_add(1, Ordering::Relaxed);
+            let path = self
+                .dir
+                .join(format!("{PREFIX}{}-{n}{BACKUP_SUFFIX}", self.id));
+            let file = match create_new(&path) {
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                other => other?,
+            };
+            if len > 0 {
+                let Ok(n) = libc::off_t::try_from(len) else {
+                    let _ = std::fs::remove_file(&path);
+                    return Err(io::Error::from_raw_os_error(libc::EFBIG));
+                };
+                // SAFETY: a plain system call on a descriptor this function owns.
+                let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, n) };
+                if rc != 0 {
+                    let _ = std::fs::remove_file(&path);
+                    return Err(io::Error::from_raw_os_error(rc));
+                }
+            }
+            return Ok(path);
+        }
+    }
+}
+
+/// Opens the backup file at `path` for one move (never through a symbolic link).
+pub(crate) fn open(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
+fn create_new(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
+fn flock(file: &File, op: libc::c_int) -> io::Result<()> {
+    // SAFETY: a plain system call on an open descriptor.
+    if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+fn owner_name(id: &str) -> String {
+    format!("{PREFIX}{id}{OWNER_SUFFIX}")
+}
+
+/// The owner id of a name this module gives, and whether it is the owner file itself.
+fn parse(name: &str) -> Option<(&str, bool)> {
+    let is_id = |s: &str| s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit());
+    if let Some(id) = name
+        .strip_prefix(PREFIX)
+        .and_then(|r| r.strip_suffix(OWNER_SUFFIX))
+    {
+        return is_id(id).then_some((id, true));
+    }
+    if let Some(id) = name
+        .strip_prefix(PENDING_PREFIX)
+        .and_then(|r| r.strip_suffix(PENDING_SUFFIX))
+    {
+        return is_id(id).then_some((id, true));
+    }
+    let rest = name.strip_prefix(PREFIX)?.strip_suffix(BACKUP_SUFFIX)?;
+    let (id, n) = rest.split_once('-')?;
+    (is_id(id) && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())).then_some((id, false))
+}
+
+/// Whether nobody holds the lock of the owner file at `path` (its owner is gone).
+fn abandoned(path: &Path) -> bool {
+    let Ok(file) = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+    else {
+        return false;
+    };
+    flock(&file, libc::LOCK_EX | libc::LOCK_NB).is_ok()
+}
+
+/// Removes the files of owners in `dir` that are gone (their owner file unlocked, or
+/// missing) and that this user may remove. Best effort: whatever cannot be read or removed
+/// is left as it is.
+pub(crate) fn sweep(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let names: Vec<String> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| parse(n).is_some())
+        .collect();
+    let mut gone: Vec<String> = Vec::new();
+    for name in &names {
+        if let Some((id, true)) = parse(name)
+            && abandoned(&dir.join(name))
+        {
+            gone.push(id.to_owned());
+        }
+    }
+    for name in &names {
+        let Some((id, false)) = parse(name) else {
+            continue;
+        };
+        // A backup without an owner file lost its owner at exit (the owner file goes
+        // last); the owner file is looked for again now, in case it was published while
+        // the directory was being read.
+        if gone.iter().any(|g| g == id) || !dir.join(owner_name(id)).exists() {
+            let _ = std::fs::remove_file(dir.join(name));
+        }
+    }
+    for name in &names {
+        if let Some((id, true)) = parse(name)
+            && gone.iter().any(|g| g == id)
+        {
+            let _ = std::fs::remove_file(dir.join(name));
+        }
+    }
+}
+
+/// Removes every file of `owner`: its backups first, then its owner file.
+fn remove_all(owner: &Owner) {
+    if let Ok(entries) = std::fs::read_dir(&owner.dir) {
+        for e in entries.flatten() {
+            if let Some(name) = e.file_name().to_str()
+                && parse(name) == Some((owner.id.as_str(), false))
+            {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    let _ = std::fs::remove_file(owner.dir.join(owner_name(&owner.id)));
+}
+
+extern "C" fn remove_at_exit() {
+    let owners = OWNERS.lock().unwrap_or_else(PoisonError::into_inner);
+    for o in owners.iter().filter(|o| o.is_ours()) {
+        remove_all(o);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_only_as_given() {
+        let id = "0123456789abcdef0123456789abcdef";
+        assert_eq!(parse(&owner_name(id)), Some((id, true)));
+        assert_eq!(
+            parse(&format!("gpu-pager-{id}-17.backup")),
+            Some((id, false))
+        );
+        assert_eq!(parse(&format!(".gpu-pager-{id}.pending")), Some((id, true)));
+        for other in [
+            "gpu-pager-1-2.backup",
+            "gpu-pager-x.owner",
+            &format!("gpu-pager-{id}-.backup"),
+            &format!("gpu-pager-{id}-1x.backup"),
+            "notes.txt",
+        ] {
+            assert_eq!(parse(other), None, "{other}");
+        }
+    }
+}

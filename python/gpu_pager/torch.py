@@ -24,12 +24,17 @@ stay valid).
 How: torch's ``CUDAPluggableAllocator`` is pointed at two C functions that the extension
 module ``gpu_pager._native`` exports (``gpu_pager_torch_malloc``/``gpu_pager_torch_free``;
 the whole C ABI lives in that module, so torch, Python and C share one pager per device),
-inside one ``torch.cuda.MemPool`` per (tag, device), kept for the whole process. torch's
-caching allocator still caches and splits blocks in the segments it gets from us. torch
-frees a segment only when its pool is dropped, not when tensors die, and
-``torch.cuda.empty_cache()`` leaves live pools alone: ``empty_cache(tag)`` drops the tag's
-pool, so that its unused segments (and, at a later ``empty_cache``, those of tensors that
-died since) go back to the device; the next ``use(tag)`` starts a new pool.
+inside one ``torch.cuda.MemPool`` per (tag, device). torch's caching allocator still caches
+and splits blocks in the segments it gets from us, and never frees a segment of a pool that
+is in use, not even at ``torch.cuda.empty_cache()``. So memory freed inside a tag goes back
+this way: when a tag's pool holds a segment with nothing allocated in it, at the entry and
+exit of ``use(tag)`` and before ``release``, the pool is retired (torch may then free its
+unused segments, and frees the others as their tensors die, at any ``empty_cache``) and the
+tag's next allocations start a new pool. The model built in bf16 inside ``use("weights")``,
+quantized and its bf16 tensors freed, then holds only its live bytes, and a release copies
+only those. Pools that CUDA graphs were captured into (``graph``) are the exception: their
+free blocks may hold state a replay reads, so they are kept. ``empty_cache(tag)`` retires a
+tag's pool whatever it holds.
 
 Without ``bytes`` a region grows with torch's segments (multiples of 2 MiB): memory is
 mapped under live segments only, and freed segments give their memory back at once. With
@@ -60,7 +65,6 @@ older one.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import os
 import re
@@ -85,6 +89,11 @@ __all__ = [
     "allocator",
     "pool",
     "empty_cache",
+    "graph_pool",
+    "keep_for_graphs",
+    "retire_pool",
+    "trim",
+    "trim_pools",
     "pager",
     "use",
     "region",
@@ -111,8 +120,15 @@ USE_TAG_SYMBOL = "gpu_pager_use_tag"
 _lock = threading.Lock()
 _allocator: Any = None
 # One pool per (tag, device) (a pool bound to one device silently bypasses the allocator on
-# another), kept until empty_cache(tag) drops it, and past interpreter exit (_keep_forever).
+# another), until it is retired (see the module docs).
 _pools: dict[tuple[str, int], Any] = {}
+# Pools that were retired, by the key they had, while segments may remain in them. torch
+# aborts when a pool object is destroyed in some states (while any thread allocates to a
+# pool, or after its use count was given back), so no pool object is ever destroyed: each is
+# kept to the end of the process (_keep_forever) and only its memory goes back.
+_old: list[tuple[Any, int, Any]] = []
+# Keys of pools that CUDA graphs were captured into: never retired by trim.
+_graphs: set[Any] = set()
 _lib: ctypes.CDLL | None = None
 
 
@@ -155,11 +171,6 @@ def _keep_forever(obj: Any) -> None:
     pointer not allocated here". Kept alive, neither is destroyed; the process's exit
     returns the memory."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
-
-
-def _let_go(obj: Any) -> None:
-    """Gives back the reference ``_keep_forever`` took."""
-    ctypes.pythonapi.Py_DecRef(ctypes.py_object(obj))
 
 
 def library_path() -> str:
@@ -246,37 +257,96 @@ def pool(tag: str, device: Any = None) -> Any:
         return p
 
 
-def empty_cache(tags: str | Iterable[str] | None = None, device: Any = None) -> None:
-    """Gives the torch segments of ``tags`` (default: every tag) on ``device`` back: drops
-    the tags' pools (a new one starts at the next ``use``) and empties torch's cache. In a
-    growing region a freed segment's memory returns to the device at once. Raises
-    ``BusyError`` (nothing dropped) while tensors still live in one of the pools: torch
-    aborts the process when a pool with live tensors is destroyed. A CUDA graph captured
-    into a tag keeps the pool's memory while the graph lives."""
+def _unused_bytes(pool: Any) -> int:
+    """Bytes of the segments of ``pool`` with nothing allocated in them (torch frees those
+    of a retired pool at ``empty_cache``)."""
+    return sum(
+        int(seg.get("total_size", 0))
+        for seg in pool.snapshot(include_traces=False)
+        if all(b.get("state") == "inactive" for b in seg.get("blocks", []))
+    )
+
+
+def _retire(pools: dict[Any, Any], key: Any, index: int) -> None:
+    """Retires pool ``pools[key]`` (on device ``index``): takes it out of ``pools``, so that
+    the key's next allocations start a new pool, and gives back the reference the pool
+    object holds on torch's pool, so that torch frees its unused segments at
+    ``empty_cache`` once no thread allocates to it (a CUDA graph captured into it keeps it
+    until the graph is reset). The object itself is kept to the end of the process."""
     torch = _torch()
+    p = pools.pop(key)
+    _keep_forever(p)
+    torch._C._cuda_releasePool(index, p.id)
+    _old.append((key, index, p))
+
+
+def _give_back(index: int) -> None:
+    """Waits for the device's work, then lets torch free the unused segments of retired
+    pools (and its own cache, as ``torch.cuda.empty_cache()`` does); forgets the retired
+    pools that have no segment left."""
+    torch = _torch()
+    torch.cuda.synchronize(index)
+    torch.cuda.empty_cache()
+    _old[:] = [o for o in _old if o[2].snapshot(include_traces=False)]
+
+
+def trim_pools(pools: dict[Any, Any], keys: Iterable[Any], index: int) -> int:
+    """Retires each pool ``pools[key]`` of ``keys`` on device ``index`` that holds a segment
+    with nothing allocated in it, except the pools of CUDA graphs, and lets torch free what
+    retired pools no longer use. Returns the bytes of the unused segments found. The
+    drop-ins call this with their own pools; ``trim`` with this module's."""
+    found = 0
+    with _lock:
+        for key in [k for k in keys if k in pools and k not in _graphs]:
+            unused = _unused_bytes(pools[key])
+            if unused:
+                found += unused
+                _retire(pools, key, index)
+        waiting = any(i == index and _unused_bytes(p) for _, i, p in _old)
+    if found or waiting:
+        _give_back(index)
+    return found
+
+
+def trim(tags: str | Iterable[str] | None = None, device: Any = None) -> int:
+    """Gives the device memory of segments with nothing allocated in them back from the
+    pools of ``tags`` (default: every tag) on ``device``: what tensors freed inside the
+    tags held. ``use`` and ``release`` do this by themselves; graph pools keep theirs.
+    Returns the bytes found unused."""
     index = _index(device)
     wanted = None if tags is None else set(_tags(tags))
-    torch.cuda.synchronize(index)
+    keys = [k for k in list(_pools) if k[1] == index and (wanted is None or k[0] in wanted)]
+    return trim_pools(_pools, keys, index)
+
+
+def graph_pool(tag: str, device: Any = None) -> Any:
+    """``pool(tag, device)``, marked as a pool CUDA graphs are captured into: ``trim``
+    leaves it alone, since its free blocks may hold state that a replay reads."""
+    p = pool(tag, device)
+    keep_for_graphs((tag, _index(device)))
+    return p
+
+
+def keep_for_graphs(key: Any) -> None:
+    """Marks the pool of ``key`` (in this module's pools or a drop-in's) as one that CUDA
+    graphs are captured into: ``trim_pools`` never retires it."""
     with _lock:
-        keys = [k for k in _pools if k[1] == index and (wanted is None or k[0] in wanted)]
-        # torch 2.11 aborts the process when a pool is destroyed while tensors live in it:
-        # refuse (nothing dropped) while any block of the pools is still allocated.
-        for key in keys:
-            live = _live_blocks(_pools[key])
-            if live:
-                raise _native._error(
-                    _native.BusyError.code,
-                    f"gpu_pager.torch.empty_cache({key[0]!r}): {len(live)} tensors still live "
-                    f"in the tag's torch pool ({sum(b.get('size', 0) for b in live)} bytes); "
-                    "delete them (and CUDA graphs captured into the tag) first",
-                    [key[0]],
-                )
-        dropped = [_pools.pop(key) for key in keys]
-    for p in dropped:
-        _let_go(p)
-    del dropped
-    drop_retired_pools()
-    torch.cuda.empty_cache()
+        _graphs.add(key)
+
+
+def empty_cache(tags: str | Iterable[str] | None = None, device: Any = None) -> None:
+    """Gives the torch segments of ``tags`` (default: every tag) on ``device`` back: retires
+    the tags' pools, graph pools included (a new one starts at the next ``use``), and
+    empties torch's cache. Unused segments go back now; those of tensors still alive, when
+    they die and a later ``empty_cache`` (or ``use``, or ``release``) runs. A CUDA graph
+    captured into a tag keeps the pool's memory while the graph lives."""
+    index = _index(device)
+    wanted = None if tags is None else set(_tags(tags))
+    with _lock:
+        for key in [k for k in _pools if k[1] == index and (wanted is None or k[0] in wanted)]:
+            _graphs.discard(key)
+            _retire(_pools, key, index)
+    _give_back(index)
 
 
 _threads = threading.local()
@@ -300,48 +370,16 @@ def _innermost_pool(index: int) -> Any:
     return next((p for i, p in reversed(stack) if i == index), None)
 
 
-def _live_blocks(pool: Any) -> list[dict[str, Any]]:
-    """The blocks of ``pool`` that tensors (or pending frees) still hold."""
-    return [
-        b
-        for seg in pool.snapshot(include_traces=False)
-        for b in seg.get("blocks", [])
-        if b.get("state", "active_allocated") != "inactive"
-    ]
-
-
-# Pools of torch's own allocator that torch_memory_saver's ``disable()`` blocks ended with
-# while tensors still lived in them (torch 2.11 aborts when such a pool is destroyed):
-# dropped once empty.
-_retired: list[Any] = []
-
-
-def retire_pool(pool: Any) -> None:
-    """Drops ``pool`` (a pool of torch's own allocator that a torch_memory_saver
-    ``disable()`` block used) once no tensor lives in it any more: at once when none does
-    (its memory goes back to the device then), else at a later ``drop_retired_pools()``."""
+def retire_pool(pool: Any, device: Any = None) -> None:
+    """Retires ``pool`` (a pool of torch's own allocator that a torch_memory_saver
+    ``disable()`` block allocated in): what it holds unused goes back to the device now,
+    and the rest as its tensors die, at a later ``torch.cuda.empty_cache()``. The pool
+    object is kept to the end of the process (destroying one aborts torch in some
+    states)."""
+    index = _index(device)
     with _lock:
-        if not _retired:
-            # Pools still holding tensors at exit are left alone (destroying one aborts).
-            atexit.register(_keep_retired)
-        _retired.append(pool)
-    drop_retired_pools()
-
-
-def _keep_retired() -> None:
-    for p in list(_retired):
-        _keep_forever(p)
-
-
-def drop_retired_pools() -> None:
-    """Drops the retired pools (``retire_pool``) whose tensors all died; their cached memory
-    goes back to the device. ``empty_cache`` and every ``retire_pool`` call it."""
-    torch = _torch()
-    torch.cuda.synchronize()
-    with _lock:
-        done = [p for p in _retired if not _live_blocks(p)]
-        _retired[:] = [p for p in _retired if _live_blocks(p)]
-    del done
+        _retire({None: pool}, None, index)
+    _give_back(index)
 
 
 def pager(device: Any = None) -> Pager:
@@ -419,10 +457,14 @@ def use(
     torch = _torch()
     index = _index(device)
     info = _ensure_region(Pager.for_device(index), tag, policy, bytes, prepin)
+    trim(tag, index)
     mem = pool(tag, index)
-    with _expandable_segments_off(), torch.cuda.use_mem_pool(mem, device=index):
-        with _tagged(index, tag), _routing(index, mem.id):
-            yield info
+    try:
+        with _expandable_segments_off(), torch.cuda.use_mem_pool(mem, device=index):
+            with _tagged(index, tag), _routing(index, mem.id):
+                yield info
+    finally:
+        trim(tag, index)
 
 
 region = use
@@ -441,16 +483,19 @@ def disable(device: Any = None) -> Iterator[None]:
     previous = current_tag(index)
     outer = _innermost_pool(index)
     if outer is not None:
-        # Stop routing this thread's allocations to the tag's pool (use_mem_pool's begin took
-        # a reference on the pool: give it back too), and take it up again after the block.
+        # Stop routing this thread's allocations to the tag's pool, and take it up again
+        # after the block. The reference use_mem_pool took stays held meanwhile: the pool
+        # never becomes free to destroy under the block, and routing to it again never
+        # revives a pool torch let go (either aborts the process).
         torch._C._cuda_endAllocateToPool(index, outer)
-        torch._C._cuda_releasePool(index, outer)
     use_tag(index, None)
     try:
         yield
     finally:
         if outer is not None:
+            # Routing again takes a second reference: give one back.
             torch._C._cuda_beginAllocateCurrentThreadToPool(index, outer)
+            torch._C._cuda_releasePool(index, outer)
         use_tag(index, previous)
 
 
@@ -474,7 +519,7 @@ def graph(
     torch = _torch()
     index = _index(device)
     _ensure_region(Pager.for_device(index), tag, policy, None, False)
-    mem = pool(tag, index)
+    mem = graph_pool(tag, index)
     with _expandable_segments_off(), _tagged(index, tag):
         with torch.cuda.graph(
             cuda_graph, pool=mem.id, stream=stream, capture_error_mode=capture_error_mode
@@ -495,6 +540,7 @@ def release(
     faults (see the module docs); ``read``/``write`` raise ``NotResidentError``."""
     torch = _torch()
     index = _index(device)
+    trim(tags, index)
     torch.cuda.synchronize(index)
     return Pager.for_device(index).release(_tags(tags), None if drop is None else _tags(drop))
 

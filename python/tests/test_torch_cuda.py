@@ -358,15 +358,78 @@ def test_marked_tensors_are_not_restored(tag: str) -> None:
     assert float(param.sum()) == 2.0 * (4 << 20)
 
 
-def test_empty_cache_refuses_while_tensors_live(tag: str) -> None:
+def test_empty_cache_with_live_tensors_keeps_them(tag: str) -> None:
+    """``empty_cache(tag)`` while tensors live in the tag: they stay, intact; their memory
+    goes back once they die, at the next ``torch.cuda.empty_cache()``."""
     with gpt.use(tag):
-        x = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
-    with pytest.raises(gpu_pager.BusyError) as e:
-        gpt.empty_cache(tag)  # dropping the pool now would abort the process
-    assert e.value.tag == tag
-    del x
+        x = torch.full((4 * MIB,), 7, dtype=torch.uint8, device="cuda")
     gpt.empty_cache(tag)
+    assert int(x.sum()) == 7 * 4 * MIB
+    assert gpt.pager().region_stats(tag).buffers == 1
+    del x
+    torch.cuda.empty_cache()
     assert gpt.pager().region_stats(tag).buffers == 0
+
+
+def test_a_quantized_model_holds_only_its_fp8_bytes(pager: gpu_pager.Pager, tag: str) -> None:
+    """The fp8 online-quantization path: a bf16 model built inside ``use``, quantized, the
+    bf16 tensors freed. After the block the region maps the fp8 bytes only (and the device
+    has the rest back); a release copies only those, and they come back bit-exact."""
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    with gpt.use(tag):
+        bf16 = [torch.empty(64 * MIB, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(4)]
+        fp8 = [w.to(torch.float8_e4m3fn) for w in bf16]
+        del bf16
+    live = sum(w.nbytes for w in fp8)
+    assert pager.region_stats(tag).resident_bytes == live
+    assert free_before - torch.cuda.mem_get_info()[0] < live + 64 * MIB
+    expect = [w.view(torch.uint8).cpu() for w in fp8]
+    report = gpt.release(tag)
+    assert report.bytes == live
+    gpt.resume(tag)
+    for w, e in zip(fp8, expect):
+        assert torch.equal(w.view(torch.uint8).cpu(), e)
+
+
+def test_freeing_inside_nested_tags_and_disable_never_aborts() -> None:
+    """Memory freed inside a tag nested in another goes back at the inner block's exit;
+    ``disable()`` inside both drop-ins' regions in torch hook mode, nested, and with the
+    tag's pool retired inside the block: no abort (each case runs in its own process)."""
+    done = run_python("""
+        import torch
+        import gpu_pager.torch as gpt
+        from gpu_pager.compat.torch_memory_saver import torch_memory_saver as tms
+        MIB = 1 << 20
+        with gpt.use("outer-a"):
+            a = torch.empty(8 * MIB, dtype=torch.uint8, device="cuda")
+            with gpt.use("inner-b"):
+                b = torch.empty(8 * MIB, dtype=torch.uint8, device="cuda")
+                gone = torch.empty(32 * MIB, dtype=torch.uint8, device="cuda")
+                del gone
+            assert gpt.pager().region_stats("inner-b").resident_bytes == 8 * MIB
+            with gpt.disable():
+                plain = torch.empty(8 * MIB, dtype=torch.uint8, device="cuda")
+                with gpt.disable():
+                    pass
+                with gpt.use("outer-a"):
+                    c = torch.empty(2 * MIB, dtype=torch.uint8, device="cuda")
+        assert gpt.locate(plain) is None and gpt.locate(c) is not None
+        tms.hook_mode = "torch"
+        with tms.region(tag="w", enable_cpu_backup=True):
+            with tms.disable():
+                x = torch.empty(8 * MIB, dtype=torch.uint8, device="cuda")
+                with tms.disable():
+                    y = torch.empty(8 * MIB, dtype=torch.uint8, device="cuda")
+            w = torch.ones(8 * MIB, dtype=torch.uint8, device="cuda")
+        del x, y
+        torch.cuda.empty_cache()
+        tms.pause("w")
+        tms.resume("w")
+        assert int(w.sum()) == 8 * MIB
+        print("done")
+    """)
+    assert done.returncode == 0 and done.stdout.strip().endswith("done"), done.stderr[-3000:]
 
 
 def test_parameters_are_written_through_the_pager(tag: str) -> None:

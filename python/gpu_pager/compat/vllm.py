@@ -61,6 +61,7 @@ __all__ = [
     "AllocationData",
     "DEFERRABLE_TAGS",
     "GRAPH_TAG",
+    "GRAPH_TAGS",
     "KEPT_TAGS",
     "CuMemAllocator",
     "RELEASE_HOST_MEMORY_ENV",
@@ -77,9 +78,14 @@ DEFERRABLE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
 GRAPH_TAG = "cuda_graph"
 """The tag of the memory of CUDA graphs captured in ``use_cudagraph_pool()``."""
 
-KEPT_TAGS: tuple[str, ...] = ("runtime", GRAPH_TAG)
+GRAPH_TAGS: tuple[str, ...] = (GRAPH_TAG, "cudagraph")
+"""The tags of graph memory: ours, and vLLM's own (``use_memory_pool("cudagraph")``, where
+vLLM main captures its graphs). Their pools keep their free blocks (a replay may read state
+kept there); every ``sleep`` keeps their contents."""
+
+KEPT_TAGS: tuple[str, ...] = ("runtime", *GRAPH_TAGS)
 """The tags every ``sleep`` keeps, whatever ``offload_tags`` says: vLLM's runtime state
-(block tables, request state), which survives both sleep levels, and the graphs' pool,
+(block tables, request state), which survives both sleep levels, and the graphs' pools,
 where kernels may keep state that they set at capture and read at every replay."""
 
 
@@ -195,13 +201,17 @@ class CuMemAllocator:
         gpt._ensure_region(gpt.pager(self._device), tag, "preserve", None, False, medium)
         if tag not in self._tags:
             self._tags.append(tag)
-        pool = gpt.pool(tag, self._device)
+        pool = gpt.graph_pool(tag, self._device) if tag in GRAPH_TAGS else gpt.pool(tag, self._device)
         self.allocator_and_pools[tag] = (pool, gpt.allocator())
         return pool
 
     @contextmanager
     def use_memory_pool(self, tag: str | None = None) -> Iterator[None]:
-        """Tensors allocated inside come from tag ``tag``'s region (default ``"default"``)."""
+        """Tensors allocated inside come from tag ``tag``'s region (default ``"default"``).
+        Memory freed inside the tag goes back to the device at the context's entry and exit
+        (segments with nothing allocated in them), as in vLLM: the model built in bf16,
+        quantized and the bf16 tensors freed holds only its live bytes after the context.
+        The graph tags (``GRAPH_TAGS``) keep theirs."""
         tag = CuMemAllocator.default_tag if tag is None else tag
         self._ensure(tag)
         previous, self.current_tag = self.current_tag, tag
@@ -299,10 +309,12 @@ class CuMemAllocator:
             return {}
         gpt = _gpt()
         out: dict[int, AllocationData] = {}
-        for tag in self._tags:
-            pool = gpt._pools.get((tag, self._device))
-            if pool is None:
+        pools = [(k, p) for k, p in gpt._pools.items()] + [(k, p) for k, _, p in gpt._old]
+        for key, pool in pools:
+            # This module's keys are (tag, device); the torch_memory_saver drop-in's are longer.
+            if len(key) != 2 or key[1] != self._device or key[0] not in self._tags:
                 continue
+            tag = key[0]
             for seg in pool.snapshot(include_traces=False):
                 address, size = int(seg["address"]), int(seg["total_size"])
                 out[address] = AllocationData(

@@ -105,7 +105,7 @@ class TorchMemorySaver:
     def disable(self) -> Iterator[None]:
         """Inside a region (or whole-process mode), allocations are ordinary torch memory:
         not pausable, and given back to the device by ``torch.cuda.empty_cache()`` once
-        freed (the block's private pool is dropped at its end)."""
+        freed (the block's private pool is retired at its end)."""
         impl = self._ensure_initialized()
         with impl.disable():
             yield
@@ -266,15 +266,28 @@ class _TorchMemorySaverImpl:
         if enable_cpu_backup:
             resolved = cpu_backup_backend or self._current_backend()
         key = (tag, enable_cpu_backup, enable_disk_backup, resolved, device)
+        if self.hook_mode == "torch":
+            self._trim([key], device)
         pool = self._mem_pools[key]
-        with torch.cuda.use_mem_pool(pool):
-            with self._with_region_config(
-                tag=tag,
-                enable_cpu_backup=enable_cpu_backup,
-                enable_disk_backup=enable_disk_backup,
-                cpu_backup_backend=cpu_backup_backend,
-            ):
-                yield
+        try:
+            with torch.cuda.use_mem_pool(pool):
+                with self._with_region_config(
+                    tag=tag,
+                    enable_cpu_backup=enable_cpu_backup,
+                    enable_disk_backup=enable_disk_backup,
+                    cpu_backup_backend=cpu_backup_backend,
+                ):
+                    yield
+        finally:
+            if self.hook_mode == "torch":
+                self._trim([key], device)
+
+    def _trim(self, keys: list[Any], device: int) -> None:
+        """Memory freed inside a region goes back to the device (torch mode: the segments
+        of the regions' pools with nothing allocated in them; graph pools keep theirs)."""
+        import gpu_pager.torch as gpt
+
+        gpt.trim_pools(self._mem_pools, keys, device)
 
     def _current_backend(self) -> str:
         backend: bytes = self._binary_wrapper.cdll.tms_get_cpu_backup_backend()
@@ -296,7 +309,11 @@ class _TorchMemorySaverImpl:
             # The graph's allocations go through the pluggable allocator: the tag's pool.
             device = int(torch.cuda.current_device())
             resolved = (cpu_backup_backend or self._current_backend()) if enable_cpu_backup else ""
-            pool = self._mem_pools[(tag, enable_cpu_backup, False, resolved, device)].id
+            key = (tag, enable_cpu_backup, False, resolved, device)
+            import gpu_pager.torch as gpt
+
+            gpt.keep_for_graphs(key)
+            pool = self._mem_pools[key].id
         with torch.cuda.graph(
             cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode
         ):
@@ -366,6 +383,11 @@ class _TorchMemorySaverImpl:
             cdll.tms_set_interesting_region(True)
 
     def pause(self, tag: str | None) -> None:
+        if self.hook_mode == "torch":
+            # What tensors freed inside the tags held is neither copied nor restored.
+            device = int(_torch().cuda.current_device())
+            keys = [k for k in self._mem_pools if not tag or k[0] == tag]
+            self._trim(keys, device)
         _core.check(_core.lib().gpu_pager_tms_pause(_core.tag_arg(tag)), f"pause({tag!r})")
 
     def resume(self, tag: str | None) -> None:

@@ -65,6 +65,7 @@ older one.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import re
@@ -92,6 +93,7 @@ __all__ = [
     "graph_pool",
     "keep_for_graphs",
     "retire_pool",
+    "drop_pool_when_unused",
     "trim",
     "trim_pools",
     "pager",
@@ -347,6 +349,8 @@ def empty_cache(tags: str | Iterable[str] | None = None, device: Any = None) -> 
             _graphs.discard(key)
             _retire(_pools, key, index)
     _give_back(index)
+    if _unused_later:
+        _drop_unused_pending()
 
 
 _threads = threading.local()
@@ -380,6 +384,50 @@ def retire_pool(pool: Any, device: Any = None) -> None:
     with _lock:
         _retire({None: pool}, None, index)
     _give_back(index)
+
+
+# Pools of torch's own allocator that the torch_memory_saver drop-in's ``disable()`` blocks
+# ended with in preload mode, while tensors still lived in them: destroyed once empty.
+_unused_later: list[Any] = []
+
+
+def drop_pool_when_unused(pool: Any) -> None:
+    """Destroys ``pool`` (a pool of torch's own allocator that a torch_memory_saver
+    ``disable()`` block allocated in, where no allocations are routed to pools: preload
+    mode) once no tensor lives in it: at once when none does, else at a later call of this
+    or ``empty_cache``. Destroying it empties that pool's cache alone, where
+    ``retire_pool`` empties torch's whole cache (whose segments the preload library may
+    have routed into regions, to be paused and resumed). torch aborts when a pool is
+    destroyed while tensors live in it: such pools are kept past exit."""
+    torch = _torch()
+    with _lock:
+        if not _unused_later:
+            atexit.register(_keep_unused_later)
+        _unused_later.append(pool)
+    torch.cuda.synchronize()
+    _drop_unused_pending()
+
+
+def _keep_unused_later() -> None:
+    for p in list(_unused_later):
+        _keep_forever(p)
+
+
+def _drop_unused_pending() -> None:
+    """Destroys the pools ``drop_pool_when_unused`` kept whose tensors all died since."""
+    with _lock:
+        done = [p for p in _unused_later if not _live(p)]
+        _unused_later[:] = [p for p in _unused_later if _live(p)]
+    del done
+
+
+def _live(pool: Any) -> bool:
+    """Whether a tensor (or a pending free) still holds a block of ``pool``."""
+    return any(
+        b.get("state", "active_allocated") != "inactive"
+        for seg in pool.snapshot(include_traces=False)
+        for b in seg.get("blocks", [])
+    )
 
 
 def pager(device: Any = None) -> Pager:

@@ -378,7 +378,12 @@ class _TorchMemorySaverImpl:
                 yield
         finally:
             if pool is not None:
-                gpt.retire_pool(pool)
+                if self.hook_mode == "torch":
+                    # Regions' pools route allocations meanwhile: destroying a pool now
+                    # would abort torch.
+                    gpt.retire_pool(pool)
+                else:
+                    gpt.drop_pool_when_unused(pool)
                 pool = None
             cdll.tms_set_interesting_region(True)
 

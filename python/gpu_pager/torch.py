@@ -538,7 +538,8 @@ def disable(device: Any = None) -> Iterator[None]:
         torch._C._cuda_endAllocateToPool(index, outer)
     use_tag(index, None)
     try:
-        yield
+        with _routing(index, None):  # a nested disable() finds no pool to stop routing to
+            yield
     finally:
         if outer is not None:
             # Routing again takes a second reference: give one back.

@@ -149,6 +149,8 @@ def _begin(device: int, pool_id: tuple[int, int]) -> None:
 
 def _end(device: int, pool_id: tuple[int, int]) -> None:
     stack = _stack()
+    if pool_id not in stack:
+        raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
     if pool_id in stack:
         _routed[0] -= 1
         stack.reverse()

@@ -155,6 +155,8 @@ def test_the_torch_memory_saver_drop_in_s_disable_in_torch_mode_never_aborts() -
         with tms.region(tag="w", enable_cpu_backup=True):
             with tms.disable():
                 plain = torch.empty(4 * MIB)
+                with tms.disable():  # nested: ordinary already, not an error
+                    inner = torch.empty(4 * MIB)
             w = torch.empty(8 * MIB)
             gone = torch.empty(8 * MIB)
             del gone

@@ -8,6 +8,7 @@ import atexit
 import ctypes
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -206,6 +207,10 @@ class TorchMemorySaver:
         return self._impl
 
 
+# This thread's depth of disable() blocks (a nested one changes nothing).
+_disabling = threading.local()
+
+
 class _Pools(dict):  # type: ignore[type-arg]
     """torch's pools by (tag, cpu backup, disk backup, backend, device), made on first use
     on the current device (a pool belongs to the device current at its creation)."""
@@ -359,6 +364,14 @@ class _TorchMemorySaverImpl:
     @contextmanager
     def disable(self) -> Iterator[None]:
         cdll = self._binary_wrapper.cdll
+        if getattr(_disabling, "depth", 0):
+            # disable() inside disable(): allocations are ordinary already.
+            _disabling.depth += 1
+            try:
+                yield
+            finally:
+                _disabling.depth -= 1
+            return
         if not cdll.tms_get_interesting_region():
             raise RuntimeError(
                 "torch_memory_saver.disable() is for code inside region() (or with "
@@ -368,6 +381,7 @@ class _TorchMemorySaverImpl:
         import gpu_pager.torch as gpt
 
         cdll.tms_set_interesting_region(False)
+        _disabling.depth = 1
         pool = None
         try:
             # A pool of torch's own allocator for the block, dropped at its end so that what
@@ -385,6 +399,7 @@ class _TorchMemorySaverImpl:
                 else:
                     gpt.drop_pool_when_unused(pool)
                 pool = None
+            _disabling.depth = 0
             cdll.tms_set_interesting_region(True)
 
     def pause(self, tag: str | None) -> None:

@@ -312,34 +312,29 @@ impl FileIo {
 
     /// A new backup of `len` bytes, all of them allocated on disk.
     pub fn create(self: &Arc<Self>, len: usize) -> BackendResult<FileStore> {
-        let place = {
+        // What the backup goes to, taken under the lock; the file work happens outside it.
+        let (files, spool, owner, dir) = {
             let mut target = locked(&self.target);
             target.ready()?;
-            match (&target.spool, &target.owner, target.files) {
-                (_, Some(owner), BackupFiles::Named) => {
-                    let dir = target.dir.clone().unwrap_or_default();
-                    let path = owner
-                        .create(len as u64)
-                        .map_err(|e| file_error("allocating a backup file in", &dir, e))?;
-                    return Ok(FileStore {
-                        place: Place::Named {
-                            owner: owner.clone(),
-                            path,
-                        },
-                        len,
-                        io: self.clone(),
-                    });
-                }
-                (Some(spool), _, _) => spool.clone(),
-                _ => {
-                    return Err(BackendError::Internal {
-                        op: "creating a file backup",
-                        reason: "the backup directory was not opened".to_owned(),
-                    });
-                }
-            }
+            let t = &*target;
+            (t.files, t.spool.clone(), t.owner.clone(), t.dir.clone())
         };
-        let spool = place;
+        let opened = || BackendError::Internal {
+            op: "creating a file backup",
+            reason: "the backup directory was not opened".to_owned(),
+        };
+        if files == BackupFiles::Named {
+            let owner = owner.ok_or_else(opened)?;
+            let path = owner.create(len as u64).map_err(|e| {
+                file_error("allocating a backup file in", &dir.unwrap_or_default(), e)
+            })?;
+            return Ok(FileStore {
+                place: Place::Named { owner, path },
+                len,
+                io: self.clone(),
+            });
+        }
+        let spool = spool.ok_or_else(opened)?;
         let too_big = || BackendError::Invalid {
             op: "creating a file backup",
             reason: format!("{len} bytes do not fit in a file"),

@@ -65,8 +65,8 @@ impl Owner {
         }
         static AT_EXIT: Once = Once::new();
         AT_EXIT.call_once(|| {
-            // SAFETY: registers a handler without arguments; it only takes a lock no exit
-            // path holds and removes files.
+            // SAFETY: registers a handler without arguments; it never waits for a lock and
+            // only removes files.
             unsafe { libc::atexit(remove_at_exit) };
         });
         let owner = Arc::new(Owner {
@@ -233,7 +233,13 @@ fn remove_all(owner: &Owner) {
 }
 
 extern "C" fn remove_at_exit() {
-    let owners = OWNERS.lock().unwrap_or_else(PoisonError::into_inner);
+    // Never wait at exit for a thread that holds the list: the next process's sweep removes
+    // what is left then.
+    let owners = match OWNERS.try_lock() {
+        Ok(o) => o,
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return,
+    };
     for o in owners.iter().filter(|o| o.is_ours()) {
         remove_all(o);
     }

@@ -59,18 +59,20 @@ pub fn on_disk(dir: &Path) -> u64 {
 
 /// The named backup files in `dir` (`gpu-pager-*.backup`), sorted.
 pub fn named(dir: &Path) -> Vec<String> {
-    names(dir)
-        .into_iter()
-        .filter(|n| n.starts_with("gpu-pager-") && n.ends_with(".backup"))
-        .collect()
+    ours(dir, ".backup")
 }
 
 /// The owner files in `dir` (`gpu-pager-<id>.owner`: one per process that writes named
 /// backups there), sorted.
 pub fn owners(dir: &Path) -> Vec<String> {
+    ours(dir, ".owner")
+}
+
+/// The names in `dir` of the named layout that end in `suffix`.
+fn ours(dir: &Path, suffix: &str) -> Vec<String> {
     names(dir)
         .into_iter()
-        .filter(|n| n.starts_with("gpu-pager-") && n.ends_with(".owner"))
+        .filter(|n| n.starts_with("gpu-pager-") && n.ends_with(suffix))
         .collect()
 }
 

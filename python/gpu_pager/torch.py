@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import dataclasses
 import os
 import re
 import threading
@@ -92,6 +93,7 @@ __all__ = [
     "empty_cache",
     "graph_pool",
     "keep_for_graphs",
+    "tag_pools",
     "retire_pool",
     "drop_pool_when_unused",
     "trim",
@@ -124,11 +126,24 @@ _allocator: Any = None
 # One pool per (tag, device) (a pool bound to one device silently bypasses the allocator on
 # another), until it is retired (see the module docs).
 _pools: dict[tuple[str, int], Any] = {}
-# Pools that were retired, by the key they had, while segments may remain in them. torch
-# aborts when a pool object is destroyed in some states (while any thread allocates to a
-# pool, or after its use count was given back), so no pool object is ever destroyed: each is
-# kept to the end of the process (_keep_forever) and only its memory goes back.
-_old: list[tuple[Any, int, Any]] = []
+
+
+@dataclasses.dataclass
+class _Retired:
+    """A pool that was retired, while segments may remain in it. torch aborts when a pool
+    object is destroyed in some states (while any thread allocates to a pool, or after its
+    use count was given back), so no pool object is ever destroyed: each is kept to the end
+    of the process (_keep_forever) and only its memory goes back."""
+
+    key: Any
+    index: int
+    pool: Any
+    # Its unused bytes after the last give-back (what torch could not free then: a context
+    # or a graph still held the pool); a give-back is due again only when this grows.
+    unused: int = 0
+
+
+_old: list[_Retired] = []
 # Keys of pools that CUDA graphs were captured into: never retired by trim.
 _graphs: set[Any] = set()
 _lib: ctypes.CDLL | None = None
@@ -259,37 +274,47 @@ def pool(tag: str, device: Any = None) -> Any:
         return p
 
 
+def _segments(pool: Any) -> list[tuple[int, bool]]:
+    """Each segment of ``pool``: its bytes, and whether a tensor (or a pending free) still
+    holds a block of it."""
+    return [
+        (
+            int(seg.get("total_size", 0)),
+            any(b.get("state", "active_allocated") != "inactive" for b in seg.get("blocks", [])),
+        )
+        for seg in pool.snapshot(include_traces=False)
+    ]
+
+
 def _unused_bytes(pool: Any) -> int:
     """Bytes of the segments of ``pool`` with nothing allocated in them (torch frees those
     of a retired pool at ``empty_cache``)."""
-    return sum(
-        int(seg.get("total_size", 0))
-        for seg in pool.snapshot(include_traces=False)
-        if all(b.get("state") == "inactive" for b in seg.get("blocks", []))
-    )
+    return sum(size for size, used in _segments(pool) if not used)
 
 
-def _retire(pools: dict[Any, Any], key: Any, index: int) -> None:
-    """Retires pool ``pools[key]`` (on device ``index``): takes it out of ``pools``, so that
-    the key's next allocations start a new pool, and gives back the reference the pool
+def _retire(p: Any, key: Any, index: int) -> None:
+    """Retires pool ``p`` (of ``key``, on device ``index``, already taken out of its pools,
+    so that the key's next allocations start a new pool): gives back the reference the pool
     object holds on torch's pool, so that torch frees its unused segments at
     ``empty_cache`` once no thread allocates to it (a CUDA graph captured into it keeps it
     until the graph is reset). The object itself is kept to the end of the process."""
     torch = _torch()
-    p = pools.pop(key)
     _keep_forever(p)
     torch._C._cuda_releasePool(index, p.id)
-    _old.append((key, index, p))
+    _old.append(_Retired(key, index, p))
 
 
 def _give_back(index: int) -> None:
     """Waits for the device's work, then lets torch free the unused segments of retired
     pools (and its own cache, as ``torch.cuda.empty_cache()`` does); forgets the retired
-    pools that have no segment left."""
+    pools that have no segment left, and notes what the others still hold unused."""
     torch = _torch()
     torch.cuda.synchronize(index)
     torch.cuda.empty_cache()
-    _old[:] = [o for o in _old if o[2].snapshot(include_traces=False)]
+    with _lock:
+        _old[:] = [r for r in _old if r.pool.snapshot(include_traces=False)]
+        for r in _old:
+            r.unused = _unused_bytes(r.pool)
 
 
 def trim_pools(pools: dict[Any, Any], keys: Iterable[Any], index: int) -> int:
@@ -303,11 +328,20 @@ def trim_pools(pools: dict[Any, Any], keys: Iterable[Any], index: int) -> int:
             unused = _unused_bytes(pools[key])
             if unused:
                 found += unused
-                _retire(pools, key, index)
-        waiting = any(i == index and _unused_bytes(p) for _, i, p in _old)
-    if found or waiting:
+                _retire(pools.pop(key), key, index)
+        # Tensors died in a retired pool since the last give-back.
+        grown = any(r.index == index and _unused_bytes(r.pool) > r.unused for r in _old)
+    if found or grown:
         _give_back(index)
     return found
+
+
+def tag_pools(key: Any) -> list[Any]:
+    """The pools of ``key`` (``(tag, device)`` here, a drop-in's own key there) that may
+    hold segments: its current pool, if any, and the retired ones."""
+    with _lock:
+        current = [_pools[key]] if key in _pools else []
+        return current + [r.pool for r in _old if r.key == key]
 
 
 def trim(tags: str | Iterable[str] | None = None, device: Any = None) -> int:
@@ -347,7 +381,7 @@ def empty_cache(tags: str | Iterable[str] | None = None, device: Any = None) -> 
     with _lock:
         for key in [k for k in _pools if k[1] == index and (wanted is None or k[0] in wanted)]:
             _graphs.discard(key)
-            _retire(_pools, key, index)
+            _retire(_pools.pop(key), key, index)
     _give_back(index)
     if _unused_later:
         _drop_unused_pending()
@@ -382,7 +416,7 @@ def retire_pool(pool: Any, device: Any = None) -> None:
     states)."""
     index = _index(device)
     with _lock:
-        _retire({None: pool}, None, index)
+        _retire(pool, None, index)
     _give_back(index)
 
 
@@ -416,18 +450,9 @@ def _keep_unused_later() -> None:
 def _drop_unused_pending() -> None:
     """Destroys the pools ``drop_pool_when_unused`` kept whose tensors all died since."""
     with _lock:
-        done = [p for p in _unused_later if not _live(p)]
-        _unused_later[:] = [p for p in _unused_later if _live(p)]
+        done = [p for p in _unused_later if not any(used for _, used in _segments(p))]
+        _unused_later[:] = [p for p in _unused_later if any(used for _, used in _segments(p))]
     del done
-
-
-def _live(pool: Any) -> bool:
-    """Whether a tensor (or a pending free) still holds a block of ``pool``."""
-    return any(
-        b.get("state", "active_allocated") != "inactive"
-        for seg in pool.snapshot(include_traces=False)
-        for b in seg.get("blocks", [])
-    )
 
 
 def pager(device: Any = None) -> Pager:
@@ -512,7 +537,10 @@ def use(
             with _tagged(index, tag), _routing(index, mem.id):
                 yield info
     finally:
-        trim(tag, index)
+        if not trim(tag, index) and _pools.get((tag, index)) is not mem:
+            # The pool was retired while this block allocated to it: torch can free its
+            # unused segments only now.
+            _give_back(index)
 
 
 region = use

@@ -25,6 +25,13 @@ PRELUDE = """
 
     def held(tag):
         return pager.region_stats(tag).allocated_bytes
+
+    def backed_up(tag):
+        # Releases and resumes tag; returns the bytes its backup held meanwhile.
+        gpt.release(tag)
+        backup = pager.region_stats(tag).backup_bytes
+        gpt.resume(tag)
+        return backup
 """
 
 
@@ -47,9 +54,7 @@ def test_a_model_quantized_inside_a_tag_holds_only_its_live_bytes() -> None:
             inside = held("weights")
             del bf16
         after = held("weights")
-        gpt.release("weights")
-        backup = pager.region_stats("weights").backup_bytes
-        gpt.resume("weights")
+        backup = backed_up("weights")
         print(json.dumps(dict(inside=inside, after=after, backup=backup,
                               aborts=torch_standin.ABORTS)))
     """)
@@ -69,9 +74,7 @@ def test_a_tensor_freed_between_entries_goes_back_at_the_next_entry() -> None:
         with gpt.use("t"):
             pass
         after = held("t")
-        gpt.release("t")
-        backup = pager.region_stats("t").backup_bytes
-        gpt.resume("t")
+        backup = backed_up("t")
         print(json.dumps(dict(before=before, after=after, backup=backup,
                               aborts=torch_standin.ABORTS)))
     """)

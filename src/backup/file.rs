@@ -194,14 +194,30 @@ pub(crate) fn random() -> io::Result<u128> {
     Ok(u128::from_ne_bytes(bytes))
 }
 
-/// Where a pager's new file backups go: the directory, how they are named there, and the
-/// spool or owner once opened.
+/// Where a pager's new file backups go: the directory, how they are named there, and what
+/// they go to there once opened.
 #[derive(Debug, Default)]
 struct Target {
     dir: Option<PathBuf>,
     files: BackupFiles,
-    spool: Option<Arc<Spool>>,
-    owner: Option<Arc<Owner>>,
+    open: Option<Dest>,
+}
+
+/// What new backups in a directory go to: the pager's spool, or this process's owner of
+/// named files.
+#[derive(Debug, Clone)]
+enum Dest {
+    Spool(Arc<Spool>),
+    Owner(Arc<Owner>),
+}
+
+impl Dest {
+    fn is_ours(&self) -> bool {
+        match self {
+            Dest::Spool(s) => s.is_ours(),
+            Dest::Owner(o) => o.is_ours(),
+        }
+    }
 }
 
 impl Target {
@@ -210,16 +226,18 @@ impl Target {
         let mut t = Target {
             dir: Some(dir),
             files,
-            spool: None,
-            owner: None,
+            open: None,
         };
         t.ready()?;
         Ok(t)
     }
 
-    /// Opens the spool or owner of the directory if this process has none open there (a
-    /// fork child must not use its parent's).
-    fn ready(&mut self) -> BackendResult<()> {
+    /// What new backups go to, opened if this process has nothing open there (a fork child
+    /// must not use its parent's).
+    fn ready(&mut self) -> BackendResult<Dest> {
+        if let Some(d) = self.open.as_ref().filter(|d| d.is_ours()) {
+            return Ok(d.clone());
+        }
         let dir = self.dir.clone().ok_or_else(|| BackendError::Invalid {
             op: "creating a file backup",
             reason: format!(
@@ -227,24 +245,17 @@ impl Target {
                  {BACKUP_DIR_ENV}, on a real disk rather than tmpfs"
             ),
         })?;
-        let open = match self.files {
-            BackupFiles::Unnamed => self.spool.as_ref().is_some_and(|s| s.is_ours()),
-            BackupFiles::Named => self.owner.as_ref().is_some_and(|o| o.is_ours()),
-        };
-        if open {
-            return Ok(());
-        }
         std::fs::create_dir_all(&dir)
             .map_err(|e| file_error("creating the backup directory", &dir, e))?;
-        match self.files {
-            BackupFiles::Unnamed => self.spool = Some(Arc::new(Spool::open(&dir)?)),
-            BackupFiles::Named => {
-                let owner = Owner::in_dir(&dir)
-                    .map_err(|e| file_error("creating a backup file in", &dir, e))?;
-                self.owner = Some(owner);
-            }
-        }
-        Ok(())
+        let dest = match self.files {
+            BackupFiles::Unnamed => Dest::Spool(Arc::new(Spool::open(&dir)?)),
+            BackupFiles::Named => Dest::Owner(
+                Owner::in_dir(&dir)
+                    .map_err(|e| file_error("creating a backup file in", &dir, e))?,
+            ),
+        };
+        self.open = Some(dest.clone());
+        Ok(dest)
     }
 }
 
@@ -313,28 +324,23 @@ impl FileIo {
     /// A new backup of `len` bytes, all of them allocated on disk.
     pub fn create(self: &Arc<Self>, len: usize) -> BackendResult<FileStore> {
         // What the backup goes to, taken under the lock; the file work happens outside it.
-        let (files, spool, owner, dir) = {
+        let (dest, dir) = {
             let mut target = locked(&self.target);
-            target.ready()?;
-            let t = &*target;
-            (t.files, t.spool.clone(), t.owner.clone(), t.dir.clone())
+            (target.ready()?, target.dir.clone().unwrap_or_default())
         };
-        let opened = || BackendError::Internal {
-            op: "creating a file backup",
-            reason: "the backup directory was not opened".to_owned(),
+        let spool = match dest {
+            Dest::Spool(spool) => spool,
+            Dest::Owner(owner) => {
+                let path = owner
+                    .create(len as u64)
+                    .map_err(|e| file_error("allocating a backup file in", &dir, e))?;
+                return Ok(FileStore {
+                    place: Place::Named { owner, path },
+                    len,
+                    io: self.clone(),
+                });
+            }
         };
-        if files == BackupFiles::Named {
-            let owner = owner.ok_or_else(opened)?;
-            let path = owner.create(len as u64).map_err(|e| {
-                file_error("allocating a backup file in", &dir.unwrap_or_default(), e)
-            })?;
-            return Ok(FileStore {
-                place: Place::Named { owner, path },
-                len,
-                io: self.clone(),
-            });
-        }
-        let spool = spool.ok_or_else(opened)?;
         let too_big = || BackendError::Invalid {
             op: "creating a file backup",
             reason: format!("{len} bytes do not fit in a file"),
@@ -877,15 +883,15 @@ mod tests {
         store.read(0..8192, &mut back).unwrap();
         assert_eq!(back, [7; 8192], "not punched out");
         // A fork child opens its own spool.
-        let ours = |t: &Target| t.spool.as_ref().is_some_and(|s| s.is_ours());
         let mut target = locked(&io.target);
-        target.spool = Some(Arc::new(Spool {
+        target.open = Some(Dest::Spool(Arc::new(Spool {
             pid: std::process::id() + 1,
             ..Spool::open(&dir).unwrap()
-        }));
-        assert!(!ours(&target));
-        target.ready().unwrap();
-        assert!(ours(&target));
+        })));
+        assert!(!target.open.as_ref().is_some_and(Dest::is_ours));
+        let ours = target.ready().unwrap();
+        assert!(ours.is_ours());
+        assert!(target.open.as_ref().is_some_and(Dest::is_ours));
         drop(target);
         drop(store);
         std::fs::remove_dir_all(&dir).unwrap();

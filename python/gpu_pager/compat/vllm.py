@@ -309,17 +309,13 @@ class CuMemAllocator:
             return {}
         gpt = _gpt()
         out: dict[int, AllocationData] = {}
-        pools = [(k, p) for k, p in gpt._pools.items()] + [(k, p) for k, _, p in gpt._old]
-        for key, pool in pools:
-            # This module's keys are (tag, device); the torch_memory_saver drop-in's are longer.
-            if len(key) != 2 or key[1] != self._device or key[0] not in self._tags:
-                continue
-            tag = key[0]
-            for seg in pool.snapshot(include_traces=False):
-                address, size = int(seg["address"]), int(seg["total_size"])
-                out[address] = AllocationData(
-                    (self._device, size, address, 0), tag, is_asleep=tag in self._kept
-                )
+        for tag in self._tags:
+            for pool in gpt.tag_pools((tag, self._device)):
+                for seg in pool.snapshot(include_traces=False):
+                    address, size = int(seg["address"]), int(seg["total_size"])
+                    out[address] = AllocationData(
+                        (self._device, size, address, 0), tag, is_asleep=tag in self._kept
+                    )
         return out
 
     def wake_up(self, tags: list[str] | None = None) -> None:

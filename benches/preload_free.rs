@@ -12,8 +12,9 @@ use std::ptr::null_mut;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use gpu_pager_capi::{
-    gpu_pager_code, gpu_pager_tms_cuda_free, gpu_pager_tms_cuda_malloc, gpu_pager_tms_set_enabled,
+use gpu_pager_capi::gpu_pager_code;
+use gpu_pager_wing::tms::{
+    gpu_pager_tms_cuda_free, gpu_pager_tms_cuda_malloc, gpu_pager_tms_set_enabled,
     gpu_pager_tms_set_tag,
 };
 

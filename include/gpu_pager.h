@@ -11,10 +11,6 @@
 // Records kept for [`take_records`] at most: the newest, older ones are dropped.
 #define QUEUED_RECORDS 256
 
-// The longest tag [`gpu_pager_tms_set_tag`] takes: region names are the tag and a suffix
-// of at most 32 bytes, within gpu-pager's 256.
-#define GPU_PAGER_TMS_TAG_MAX_BYTES 224
-
 // `gpu_pager_resume_with`'s flag: keep the host memory of `GPU_PAGER_MEDIUM_HOST` backups
 // after restoring (the next release of unchanged contents then copies nothing).
 #define GPU_PAGER_RESUME_KEEP_HOST_BACKUPS 1
@@ -477,114 +473,6 @@ const char *gpu_pager_take_deferred_errors(int device);
 gpu_pager_code gpu_pager_set_log_callback(gpu_pager_log_callback callback,
                                           void *user,
                                           uint32_t level);
-
-// Enters (`true`) or leaves this thread's region: while in one, allocations are routed
-// to gpu-pager (torch_memory_saver's `tms_set_interesting_region`).
-void gpu_pager_tms_set_enabled(bool on);
-
-// Whether this thread is in a region (torch_memory_saver's `tms_get_interesting_region`).
-bool gpu_pager_tms_enabled(void);
-
-// Sets this thread's tag: any UTF-8 string of at most [`GPU_PAGER_TMS_TAG_MAX_BYTES`]
-// bytes, the empty one included (its allocations are paused by a pause of every tag, as
-// torch_memory_saver's). NULL, a string that is not UTF-8 and a longer one are
-// `GPU_PAGER_ERROR_INVALID_ARGUMENT` and change nothing.
-//
-// # Safety
-// `tag` is NULL or a NUL-terminated string.
-gpu_pager_code gpu_pager_tms_set_tag(const char *tag);
-
-// This thread's tag (initially `default`); valid until the thread's next
-// `gpu_pager_tms_set_tag`. Never NULL.
-const char *gpu_pager_tms_tag(void);
-
-// Whether this thread's allocations keep a CPU backup across a pause.
-void gpu_pager_tms_set_cpu_backup(bool on);
-
-// See [`gpu_pager_tms_set_cpu_backup`].
-bool gpu_pager_tms_cpu_backup(void);
-
-// Sets this thread's CPU backup backend: `"pinned"` (pinned host memory kept across
-// cycles) or `"mmap"` (host memory given back after each resume). Anything else is
-// `GPU_PAGER_ERROR_INVALID_ARGUMENT` and changes nothing.
-//
-// # Safety
-// `backend` is NULL or a NUL-terminated string.
-gpu_pager_code gpu_pager_tms_set_cpu_backend(const char *backend);
-
-// This thread's CPU backup backend, `"pinned"` or `"mmap"` (a static string).
-const char *gpu_pager_tms_cpu_backend(void);
-
-// Whether this thread's allocations keep a disk backup across a pause (it takes
-// precedence over a CPU backup).
-void gpu_pager_tms_set_disk_backup(bool on);
-
-// See [`gpu_pager_tms_set_disk_backup`].
-bool gpu_pager_tms_disk_backup(void);
-
-// Sets the directory of disk backups for every device (created if missing, and checked
-// by writing a file there), before or after the first allocation; it wins over
-// `GPU_PAGER_BACKUP_DIR` and `TMS_DISK_BACKUP_DIR`. Backups made before stay where they
-// are. An empty path is `GPU_PAGER_ERROR_INVALID_ARGUMENT` and changes nothing.
-//
-// # Safety
-// `dir` is NULL or a NUL-terminated string.
-gpu_pager_code gpu_pager_tms_set_disk_dir(const char *dir);
-
-// Routed allocations that would leave fewer than `bytes` of the device free fail as out of
-// memory instead (torch_memory_saver's `memory_margin_bytes`); 0 turns the margin off.
-void gpu_pager_tms_set_margin(uint64_t bytes);
-
-// Whether resumes keep the CPU backups (torch_memory_saver's `retain_cpu_backup`,
-// process-wide; initially `TMS_RETAIN_CPU_BACKUP`).
-void gpu_pager_tms_set_retain(bool on);
-
-// See [`gpu_pager_tms_set_retain`].
-bool gpu_pager_tms_retain(void);
-
-// Pauses the regions of `tag` (NULL or empty: every region made here) on every device: waits for
-// device work, backs up what keeps a backup, gives the memory back. Idempotent.
-//
-// # Safety
-// `tag` is NULL or a NUL-terminated string.
-gpu_pager_code gpu_pager_tms_pause(const char *tag);
-
-// Resumes the regions of `tag` (NULL or empty: every region made here) on every device, restoring
-// what has a backup; CPU backups are then given back unless retained. Idempotent. Out of
-// memory is `GPU_PAGER_ERROR_OUT_OF_MEMORY` and loses nothing: a later resume succeeds.
-//
-// # Safety
-// `tag` is NULL or a NUL-terminated string.
-gpu_pager_code gpu_pager_tms_resume(const char *tag);
-
-// The host address of the CPU backup of the `size` device bytes at `ptr`, while their
-// region is paused (or resumed with its backup retained); NULL otherwise (no backup, a
-// disk backup, not a routed allocation). The memory stays gpu-pager's: the next pause
-// overwrites it and a resume that does not retain it may give it back.
-uint8_t *gpu_pager_tms_backup_pointer(uint64_t ptr, uint64_t size);
-
-// The preload library's `cudaMalloc`: when this thread is in a region, allocates `size`
-// bytes on device `device` there, stores the address in `*ptr_out` and sets `*routed`;
-// otherwise sets `*routed` to false (the caller passes the call to the CUDA runtime). On
-// failure (`GPU_PAGER_ERROR_OUT_OF_MEMORY`, the tag's region paused) nothing is allocated.
-//
-// # Safety
-// `ptr_out` and `routed` are NULL (an error) or valid for a write.
-gpu_pager_code gpu_pager_tms_cuda_malloc(int device, size_t size, void **ptr_out, bool *routed);
-
-// The preload library's `cudaFree`: frees `ptr` if it is a routed allocation (waiting for
-// the device first, as `cudaFree` does) and sets `*freed`; otherwise sets `*freed` to
-// false (the caller passes the call to the CUDA runtime).
-//
-// # Safety
-// `freed` is NULL (an error) or valid for a write.
-gpu_pager_code gpu_pager_tms_cuda_free(void *ptr, bool *freed);
-
-// PyTorch's `malloc` hook for the drop-in's "torch" hook mode: allocates `size` bytes for
-// device `device` as this thread's config says. NULL when the thread is not in a region
-// (allocations are never routed silently) or on failure, with the reason in
-// `gpu_pager_last_error()`. Free with `gpu_pager_torch_free`.
-void *gpu_pager_tms_torch_malloc(size_t size, int device, void *stream);
 
 // Sets the region that `gpu_pager_torch_malloc` allocates in on this thread for device
 // `device` (thread-local: other threads are not affected); `tag == NULL` clears it, after

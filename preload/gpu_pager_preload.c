@@ -29,7 +29,7 @@
 
 /* Only for the types of the core's functions, found with dlsym below: this library links
  * nothing of the core, and the compiler checks every call against the C ABI. */
-#include "gpu_pager.h"
+#include "gpu_pager_tms.h"
 
 #define EXPORT __attribute__((visibility("default")))
 

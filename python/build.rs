@@ -7,14 +7,14 @@ use std::path::PathBuf;
 fn main() {
     let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets it"));
     let source = manifest.join("../preload/gpu_pager_preload.c");
-    // The C ABI's header, for the types of the core functions the library looks up.
+    // The drop-in's header (and the product's it includes), for the types of the core
+    // functions the library looks up.
     let include = manifest.join("../include");
     let out = manifest.join("gpu_pager/libgpu_pager_preload.so");
     println!("cargo:rerun-if-changed={}", source.display());
-    println!(
-        "cargo:rerun-if-changed={}",
-        include.join("gpu_pager.h").display()
-    );
+    for header in ["gpu_pager.h", "gpu_pager_tms.h"] {
+        println!("cargo:rerun-if-changed={}", include.join(header).display());
+    }
     // Quiet: under zig (the manylinux wheels) cc's compiler probe warns about the glibc
     // suffix of the target, which zig cc takes as it should.
     let compiler = cc::Build::new().cargo_warnings(false).get_compiler();

@@ -1,6 +1,7 @@
 //! What every exported function goes through: the panic guard, the per-thread last error,
 //! and the checks that turn C arguments (pointers, strings, ordinals) into Rust values or
-//! error values.
+//! error values. Public for the drop-in wing (`gpu-pager-wing`), whose C functions follow
+//! the same conventions and share the per-thread last error with this crate's.
 
 use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char, c_int};
@@ -19,7 +20,7 @@ thread_local! {
 }
 
 /// Records a failure as this thread's last error.
-pub(crate) fn set_last(code: gpu_pager_code, message: String) {
+pub fn set_last(code: gpu_pager_code, message: String) {
     let message = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
     // A call from a thread-exit destructor may find the thread's locals gone: the message
     // is then lost, but no panic reaches C.
@@ -27,26 +28,26 @@ pub(crate) fn set_last(code: gpu_pager_code, message: String) {
 }
 
 /// The last error's code.
-pub(crate) fn last_code() -> gpu_pager_code {
+pub fn last_code() -> gpu_pager_code {
     LAST.try_with(|l| l.borrow().0)
         .unwrap_or(gpu_pager_code::GPU_PAGER_OK)
 }
 
 /// The last error's message, valid until this thread's next failure or clear (the
 /// `CString`'s heap buffer does not move while it is stored).
-pub(crate) fn last_message() -> *const c_char {
+pub fn last_message() -> *const c_char {
     LAST.try_with(|l| l.borrow().1.as_ptr())
         .unwrap_or(c"".as_ptr())
 }
 
 /// Clears this thread's last error.
-pub(crate) fn clear_last() {
+pub fn clear_last() {
     let _ = LAST.try_with(|l| *l.borrow_mut() = (gpu_pager_code::GPU_PAGER_OK, CString::default()));
 }
 
 /// Runs an exported function's body: a returned error or a panic becomes this thread's last
 /// error and its code; success is `GPU_PAGER_OK`. No panic unwinds into C.
-pub(crate) fn call(name: &'static str, f: impl FnOnce() -> Result<()>) -> gpu_pager_code {
+pub fn call(name: &'static str, f: impl FnOnce() -> Result<()>) -> gpu_pager_code {
     match guarded(name, f) {
         Ok(()) => gpu_pager_code::GPU_PAGER_OK,
         Err(code) => code,
@@ -54,7 +55,7 @@ pub(crate) fn call(name: &'static str, f: impl FnOnce() -> Result<()>) -> gpu_pa
 }
 
 /// [`call`] for a function that returns a value (a pointer): `fallback` on failure.
-pub(crate) fn call_or<T>(name: &'static str, fallback: T, f: impl FnOnce() -> Result<T>) -> T {
+pub fn call_or<T>(name: &'static str, fallback: T, f: impl FnOnce() -> Result<T>) -> T {
     guarded(name, f).unwrap_or(fallback)
 }
 
@@ -88,17 +89,17 @@ fn guarded<T>(name: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T, gp
 }
 
 /// An [`Error::InvalidArgument`] for a C argument about region `tag`.
-pub(crate) fn invalid(tag: &str, reason: impl Into<String>) -> Error {
+pub fn invalid(tag: &str, reason: impl Into<String>) -> Error {
     Error::invalid(Some(tag), reason)
 }
 
 /// An [`Error::InvalidArgument`] for a C argument that concerns no region.
-pub(crate) fn untagged(reason: impl Into<String>) -> Error {
+pub fn untagged(reason: impl Into<String>) -> Error {
     Error::invalid(None, reason)
 }
 
 /// A device ordinal from C.
-pub(crate) fn device(device: c_int) -> Result<usize> {
+pub fn device(device: c_int) -> Result<usize> {
     usize::try_from(device).map_err(|_| {
         untagged(format!(
             "device {device} is not a device ordinal; pass 0 for the first GPU"
@@ -107,7 +108,7 @@ pub(crate) fn device(device: c_int) -> Result<usize> {
 }
 
 /// The process's pager for a device ordinal from C.
-pub(crate) fn pager(ordinal: c_int) -> Result<Arc<Pager>> {
+pub fn pager(ordinal: c_int) -> Result<Arc<Pager>> {
     Pager::for_device(device(ordinal)?)
 }
 
@@ -116,7 +117,7 @@ pub(crate) fn pager(ordinal: c_int) -> Result<Arc<Pager>> {
 /// # Safety
 /// `p` is NULL or points to a NUL-terminated string that stays alive and unchanged for
 /// `'a` (the duration of the exported call).
-pub(crate) unsafe fn tag<'a>(p: *const c_char, what: &str) -> Result<&'a str> {
+pub unsafe fn tag<'a>(p: *const c_char, what: &str) -> Result<&'a str> {
     if p.is_null() {
         return Err(untagged(format!(
             "{what} is NULL; pass a NUL-terminated UTF-8 tag"
@@ -136,7 +137,7 @@ pub(crate) unsafe fn tag<'a>(p: *const c_char, what: &str) -> Result<&'a str> {
 ///
 /// # Safety
 /// `tags` is NULL or points to `n` readable pointers, each NULL or as for [`tag`].
-pub(crate) unsafe fn tags<'a>(tags: *const *const c_char, n: usize) -> Result<Vec<&'a str>> {
+pub unsafe fn tags<'a>(tags: *const *const c_char, n: usize) -> Result<Vec<&'a str>> {
     if n == 0 {
         return Ok(Vec::new());
     }
@@ -163,7 +164,7 @@ pub(crate) unsafe fn tags<'a>(tags: *const *const c_char, n: usize) -> Result<Ve
 ///
 /// # Safety
 /// `out` is NULL or valid for a write of a `T`.
-pub(crate) unsafe fn write_out<T>(out: *mut T, value: T) {
+pub unsafe fn write_out<T>(out: *mut T, value: T) {
     if !out.is_null() {
         // SAFETY: non-NULL and valid for a write of `T` (the contract); `write` does not read
         // (or drop) what the caller's memory held.
@@ -172,7 +173,7 @@ pub(crate) unsafe fn write_out<T>(out: *mut T, value: T) {
 }
 
 /// Fails when a required out-pointer is NULL (checked before the call does anything).
-pub(crate) fn required<T>(out: *mut T, what: &str) -> Result<()> {
+pub fn required<T>(out: *mut T, what: &str) -> Result<()> {
     if out.is_null() {
         return Err(untagged(format!(
             "{what} is NULL; pass where to store the result"

@@ -25,14 +25,12 @@
 //! not a fault.
 
 mod api;
-mod boundary;
+pub mod boundary;
 mod logs;
-mod tms;
 mod torch;
 mod types;
 
 pub use api::*;
 pub use logs::*;
-pub use tms::*;
 pub use torch::*;
 pub use types::*;

@@ -56,7 +56,7 @@ extern "C" fn forked() {
 /// their locks is taken: a lock a parent thread held at the fork is never released in the
 /// child, and the parent's segments are not the child's. Every entry point that takes one
 /// of their locks calls this first.
-pub(crate) fn check_process() -> Result<()> {
+pub fn check_process() -> Result<()> {
     if !WATCHING.load(Ordering::Acquire)
         && WATCHING
             .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
@@ -92,16 +92,29 @@ thread_local! {
 pub unsafe extern "C" fn gpu_pager_use_tag(device: c_int, tag: *const c_char) -> gpu_pager_code {
     call("gpu_pager_use_tag", || {
         let d = boundary::device(device)?;
-        if tag.is_null() {
-            CURRENT.with(|c| c.borrow_mut().remove(&d));
-            return Ok(());
-        }
-        // SAFETY: `tag` is non-NULL, NUL-terminated and alive for this call (the contract).
-        let tag = unsafe { boundary::tag(tag, "tag") }?;
-        boundary::pager(device)?.info(tag)?;
-        CURRENT.with(|c| c.borrow_mut().insert(d, tag.to_owned()));
-        Ok(())
+        let tag = if tag.is_null() {
+            None
+        } else {
+            // SAFETY: `tag` is non-NULL, NUL-terminated and alive for this call (the contract).
+            Some(unsafe { boundary::tag(tag, "tag") }?)
+        };
+        use_tag(d, tag)
     })
+}
+
+/// Sets (`None`: clears) the calling thread's current tag for device `d`, as
+/// [`gpu_pager_use_tag`] does; for Rust callers such as the Python extension.
+pub fn use_tag(d: usize, tag: Option<&str>) -> Result<()> {
+    match tag {
+        None => {
+            CURRENT.with(|c| c.borrow_mut().remove(&d));
+        }
+        Some(tag) => {
+            Pager::for_device(d)?.info(tag)?;
+            CURRENT.with(|c| c.borrow_mut().insert(d, tag.to_owned()));
+        }
+    }
+    Ok(())
 }
 
 /// The calling thread's current tag for `device` (set by [`gpu_pager_use_tag`]), for
@@ -146,7 +159,7 @@ pub extern "C" fn gpu_pager_torch_malloc(
 /// Allocates a segment of `size` bytes for device `d` in region `tag` and records it for
 /// [`free_segment`]; returns its device address. Refused (nothing allocated) for 0 bytes
 /// and while the region is released: the caller would write into unmapped memory at once.
-pub(crate) fn alloc_segment(d: usize, tag: &str, size: usize) -> Result<u64> {
+pub fn alloc_segment(d: usize, tag: &str, size: usize) -> Result<u64> {
     if size == 0 {
         return Err(Error::InvalidSize {
             tag: tag.to_owned(),
@@ -176,7 +189,7 @@ pub(crate) fn alloc_segment(d: usize, tag: &str, size: usize) -> Result<u64> {
 }
 
 /// The device of the segment at `addr` from [`alloc_segment`], if one starts there.
-pub(crate) fn segment_device(addr: u64) -> Result<Option<usize>> {
+pub fn segment_device(addr: u64) -> Result<Option<usize>> {
     check_process()?;
     Ok(segments().get(&addr).map(|(d, _)| *d))
 }
@@ -185,12 +198,7 @@ pub(crate) fn segment_device(addr: u64) -> Result<Option<usize>> {
 /// on `stream`, if given, that may use it, where the free unmaps; the pager waits for the
 /// whole device anyway). `size`, if known, is checked against the segment's (a mismatch is
 /// logged).
-pub(crate) fn free_segment(
-    d: usize,
-    addr: u64,
-    size: Option<usize>,
-    stream: Option<usize>,
-) -> Result<()> {
+pub fn free_segment(d: usize, addr: u64, size: Option<usize>, stream: Option<usize>) -> Result<()> {
     check_process()?;
     let pager = Pager::for_device(d)?;
     let buf = {

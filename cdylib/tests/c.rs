@@ -6,58 +6,20 @@
 //! only a cdylib: the `.so` lies next to this test's `deps/` directory.
 
 use std::path::{Path, PathBuf};
+
+use gpu_pager_faults::c_build::{self, built_library, workspace};
 use std::process::Command;
 
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("cdylib/ has a parent")
-        .to_path_buf()
-}
-
-/// `target/<profile>/libgpu_pager.so`, from this test's path `target/<profile>/deps/c-<hash>`.
 fn shared_library() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test knows its path");
-    let deps = exe.parent().expect("the test lies in deps/");
-    // deps/ first: that is where the build for this test puts it (target/<profile>/ holds a
-    // copy only after `cargo build`, maybe an older one).
-    let candidates = [
-        Some(deps.join("libgpu_pager.so")),
-        deps.parent().map(|d| d.join("libgpu_pager.so")),
-    ];
-    candidates
-        .into_iter()
-        .flatten()
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "libgpu_pager.so not found next to {}; build it with `cargo build -p \
-                 gpu-pager-cdylib` (cargo test builds it first)",
-                deps.display()
-            )
-        })
+    built_library("libgpu_pager.so", "gpu-pager-cdylib")
 }
 
-/// Runs the C compiler (`$CC`, else `cc`) on `source` with warnings as errors and `args`,
-/// writing `name` in the test's scratch directory; returns its path.
 fn cc(source: &Path, name: &str, args: &[&std::ffi::OsStr]) -> PathBuf {
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
-    let status = Command::new(&cc)
-        .args(["-Wall", "-Wextra", "-Werror", "-o"])
-        .arg(&out)
-        .arg("-I")
-        .arg(workspace().join("include"))
-        .arg(source)
-        .args(args)
-        .status()
-        .unwrap_or_else(|e| panic!("cannot run the C compiler `{cc}` (set CC): {e}"));
-    assert!(
-        status.success(),
-        "{cc} failed on {} ({status})",
-        source.display()
-    );
-    out
+    c_build::cc(
+        source,
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(name),
+        args,
+    )
 }
 
 /// Compiles `source` into an executable linked against libgpu_pager.so.
@@ -193,56 +155,4 @@ fn the_library_exports_exactly_the_header_functions() {
         .collect();
     exported.sort();
     assert_eq!(exported, declared);
-}
-
-/// The preload library with a stand-in CUDA runtime opened after the first call, and forked
-/// children while a thread is inside the drop-in (see `tests/c/preload.c`): review items 4
-/// and 10.
-#[test]
-fn the_preload_library_finds_a_late_runtime_and_never_hangs_a_fork_child() {
-    let c = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c");
-    let shared = [std::ffi::OsStr::new("-shared"), "-fPIC".as_ref()];
-    // As python/build.rs builds it for the wheel.
-    let preload = cc(
-        &workspace().join("preload/gpu_pager_preload.c"),
-        "libgpu_pager_preload.so",
-        &[
-            &shared[..],
-            &[
-                "-O2".as_ref(),
-                "-fvisibility=hidden".as_ref(),
-                "-ldl".as_ref(),
-                "-lpthread".as_ref(),
-            ],
-        ]
-        .concat(),
-    );
-    let runtime_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fake-cudart");
-    std::fs::create_dir_all(&runtime_dir).expect("the scratch directory is writable");
-    let runtime = cc(
-        &c.join("fake_cudart.c"),
-        "fake-cudart/libcudart.so.12",
-        &shared,
-    );
-    let exe = cc(
-        &c.join("preload.c"),
-        "preload",
-        &["-ldl".as_ref(), "-lpthread".as_ref()],
-    );
-    let core = shared_library();
-    let mut cmd = gpu_pager_faults::driver_stub::command(&exe);
-    let out = cmd
-        .args([&preload, &runtime])
-        .env("GPU_PAGER_CORE", &core)
-        .env(HOST_CAPACITY_ENV, "64M")
-        .env_remove("LD_LIBRARY_PATH")
-        .output()
-        .expect("the program runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success() && stdout.ends_with("ok\n"),
-        "{}\n{stdout}\n{stderr}",
-        out.status
-    );
 }

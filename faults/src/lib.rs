@@ -35,6 +35,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+pub mod c_build;
 pub mod driver_stub;
 mod hog;
 pub mod spool;

@@ -2,7 +2,7 @@
 
 import os
 from collections.abc import Iterable
-from typing import Any, ClassVar, final
+from typing import Any, ClassVar, Literal, final
 
 from typing_extensions import Buffer as _BytesLike, Self
 
@@ -28,6 +28,17 @@ __all__ = [
     "error_codes",
     "_torch_hook_state",
     "_error",
+    "_use_tag",
+    "_keep_forever",
+    "_tms_set_tag",
+    "_tms_tag",
+    "_tms_pause",
+    "_tms_resume",
+    "_tms_set_disk_dir",
+    "_tms_set_retain",
+    "_tms_retain",
+    "_tms_set_margin",
+    "_tms_backup_view",
     "Pager",
     "Lease",
     "Policy",
@@ -44,6 +55,14 @@ __all__ = [
 ]
 
 _Tags = str | Iterable[str]
+_PolicyName = Literal["preserve", "discard", "discard_zeroed"]
+"""A policy by name, where a ``Policy`` is taken."""
+_MediumName = Literal["pinned", "host", "file"]
+"""A backup medium: pinned host memory kept across cycles, host memory given back after each
+resume, or a file in the backup directory."""
+_KindName = Literal["fixed", "growing"]
+"""A region kind: all its bytes mapped while resident, or memory mapped only under its
+buffers."""
 
 DEFAULT_ALIGN: int
 """Default buffer alignment in bytes (256, what CUDA's own allocators guarantee)."""
@@ -57,6 +76,45 @@ def _torch_hook_state(device: int) -> tuple[str | None, str | None]:
     """``(tag, last_error)``: the calling thread's tag for torch segments on ``device``
     and the message of its last failed C call (used by ``gpu_pager.torch``)."""
 
+def _use_tag(device: int, tag: str | None) -> None:
+    """Sets (``None``: clears) the calling thread's tag for torch segments on ``device``;
+    the region must exist (``UnknownTagError``). ``gpu_pager.torch.use_tag`` calls it."""
+
+def _keep_forever(obj: object) -> None:
+    """Takes a reference to ``obj`` that is never given back (torch pools and allocators
+    that must outlive interpreter shutdown)."""
+
+# The torch_memory_saver drop-in's model (the drop-in wing), for
+# gpu_pager.compat.torch_memory_saver; not an API of its own.
+
+def _tms_set_tag(tag: str) -> None:
+    """Sets the calling thread's drop-in tag (at most 224 bytes: ``InvalidArgumentError``)."""
+
+def _tms_tag() -> str:
+    """The calling thread's drop-in tag (initially ``"default"``)."""
+
+def _tms_pause(tag: str | None = None) -> None:
+    """Pauses the drop-in's regions of ``tag`` (``None`` or empty: all) on every device."""
+
+def _tms_resume(tag: str | None = None) -> None:
+    """Resumes the drop-in's regions of ``tag`` (``None`` or empty: all) on every device."""
+
+def _tms_set_disk_dir(path: str | os.PathLike[str]) -> None:
+    """The directory of the drop-in's disk backups (created if missing)."""
+
+def _tms_set_retain(on: bool) -> None:
+    """Whether the drop-in's resumes keep the CPU backups."""
+
+def _tms_retain() -> bool:
+    """Whether the drop-in's resumes keep the CPU backups."""
+
+def _tms_set_margin(bytes: int) -> None:
+    """Routed allocations that would leave fewer than ``bytes`` free fail instead."""
+
+def _tms_backup_view(ptr: int, nbytes: int) -> memoryview | None:
+    """A writable view of the CPU backup of the ``nbytes`` device bytes at ``ptr`` while
+    their tag is paused (or resumed with the backup retained), else ``None``."""
+
 @final
 class Policy:
     """What happens to a region's contents across a release."""
@@ -68,7 +126,7 @@ class Policy:
     DISCARD_ZEROED: ClassVar[Policy]
     """Dropped on release; the memory comes back zero-filled."""
     @property
-    def value(self) -> str:
+    def value(self) -> _PolicyName:
         """``"preserve"``, ``"discard"`` or ``"discard_zeroed"``."""
     def __int__(self) -> int: ...
     def __eq__(self, other: object, /) -> bool: ...
@@ -81,7 +139,7 @@ class State:
     RESIDENT: ClassVar[State]
     RELEASED: ClassVar[State]
     @property
-    def value(self) -> str:
+    def value(self) -> Literal["resident", "released"]:
         """``"resident"`` or ``"released"``."""
     def __int__(self) -> int: ...
     def __eq__(self, other: object, /) -> bool: ...
@@ -107,14 +165,14 @@ class RegionInfo:
     def policy(self) -> Policy:
         """Contents policy."""
     @property
-    def medium(self) -> str:
+    def medium(self) -> _MediumName:
         """Where a ``PRESERVE`` region's contents go while released: ``"pinned"``, ``"host"``
         or ``"file"``."""
     @property
     def state(self) -> State:
         """State when the call returned."""
     @property
-    def kind(self) -> str:
+    def kind(self) -> Literal["fixed", "growing", "elastic"]:
         """How its memory is mapped: ``"fixed"``, ``"growing"`` or ``"elastic"``."""
     @property
     def id(self) -> int:
@@ -178,7 +236,7 @@ class RegionReport:
     def tag(self) -> str:
         """The region."""
     @property
-    def outcome(self) -> str:
+    def outcome(self) -> Literal["done", "already_done"]:
         """``"done"`` or ``"already_done"``."""
     @property
     def bytes(self) -> int:
@@ -198,7 +256,7 @@ class Report:
     """What one ``release`` or ``resume`` call did."""
 
     @property
-    def op(self) -> str:
+    def op(self) -> Literal["release", "resume"]:
         """``"release"`` or ``"resume"``."""
     @property
     def regions(self) -> list[RegionReport]:
@@ -312,7 +370,7 @@ class Pager:
     def device(self) -> int:
         """The device ordinal."""
     @property
-    def backend(self) -> str:
+    def backend(self) -> Literal["cuda", "host"]:
         """``"cuda"`` or ``"host"``."""
     @property
     def host_fallback(self) -> str | None:
@@ -320,11 +378,11 @@ class Pager:
     def region(
         self,
         tag: str,
-        policy: Policy | str,
+        policy: Policy | _PolicyName,
         bytes: int | None = None,
         prepin: bool = False,
-        medium: str = "pinned",
-        kind: str | None = None,
+        medium: _MediumName = "pinned",
+        kind: _KindName | None = None,
     ) -> RegionInfo:
         """Creates region ``tag`` (or returns the same existing one): ``kind`` ``"fixed"``
         (the default with ``bytes``) or ``"growing"`` (the default without)."""

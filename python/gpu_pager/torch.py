@@ -65,18 +65,19 @@ older one.
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import dataclasses
 import os
 import re
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_pager import _native
 from gpu_pager._native import Buffer, Lease, Pager, Policy, RegionInfo, Report
+
+if TYPE_CHECKING:
+    from gpu_pager._native import _MediumName, _PolicyName
 
 __all__ = [
     "TORCH_FLOOR",
@@ -92,12 +93,7 @@ __all__ = [
     "pool",
     "empty_cache",
     "graph_pool",
-    "keep_for_graphs",
-    "tag_pools",
-    "retire_pool",
-    "drop_pool_when_unused",
     "trim",
-    "trim_pools",
     "pager",
     "use",
     "region",
@@ -146,7 +142,6 @@ class _Retired:
 _old: list[_Retired] = []
 # Keys of pools that CUDA graphs were captured into: never retired by trim.
 _graphs: set[Any] = set()
-_lib: ctypes.CDLL | None = None
 
 
 TORCH_FLOOR = (2, 8)
@@ -187,7 +182,7 @@ def _keep_forever(obj: Any) -> None:
     were collected at exit in the wrong order, torch would abort with "Trying to free a
     pointer not allocated here". Kept alive, neither is destroyed; the process's exit
     returns the memory."""
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    _native._keep_forever(obj)
 
 
 def library_path() -> str:
@@ -198,28 +193,11 @@ def library_path() -> str:
     return path
 
 
-def _c() -> ctypes.CDLL:
-    global _lib
-    with _lock:
-        if _lib is None:
-            lib = ctypes.CDLL(library_path())
-            lib.gpu_pager_use_tag.argtypes = [ctypes.c_int, ctypes.c_char_p]
-            lib.gpu_pager_use_tag.restype = ctypes.c_int
-            _lib = lib
-        return _lib
-
-
-def _raise_code(code: int, fallback: str) -> None:
-    raise _native._error(code, last_error() or fallback)
-
-
 def use_tag(device: int, tag: str | None) -> None:
     """Sets (``None``: clears) the region that new torch segments on ``device`` come from,
     for the calling thread. The region must exist (``UnknownTagError``). ``use()`` does
     this for you."""
-    code = _c().gpu_pager_use_tag(device, None if tag is None else tag.encode())
-    if code != 0:
-        _raise_code(code, f"gpu_pager_use_tag failed with code {code}")
+    _native._use_tag(device, tag)
 
 
 def current_tag(device: int) -> str | None:
@@ -317,11 +295,12 @@ def _give_back(index: int) -> None:
             r.unused = _unused_bytes(r.pool)
 
 
-def trim_pools(pools: dict[Any, Any], keys: Iterable[Any], index: int) -> int:
+def _trim_pools(pools: dict[Any, Any], keys: Iterable[Any], index: int) -> int:
     """Retires each pool ``pools[key]`` of ``keys`` on device ``index`` that holds a segment
     with nothing allocated in it, except the pools of CUDA graphs, and lets torch free what
-    retired pools no longer use. Returns the bytes of the unused segments found. The
-    drop-ins call this with their own pools; ``trim`` with this module's."""
+    retired pools no longer use. Returns the bytes of the unused segments found. ``trim``
+    calls this with this module's pools, the drop-ins (``gpu_pager.compat._pools``) with
+    their own."""
     found = 0
     with _lock:
         for key in [k for k in keys if k in pools and k not in _graphs]:
@@ -336,14 +315,6 @@ def trim_pools(pools: dict[Any, Any], keys: Iterable[Any], index: int) -> int:
     return found
 
 
-def tag_pools(key: Any) -> list[Any]:
-    """The pools of ``key`` (``(tag, device)`` here, a drop-in's own key there) that may
-    hold segments: its current pool, if any, and the retired ones."""
-    with _lock:
-        current = [_pools[key]] if key in _pools else []
-        return current + [r.pool for r in _old if r.key == key]
-
-
 def trim(tags: str | Iterable[str] | None = None, device: Any = None) -> int:
     """Gives the device memory of segments with nothing allocated in them back from the
     pools of ``tags`` (default: every tag) on ``device``: what tensors freed inside the
@@ -352,20 +323,20 @@ def trim(tags: str | Iterable[str] | None = None, device: Any = None) -> int:
     index = _index(device)
     wanted = None if tags is None else set(_tags(tags))
     keys = [k for k in list(_pools) if k[1] == index and (wanted is None or k[0] in wanted)]
-    return trim_pools(_pools, keys, index)
+    return _trim_pools(_pools, keys, index)
 
 
 def graph_pool(tag: str, device: Any = None) -> Any:
     """``pool(tag, device)``, marked as a pool CUDA graphs are captured into: ``trim``
     leaves it alone, since its free blocks may hold state that a replay reads."""
     p = pool(tag, device)
-    keep_for_graphs((tag, _index(device)))
+    _keep_for_graphs((tag, _index(device)))
     return p
 
 
-def keep_for_graphs(key: Any) -> None:
+def _keep_for_graphs(key: Any) -> None:
     """Marks the pool of ``key`` (in this module's pools or a drop-in's) as one that CUDA
-    graphs are captured into: ``trim_pools`` never retires it."""
+    graphs are captured into: ``_trim_pools`` never retires it."""
     with _lock:
         _graphs.add(key)
 
@@ -383,8 +354,6 @@ def empty_cache(tags: str | Iterable[str] | None = None, device: Any = None) -> 
             _graphs.discard(key)
             _retire(_pools.pop(key), key, index)
     _give_back(index)
-    if _unused_later:
-        _drop_unused_pending()
 
 
 _threads = threading.local()
@@ -408,53 +377,6 @@ def _innermost_pool(index: int) -> Any:
     return next((p for i, p in reversed(stack) if i == index), None)
 
 
-def retire_pool(pool: Any, device: Any = None) -> None:
-    """Retires ``pool`` (a pool of torch's own allocator that a torch_memory_saver
-    ``disable()`` block allocated in): what it holds unused goes back to the device now,
-    and the rest as its tensors die, at a later ``torch.cuda.empty_cache()``. The pool
-    object is kept to the end of the process (destroying one aborts torch in some
-    states)."""
-    index = _index(device)
-    with _lock:
-        _retire(pool, None, index)
-    _give_back(index)
-
-
-# Pools of torch's own allocator that the torch_memory_saver drop-in's ``disable()`` blocks
-# ended with in preload mode, while tensors still lived in them: destroyed once empty.
-_unused_later: list[Any] = []
-
-
-def drop_pool_when_unused(pool: Any) -> None:
-    """Destroys ``pool`` (a pool of torch's own allocator that a torch_memory_saver
-    ``disable()`` block allocated in, where no allocations are routed to pools: preload
-    mode) once no tensor lives in it: at once when none does, else at a later call of this
-    or ``empty_cache``. Destroying it empties that pool's cache alone, where
-    ``retire_pool`` empties torch's whole cache (whose segments the preload library may
-    have routed into regions, to be paused and resumed). torch aborts when a pool is
-    destroyed while tensors live in it: such pools are kept past exit."""
-    torch = _torch()
-    with _lock:
-        if not _unused_later:
-            atexit.register(_keep_unused_later)
-        _unused_later.append(pool)
-    torch.cuda.synchronize()
-    _drop_unused_pending()
-
-
-def _keep_unused_later() -> None:
-    for p in list(_unused_later):
-        _keep_forever(p)
-
-
-def _drop_unused_pending() -> None:
-    """Destroys the pools ``drop_pool_when_unused`` kept whose tensors all died since."""
-    with _lock:
-        done = [p for p in _unused_later if not any(used for _, used in _segments(p))]
-        _unused_later[:] = [p for p in _unused_later if any(used for _, used in _segments(p))]
-    del done
-
-
 def pager(device: Any = None) -> Pager:
     """The pager of ``device`` (default: torch's current device)."""
     return Pager.for_device(_index(device))
@@ -463,10 +385,10 @@ def pager(device: Any = None) -> Pager:
 def _ensure_region(
     p: Pager,
     tag: str,
-    policy: Policy | str,
+    policy: Policy | _PolicyName,
     bytes: int | None,
     prepin: bool,
-    medium: str = "pinned",
+    medium: _MediumName = "pinned",
 ) -> RegionInfo:
     """Creates region ``tag`` (backed up in ``medium``), or returns it if it exists with
     ``policy``: without ``bytes`` an existing region is taken at its size and medium, so
@@ -516,7 +438,7 @@ def _tagged(index: int, tag: str) -> Iterator[None]:
 @contextmanager
 def use(
     tag: str,
-    policy: Policy | str = "preserve",
+    policy: Policy | _PolicyName = "preserve",
     bytes: int | None = None,
     device: Any = None,
     prepin: bool = False,
@@ -580,7 +502,7 @@ def disable(device: Any = None) -> Iterator[None]:
 def graph(
     cuda_graph: Any,
     tag: str = "cuda_graph",
-    policy: Policy | str = "preserve",
+    policy: Policy | _PolicyName = "preserve",
     stream: Any = None,
     capture_error_mode: str = "global",
     device: Any = None,

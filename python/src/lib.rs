@@ -9,15 +9,22 @@
 //! The module also carries the whole C ABI ([`gpu_pager_capi`], re-exported below), torch's
 //! allocator hooks (`gpu_pager_torch_malloc`/`gpu_pager_torch_free`/`gpu_pager_use_tag`)
 //! included: `gpu_pager.torch` hands torch this module's own path, so Python, torch and any
-//! C caller in the process share one copy of the library and one pager per device.
+//! C caller in the process share one copy of the library and one pager per device. It also
+//! carries the drop-in wing's C functions ([`gpu_pager_wing`], `include/gpu_pager_tms.h`)
+//! for the preload library. Python reaches both through PyO3 functions (`hooks`), never
+//! through `ctypes`.
 
 use pyo3::prelude::*;
 
 /// The C ABI, exported by the extension module itself (see the module docs).
 pub use gpu_pager_capi::*;
+/// The drop-in wing's C functions (`gpu_pager_tms_*`), which the preload library looks up
+/// in this module.
+pub use gpu_pager_wing::tms::{gpu_pager_tms_cuda_free, gpu_pager_tms_cuda_malloc};
 
 mod args;
 mod errors;
+mod hooks;
 mod pager;
 mod types;
 
@@ -31,6 +38,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(errors::error_codes, m)?)?;
     m.add_function(wrap_pyfunction!(errors::error, m)?)?;
     m.add_function(wrap_pyfunction!(torch_hook_state, m)?)?;
+    hooks::add_to(m)?;
     m.add_class::<pager::PyPager>()?;
     m.add_class::<pager::Lease>()?;
     m.add_class::<types::Policy>()?;

@@ -167,7 +167,7 @@ def test_a_region_s_kind_is_named_not_implied_by_a_size(pager: gpu_pager.Pager, 
     with pytest.raises(gpu_pager.InvalidSizeError, match="growing"):
         pager.region(tag + "_zero", "discard", 0)
     with pytest.raises(ValueError, match="fixed"):
-        pager.region(tag + "_bad", "discard", 2 * MIB, kind="elastic")
+        pager.region(tag + "_bad", "discard", 2 * MIB, kind="elastic")  # type: ignore[arg-type]
 
 
 def test_lease_is_a_context_manager(pager: gpu_pager.Pager, tag: str) -> None:
@@ -268,7 +268,7 @@ def test_bad_python_types(pager: gpu_pager.Pager, tag: str) -> None:
     pager.region(tag, "preserve", 2 * MIB)
     buf = pager.alloc(tag, 64)
     with pytest.raises(ValueError, match="unknown policy"):
-        pager.region(tag, "keep", 2 * MIB)
+        pager.region(tag, "keep", 2 * MIB)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         pager.region(tag, 1, 2 * MIB)  # type: ignore[arg-type]
     with pytest.raises(TypeError):

@@ -8,6 +8,7 @@ import ctypes
 import os
 import subprocess
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -66,13 +67,13 @@ def test_preloaded_entry_points_reach_the_package_s_own_core() -> None:
     share one core: a tag set through one is seen through the other."""
     code = """
         import ctypes
-        from gpu_pager.compat.torch_memory_saver import _core
+        from gpu_pager import _native
         api = ctypes.CDLL(None)
         api.tms_set_current_tag.argtypes = [ctypes.c_char_p]
         api.tms_get_current_tag.restype = ctypes.c_char_p
         api.tms_set_current_tag(b"one-core")
         assert api.tms_get_current_tag() == b"one-core"
-        assert _core.lib().gpu_pager_tms_tag() == b"one-core"
+        assert _native._tms_tag() == "one-core"
         assert api.tms_pause(None) == 0 and api.tms_resume(None) == 0
         print("ok")
     """
@@ -166,7 +167,8 @@ def _unnamed_files_in(directory: Path) -> int:
 def test_backup_media_through_the_pager(pager: gpu_pager.Pager, tmp_path: Path) -> None:
     pager.set_backup_dir(str(tmp_path))
     assert pager.backup_dir == str(tmp_path)
-    for medium in ["pinned", "host", "file"]:
+    media: list[Literal["pinned", "host", "file"]] = ["pinned", "host", "file"]
+    for medium in media:
         tag = f"media-{medium}"
         info = pager.region(tag, "preserve", 8 * MIB, medium=medium)
         assert info.medium == medium
@@ -184,7 +186,7 @@ def test_backup_media_through_the_pager(pager: gpu_pager.Pager, tmp_path: Path) 
         pager.remove(tag)
     assert not list(tmp_path.iterdir())
     with pytest.raises(ValueError, match="unknown backup medium"):
-        pager.region("media-bad", "preserve", 8 * MIB, medium="disk")
+        pager.region("media-bad", "preserve", 8 * MIB, medium="disk")  # type: ignore[arg-type]
     with pytest.raises(gpu_pager.InvalidArgumentError, match="preserve regions"):
         pager.region("media-kv", "discard", 8 * MIB, medium="host")
     with pytest.raises(gpu_pager.InvalidArgumentError):
@@ -198,15 +200,18 @@ def test_pager_errors_are_runtime_errors() -> None:
 
 
 def test_a_failed_core_call_raises_gpu_pager_s_exception() -> None:
-    """What pause and resume raise: the code's class, a RuntimeError (what callers of
-    torch and vLLM catch), with the core's message."""
-    from gpu_pager.compat.torch_memory_saver import _core
+    """What the drop-in's calls into the core raise: the code's class, a RuntimeError (what
+    callers of torch and vLLM catch), with the core's message; nothing changes."""
+    from gpu_pager import _native
 
-    oom = dict((n, c) for c, n in gpu_pager.error_codes())["OutOfMemory"]
-    with pytest.raises(gpu_pager.OutOfMemoryError) as e:
-        _core.check(oom, "resume('weights')")
-    assert isinstance(e.value, RuntimeError) and isinstance(e.value, MemoryError)
-    _core.check(0, "nothing")
+    before = _native._tms_tag()
+    with pytest.raises(gpu_pager.InvalidArgumentError, match="at most 224 bytes") as e:
+        _native._tms_set_tag("t" * 300)
+    assert isinstance(e.value, RuntimeError)
+    assert _native._tms_tag() == before
+    with pytest.raises(gpu_pager.InvalidArgumentError, match="directory is empty"):
+        _native._tms_set_disk_dir("")
+    assert _native._tms_backup_view(0x1000, 16) is None
 
 
 def test_a_missing_preload_library_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -160,6 +160,12 @@ def _gpt() -> Any:
     return gpt
 
 
+def _compat_pools() -> Any:
+    from gpu_pager.compat import _pools
+
+    return _pools
+
+
 class CuMemAllocator:
     """vLLM's ``CuMemAllocator`` on gpu_pager (see the module docs). One per process:
     ``CuMemAllocator.get_instance()``. Each tag is a growing ``PRESERVE`` region of the
@@ -307,10 +313,10 @@ class CuMemAllocator:
         nothing)."""
         if self._device is None:
             return {}
-        gpt = _gpt()
+        pools = _compat_pools()
         out: dict[int, AllocationData] = {}
         for tag in self._tags:
-            for pool in gpt.tag_pools((tag, self._device)):
+            for pool in pools.tag_pools((tag, self._device)):
                 for seg in pool.snapshot(include_traces=False):
                     address, size = int(seg["address"]), int(seg["total_size"])
                     out[address] = AllocationData(

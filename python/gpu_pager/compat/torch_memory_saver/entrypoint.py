@@ -5,7 +5,6 @@ route allocations through; this module keeps torch's pools, as torch_memory_save
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import os
 import threading
@@ -13,7 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from gpu_pager.compat.torch_memory_saver import _core
+from gpu_pager import _native
+from gpu_pager.compat import _pools
 from gpu_pager.compat.torch_memory_saver.binary_wrapper import BinaryWrapper
 from gpu_pager.compat.torch_memory_saver.hooks.mode_preload import (
     is_preloaded,
@@ -164,12 +164,12 @@ class TorchMemorySaver:
         """Whether resumes keep the CPU backups (their contents and addresses) instead of
         giving them back; initially ``TMS_RETAIN_CPU_BACKUP``."""
         self._ensure_initialized()
-        return bool(_core.lib().gpu_pager_tms_retain())
+        return _native._tms_retain()
 
     @retain_cpu_backup.setter
     def retain_cpu_backup(self, value: bool) -> None:
         self._ensure_initialized()
-        _core.lib().gpu_pager_tms_set_retain(bool(value))
+        _native._tms_set_retain(bool(value))
 
     def get_cpu_backup(self, x: Any, zero_copy: bool = False) -> Any:
         """A CPU tensor with ``x``'s bytes from its CPU backup while its tag is paused (or
@@ -181,9 +181,7 @@ class TorchMemorySaver:
         """The directory of disk backups (created if missing; on a real disk, not tmpfs)."""
         self._ensure_initialized()
         os.makedirs(path, exist_ok=True)
-        _core.check(
-            _core.lib().gpu_pager_tms_set_disk_dir(os.fsencode(path)), "set_disk_backup_dir"
-        )
+        _native._tms_set_disk_dir(path)
 
     def _validate_cpu_backup_backend(
         self, enable_cpu_backup: bool, cpu_backup_backend: _CpuBackupBackend | None
@@ -292,7 +290,7 @@ class _TorchMemorySaverImpl:
         of the regions' pools with nothing allocated in them; graph pools keep theirs)."""
         import gpu_pager.torch as gpt
 
-        gpt.trim_pools(self._mem_pools, keys, device)
+        _pools.trim_pools(self._mem_pools, keys, device)
 
     def _current_backend(self) -> str:
         backend: bytes = self._binary_wrapper.cdll.tms_get_cpu_backup_backend()
@@ -317,7 +315,7 @@ class _TorchMemorySaverImpl:
             key = (tag, enable_cpu_backup, False, resolved, device)
             import gpu_pager.torch as gpt
 
-            gpt.keep_for_graphs(key)
+            _pools.keep_for_graphs(key)
             pool = self._mem_pools[key].id
         with torch.cuda.graph(
             cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode
@@ -395,9 +393,9 @@ class _TorchMemorySaverImpl:
                 if self.hook_mode == "torch":
                     # Regions' pools route allocations meanwhile: destroying a pool now
                     # would abort torch.
-                    gpt.retire_pool(pool)
+                    _pools.retire_pool(pool)
                 else:
-                    gpt.drop_pool_when_unused(pool)
+                    _pools.drop_pool_when_unused(pool)
                 pool = None
             _disabling.depth = 0
             cdll.tms_set_interesting_region(True)
@@ -408,10 +406,10 @@ class _TorchMemorySaverImpl:
             device = int(_torch().cuda.current_device())
             keys = [k for k in self._mem_pools if not tag or k[0] == tag]
             self._trim(keys, device)
-        _core.check(_core.lib().gpu_pager_tms_pause(_core.tag_arg(tag)), f"pause({tag!r})")
+        _native._tms_pause(tag)
 
     def resume(self, tag: str | None) -> None:
-        _core.check(_core.lib().gpu_pager_tms_resume(_core.tag_arg(tag)), f"resume({tag!r})")
+        _native._tms_resume(tag)
 
     def get_cpu_backup(self, x: Any, zero_copy: bool = False) -> Any:
         torch = _torch()
@@ -420,13 +418,12 @@ class _TorchMemorySaverImpl:
         if not x.is_contiguous():
             raise ValueError("get_cpu_backup takes a contiguous tensor; pass its contiguous base")
         nbytes = int(x.nbytes)
-        ptr = _core.lib().gpu_pager_tms_backup_pointer(int(x.data_ptr()), nbytes)
-        if not ptr:
+        view = _native._tms_backup_view(int(x.data_ptr()), nbytes)
+        if view is None:
             return None
         if nbytes == 0:
             return torch.empty(x.shape, dtype=x.dtype)
-        raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
-        out = torch.frombuffer(raw, dtype=torch.uint8).view(x.dtype).view(x.shape)
+        out = torch.frombuffer(view, dtype=torch.uint8).view(x.dtype).view(x.shape)
         return out if zero_copy else out.clone()
 
 
@@ -446,12 +443,12 @@ def _check_one_core(cdll: Any) -> None:
     probe = f"gpu-pager-probe-{os.getpid()}"
     previous = cdll.tms_get_current_tag()
     cdll.tms_set_current_tag(probe.encode())
-    seen = _core.lib().gpu_pager_tms_tag()
+    seen = _native._tms_tag()
     cdll.tms_set_current_tag(previous)
-    if seen != probe.encode():
+    if seen != probe:
         raise RuntimeError(
             "gpu-pager's preload library runs another copy of gpu-pager than the gpu_pager "
-            f"package imported here ({_core.lib()._name}); set GPU_PAGER_CORE to that path, "
+            f"package imported here ({_native.__file__}); set GPU_PAGER_CORE to that path, "
             "or use the preload library of the same installation (configure_subprocess())"
         )
 

@@ -24,8 +24,8 @@
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::ffi::{CString, c_char, c_int, c_void};
-use std::path::PathBuf;
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{LazyLock, Mutex, MutexGuard, PoisonError};
 
@@ -33,9 +33,8 @@ use gpu_pager::{
     BackupFiles, Error, Medium, Pager, Policy, RegionOptions, Result, ResumeOptions, State,
 };
 
-use crate::boundary::{self, call, call_or, invalid, untagged, write_out};
-use crate::torch::{alloc_segment, check_process, free_segment, segment_device};
-use crate::types::gpu_pager_code;
+use gpu_pager_capi::boundary::{self, call, call_or, invalid, untagged, write_out};
+use gpu_pager_capi::{alloc_segment, check_process, free_segment, gpu_pager_code, segment_device};
 
 /// How a routed allocation's contents survive a pause.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -310,10 +309,162 @@ fn move_family(tag: Option<&str>, release: bool) -> Result<()> {
     first.map_or(Ok(()), Err)
 }
 
-/// The host address of the CPU backup of device bytes `ptr .. ptr + size`, as
-/// torch_memory_saver's `get_cpu_backup_pointer` answers: while their region is paused, or
-/// resumed with its backup retained; `None` otherwise.
-fn backup_pointer(ptr: u64, size: usize) -> Result<Option<u64>> {
+/// Runs `f` on this thread's route; `None` once the thread's locals are gone (a call from a
+/// thread-exit destructor), so that no panic reaches C.
+fn with_route<T>(f: impl FnOnce(&mut Route) -> T) -> Option<T> {
+    ROUTE
+        .try_with(|r| r.try_borrow_mut().ok().map(|mut r| f(&mut r)))
+        .ok()
+        .flatten()
+}
+
+/// Enters (`true`) or leaves this thread's region: while in one, allocations are routed
+/// to gpu-pager (torch_memory_saver's `tms_set_interesting_region`).
+pub fn set_enabled(on: bool) {
+    with_route(|r| r.enabled = on);
+}
+
+/// Whether this thread is in a region (torch_memory_saver's `tms_get_interesting_region`).
+pub fn enabled() -> bool {
+    with_route(|r| r.enabled).unwrap_or(false)
+}
+
+/// The longest tag `gpu_pager_tms_set_tag` (and [`set_tag`]) takes, in bytes: region names
+/// are the tag and a suffix of at most 32 bytes, within gpu-pager's 256.
+pub const GPU_PAGER_TMS_TAG_MAX_BYTES: usize = 224;
+const _: () = assert!(GPU_PAGER_TMS_TAG_MAX_BYTES + 32 == gpu_pager::MAX_TAG_BYTES);
+
+/// Sets this thread's tag: any UTF-8 string of at most [`GPU_PAGER_TMS_TAG_MAX_BYTES`] bytes without a
+/// NUL, the empty one included (its allocations are paused by a pause of every tag, as
+/// torch_memory_saver's). A longer one is `InvalidArgument` and changes nothing.
+pub fn set_tag(tag: &str) -> Result<()> {
+    if tag.len() > GPU_PAGER_TMS_TAG_MAX_BYTES {
+        return Err(untagged(format!(
+            "a tag of {} bytes (starting {:?}); the drop-in's tags hold at most \
+             {GPU_PAGER_TMS_TAG_MAX_BYTES} bytes (its region names add a suffix to the tag): pass a shorter \
+             tag",
+            tag.len(),
+            tag.chars().take(16).collect::<String>()
+        )));
+    }
+    let tag = CString::new(tag).map_err(|_| invalid(tag, "the tag holds a NUL byte"))?;
+    with_route(|r| r.tag = tag);
+    Ok(())
+}
+
+/// This thread's tag (initially `default`).
+pub fn tag() -> String {
+    with_route(|r| r.tag.to_string_lossy().into_owned()).unwrap_or_else(|| "default".to_owned())
+}
+
+/// Whether this thread's allocations keep a CPU backup across a pause.
+pub fn set_cpu_backup(on: bool) {
+    with_route(|r| r.cpu_backup = on);
+}
+
+/// See [`set_cpu_backup`].
+pub fn cpu_backup() -> bool {
+    with_route(|r| r.cpu_backup).unwrap_or(false)
+}
+
+/// Sets this thread's CPU backup backend: `"pinned"` (pinned host memory kept across
+/// cycles) or `"mmap"` (host memory given back after each resume). Anything else is
+/// `InvalidArgument` and changes nothing.
+pub fn set_cpu_backend(backend: &str) -> Result<()> {
+    let host = match backend {
+        "pinned" => false,
+        "mmap" => true,
+        other => {
+            return Err(untagged(format!(
+                "cpu_backup_backend must be 'pinned' or 'mmap', not {other:?}"
+            )));
+        }
+    };
+    with_route(|r| r.host = host);
+    Ok(())
+}
+
+/// This thread's CPU backup backend, `"pinned"` or `"mmap"`.
+pub fn cpu_backend() -> &'static CStr {
+    if with_route(|r| r.host).unwrap_or(false) {
+        c"mmap"
+    } else {
+        c"pinned"
+    }
+}
+
+/// Whether this thread's allocations keep a disk backup across a pause (it takes
+/// precedence over a CPU backup).
+pub fn set_disk_backup(on: bool) {
+    with_route(|r| r.disk = on);
+}
+
+/// See [`set_disk_backup`].
+pub fn disk_backup() -> bool {
+    with_route(|r| r.disk).unwrap_or(false)
+}
+
+/// Sets the directory of disk backups for every device (created if missing, and checked by
+/// writing a file there), before or after the first allocation; it wins over
+/// `GPU_PAGER_BACKUP_DIR` and `TMS_DISK_BACKUP_DIR`. Backups made before stay where they
+/// are. An empty path is `InvalidArgument` and changes nothing.
+pub fn set_disk_dir(dir: &Path) -> Result<()> {
+    check_process()?;
+    if dir.as_os_str().is_empty() {
+        return Err(untagged(
+            "the disk backup directory is empty; pass a directory on a real disk",
+        ));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| {
+        untagged(format!(
+            "the disk backup directory {} cannot be created: {e}; pass a writable directory \
+             on a real disk",
+            dir.display()
+        ))
+    })?;
+    let dir = std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
+    for (_, p) in gpu_pager::registry::pagers() {
+        p.set_backup_files(&dir, BackupFiles::Named)?;
+    }
+    *locked(&DISK_DIR) = Some(dir);
+    Ok(())
+}
+
+/// Routed allocations that would leave fewer than `bytes` of the device free fail as out of
+/// memory instead (torch_memory_saver's `memory_margin_bytes`); 0 turns the margin off.
+pub fn set_margin(bytes: u64) {
+    MARGIN.store(bytes, Ordering::Relaxed);
+}
+
+/// Whether resumes keep the CPU backups (torch_memory_saver's `retain_cpu_backup`,
+/// process-wide; initially `TMS_RETAIN_CPU_BACKUP`).
+pub fn set_retain(on: bool) {
+    RETAIN.store(on, Ordering::Relaxed);
+}
+
+/// See [`set_retain`].
+pub fn retain() -> bool {
+    RETAIN.load(Ordering::Relaxed)
+}
+
+/// Pauses the regions of `tag` (`None` or empty: every region made here) on every device:
+/// waits for device work, backs up what keeps a backup, gives the memory back. Idempotent.
+pub fn pause(tag: Option<&str>) -> Result<()> {
+    move_family(tag.filter(|t| !t.is_empty()), true)
+}
+
+/// Resumes the regions of `tag` (`None` or empty: every region made here) on every device,
+/// restoring what has a backup; CPU backups are then given back unless retained.
+/// Idempotent. Out of memory loses nothing: a later resume succeeds.
+pub fn resume(tag: Option<&str>) -> Result<()> {
+    move_family(tag.filter(|t| !t.is_empty()), false)
+}
+
+/// The host address of the CPU backup of the `size` device bytes at `ptr`, while their
+/// region is paused (or resumed with its backup retained); `None` otherwise (no backup, a
+/// disk backup, not a routed allocation). The memory stays gpu-pager's: the next pause
+/// overwrites it and a resume that does not retain it may give it back.
+pub fn backup_pointer(ptr: u64, size: usize) -> Result<Option<u64>> {
     check_process()?;
     for (d, pager) in gpu_pager::registry::pagers() {
         let Some((buf, offset)) = pager.buffer_containing(ptr) else {
@@ -334,32 +485,25 @@ fn backup_pointer(ptr: u64, size: usize) -> Result<Option<u64>> {
     Ok(None)
 }
 
-/// Runs `f` on this thread's route; `None` once the thread's locals are gone (a call from a
-/// thread-exit destructor), so that no panic reaches C.
-fn with_route<T>(f: impl FnOnce(&mut Route) -> T) -> Option<T> {
-    ROUTE
-        .try_with(|r| r.try_borrow_mut().ok().map(|mut r| f(&mut r)))
-        .ok()
-        .flatten()
-}
+// The C functions of the drop-in (include/gpu_pager_tms.h), for its preload library; each
+// is the Rust function above behind the C ABI's boundary.
 
-/// Enters (`true`) or leaves this thread's region: while in one, allocations are routed
-/// to gpu-pager (torch_memory_saver's `tms_set_interesting_region`).
+/// Enters (`true`) or leaves this thread's region: while in one, its allocations are
+/// routed to gpu-pager.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_set_enabled(on: bool) {
-    with_route(|r| r.enabled = on);
+    set_enabled(on);
 }
 
-/// Whether this thread is in a region (torch_memory_saver's `tms_get_interesting_region`).
+/// Whether this thread is in a region.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_enabled() -> bool {
-    with_route(|r| r.enabled).unwrap_or(false)
+    enabled()
 }
 
-/// Sets this thread's tag: any UTF-8 string of at most [`GPU_PAGER_TMS_TAG_MAX_BYTES`]
-/// bytes, the empty one included (its allocations are paused by a pause of every tag, as
-/// torch_memory_saver's). NULL, a string that is not UTF-8 and a longer one are
-/// `GPU_PAGER_ERROR_INVALID_ARGUMENT` and change nothing.
+/// Sets this thread's tag (any UTF-8 string, the empty one included). NULL, a string that is not UTF-8 and one of
+/// more than [`GPU_PAGER_TMS_TAG_MAX_BYTES`] bytes are `GPU_PAGER_ERROR_INVALID_ARGUMENT`
+/// and change nothing.
 ///
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string.
@@ -367,26 +511,9 @@ pub extern "C" fn gpu_pager_tms_enabled() -> bool {
 pub unsafe extern "C" fn gpu_pager_tms_set_tag(tag: *const c_char) -> gpu_pager_code {
     call("gpu_pager_tms_set_tag", || {
         // SAFETY: NULL or NUL-terminated and alive for this call (the contract).
-        let tag = unsafe { boundary::tag(tag, "tag") }?;
-        if tag.len() > GPU_PAGER_TMS_TAG_MAX_BYTES {
-            return Err(untagged(format!(
-                "a tag of {} bytes (starting {:?}); the drop-in's tags hold at most \
-                 {GPU_PAGER_TMS_TAG_MAX_BYTES} bytes (its region names add a suffix to the \
-                 tag): pass a shorter tag",
-                tag.len(),
-                tag.chars().take(16).collect::<String>()
-            )));
-        }
-        let tag = CString::new(tag).map_err(|_| invalid(tag, "the tag holds a NUL byte"))?;
-        with_route(|r| r.tag = tag);
-        Ok(())
+        set_tag(unsafe { boundary::tag(tag, "tag") }?)
     })
 }
-
-/// The longest tag [`gpu_pager_tms_set_tag`] takes: region names are the tag and a suffix
-/// of at most 32 bytes, within gpu-pager's 256.
-pub const GPU_PAGER_TMS_TAG_MAX_BYTES: usize = 224;
-const _: () = assert!(GPU_PAGER_TMS_TAG_MAX_BYTES + 32 == gpu_pager::MAX_TAG_BYTES);
 
 /// This thread's tag (initially `default`); valid until the thread's next
 /// `gpu_pager_tms_set_tag`. Never NULL.
@@ -399,18 +526,17 @@ pub extern "C" fn gpu_pager_tms_tag() -> *const c_char {
 /// Whether this thread's allocations keep a CPU backup across a pause.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_set_cpu_backup(on: bool) {
-    with_route(|r| r.cpu_backup = on);
+    set_cpu_backup(on);
 }
 
-/// See [`gpu_pager_tms_set_cpu_backup`].
+/// Whether this thread's allocations keep a CPU backup across a pause.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_cpu_backup() -> bool {
-    with_route(|r| r.cpu_backup).unwrap_or(false)
+    cpu_backup()
 }
 
-/// Sets this thread's CPU backup backend: `"pinned"` (pinned host memory kept across
-/// cycles) or `"mmap"` (host memory given back after each resume). Anything else is
-/// `GPU_PAGER_ERROR_INVALID_ARGUMENT` and changes nothing.
+/// Sets this thread's CPU backup backend: `"pinned"` (kept across cycles) or `"mmap"`
+/// (given back after each resume); anything else is `GPU_PAGER_ERROR_INVALID_ARGUMENT` and changes nothing.
 ///
 /// # Safety
 /// `backend` is NULL or a NUL-terminated string.
@@ -418,48 +544,32 @@ pub extern "C" fn gpu_pager_tms_cpu_backup() -> bool {
 pub unsafe extern "C" fn gpu_pager_tms_set_cpu_backend(backend: *const c_char) -> gpu_pager_code {
     call("gpu_pager_tms_set_cpu_backend", || {
         // SAFETY: NULL or NUL-terminated and alive for this call (the contract).
-        let name = unsafe { boundary::tag(backend, "backend") }?;
-        let host = match name {
-            "pinned" => false,
-            "mmap" => true,
-            other => {
-                return Err(untagged(format!(
-                    "cpu_backup_backend must be 'pinned' or 'mmap', not {other:?}"
-                )));
-            }
-        };
-        with_route(|r| r.host = host);
-        Ok(())
+        set_cpu_backend(unsafe { boundary::tag(backend, "backend") }?)
     })
 }
 
 /// This thread's CPU backup backend, `"pinned"` or `"mmap"` (a static string).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_cpu_backend() -> *const c_char {
-    if with_route(|r| r.host).unwrap_or(false) {
-        c"mmap".as_ptr()
-    } else {
-        c"pinned".as_ptr()
-    }
+    cpu_backend().as_ptr()
 }
 
 /// Whether this thread's allocations keep a disk backup across a pause (it takes
 /// precedence over a CPU backup).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_set_disk_backup(on: bool) {
-    with_route(|r| r.disk = on);
+    set_disk_backup(on);
 }
 
-/// See [`gpu_pager_tms_set_disk_backup`].
+/// Whether this thread's allocations keep a disk backup across a pause.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_disk_backup() -> bool {
-    with_route(|r| r.disk).unwrap_or(false)
+    disk_backup()
 }
 
-/// Sets the directory of disk backups for every device (created if missing, and checked
-/// by writing a file there), before or after the first allocation; it wins over
-/// `GPU_PAGER_BACKUP_DIR` and `TMS_DISK_BACKUP_DIR`. Backups made before stay where they
-/// are. An empty path is `GPU_PAGER_ERROR_INVALID_ARGUMENT` and changes nothing.
+/// Sets the directory of disk backups for every device (created if missing), before or
+/// after the first allocation; it wins over `GPU_PAGER_BACKUP_DIR` and
+/// `TMS_DISK_BACKUP_DIR`. An empty path is `GPU_PAGER_ERROR_INVALID_ARGUMENT`.
 ///
 /// # Safety
 /// `dir` is NULL or a NUL-terminated string.
@@ -467,51 +577,31 @@ pub extern "C" fn gpu_pager_tms_disk_backup() -> bool {
 pub unsafe extern "C" fn gpu_pager_tms_set_disk_dir(dir: *const c_char) -> gpu_pager_code {
     call("gpu_pager_tms_set_disk_dir", || {
         // SAFETY: NULL or NUL-terminated and alive for this call (the contract).
-        let dir = PathBuf::from(unsafe { boundary::tag(dir, "dir") }?);
-        check_process()?;
-        if dir.as_os_str().is_empty() {
-            return Err(untagged(
-                "the disk backup directory is empty; pass a directory on a real disk",
-            ));
-        }
-        std::fs::create_dir_all(&dir).map_err(|e| {
-            untagged(format!(
-                "the disk backup directory {} cannot be created: {e}; pass a writable \
-                     directory on a real disk",
-                dir.display()
-            ))
-        })?;
-        let dir = std::path::absolute(&dir).unwrap_or(dir);
-        for (_, p) in gpu_pager::registry::pagers() {
-            p.set_backup_files(&dir, BackupFiles::Named)?;
-        }
-        *locked(&DISK_DIR) = Some(dir);
-        Ok(())
+        set_disk_dir(Path::new(unsafe { boundary::tag(dir, "dir") }?))
     })
 }
 
 /// Routed allocations that would leave fewer than `bytes` of the device free fail as out of
-/// memory instead (torch_memory_saver's `memory_margin_bytes`); 0 turns the margin off.
+/// memory instead; 0 turns the margin off.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_set_margin(bytes: u64) {
-    MARGIN.store(bytes, Ordering::Relaxed);
+    set_margin(bytes);
 }
 
-/// Whether resumes keep the CPU backups (torch_memory_saver's `retain_cpu_backup`,
-/// process-wide; initially `TMS_RETAIN_CPU_BACKUP`).
+/// Whether resumes keep the CPU backups (process-wide; initially `TMS_RETAIN_CPU_BACKUP`).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_set_retain(on: bool) {
-    RETAIN.store(on, Ordering::Relaxed);
+    set_retain(on);
 }
 
-/// See [`gpu_pager_tms_set_retain`].
+/// Whether resumes keep the CPU backups.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_retain() -> bool {
-    RETAIN.load(Ordering::Relaxed)
+    retain()
 }
 
-/// Pauses the regions of `tag` (NULL or empty: every region made here) on every device: waits for
-/// device work, backs up what keeps a backup, gives the memory back. Idempotent.
+/// Pauses the regions of `tag` (NULL or empty: every region made here) on every device:
+/// waits for device work, backs up what keeps a backup, gives the memory back. Idempotent.
 ///
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string.
@@ -519,14 +609,13 @@ pub extern "C" fn gpu_pager_tms_retain() -> bool {
 pub unsafe extern "C" fn gpu_pager_tms_pause(tag: *const c_char) -> gpu_pager_code {
     call("gpu_pager_tms_pause", || {
         // SAFETY: as this function's contract.
-        let tag = unsafe { optional_tag(tag) }?;
-        move_family(tag, true)
+        pause(unsafe { optional_tag(tag) }?)
     })
 }
 
-/// Resumes the regions of `tag` (NULL or empty: every region made here) on every device, restoring
-/// what has a backup; CPU backups are then given back unless retained. Idempotent. Out of
-/// memory is `GPU_PAGER_ERROR_OUT_OF_MEMORY` and loses nothing: a later resume succeeds.
+/// Resumes the regions of `tag` (NULL or empty: every region made here) on every device,
+/// restoring what has a backup; CPU backups are then given back unless retained.
+/// Idempotent. Out of memory is `GPU_PAGER_ERROR_OUT_OF_MEMORY` and loses nothing.
 ///
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string.
@@ -534,13 +623,11 @@ pub unsafe extern "C" fn gpu_pager_tms_pause(tag: *const c_char) -> gpu_pager_co
 pub unsafe extern "C" fn gpu_pager_tms_resume(tag: *const c_char) -> gpu_pager_code {
     call("gpu_pager_tms_resume", || {
         // SAFETY: as this function's contract.
-        let tag = unsafe { optional_tag(tag) }?;
-        move_family(tag, false)
+        resume(unsafe { optional_tag(tag) }?)
     })
 }
 
-/// The tag a pause or resume names: NULL and the empty string are every tag, as
-/// torch_memory_saver treats a falsy tag.
+/// The tag a pause or resume names: NULL is every tag.
 ///
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string alive for `'a`.
@@ -549,14 +636,12 @@ unsafe fn optional_tag<'a>(tag: *const c_char) -> Result<Option<&'a str>> {
         return Ok(None);
     }
     // SAFETY: non-NULL, NUL-terminated and alive for 'a (the contract).
-    let tag = unsafe { boundary::tag(tag, "tag") }?;
-    Ok(Some(tag).filter(|t| !t.is_empty()))
+    unsafe { boundary::tag(tag, "tag") }.map(Some)
 }
 
 /// The host address of the CPU backup of the `size` device bytes at `ptr`, while their
-/// region is paused (or resumed with its backup retained); NULL otherwise (no backup, a
-/// disk backup, not a routed allocation). The memory stays gpu-pager's: the next pause
-/// overwrites it and a resume that does not retain it may give it back.
+/// region is paused (or resumed with its backup retained); NULL otherwise. The memory
+/// stays gpu-pager's: the next pause overwrites it.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpu_pager_tms_backup_pointer(ptr: u64, size: u64) -> *mut u8 {
     call_or("gpu_pager_tms_backup_pointer", std::ptr::null_mut(), || {

@@ -10,6 +10,7 @@ use std::ptr::null_mut;
 use gpu_pager::{Medium, Pager, Policy, State};
 use gpu_pager_capi::*;
 use gpu_pager_faults::spool;
+use gpu_pager_wing::tms::*;
 
 /// The tests share the process's regions, and one pauses all of them: one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());

@@ -8,9 +8,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// Records kept for [`take_records`] at most: the newest, older ones are dropped.
-#define QUEUED_RECORDS 256
-
 // `gpu_pager_resume_with`'s flag: keep the host memory of `GPU_PAGER_MEDIUM_HOST` backups
 // after restoring (the next release of unchanged contents then copies nothing).
 #define GPU_PAGER_RESUME_KEEP_HOST_BACKUPS 1
@@ -155,6 +152,28 @@ typedef uint32_t gpu_pager_medium;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// Which movers copy a `GPU_PAGER_PRESERVE` region's contents (`gpu_pager_config`'s
+// `save_route` and `restore_route`).
+enum gpu_pager_copy_route
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // The copy engine only; leaves the SMs to the application.
+  GPU_PAGER_ROUTE_ENGINE = 0,
+  // The copy kernel only (zero-copy loads or stores of pinned host memory).
+  GPU_PAGER_ROUTE_KERNEL = 1,
+  // Whichever of the two the first 64 MiB of a copy shows faster.
+  GPU_PAGER_ROUTE_FASTEST = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum gpu_pager_copy_route gpu_pager_copy_route;
+#else
+typedef uint32_t gpu_pager_copy_route;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // A device's pager, as `gpu_pager_device` describes it.
 typedef struct gpu_pager_device_info {
   // CUDA or host.
@@ -166,6 +185,29 @@ typedef struct gpu_pager_device_info {
   // Device memory free now, in bytes.
   uint64_t free_bytes;
 } gpu_pager_device_info;
+
+// A device's pager settings (`gpu_pager_configure`, `gpu_pager_get_config`). Start from
+// `gpu_pager_config_default()` and change the fields you choose: a field added in a later
+// version then keeps its default.
+typedef struct gpu_pager_config {
+  // Physical chunk size in bytes (default 512 MiB); rounded up to the granularity and to
+  // a power of two. Mapping costs per chunk; a region's last chunk wastes at most one
+  // chunk's rounding.
+  uint64_t chunk_bytes;
+  // On release, copy only the parts of a `GPU_PAGER_PRESERVE` region that changed since
+  // its last backup or restore (default true).
+  bool skip_unchanged;
+  // After each restore, compare the device contents with the backup's hashes; a
+  // mismatch fails the resume with `GPU_PAGER_ERROR_CORRUPTED` (default false: one hash
+  // pass per resume).
+  bool verify_restore;
+  // A `gpu_pager_copy_route`: who copies contents to the backup on release (default
+  // `GPU_PAGER_ROUTE_ENGINE`).
+  uint32_t save_route;
+  // A `gpu_pager_copy_route`: who restores contents on resume (default
+  // `GPU_PAGER_ROUTE_FASTEST`).
+  uint32_t restore_route;
+} gpu_pager_config;
 
 // What one `gpu_pager_release`, `gpu_pager_resume` or `gpu_pager_resume_on` call did, over
 // all its regions.
@@ -255,6 +297,26 @@ const char *gpu_pager_code_name(uint32_t code);
 // `out` is NULL (an error) or valid for a write of a `gpu_pager_device_info`.
 gpu_pager_code gpu_pager_device(int device,
                                 struct gpu_pager_device_info *out);
+
+// `gpu_pager_config`'s defaults: what a device's pager has unless `gpu_pager_configure`
+// chose otherwise.
+struct gpu_pager_config gpu_pager_config_default(void);
+
+// Chooses device `device`'s settings before its first use (before any other call on the
+// device opens its pager). Until then a later call replaces them; once the pager exists,
+// the same settings are accepted and others fail with `GPU_PAGER_ERROR_INVALID_ARGUMENT`,
+// changing nothing. An unknown route fails the same way.
+//
+// # Safety
+// `config` is NULL (an error) or valid for a read of a `gpu_pager_config`.
+gpu_pager_code gpu_pager_configure(int device, const struct gpu_pager_config *config);
+
+// Opens device `device`'s pager and writes its settings into `*out`, sizes as the pager
+// rounded them.
+//
+// # Safety
+// `out` is NULL (an error) or valid for a write of a `gpu_pager_config`.
+gpu_pager_code gpu_pager_get_config(int device, struct gpu_pager_config *out);
 
 // Creates region `tag` of `bytes` (rounded up to the granularity) on device `device`,
 // resident, at a device address that never changes while it exists; stores that address

@@ -211,6 +211,25 @@ pub enum Error {
         error: BackendError,
     },
 
+    /// A companion of the region ([`crate::Companion`]) failed while it moved; the move was
+    /// undone: the regions are as they were before the call, and the companions that had
+    /// run were undone.
+    #[error(
+        "companion `{companion}` of region `{tag}` failed during the {phase}: {reason}; the \
+         {phase} was undone (every region as before the call); fix what the companion \
+         reports, or remove the companion, and call again"
+    )]
+    Companion {
+        /// The region whose companion failed.
+        tag: String,
+        /// The companion's name.
+        companion: String,
+        /// `"release"` or `"resume"`.
+        phase: &'static str,
+        /// What the companion said.
+        reason: String,
+    },
+
     /// An invariant of gpu-pager itself failed: a bug, never the caller's input. The call
     /// changed nothing it could undo; please report it with the message.
     #[error(
@@ -272,6 +291,8 @@ pub enum ErrorCode {
     Backend = 15,
     /// [`Error::Internal`], and a backend's [`BackendError::Internal`].
     Internal = 16,
+    /// [`Error::Companion`].
+    Companion = 17,
     /// Not an [`Error`] variant: a foreign layer (C, Python) caught a panic inside
     /// gpu-pager at its boundary. Nothing was changed by the failed call as far as the
     /// pager can tell; it is a bug, please report it with the message.
@@ -280,7 +301,7 @@ pub enum ErrorCode {
 
 impl ErrorCode {
     /// Every code, in numeric order.
-    pub const ALL: [ErrorCode; 17] = [
+    pub const ALL: [ErrorCode; 18] = [
         ErrorCode::NotResident,
         ErrorCode::NotBacked,
         ErrorCode::UnknownTag,
@@ -297,6 +318,7 @@ impl ErrorCode {
         ErrorCode::Kv,
         ErrorCode::Backend,
         ErrorCode::Internal,
+        ErrorCode::Companion,
         ErrorCode::Panic,
     ];
 
@@ -366,6 +388,7 @@ impl Error {
             } => ErrorCode::Internal,
             Error::Backend { .. } => ErrorCode::Backend,
             Error::Internal { .. } => ErrorCode::Internal,
+            Error::Companion { .. } => ErrorCode::Companion,
         }
     }
 
@@ -391,7 +414,8 @@ impl Error {
             | Error::RegionFull { tag, .. }
             | Error::TagConflict { tag, .. }
             | Error::Corrupted { tag, .. }
-            | Error::BackupInUse { tag } => vec![tag.as_str()],
+            | Error::BackupInUse { tag }
+            | Error::Companion { tag, .. } => vec![tag.as_str()],
             Error::InvalidArgument { tag, .. }
             | Error::Kv { tag, .. }
             | Error::Internal { tag, .. } => tag.as_deref().into_iter().collect(),

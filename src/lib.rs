@@ -54,9 +54,11 @@ mod suballoc;
 pub use backup::file::{BACKUP_DIR_ENV, BackupFiles, MAX_FILE_CHUNK_BYTES};
 pub use error::{Error, ErrorCode, Result};
 pub use map_ahead::ABSORBED_MAP_ERROR;
+#[doc(hidden)]
+pub use pager::Tuning;
 pub use pager::{
-    Buffer, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, Lease, MAX_TAG_BYTES, Pager, PagerConfig,
-    ReleaseOptions, ResumeOptions, Stats,
+    Buffer, Companion, CompanionError, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, Lease, MAX_TAG_BYTES,
+    Pager, PagerConfig, ReleaseOptions, ResumeOptions, Stats,
 };
 pub use pump::{CopyRoute, PumpStats};
 pub use region::{Medium, Policy, RegionInfo, RegionKind, RegionOptions, RegionStats, State};

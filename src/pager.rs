@@ -5,7 +5,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-use crate::backend::{Backend, BackendKind, Mover, RawStream};
+use crate::backend::{Backend, BackendKind, RawStream};
 use crate::backup::file::{BackupFiles, FileIo};
 use crate::error::{Error, Result, nearest_tag};
 use crate::pump::{self, CopyRoute, PumpConfig};
@@ -16,123 +16,18 @@ use crate::report::Report;
 use crate::suballoc::AllocError;
 
 mod backup_read;
+mod companions;
+mod config;
 mod moves;
 mod overwritten;
 
-/// Default physical chunk size: 512 MiB. Mapping costs per handle, so large chunks map
-/// fast, and a region's last chunk wastes at most one chunk's rounding.
-pub const DEFAULT_CHUNK_BYTES: usize = 512 << 20;
+use config::round_chunk;
 
-/// The longest tag, in bytes: tags are names, and a bounded length bounds the cost of the
-/// "did you mean" of an unknown tag.
-pub const MAX_TAG_BYTES: usize = 256;
-
-/// Default buffer alignment: 256 bytes, what CUDA's own allocators guarantee.
-pub const DEFAULT_ALIGN: usize = 256;
-
-/// Pager settings.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PagerConfig {
-    /// Physical chunk size in bytes; rounded up to the backend's granularity and to a power
-    /// of two. A region smaller than a chunk is one chunk of its own (rounded) size.
-    /// [`RegionOptions::chunk_bytes`] overrides it per region. `Discard` and
-    /// `DiscardZeroed` regions that are not elastic use `discard_chunk_bytes` instead.
-    pub chunk_bytes: usize,
-    /// Physical chunk size of `Discard` and `DiscardZeroed` regions that are not elastic
-    /// (for a growing one, the largest piece one buffer is mapped in), rounded as
-    /// `chunk_bytes` (default 2 GiB: their resume copies nothing, so the fewest handles map
-    /// fastest; `usize::MAX`: one handle per region or buffer). Elastic regions, mapped and
-    /// trimmed chunk by chunk, keep `chunk_bytes`.
-    pub discard_chunk_bytes: usize,
-    /// On release, hash `Preserve` contents and copy only the hash chunks that changed since
-    /// the last backup or restore (default on).
-    pub skip_unchanged: bool,
-    /// Hash-chunk size in bytes for `skip_unchanged` and `verify_restore` (a multiple of
-    /// 16; default 32 MiB).
-    pub hash_chunk_bytes: usize,
-    /// After each restore, hash the device contents and compare with the backup's hashes;
-    /// a mismatch fails the resume with [`Error::Corrupted`] (default off: it costs one hash
-    /// pass over the contents on every resume). Not applied by [`Pager::resume_on`].
-    pub verify_restore: bool,
-    /// On resume, map `Preserve` regions in groups of doubling size, ahead on a helper
-    /// thread, and copy each group as soon as it is mapped (default on). Off: map the whole
-    /// region with one call, then copy.
-    pub overlap_restore: bool,
-    /// Which movers restore `Preserve` contents on resume (default [`CopyRoute::Fastest`]:
-    /// right after a trainer's free the copy kernel outruns the copy engine).
-    pub restore_route: CopyRoute,
-    /// Which movers copy `Preserve` contents to the backup on release (default
-    /// [`CopyRoute::Engine`]: it leaves the SMs to the application).
-    pub save_route: CopyRoute,
-    /// Bytes per unit of a pumped copy (default 256 MiB, about 5 ms over the link: smaller
-    /// units restore no faster and cost more fences; rounded up to a multiple of 4 KiB).
-    pub copy_unit_bytes: usize,
-    /// Units' worth of bytes queued per mover at most (default 2: one copying, one ready
-    /// behind it). What is in flight is all that a concurrent release of another tag waits
-    /// for.
-    pub copy_depth: usize,
-    /// The mover [`Pager::resume_on`] enqueues its restore with on the caller's stream
-    /// (default [`Mover::CopyEngine`]; [`Mover::CopyKernel`] launches the copy kernel there).
-    pub stream_mover: Mover,
-    /// On release, a gap of fewer than this many bytes between two spans that a `Preserve`
-    /// region saves (bytes marked overwritten, see [`Pager::set_overwritten`], or free space
-    /// between buffers) is copied along with them: one copy over a small gap costs less
-    /// than two copies. Those bytes are then restored too, which their undefined contents
-    /// allow. 0 copies exactly the unmarked bytes of live buffers. Default 1 MiB, which
-    /// crosses the link in about the time one copy call's fixed cost takes.
-    pub copy_gap_bytes: usize,
-    /// On the first release of a `Preserve` region without a backup (no `prepin`), with
-    /// `skip_unchanged` on: pin the backup and copy the whole region (a growing region's
-    /// whole buffers) into it in one pass, the pinning of later pieces overlapping the copy
-    /// of earlier ones, then hash it, so that the save that follows copies nothing (default
-    /// on; [`crate::report::Steps::pin`] says what it counts). A backup holding bytes marked
-    /// overwritten, which are never copied out, is pinned, then saved. Off: pin, then save.
-    pub first_save_overlap: bool,
-    /// Bytes per chunk of a file backup's transfers ([`crate::Medium::File`]): the pager
-    /// pins a staging buffer of twice this size on the first file transfer, and one chunk
-    /// crosses the link while the other is written to or read from the disk. Default
-    /// 64 MiB: sequential disk I/O at full speed, a small staging buffer. Clamped to
-    /// 4 KiB ..= [`crate::MAX_FILE_CHUNK_BYTES`].
-    pub file_chunk_bytes: usize,
-}
-
-/// What a release does beyond backing up and unmapping ([`Pager::release_with`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ReleaseOptions {
-    /// Tags (among those released) whose contents are dropped for this cycle instead of
-    /// backed up: they come back zeroed at the next resume.
-    pub drop: Vec<String>,
-}
-
-/// What a resume does beyond restoring ([`Pager::resume_with`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ResumeOptions {
-    /// Keep the host memory of [`crate::Medium::Host`] backups after restoring from them,
-    /// instead of giving it back (default: give it back). Kept, the next release of
-    /// unchanged contents copies nothing; it is given back by the first resume without this.
-    pub keep_host_backups: bool,
-}
-
-impl Default for PagerConfig {
-    fn default() -> Self {
-        PagerConfig {
-            chunk_bytes: DEFAULT_CHUNK_BYTES,
-            discard_chunk_bytes: 2 << 30,
-            skip_unchanged: true,
-            hash_chunk_bytes: crate::backup::DEFAULT_HASH_CHUNK_BYTES,
-            verify_restore: false,
-            overlap_restore: true,
-            restore_route: CopyRoute::Fastest,
-            save_route: CopyRoute::Engine,
-            copy_unit_bytes: pump::DEFAULT_UNIT_BYTES,
-            copy_depth: pump::DEFAULT_DEPTH,
-            stream_mover: Mover::CopyEngine,
-            copy_gap_bytes: 1 << 20,
-            first_save_overlap: true,
-            file_chunk_bytes: 64 << 20,
-        }
-    }
-}
+pub use companions::{Companion, CompanionError};
+pub use config::{
+    DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, MAX_TAG_BYTES, PagerConfig, ReleaseOptions, ResumeOptions,
+    Tuning,
+};
 
 /// A buffer sub-allocated inside a region: a handle (tag, offset, length), not a pointer.
 /// Get its device address with [`Pager::ptr`] while the region is resident.
@@ -265,6 +160,8 @@ pub struct Pager {
     /// The copies in flight on this device's link, per direction, over every call's pump
     /// (a fastest restore stays off the copy kernel while a release copies out).
     traffic: pump::Traffic,
+    /// Work registered to move with tags ([`Pager::add_companion`]), in registration order.
+    companions: RwLock<Vec<companions::Entry>>,
 }
 
 impl std::fmt::Debug for Pager {
@@ -384,16 +281,6 @@ fn check_options(tag: &str, policy: Policy, options: &RegionOptions) -> Result<(
     Ok(())
 }
 
-/// Rounds a chunk size up to the granularity `g` and then to a power of two.
-fn round_chunk(bytes: usize, g: usize) -> usize {
-    bytes
-        .max(g)
-        .div_ceil(g)
-        .saturating_mul(g)
-        .checked_next_power_of_two()
-        .unwrap_or(usize::MAX / 2 + 1)
-}
-
 impl Pager {
     /// A pager over `backend` with default settings.
     pub fn new(backend: Arc<dyn Backend>) -> Self {
@@ -402,37 +289,16 @@ impl Pager {
 
     /// A pager over `backend` with the given settings.
     pub fn with_config(backend: Arc<dyn Backend>, config: PagerConfig) -> Self {
-        let g = backend.info().granularity.max(1);
-        let chunk = round_chunk(config.chunk_bytes, g);
-        let discard_chunk = round_chunk(config.discard_chunk_bytes, g);
-        let hash_chunk = config
-            .hash_chunk_bytes
-            .max(16)
-            .checked_next_multiple_of(16)
-            .unwrap_or(usize::MAX / 16 * 16);
-        let copies = PumpConfig {
-            route: config.restore_route,
-            unit_bytes: config.copy_unit_bytes,
-            depth: config.copy_depth,
-        }
-        .normalized();
-        let files = Arc::new(FileIo::new(config.file_chunk_bytes));
+        let config = config.effective(backend.info().granularity);
         Pager {
+            files: Arc::new(FileIo::new(config.tuning.file_chunk_bytes)),
             backend,
-            config: PagerConfig {
-                file_chunk_bytes: files.chunk(),
-                chunk_bytes: chunk,
-                discard_chunk_bytes: discard_chunk,
-                hash_chunk_bytes: hash_chunk,
-                copy_unit_bytes: copies.unit_bytes,
-                copy_depth: copies.depth,
-                ..config
-            },
-            files,
+            config,
             pid: std::process::id(),
             regions: RwLock::new(BTreeMap::new()),
             by_base: RwLock::new(BTreeMap::new()),
             traffic: pump::Traffic::default(),
+            companions: RwLock::new(Vec::new()),
         }
     }
 
@@ -440,8 +306,8 @@ impl Pager {
     fn pump_config(&self, route: CopyRoute) -> PumpConfig {
         PumpConfig {
             route,
-            unit_bytes: self.config.copy_unit_bytes,
-            depth: self.config.copy_depth,
+            unit_bytes: self.config.tuning.copy_unit_bytes,
+            depth: self.config.tuning.copy_depth,
         }
     }
 
@@ -678,7 +544,7 @@ impl Pager {
         options: RegionOptions,
     ) -> Result<Region> {
         let default_chunk = if policy != Policy::Preserve && options.kind != RegionKind::Elastic {
-            self.config.discard_chunk_bytes
+            self.config.tuning.discard_chunk_bytes
         } else {
             self.config.chunk_bytes
         };

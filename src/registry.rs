@@ -5,6 +5,9 @@
 //! returns the same [`Arc`] afterwards. Each device has its own pager: its own backend,
 //! regions and streams. Pagers live until the process exits.
 //!
+//! [`Pager::configure`] chooses a device's settings ([`PagerConfig`]) before its pager is
+//! created; without it the pager has the default settings.
+//!
 //! Without a usable GPU (no driver, no device), device 0 gets the host backend, as
 //! [`crate::backend::auto`] does; [`Pager::backend_kind`] says so and [`host_fallback`]
 //! says why. Other devices are then an error. The host backend's capacity is half the
@@ -28,8 +31,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock, RwLock};
 
 use crate::backend::Backend;
-use crate::error::Result;
-use crate::pager::Pager;
+use crate::error::{Error, Result};
+use crate::pager::{Pager, PagerConfig};
 
 /// The environment variable that sets the host backend's capacity in bytes (see the
 /// module docs for the accepted forms): [`crate::backend::host::CAPACITY_ENV`].
@@ -37,6 +40,9 @@ pub use crate::backend::host::CAPACITY_ENV as HOST_CAPACITY_ENV;
 
 static PAGERS: RwLock<BTreeMap<usize, Arc<Pager>>> = RwLock::new(BTreeMap::new());
 static HOST_FALLBACK: OnceLock<String> = OnceLock::new();
+/// Settings chosen for devices whose pager does not exist yet; read (under `PAGERS`'s write
+/// lock) when it is created.
+static CONFIGS: RwLock<BTreeMap<usize, PagerConfig>> = RwLock::new(BTreeMap::new());
 
 impl Pager {
     /// The process's pager for device `ordinal`, created on first use (see
@@ -45,6 +51,42 @@ impl Pager {
     pub fn for_device(ordinal: usize) -> Result<Arc<Pager>> {
         for_device(ordinal)
     }
+
+    /// Chooses the settings of device `ordinal`'s pager, before its first use: the pager
+    /// [`Pager::for_device`] creates then has them. A later call replaces them until the
+    /// pager exists. Once it exists, the same settings (as the pager rounds them) are
+    /// accepted and anything else is [`Error::InvalidArgument`]: a live pager's regions were
+    /// made under its settings.
+    pub fn configure(ordinal: usize, config: PagerConfig) -> Result<()> {
+        configure(ordinal, config)
+    }
+}
+
+/// Same as [`Pager::configure`].
+pub fn configure(ordinal: usize, config: PagerConfig) -> Result<()> {
+    // Under the pagers' write lock, so a pager created concurrently sees either no settings
+    // or these, and this call sees that pager.
+    let map = PAGERS.write().unwrap_or_else(|p| p.into_inner());
+    if let Some(p) = map.get(&ordinal) {
+        let effective = config.effective(p.backend().info().granularity);
+        if effective == p.config() {
+            return Ok(());
+        }
+        return Err(Error::InvalidArgument {
+            tag: None,
+            reason: format!(
+                "device {ordinal}'s pager already exists with other settings ({:?}); settings \
+                 apply when the pager is created, so configure the device before its first use \
+                 (the first region, allocation or query on it), once per process",
+                p.config()
+            ),
+        });
+    }
+    CONFIGS
+        .write()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(ordinal, config);
+    Ok(())
 }
 
 /// Same as [`Pager::for_device`].
@@ -62,7 +104,13 @@ pub fn for_device(ordinal: usize) -> Result<Arc<Pager>> {
     if let Some(p) = map.get(&ordinal) {
         return Ok(p.clone());
     }
-    let pager = Arc::new(Pager::new(open(ordinal)?));
+    let config = CONFIGS
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&ordinal)
+        .copied()
+        .unwrap_or_default();
+    let pager = Arc::new(Pager::with_config(open(ordinal)?, config));
     map.insert(ordinal, pager.clone());
     Ok(pager)
 }

@@ -28,7 +28,7 @@ pub enum Outcome {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Steps {
     /// Allocating the pinned host backup (first release only, unless prepinned). For the
-    /// first release with [`crate::PagerConfig::first_save_overlap`], this includes copying
+    /// first release with [`crate::Tuning::first_save_overlap`], this includes copying
     /// into the backup what it pins (the whole region for a fixed one, the whole extent of
     /// each buffer whose backup is pinned for a growing one; the copy overlaps the pinning);
     /// that release's `copy` is then only what the save after it copied (nothing, unless
@@ -66,7 +66,7 @@ pub struct RegionReport {
     /// Physical bytes mapped (resume) or unmapped (release).
     pub bytes: usize,
     /// Bytes copied between device and host: by the pump, and, on a first release with
-    /// [`crate::PagerConfig::first_save_overlap`], while pinning (the whole region, or the
+    /// [`crate::Tuning::first_save_overlap`], while pinning (the whole region, or the
     /// extents of the growing region's buffers whose backups were pinned, timed in
     /// [`Steps::pin`]; [`Report::copies`] counts the pump's bytes only).
     pub copied: usize,

@@ -8,12 +8,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use gpu_pager::backend::RawStream;
-use gpu_pager::{Error, Lease, Pager, RegionOptions, ReleaseOptions, Result, ResumeOptions};
+use gpu_pager::{
+    Error, Lease, Pager, PagerConfig, RegionOptions, ReleaseOptions, Result, ResumeOptions,
+};
 
 use crate::boundary::{self, call, call_or, invalid, pager, required, untagged, write_out};
 use crate::types::{
-    GPU_PAGER_RESUME_KEEP_HOST_BACKUPS, gpu_pager_code, gpu_pager_device_info, gpu_pager_medium,
-    gpu_pager_policy, gpu_pager_region_kind, gpu_pager_report, gpu_pager_stats,
+    GPU_PAGER_RESUME_KEEP_HOST_BACKUPS, gpu_pager_code, gpu_pager_config, gpu_pager_copy_route,
+    gpu_pager_device_info, gpu_pager_medium, gpu_pager_policy, gpu_pager_region_kind,
+    gpu_pager_report, gpu_pager_stats,
 };
 
 /// The live buffer containing `ptr` in `pager`, and `ptr`'s offset in it.
@@ -111,6 +114,81 @@ pub unsafe extern "C" fn gpu_pager_device(
             total_bytes: mem.total as u64,
             free_bytes: mem.free as u64,
         };
+        // SAFETY: `out` is non-NULL (checked) and valid for a write (the contract).
+        unsafe { write_out(out, value) };
+        Ok(())
+    })
+}
+
+/// `gpu_pager_config`'s defaults: what a device's pager has unless `gpu_pager_configure`
+/// chose otherwise.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpu_pager_config_default() -> gpu_pager_config {
+    PagerConfig::default().into()
+}
+
+/// Chooses device `device`'s settings before its first use (before any other call on the
+/// device opens its pager). Until then a later call replaces them; once the pager exists,
+/// the same settings are accepted and others fail with `GPU_PAGER_ERROR_INVALID_ARGUMENT`,
+/// changing nothing. An unknown route fails the same way.
+///
+/// # Safety
+/// `config` is NULL (an error) or valid for a read of a `gpu_pager_config`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_configure(
+    device: c_int,
+    config: *const gpu_pager_config,
+) -> gpu_pager_code {
+    call("gpu_pager_configure", || {
+        if config.is_null() {
+            return Err(untagged(
+                "config is NULL; pass the settings, starting from gpu_pager_config_default()"
+                    .to_owned(),
+            ));
+        }
+        // SAFETY: non-NULL (checked) and valid for a read (the contract); plain data.
+        let c = unsafe { config.read() };
+        let route = |n: u32, field: &str| {
+            gpu_pager_copy_route::from_number(n).ok_or_else(|| {
+                untagged(format!(
+                    "config.{field} = {n} is not a gpu_pager_copy_route; use \
+                     GPU_PAGER_ROUTE_ENGINE, GPU_PAGER_ROUTE_KERNEL or GPU_PAGER_ROUTE_FASTEST"
+                ))
+            })
+        };
+        let chunk_bytes = usize::try_from(c.chunk_bytes).map_err(|_| {
+            untagged(format!(
+                "config.chunk_bytes = {} does not fit this machine's address space",
+                c.chunk_bytes
+            ))
+        })?;
+        Pager::configure(
+            boundary::device(device)?,
+            PagerConfig {
+                chunk_bytes,
+                skip_unchanged: c.skip_unchanged,
+                verify_restore: c.verify_restore,
+                save_route: route(c.save_route, "save_route")?,
+                restore_route: route(c.restore_route, "restore_route")?,
+                ..PagerConfig::default()
+            },
+        )
+    })
+}
+
+/// Opens device `device`'s pager and writes its settings into `*out`, sizes as the pager
+/// rounded them.
+///
+/// # Safety
+/// `out` is NULL (an error) or valid for a write of a `gpu_pager_config`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_get_config(
+    device: c_int,
+    out: *mut gpu_pager_config,
+) -> gpu_pager_code {
+    call("gpu_pager_get_config", || {
+        required(out, "out")?;
+        let value = gpu_pager_config::from(pager(device)?.config());
         // SAFETY: `out` is non-NULL (checked) and valid for a write (the contract).
         unsafe { write_out(out, value) };
         Ok(())

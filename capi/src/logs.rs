@@ -17,7 +17,7 @@ use crate::boundary::{call, untagged};
 use crate::types::gpu_pager_code;
 
 /// Records kept for [`take_records`] at most: the newest, older ones are dropped.
-pub const QUEUED_RECORDS: usize = 256;
+pub(crate) const QUEUED_RECORDS: usize = 256;
 
 #[allow(non_camel_case_types)] // the C name, as the header declares it
 /// A C log callback: `level` 1 (error) to 5 (trace), the record's target (`"gpu_pager"`)

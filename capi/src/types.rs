@@ -4,7 +4,7 @@
 
 use gpu_pager::backend::BackendKind;
 use gpu_pager::report::{Outcome, Report};
-use gpu_pager::{ErrorCode, Medium, Policy, RegionKind, Stats};
+use gpu_pager::{CopyRoute, ErrorCode, Medium, PagerConfig, Policy, RegionKind, Stats};
 
 /// The result of every `gpu_pager_*` call: `GPU_PAGER_OK` or the error's code. The numbers
 /// are gpu-pager's stable `ErrorCode`s (`Error::code()` in Rust) and never change;
@@ -47,6 +47,8 @@ pub enum gpu_pager_code {
     GPU_PAGER_ERROR_BACKEND = 15,
     /// An invariant of gpu-pager failed (a bug; the message says which, please report it).
     GPU_PAGER_ERROR_INTERNAL = 16,
+    /// A companion of a region failed while it moved; the move was undone.
+    GPU_PAGER_ERROR_COMPANION = 17,
     /// gpu-pager panicked inside the call (a bug; the message says where).
     GPU_PAGER_ERROR_PANIC = 99,
 }
@@ -73,6 +75,7 @@ impl From<ErrorCode> for gpu_pager_code {
             ErrorCode::Kv => C::GPU_PAGER_ERROR_KV,
             ErrorCode::Backend => C::GPU_PAGER_ERROR_BACKEND,
             ErrorCode::Internal => C::GPU_PAGER_ERROR_INTERNAL,
+            ErrorCode::Companion => C::GPU_PAGER_ERROR_COMPANION,
             ErrorCode::Panic => C::GPU_PAGER_ERROR_PANIC,
         }
     }
@@ -156,6 +159,80 @@ impl gpu_pager_medium {
         .into_iter()
         .find(|(c, _)| *c as u32 == n)
         .map(|(_, m)| m)
+    }
+}
+
+/// Which movers copy a `GPU_PAGER_PRESERVE` region's contents (`gpu_pager_config`'s
+/// `save_route` and `restore_route`).
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum gpu_pager_copy_route {
+    /// The copy engine only; leaves the SMs to the application.
+    GPU_PAGER_ROUTE_ENGINE = 0,
+    /// The copy kernel only (zero-copy loads or stores of pinned host memory).
+    GPU_PAGER_ROUTE_KERNEL = 1,
+    /// Whichever of the two the first 64 MiB of a copy shows faster.
+    GPU_PAGER_ROUTE_FASTEST = 2,
+}
+
+impl gpu_pager_copy_route {
+    const PAIRS: [(Self, CopyRoute); 3] = [
+        (Self::GPU_PAGER_ROUTE_ENGINE, CopyRoute::Engine),
+        (Self::GPU_PAGER_ROUTE_KERNEL, CopyRoute::Kernel),
+        (Self::GPU_PAGER_ROUTE_FASTEST, CopyRoute::Fastest),
+    ];
+
+    /// The route with this number, if any (C passes it as a plain `uint32_t`).
+    pub fn from_number(n: u32) -> Option<CopyRoute> {
+        Self::PAIRS
+            .into_iter()
+            .find(|(c, _)| *c as u32 == n)
+            .map(|(_, r)| r)
+    }
+
+    /// The number of `route`.
+    pub fn number(route: CopyRoute) -> u32 {
+        Self::PAIRS
+            .into_iter()
+            .find(|(_, r)| *r == route)
+            .map_or(Self::GPU_PAGER_ROUTE_FASTEST as u32, |(c, _)| c as u32)
+    }
+}
+
+/// A device's pager settings (`gpu_pager_configure`, `gpu_pager_get_config`). Start from
+/// `gpu_pager_config_default()` and change the fields you choose: a field added in a later
+/// version then keeps its default.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct gpu_pager_config {
+    /// Physical chunk size in bytes (default 512 MiB); rounded up to the granularity and to
+    /// a power of two. Mapping costs per chunk; a region's last chunk wastes at most one
+    /// chunk's rounding.
+    pub chunk_bytes: u64,
+    /// On release, copy only the parts of a `GPU_PAGER_PRESERVE` region that changed since
+    /// its last backup or restore (default true).
+    pub skip_unchanged: bool,
+    /// After each restore, compare the device contents with the backup's hashes; a
+    /// mismatch fails the resume with `GPU_PAGER_ERROR_CORRUPTED` (default false: one hash
+    /// pass per resume).
+    pub verify_restore: bool,
+    /// A `gpu_pager_copy_route`: who copies contents to the backup on release (default
+    /// `GPU_PAGER_ROUTE_ENGINE`).
+    pub save_route: u32,
+    /// A `gpu_pager_copy_route`: who restores contents on resume (default
+    /// `GPU_PAGER_ROUTE_FASTEST`).
+    pub restore_route: u32,
+}
+
+impl From<PagerConfig> for gpu_pager_config {
+    fn from(c: PagerConfig) -> Self {
+        gpu_pager_config {
+            chunk_bytes: c.chunk_bytes as u64,
+            skip_unchanged: c.skip_unchanged,
+            verify_restore: c.verify_restore,
+            save_route: gpu_pager_copy_route::number(c.save_route),
+            restore_route: gpu_pager_copy_route::number(c.restore_route),
+        }
     }
 }
 

@@ -27,6 +27,7 @@ vLLM's CuMemAllocator: ``gpu_pager.compat``.
 from gpu_pager._native import (
     DEFAULT_ALIGN,
     Buffer,
+    Config,
     Lease,
     Pager,
     PagerError,
@@ -39,6 +40,7 @@ from gpu_pager._native import (
     Stats,
     Steps,
     __version__,
+    configure,
     error_codes,
     NotResidentError,
     NotBackedError,
@@ -56,12 +58,14 @@ from gpu_pager._native import (
     KvError,
     BackendError,
     InternalError,
+    CompanionError,
     PanicError,
 )
 
 __all__ = [
     "DEFAULT_ALIGN",
     "Buffer",
+    "Config",
     "Lease",
     "Pager",
     "PagerError",
@@ -74,6 +78,7 @@ __all__ = [
     "Stats",
     "Steps",
     "__version__",
+    "configure",
     "error_codes",
     "NotResidentError",
     "NotBackedError",
@@ -91,5 +96,6 @@ __all__ = [
     "KvError",
     "BackendError",
     "InternalError",
+    "CompanionError",
     "PanicError",
 ]

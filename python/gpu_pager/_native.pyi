@@ -24,6 +24,7 @@ __all__ = [
     "KvError",
     "BackendError",
     "InternalError",
+    "CompanionError",
     "PanicError",
     "error_codes",
     "_torch_hook_state",
@@ -39,6 +40,8 @@ __all__ = [
     "_tms_retain",
     "_tms_set_margin",
     "_tms_backup_view",
+    "configure",
+    "Config",
     "Pager",
     "Lease",
     "Policy",
@@ -64,6 +67,10 @@ _KindName = Literal["fixed", "growing"]
 """A region kind: all its bytes mapped while resident, or memory mapped only under its
 buffers."""
 
+_RouteName = Literal["engine", "kernel", "fastest"]
+"""Who copies contents: the copy engine (leaves the SMs to the application), the copy
+kernel, or whichever the first 64 MiB of a copy shows faster."""
+
 DEFAULT_ALIGN: int
 """Default buffer alignment in bytes (256, what CUDA's own allocators guarantee)."""
 
@@ -71,6 +78,18 @@ __version__: str
 
 def error_codes() -> list[tuple[int, str]]:
     """Every error code as ``(number, name)``; the class of ``name`` is ``<name>Error``."""
+
+def configure(
+    device: int = 0,
+    *,
+    chunk_bytes: int | None = None,
+    skip_unchanged: bool | None = None,
+    verify_restore: bool | None = None,
+    save_route: _RouteName | None = None,
+    restore_route: _RouteName | None = None,
+) -> None:
+    """Chooses device ``device``'s pager settings before its first use; arguments left out
+    keep their defaults. Once the pager exists, other settings are ``InvalidArgumentError``."""
 
 def _torch_hook_state(device: int) -> tuple[str | None, str | None]:
     """``(tag, last_error)``: the calling thread's tag for torch segments on ``device``
@@ -144,6 +163,26 @@ class State:
     def __int__(self) -> int: ...
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
+
+@final
+class Config:
+    """A pager's settings (``Pager.config``), sizes as the pager rounded them."""
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Physical chunk size in bytes."""
+    @property
+    def skip_unchanged(self) -> bool:
+        """Whether a release copies only what changed since the last backup or restore."""
+    @property
+    def verify_restore(self) -> bool:
+        """Whether each restore is checked against the backup's hashes."""
+    @property
+    def save_route(self) -> _RouteName:
+        """Who copies contents to the backup on release."""
+    @property
+    def restore_route(self) -> _RouteName:
+        """Who restores contents on resume."""
 
 @final
 class RegionInfo:
@@ -370,6 +409,9 @@ class Pager:
     def device(self) -> int:
         """The device ordinal."""
     @property
+    def config(self) -> Config:
+        """The pager's settings (``configure`` chooses them before the first use)."""
+    @property
     def backend(self) -> Literal["cuda", "host"]:
         """``"cuda"`` or ``"host"``."""
     @property
@@ -503,6 +545,9 @@ class BackendError(PagerError):
 class InternalError(PagerError):
     """A bug: an invariant of gpu-pager failed (never the caller's input). Please report it with the
     message."""
+class CompanionError(PagerError):
+    """A companion of the region (Pager.add_companion) failed while it moved; the release or
+    resume was undone and every region is as before the call."""
 class PanicError(PagerError):
     """A bug: gpu-pager panicked inside the call and the binding caught it. Please report it with
     the message."""

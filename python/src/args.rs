@@ -141,6 +141,17 @@ pub(crate) fn medium(name: &str) -> PyResult<gpu_pager::Medium> {
     }
 }
 
+/// A copy route by name: `"engine"`, `"kernel"` or `"fastest"`.
+pub(crate) fn route(name: &str, what: &str) -> PyResult<gpu_pager::CopyRoute> {
+    gpu_pager::CopyRoute::from_name(name).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "unknown {what} {name:?}: use \"engine\" (the copy engine, leaving the SMs to \
+             the application), \"kernel\" (the copy kernel) or \"fastest\" (whichever the \
+             first 64 MiB of a copy shows faster)"
+        ))
+    })
+}
+
 /// A region kind by name: `"fixed"` or `"growing"` (elastic regions are the Rust KV
 /// cache's, which Python does not offer).
 pub(crate) fn region_kind(name: &str) -> PyResult<gpu_pager::RegionKind> {

@@ -63,6 +63,10 @@ fn doc(code: ErrorCode) -> &'static str {
             "A bug: an invariant of gpu-pager failed (never the caller's input). Please report \
              it with the message."
         }
+        ErrorCode::Companion => {
+            "A companion of the region (Pager.add_companion) failed while it moved; the release \
+             or resume was undone and every region is as before the call."
+        }
         ErrorCode::Panic => {
             "A bug: gpu-pager panicked inside the call and the binding caught it. Please report \
              it with the message."

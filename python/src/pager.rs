@@ -77,6 +77,44 @@ impl PyPager {
     }
 }
 
+/// Chooses the settings of device ``device``'s pager before its first use (before
+/// ``Pager.for_device`` or anything else opens it); arguments left out keep their defaults.
+/// Until the pager exists a later call replaces the settings; afterwards the same settings
+/// are accepted and others are ``InvalidArgumentError``, changing nothing.
+///
+/// ``chunk_bytes``: physical chunk size (default 512 MiB). ``skip_unchanged``: a release
+/// copies only what changed since the last backup or restore (default ``True``).
+/// ``verify_restore``: check each restore against the backup's hashes (default ``False``).
+/// ``save_route`` / ``restore_route``: ``"engine"``, ``"kernel"`` or ``"fastest"`` (defaults
+/// ``"engine"``, which leaves the SMs to the application, and ``"fastest"``).
+#[pyfunction]
+#[pyo3(signature = (device = None, *, chunk_bytes = None, skip_unchanged = None,
+    verify_restore = None, save_route = None, restore_route = None),
+    text_signature = "(device=0, *, chunk_bytes=None, skip_unchanged=None, verify_restore=None, save_route=None, restore_route=None)")]
+#[allow(clippy::too_many_arguments)] // Python's keyword arguments, one parameter each
+pub(crate) fn configure(
+    py: Python<'_>,
+    device: Option<&Bound<'_, PyAny>>,
+    chunk_bytes: Option<&Bound<'_, PyAny>>,
+    skip_unchanged: Option<bool>,
+    verify_restore: Option<bool>,
+    save_route: Option<&str>,
+    restore_route: Option<&str>,
+) -> PyResult<()> {
+    let device = device.map_or(Ok(0), |d| args::size(d, "device"))?;
+    let d = gpu_pager::PagerConfig::default();
+    let config = gpu_pager::PagerConfig {
+        chunk_bytes: chunk_bytes.map_or(Ok(d.chunk_bytes), |c| args::size(c, "chunk_bytes"))?,
+        skip_unchanged: skip_unchanged.unwrap_or(d.skip_unchanged),
+        verify_restore: verify_restore.unwrap_or(d.verify_restore),
+        save_route: save_route.map_or(Ok(d.save_route), |r| args::route(r, "save_route"))?,
+        restore_route: restore_route
+            .map_or(Ok(d.restore_route), |r| args::route(r, "restore_route"))?,
+        ..d
+    };
+    run(py, || gpu_pager::Pager::configure(device, config))
+}
+
 #[pymethods]
 impl PyPager {
     /// The pager of CUDA device ``device`` (default 0), created on first use. Device 0 runs
@@ -96,6 +134,12 @@ impl PyPager {
     #[getter]
     fn device(&self) -> usize {
         self.device
+    }
+
+    /// The pager's settings (see ``gpu_pager.configure``), sizes as the pager rounded them.
+    #[getter]
+    fn config(&self) -> crate::types::Config {
+        self.inner.config().into()
     }
 
     /// ``"cuda"`` on a GPU, ``"host"`` on host memory standing in for one.

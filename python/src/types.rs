@@ -110,6 +110,54 @@ impl State {
     }
 }
 
+/// A pager's settings (``Pager.config``; chosen with ``gpu_pager.configure`` before the
+/// device's first use), sizes as the pager rounded them.
+#[pyclass(module = "gpu_pager", frozen, get_all)]
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Physical chunk size in bytes: mapping costs per chunk, and a region's last chunk
+    /// wastes at most one chunk's rounding.
+    pub chunk_bytes: usize,
+    /// Whether a release copies only the parts of a ``PRESERVE`` region that changed since
+    /// its last backup or restore.
+    pub skip_unchanged: bool,
+    /// Whether each restore is checked against the backup's hashes (a mismatch is
+    /// ``CorruptedError``).
+    pub verify_restore: bool,
+    /// Who copies contents to the backup on release: ``"engine"``, ``"kernel"`` or
+    /// ``"fastest"``.
+    pub save_route: &'static str,
+    /// Who restores contents on resume: ``"engine"``, ``"kernel"`` or ``"fastest"``.
+    pub restore_route: &'static str,
+}
+
+impl From<gpu_pager::PagerConfig> for Config {
+    fn from(c: gpu_pager::PagerConfig) -> Self {
+        Config {
+            chunk_bytes: c.chunk_bytes,
+            skip_unchanged: c.skip_unchanged,
+            verify_restore: c.verify_restore,
+            save_route: c.save_route.name(),
+            restore_route: c.restore_route.name(),
+        }
+    }
+}
+
+#[pymethods]
+impl Config {
+    fn __repr__(&self) -> String {
+        format!(
+            "Config(chunk_bytes={}, skip_unchanged={}, verify_restore={}, save_route={:?}, \
+             restore_route={:?})",
+            self.chunk_bytes,
+            if self.skip_unchanged { "True" } else { "False" },
+            if self.verify_restore { "True" } else { "False" },
+            self.save_route,
+            self.restore_route
+        )
+    }
+}
+
 /// A region's description, as it was when the call returned.
 #[pyclass(module = "gpu_pager", frozen, get_all)]
 #[derive(Debug, Clone)]

@@ -2,7 +2,7 @@
 //! host's disk, for hosts whose memory cannot hold every GPU's weights.
 //!
 //! Bytes move between the device and the file through the pager's one pinned staging buffer
-//! ([`FileIo`], two halves of [`crate::PagerConfig::file_chunk_bytes`]): the copy of one
+//! ([`FileIo`], two halves of [`crate::Tuning::file_chunk_bytes`]): the copy of one
 //! chunk over the link overlaps the disk I/O of the other, so a move runs at the disk's
 //! speed and never needs host memory for the whole region.
 //!
@@ -58,6 +58,11 @@ pub const MAX_FILE_CHUNK_BYTES: usize = 1 << 30;
 
 /// Smallest staging half (one page).
 const MIN_FILE_CHUNK_BYTES: usize = 4096;
+
+/// A file chunk size within the bounds a [`FileIo`] works in.
+pub(crate) fn clamp_chunk(bytes: usize) -> usize {
+    bytes.clamp(MIN_FILE_CHUNK_BYTES, MAX_FILE_CHUNK_BYTES)
+}
 
 /// Backups start on this boundary in the spool, so that punching one out never touches a
 /// block of another.
@@ -284,14 +289,9 @@ impl FileIo {
                 dir,
                 ..Target::default()
             }),
-            chunk: chunk.clamp(MIN_FILE_CHUNK_BYTES, MAX_FILE_CHUNK_BYTES),
+            chunk: clamp_chunk(chunk),
             staging: Mutex::new(None),
         }
-    }
-
-    /// Bytes per half of the staging buffer.
-    pub fn chunk(&self) -> usize {
-        self.chunk
     }
 
     /// The directory new backups go to.

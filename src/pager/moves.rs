@@ -5,6 +5,7 @@
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::companions::Phase;
 use super::{Pager, ReleaseOptions, ResumeOptions};
 use crate::backend::{Backend, Fence, RawStream};
 use crate::backup::Saved;
@@ -66,6 +67,7 @@ impl Pager {
             .collect();
         self.pin_backups(regions, &mut parts)?;
         let copies = self.save_contents(tags, regions, &mut parts)?;
+        self.run_companions(Phase::Release, &moving(regions, &parts))?;
         let out = regions
             .iter_mut()
             .zip(&mut parts)
@@ -79,15 +81,15 @@ impl Pager {
     /// that a failure leaves every region resident.
     fn pin_backups(&self, regions: &mut Locked<'_>, parts: &mut [Part]) -> Result<()> {
         let backend = self.backend.as_ref();
-        let gap = self.config.copy_gap_bytes;
-        let fill = self.config.skip_unchanged && self.config.first_save_overlap;
+        let gap = self.config.tuning.copy_gap_bytes;
+        let fill = self.config.skip_unchanged && self.config.tuning.first_save_overlap;
         for (r, p) in regions.iter_mut().zip(parts) {
             if !p.contents {
                 continue;
             }
             if fill {
                 let (pin, hash, copied) =
-                    r.first_backup_from_device(backend, gap, self.config.hash_chunk_bytes)?;
+                    r.first_backup_from_device(backend, gap, self.config.tuning.hash_chunk_bytes)?;
                 (p.steps.pin, p.steps.hash, p.copied) = (pin, hash, copied);
             }
             p.steps.pin += r.ensure_backup(backend, gap)?;
@@ -121,8 +123,8 @@ impl Pager {
                         *s = r.save(
                             backend,
                             c.skip_unchanged,
-                            c.hash_chunk_bytes,
-                            c.copy_gap_bytes,
+                            c.tuning.hash_chunk_bytes,
+                            c.tuning.copy_gap_bytes,
                             p,
                         )?;
                     }
@@ -181,7 +183,8 @@ impl Pager {
                     .map(|f| fence = Some(Arc::from(f)))
                     .map_err(|e| Error::backend_of(tags, "recording the restore's fence", e)),
                 None => Ok(()),
-            });
+            })
+            .and_then(|()| self.run_companions(Phase::Resume, &moving(regions, &parts)));
         if let Err(e) = done {
             undo_resume(backend, tags, regions, &parts);
             return Err(e);
@@ -238,7 +241,7 @@ impl Pager {
         if !parts.iter().any(|p| p.contents) {
             return Ok(PumpStats::default());
         }
-        let overlap = self.config.overlap_restore;
+        let overlap = self.config.tuning.overlap_restore;
         let Some(stream) = stream else {
             let ((), pumped) = pump::scope(
                 backend,
@@ -256,7 +259,7 @@ impl Pager {
         let sink = &mut Sink::Stream {
             backend,
             stream,
-            mover: self.config.stream_mover,
+            mover: self.config.tuning.stream_mover,
         };
         restore_all(regions, parts, backend, sink, overlap)?;
         Ok(PumpStats::default())
@@ -280,7 +283,7 @@ impl Pager {
                 p.steps.fill = r.zero(backend)?;
             } else if r.policy == Policy::Preserve && verify {
                 let t = Instant::now();
-                r.verify(backend, self.config.hash_chunk_bytes)?;
+                r.verify(backend, self.config.tuning.hash_chunk_bytes)?;
                 p.steps.hash = t.elapsed();
             }
         }
@@ -326,6 +329,16 @@ fn undo_resume(backend: &dyn Backend, tags: &[&str], regions: &mut Locked<'_>, p
 /// Waits for a restore still in flight on the caller's stream before the host backups are
 /// given back: `None` once it is over, the fence again when the wait failed (the backups are
 /// then kept).
+/// The tags of the regions this call moves.
+fn moving<'a>(regions: &'a Locked<'_>, parts: &[Part]) -> Vec<&'a str> {
+    regions
+        .iter()
+        .zip(parts)
+        .filter(|(_, p)| p.moves)
+        .map(|(r, _)| r.tag.as_str())
+        .collect()
+}
+
 fn settle(
     backend: &dyn Backend,
     tags: &[&str],

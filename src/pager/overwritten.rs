@@ -18,7 +18,7 @@ impl Pager {
     ///   may hold their old values or anything else. Unmarked bytes, in this buffer or any
     ///   other, come back bit-exact as always.
     /// - A release may copy marked bytes anyway where that is cheaper: a run of marked
-    ///   bytes (or free space) shorter than [`super::PagerConfig::copy_gap_bytes`] (1 MiB
+    ///   bytes (or free space) shorter than [`super::Tuning::copy_gap_bytes`] (1 MiB
     ///   by default) between two spans it saves is copied with them, and then restored too.
     ///   Marked bytes at a buffer's edges next to a long gap, and long marked runs, are never
     ///   copied; with every byte of a region marked, release and resume only unmap and map.

@@ -666,7 +666,10 @@ fn the_callers_context_is_current_again_after_every_call() {
             // The pager over it.
             let config = PagerConfig {
                 chunk_bytes: g,
-                discard_chunk_bytes: g,
+                tuning: gpu_pager::Tuning {
+                    discard_chunk_bytes: g,
+                    ..gpu_pager::Tuning::default()
+                },
                 ..PagerConfig::default()
             };
             let pager = Arc::new(Pager::with_config(b.clone(), config));

@@ -313,7 +313,10 @@ fn gpu_growing_first_release_pins_and_copies_in_one_pass_bit_exact() {
             backend.clone(),
             PagerConfig {
                 verify_restore: true,
-                first_save_overlap: overlap,
+                tuning: gpu_pager::Tuning {
+                    first_save_overlap: overlap,
+                    ..gpu_pager::Tuning::default()
+                },
                 ..PagerConfig::default()
             },
         );

@@ -70,10 +70,13 @@ fn half_marked(growing: bool) {
     let pager = Pager::with_config(
         backend.clone(),
         PagerConfig {
-            copy_gap_bytes: 0,
-            // The first release saves exactly the unmarked bytes through the pump
-            // (gpu_pinned.rs covers the one-pass first backup with a marked buffer).
-            first_save_overlap: false,
+            tuning: gpu_pager::Tuning {
+                copy_gap_bytes: 0,
+                // The first release saves exactly the unmarked bytes through the pump
+                // (gpu_pinned.rs covers the one-pass first backup with a marked buffer).
+                first_save_overlap: false,
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     );

@@ -392,7 +392,10 @@ fn gpu_every_backup_medium_cycles_bit_exact() {
             let pager = Pager::with_config(
                 backend.clone(),
                 PagerConfig {
-                    file_chunk_bytes: 16 * MIB,
+                    tuning: gpu_pager::Tuning {
+                        file_chunk_bytes: 16 * MIB,
+                        ..gpu_pager::Tuning::default()
+                    },
                     ..PagerConfig::default()
                 },
             );

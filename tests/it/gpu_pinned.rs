@@ -1,6 +1,6 @@
 //! Pinned host memory by registration (`CudaBackend::pin`, behind `alloc_pinned`; batches,
 //! `CudaBackend::pin_many`, behind `alloc_pinned_many`) and fixed `Discard` regions in their
-//! own chunk size (`PagerConfig::discard_chunk_bytes`), on a GPU.
+//! own chunk size (`Tuning::discard_chunk_bytes`), on a GPU.
 //!
 //! Every test is `#[ignore = "needs a CUDA GPU"]` and fails (never passes) without one.
 //! Run on the H200 with `bash .gpu/on-device gpu-tests` after `scripts/gpu-pack` (see `scripts/gpu-check`).
@@ -342,8 +342,11 @@ fn first_release_without_prepin_pins_in_one_pass_and_restores_bit_exact() {
             b.clone(),
             PagerConfig {
                 verify_restore: true,
-                copy_gap_bytes: 0, // save exactly the unmarked bytes
-                first_save_overlap: overlap,
+                tuning: gpu_pager::Tuning {
+                    copy_gap_bytes: 0, // save exactly the unmarked bytes
+                    first_save_overlap: overlap,
+                    ..gpu_pager::Tuning::default()
+                },
                 ..PagerConfig::default()
             },
         );
@@ -501,11 +504,14 @@ fn discard_regions_in_discard_chunks_map_and_give_memory_back() {
         let pager = Pager::with_config(
             b.clone(),
             PagerConfig {
-                discard_chunk_bytes: discard,
+                tuning: gpu_pager::Tuning {
+                    discard_chunk_bytes: discard,
+                    ..gpu_pager::Tuning::default()
+                },
                 ..PagerConfig::default()
             },
         );
-        let chunk = pager.config().discard_chunk_bytes.min(size);
+        let chunk = pager.config().tuning.discard_chunk_bytes.min(size);
         for policy in [Policy::Discard, Policy::DiscardZeroed] {
             let what = format!("{policy:?}, {chunk}-byte chunks");
             let info = pager.region("kv", size, policy).unwrap();

@@ -199,9 +199,12 @@ fn pager_on_route(b: &Arc<CudaBackend>, restore: CopyRoute, save: CopyRoute) -> 
             restore_route: restore,
             save_route: save,
             chunk_bytes: 64 * MIB,
-            copy_unit_bytes: 4 * MIB / scale(),
-            // First saves through the pump too: its figures are what these tests check.
-            first_save_overlap: false,
+            tuning: gpu_pager::Tuning {
+                copy_unit_bytes: 4 * MIB / scale(),
+                // First saves through the pump too: its figures are what these tests check.
+                first_save_overlap: false,
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     )
@@ -318,8 +321,11 @@ fn every_route_restores_and_saves_bit_exact() {
         let pager_on = Pager::with_config(
             b.clone(),
             PagerConfig {
-                stream_mover: mover,
-                copy_unit_bytes: 4 * MIB / scale(),
+                tuning: gpu_pager::Tuning {
+                    stream_mover: mover,
+                    copy_unit_bytes: 4 * MIB / scale(),
+                    ..gpu_pager::Tuning::default()
+                },
                 ..PagerConfig::default()
             },
         );

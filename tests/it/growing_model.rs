@@ -124,11 +124,14 @@ proptest! {
         let backend = Arc::new(HostBackend::new(HostConfig { capacity: CAPACITY, granularity: G }));
         let pager = Pager::with_config(backend.clone(), PagerConfig {
             chunk_bytes: 128 * KIB,
+            verify_restore: true,
+tuning: gpu_pager::Tuning {
             hash_chunk_bytes: 16 * KIB,
             copy_gap_bytes: copy_gap,
-            verify_restore: true,
-            ..PagerConfig::default()
-        });
+..gpu_pager::Tuning::default()
+},
+..PagerConfig::default()
+});
         for (tag, policy) in TAGS {
             let info = pager.region_with(tag, 0, policy, gpu_pager::RegionOptions::GROWING).unwrap();
             prop_assert!((info.kind == gpu_pager::RegionKind::Growing) && !(info.kind == gpu_pager::RegionKind::Elastic));

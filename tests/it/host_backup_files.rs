@@ -470,12 +470,15 @@ fn the_file_chunk_is_clamped() {
     let pager = Pager::with_config(
         backend,
         PagerConfig {
-            file_chunk_bytes: usize::MAX,
+            tuning: gpu_pager::Tuning {
+                file_chunk_bytes: usize::MAX,
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     );
     assert_eq!(
-        pager.config().file_chunk_bytes,
+        pager.config().tuning.file_chunk_bytes,
         gpu_pager::MAX_FILE_CHUNK_BYTES
     );
 }

@@ -17,7 +17,10 @@ fn pager() -> Pager {
         backend,
         PagerConfig {
             chunk_bytes: MIB,
-            copy_gap_bytes: 0,
+            tuning: gpu_pager::Tuning {
+                copy_gap_bytes: 0,
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     )

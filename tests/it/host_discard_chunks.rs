@@ -1,4 +1,4 @@
-//! `PagerConfig::discard_chunk_bytes`: fixed `Discard` and `DiscardZeroed` regions map in
+//! `Tuning::discard_chunk_bytes`: fixed `Discard` and `DiscardZeroed` regions map in
 //! their own chunk size, everything else keeps `chunk_bytes`, and `RegionOptions::chunk_bytes`
 //! overrides both. Handles are counted exactly: every mapping dropped on release consumes one
 //! armed unmap fault of the fault-injecting backend.
@@ -22,7 +22,10 @@ fn setup(discard_chunk_bytes: usize) -> (Arc<HostBackend>, Arc<FaultyBackend>, P
         faulty.clone(),
         PagerConfig {
             chunk_bytes: MIB,
-            discard_chunk_bytes,
+            tuning: gpu_pager::Tuning {
+                discard_chunk_bytes,
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     );
@@ -47,16 +50,16 @@ fn handles_released(pager: &Pager, faulty: &FaultyBackend, tag: &str) -> u64 {
 fn defaults_are_powers_of_two_and_discard_is_the_larger() {
     let c = PagerConfig::default();
     assert_eq!(c.chunk_bytes, DEFAULT_CHUNK_BYTES);
-    assert!(c.chunk_bytes.is_power_of_two() && c.discard_chunk_bytes.is_power_of_two());
-    assert!(c.discard_chunk_bytes >= c.chunk_bytes);
+    assert!(c.chunk_bytes.is_power_of_two() && c.tuning.discard_chunk_bytes.is_power_of_two());
+    assert!(c.tuning.discard_chunk_bytes >= c.chunk_bytes);
 }
 
 #[test]
 fn the_setting_is_rounded_like_chunk_bytes() {
     let (_, _, pager) = setup(3 * MIB);
-    assert_eq!(pager.config().discard_chunk_bytes, 4 * MIB);
+    assert_eq!(pager.config().tuning.discard_chunk_bytes, 4 * MIB);
     let (_, _, pager) = setup(1);
-    assert_eq!(pager.config().discard_chunk_bytes, 64 * KIB);
+    assert_eq!(pager.config().tuning.discard_chunk_bytes, 64 * KIB);
 }
 
 #[test]

@@ -57,9 +57,12 @@ proptest! {
         }));
         let pager = Pager::with_config(backend, PagerConfig {
             chunk_bytes: 128 * KIB,
+tuning: gpu_pager::Tuning {
             hash_chunk_bytes: 32 * KIB,
-            ..PagerConfig::default()
-        });
+..gpu_pager::Tuning::default()
+},
+..PagerConfig::default()
+});
         let mut bufs = Vec::new();
         // What each buffer must hold; None: undefined (a Discard tag after a release).
         let mut want: Vec<Option<Vec<u8>>> = Vec::new();

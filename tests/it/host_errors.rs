@@ -212,18 +212,21 @@ fn extreme_settings_are_rounded_not_a_panic() {
         backend,
         gpu_pager::PagerConfig {
             chunk_bytes: usize::MAX,
-            discard_chunk_bytes: usize::MAX,
-            hash_chunk_bytes: usize::MAX,
-            copy_unit_bytes: usize::MAX,
-            copy_depth: usize::MAX,
-            copy_gap_bytes: usize::MAX,
             verify_restore: true,
+            tuning: gpu_pager::Tuning {
+                discard_chunk_bytes: usize::MAX,
+                hash_chunk_bytes: usize::MAX,
+                copy_unit_bytes: usize::MAX,
+                copy_depth: usize::MAX,
+                copy_gap_bytes: usize::MAX,
+                ..gpu_pager::Tuning::default()
+            },
             ..gpu_pager::PagerConfig::default()
         },
     );
     let c = p.config();
-    assert_eq!(c.hash_chunk_bytes % 16, 0);
-    assert!(c.hash_chunk_bytes >= 16);
+    assert_eq!(c.tuning.hash_chunk_bytes % 16, 0);
+    assert!(c.tuning.hash_chunk_bytes >= 16);
     p.region("weights", 8 * MIB, Policy::Preserve).unwrap();
     let b = p.alloc("weights", 3 * MIB + 5).unwrap();
     let data: Vec<u8> = (0..b.len()).map(|i| (i % 251) as u8).collect();

@@ -154,14 +154,17 @@ fn check(
         faulty.clone(),
         PagerConfig {
             chunk_bytes: 128 * KIB,
-            discard_chunk_bytes: 128 * KIB,
-            hash_chunk_bytes: 16 * KIB,
-            copy_gap_bytes: gap,
-            copy_unit_bytes: 4096,
             skip_unchanged: true,
             restore_route: route,
             save_route: route,
-            first_save_overlap,
+            tuning: gpu_pager::Tuning {
+                discard_chunk_bytes: 128 * KIB,
+                hash_chunk_bytes: 16 * KIB,
+                copy_gap_bytes: gap,
+                copy_unit_bytes: 4096,
+                first_save_overlap,
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     );

@@ -160,9 +160,12 @@ fn threads_moving_their_own_tags_with_faults_lose_nothing() {
         faulty.clone(),
         PagerConfig {
             chunk_bytes: 128 * KIB,
-            hash_chunk_bytes: 16 * KIB,
-            copy_unit_bytes: 4096,
-            copy_gap_bytes: 3000,
+            tuning: gpu_pager::Tuning {
+                hash_chunk_bytes: 16 * KIB,
+                copy_unit_bytes: 4096,
+                copy_gap_bytes: 3000,
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     ));

@@ -24,9 +24,12 @@ fn setup(skip_unchanged: bool) -> (Arc<HostBackend>, Arc<FaultyBackend>, Pager) 
         faulty.clone(),
         PagerConfig {
             chunk_bytes: MIB,
-            discard_chunk_bytes: MIB,
-            hash_chunk_bytes: 256 << 10,
             skip_unchanged,
+            tuning: gpu_pager::Tuning {
+                discard_chunk_bytes: MIB,
+                hash_chunk_bytes: 256 << 10,
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     );

@@ -40,12 +40,15 @@ fn pager_with(backend: Arc<dyn Backend>, skip_unchanged: bool, first_save_overla
         backend,
         PagerConfig {
             chunk_bytes: 2 * MIB,
-            hash_chunk_bytes: 256 * KIB,
-            copy_unit_bytes: 64 * KIB,
-            copy_gap_bytes: 0,
             verify_restore: true,
             skip_unchanged,
-            first_save_overlap,
+            tuning: gpu_pager::Tuning {
+                hash_chunk_bytes: 256 * KIB,
+                copy_unit_bytes: 64 * KIB,
+                copy_gap_bytes: 0,
+                first_save_overlap,
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     )
@@ -74,7 +77,7 @@ fn live_bytes(bufs: &[(Buffer, Vec<u8>)]) -> usize {
 fn first_release_copies_while_pinning_and_the_save_copies_nothing() {
     let backend = host();
     let pager = pager(backend.clone(), true);
-    assert!(pager.config().first_save_overlap, "on by default");
+    assert!(pager.config().tuning.first_save_overlap, "on by default");
     let mut rng = Rng::seeded("first_release_copies_while_pinning");
     let bufs = weights(&pager, &mut rng);
     let ptrs: Vec<u64> = bufs.iter().map(|(b, _)| pager.ptr(b).unwrap()).collect();
@@ -226,7 +229,7 @@ fn with_the_switch_off_the_first_save_goes_through_the_pump() {
     for case in ["switch off", "skip_unchanged off", "growing"] {
         let skip = case != "skip_unchanged off";
         let pager = pager_with(host(), skip, !skip);
-        assert_eq!(pager.config().first_save_overlap, !skip);
+        assert_eq!(pager.config().tuning.first_save_overlap, !skip);
         let mut rng = Rng::seeded("with_the_switch_off");
         let tag = "weights";
         let bufs = if case == "growing" {

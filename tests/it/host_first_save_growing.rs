@@ -28,14 +28,17 @@ fn setup() -> (Arc<HostBackend>, Arc<FaultyBackend>, Pager) {
         G,
         PagerConfig {
             chunk_bytes: 2 * MIB,
-            hash_chunk_bytes: HASH_CHUNK,
-            copy_unit_bytes: 64 * KIB,
-            copy_gap_bytes: 0,
             verify_restore: true,
+            tuning: gpu_pager::Tuning {
+                hash_chunk_bytes: HASH_CHUNK,
+                copy_unit_bytes: 64 * KIB,
+                copy_gap_bytes: 0,
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     );
-    assert!(pager.config().first_save_overlap, "on by default");
+    assert!(pager.config().tuning.first_save_overlap, "on by default");
     (host, faulty, pager)
 }
 

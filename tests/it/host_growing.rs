@@ -261,7 +261,10 @@ fn a_growing_region_resumes_back_to_back_buffers_in_few_map_calls() {
 fn back_to_back(overlap: bool, most: u64) {
     use gpu_pager_faults::FaultPoint;
     let config = gpu_pager::PagerConfig {
-        overlap_restore: overlap,
+        tuning: gpu_pager::Tuning {
+            overlap_restore: overlap,
+            ..common::small_chunks().tuning
+        },
         ..common::small_chunks()
     };
     let (host, faulty, pager) = common::faulty_host_pager(1 << 30, G, config);

@@ -52,7 +52,10 @@ fn every_medium_restores_fixed_and_growing_regions_bit_exact() {
     for medium in [Medium::Pinned, Medium::Host, Medium::File] {
         for bytes in [0, 24 * MIB] {
             let pager = pager_with(PagerConfig {
-                file_chunk_bytes: 1 << 20, // several chunks per buffer
+                tuning: gpu_pager::Tuning {
+                    file_chunk_bytes: 1 << 20, // several chunks per buffer
+                    ..common::small_chunks().tuning
+                },
                 ..common::small_chunks()
             });
             pager.set_backup_dir(&dir).unwrap();

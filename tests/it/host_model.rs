@@ -169,10 +169,13 @@ fn check_model(ops: Vec<Op>, copy_gap: usize) -> Result<(), TestCaseError> {
         backend.clone(),
         PagerConfig {
             chunk_bytes: 128 * KIB,
-            discard_chunk_bytes: 128 * KIB,
-            hash_chunk_bytes: 16 * KIB,
-            copy_gap_bytes: copy_gap,
             verify_restore: true,
+            tuning: gpu_pager::Tuning {
+                discard_chunk_bytes: 128 * KIB,
+                hash_chunk_bytes: 16 * KIB,
+                copy_gap_bytes: copy_gap,
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     );

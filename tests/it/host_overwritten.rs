@@ -25,12 +25,15 @@ fn setup(copy_gap: usize, granularity: usize) -> (Arc<HostBackend>, Pager) {
         backend.clone(),
         PagerConfig {
             chunk_bytes: 4 * MIB,
-            hash_chunk_bytes: 256 * KIB,
             verify_restore: true,
-            copy_gap_bytes: copy_gap,
-            // The first release saves exactly the unmarked bytes through the pump, as every
-            // later one does (tests/host_first_save.rs covers the one-pass first backup).
-            first_save_overlap: false,
+            tuning: gpu_pager::Tuning {
+                hash_chunk_bytes: 256 * KIB,
+                copy_gap_bytes: copy_gap,
+                // The first release saves exactly the unmarked bytes through the pump, as every
+                // later one does (tests/host_first_save.rs covers the one-pass first backup).
+                first_save_overlap: false,
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     );
@@ -319,7 +322,10 @@ fn a_mark_set_while_released_takes_effect_at_the_next_release() {
 
 #[test]
 fn small_marked_gaps_are_copied_along_by_default() {
-    let (_backend, pager) = setup(gpu_pager::PagerConfig::default().copy_gap_bytes, 64 * KIB);
+    let (_backend, pager) = setup(
+        gpu_pager::PagerConfig::default().tuning.copy_gap_bytes,
+        64 * KIB,
+    );
     let mut rng = Rng::seeded("small_gaps");
     pager.region("weights", 16 * MIB, Policy::Preserve).unwrap();
     let bufs = buffers(&pager, &mut rng, "weights", 3, 2 * MIB);

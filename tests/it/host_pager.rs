@@ -21,9 +21,12 @@ fn setup(capacity: usize) -> (Arc<HostBackend>, Pager) {
         backend.clone(),
         PagerConfig {
             chunk_bytes: 2 * MIB,
-            discard_chunk_bytes: 2 * MIB,
-            hash_chunk_bytes: 256 << 10,
             verify_restore: true,
+            tuning: gpu_pager::Tuning {
+                discard_chunk_bytes: 2 * MIB,
+                hash_chunk_bytes: 256 << 10,
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     );
@@ -572,9 +575,12 @@ fn verify_restore_catches_a_corrupted_restore() {
             backend.clone(),
             PagerConfig {
                 chunk_bytes: MIB,
-                discard_chunk_bytes: MIB,
                 verify_restore: true,
                 skip_unchanged,
+                tuning: gpu_pager::Tuning {
+                    discard_chunk_bytes: MIB,
+                    ..gpu_pager::Tuning::default()
+                },
                 ..PagerConfig::default()
             },
         );

@@ -27,12 +27,15 @@ fn pager(backend: Arc<dyn Backend>, route: CopyRoute) -> Pager {
         backend,
         PagerConfig {
             chunk_bytes: MIB,
-            hash_chunk_bytes: 256 * KIB,
-            copy_unit_bytes: UNIT,
             restore_route: route,
             save_route: route,
-            // First saves through the pump too: its figures are what these tests check.
-            first_save_overlap: false,
+            tuning: gpu_pager::Tuning {
+                hash_chunk_bytes: 256 * KIB,
+                copy_unit_bytes: UNIT,
+                // First saves through the pump too: its figures are what these tests check.
+                first_save_overlap: false,
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     )
@@ -146,7 +149,10 @@ fn the_stream_mover_of_resume_on_is_configurable() {
             backend,
             PagerConfig {
                 chunk_bytes: MIB,
-                stream_mover: mover,
+                tuning: gpu_pager::Tuning {
+                    stream_mover: mover,
+                    ..gpu_pager::Tuning::default()
+                },
                 ..PagerConfig::default()
             },
         );
@@ -157,7 +163,7 @@ fn the_stream_mover_of_resume_on_is_configurable() {
         pager.release(&["w"]).unwrap();
         pager.resume_on(&["w"], RawStream(0)).unwrap();
         assert!(read_all(&pager, &b) == data, "{mover}");
-        assert_eq!(pager.config().stream_mover, mover);
+        assert_eq!(pager.config().tuning.stream_mover, mover);
     }
 }
 
@@ -293,12 +299,16 @@ fn two_threads(route: CopyRoute) {
 #[test]
 fn the_copy_units_are_configurable_and_moves_stay_bit_exact() {
     for (unit, depth) in [(3 * KIB, 0), (128 * KIB, 4), (8 * MIB, 1)] {
+        let base = pager(host(MIB), CopyRoute::Fastest).config();
         let pager = Pager::with_config(
             host(64 * MIB),
             PagerConfig {
-                copy_unit_bytes: unit,
-                copy_depth: depth,
-                ..pager(host(MIB), CopyRoute::Fastest).config()
+                tuning: gpu_pager::Tuning {
+                    copy_unit_bytes: unit,
+                    copy_depth: depth,
+                    ..base.tuning
+                },
+                ..base
             },
         );
         pager.region("weights", 4 * MIB, Policy::Preserve).unwrap();
@@ -308,8 +318,8 @@ fn the_copy_units_are_configurable_and_moves_stay_bit_exact() {
         let want = write_all(&pager, &bufs, 7);
         let c = pager.config();
         // Normalized as at creation: 4 KiB multiples, at least one unit queued.
-        assert_eq!(c.copy_unit_bytes, unit.next_multiple_of(4 * KIB));
-        assert_eq!(c.copy_depth, depth.max(1));
+        assert_eq!(c.tuning.copy_unit_bytes, unit.next_multiple_of(4 * KIB));
+        assert_eq!(c.tuning.copy_depth, depth.max(1));
         let what = format!("units of {unit} × {depth}");
         let r = pager.release(&["weights"]).unwrap();
         assert!(r.copied() > 0 || unit != 3 * KIB, "{what}");
@@ -317,7 +327,7 @@ fn the_copy_units_are_configurable_and_moves_stay_bit_exact() {
         // Each restored span is cut into units of the new size: at least the bytes over
         // the unit, at most one partial unit more per span (one span per buffer at most).
         let units: usize = r.copies.units.iter().sum();
-        let u = c.copy_unit_bytes;
+        let u = c.tuning.copy_unit_bytes;
         assert!(
             r.copied().div_ceil(u) <= units && units <= r.copied() / u + bufs.len(),
             "{what}: {units} units for {} bytes",
@@ -337,8 +347,11 @@ fn a_fixed_regions_restore_is_cut_into_whole_units_whatever_its_chunk_size() {
         backend,
         PagerConfig {
             chunk_bytes: 64 * KIB,
-            hash_chunk_bytes: 256 * KIB,
-            copy_unit_bytes: 256 * KIB,
+            tuning: gpu_pager::Tuning {
+                hash_chunk_bytes: 256 * KIB,
+                copy_unit_bytes: 256 * KIB,
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     );

@@ -16,6 +16,7 @@ mod gpu_pump;
 mod growing_model;
 mod host_backup_files;
 mod host_backup_read;
+mod host_companions;
 mod host_discard_chunks;
 mod host_driver_floor;
 mod host_drop_model;

@@ -803,7 +803,7 @@ fn rejudge(rows: &mut [Row], link: &Link) {
 
 /// A first release without `prepin` of the weights' size, in a fixed region (one buffer) and
 /// in a growing one (`cfg.weight_buffers` buffers): the backup pinned and filled in one pass
-/// ([`gpu_pager::PagerConfig::first_save_overlap`]), the save after it copying nothing. The
+/// ([`gpu_pager::Tuning::first_save_overlap`]), the save after it copying nothing. The
 /// total against 1 s per 16 GiB, and the pinning with the copy in it against the link. Each
 /// sample is a first release (the backup is freed between samples). Leaves no region.
 fn first_release_rows(

@@ -417,13 +417,16 @@ pub fn run(
         device,
         PagerConfig {
             chunk_bytes: cfg.chunk_bytes,
-            // Discard regions in chunks too, so that injected map faults land mid-region.
-            discard_chunk_bytes: cfg.chunk_bytes,
-            hash_chunk_bytes: cfg.hash_chunk_bytes,
             skip_unchanged: cfg.skip_unchanged,
             verify_restore: cfg.verify_restore,
-            // Both restore paths (overlapped with mapping, or map then copy), by seed.
-            overlap_restore: cfg.seed.is_multiple_of(2),
+            tuning: gpu_pager::Tuning {
+                // Discard regions in chunks too, so that injected map faults land mid-region.
+                discard_chunk_bytes: cfg.chunk_bytes,
+                hash_chunk_bytes: cfg.hash_chunk_bytes,
+                // Both restore paths (overlapped with mapping, or map then copy), by seed.
+                overlap_restore: cfg.seed.is_multiple_of(2),
+                ..gpu_pager::Tuning::default()
+            },
             ..PagerConfig::default()
         },
     ));

@@ -195,8 +195,39 @@ static void marks(int dev) {
     free(back);
 }
 
+/* Settings before the device's first use: refused when malformed, applied to the pager the
+ * first call opens, fixed once it is open. */
+static void configure(int dev) {
+    EXPECT(gpu_pager_configure(dev, NULL), GPU_PAGER_ERROR_INVALID_ARGUMENT, "config is NULL");
+    gpu_pager_config bad = gpu_pager_config_default();
+    bad.restore_route = 7;
+    EXPECT(gpu_pager_configure(dev, &bad), GPU_PAGER_ERROR_INVALID_ARGUMENT, "restore_route = 7");
+    gpu_pager_config c = gpu_pager_config_default();
+    if (c.chunk_bytes != 512 * MIB || !c.skip_unchanged || c.verify_restore ||
+        c.save_route != GPU_PAGER_ROUTE_ENGINE || c.restore_route != GPU_PAGER_ROUTE_FASTEST) {
+        fprintf(stderr, "gpu_pager_config_default() is not the documented defaults\n");
+        failures++;
+    }
+    c.chunk_bytes = 3 * MIB;
+    c.verify_restore = true;
+    c.save_route = GPU_PAGER_ROUTE_FASTEST;
+    CHECK(gpu_pager_configure(dev, &c));
+    gpu_pager_config got;
+    CHECK(gpu_pager_get_config(dev, &got)); /* opens the pager */
+    if (got.chunk_bytes != 4 * MIB || !got.verify_restore || !got.skip_unchanged ||
+        got.save_route != GPU_PAGER_ROUTE_FASTEST || got.restore_route != GPU_PAGER_ROUTE_FASTEST) {
+        fprintf(stderr, "the pager does not have the configured settings (chunk %llu)\n",
+                (unsigned long long)got.chunk_bytes);
+        failures++;
+    }
+    CHECK(gpu_pager_configure(dev, &c)); /* the same settings again */
+    c.verify_restore = false;
+    EXPECT(gpu_pager_configure(dev, &c), GPU_PAGER_ERROR_INVALID_ARGUMENT, "before its first use");
+}
+
 int main(void) {
     const int dev = 0;
+    configure(dev);
     gpu_pager_device_info info;
     CHECK(gpu_pager_device(dev, &info));
     int host = info.kind == GPU_PAGER_BACKEND_HOST;

@@ -167,7 +167,10 @@ pub fn small_chunks() -> gpu_pager::PagerConfig {
     const MIB: usize = 1 << 20;
     gpu_pager::PagerConfig {
         chunk_bytes: 8 * MIB,
-        hash_chunk_bytes: MIB,
+        tuning: gpu_pager::Tuning {
+            hash_chunk_bytes: MIB,
+            ..gpu_pager::Tuning::default()
+        },
         ..gpu_pager::PagerConfig::default()
     }
 }

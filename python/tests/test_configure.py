@@ -1,0 +1,62 @@
+"""``gpu_pager.configure``: a device's settings, chosen before its pager exists."""
+
+from __future__ import annotations
+
+import pytest
+
+import gpu_pager
+from fresh import run_python
+
+
+def test_settings_apply_to_the_pager_created_after_them() -> None:
+    # A fresh interpreter: in this one, other tests have opened device 0's pager already.
+    done = run_python(
+        """
+        import gpu_pager
+        gpu_pager.configure(0)  # a later call replaces an earlier one
+        gpu_pager.configure(0, chunk_bytes=3 << 20, skip_unchanged=False,
+                            verify_restore=True, save_route="fastest", restore_route="engine")
+        c = gpu_pager.Pager.for_device(0).config
+        assert (c.chunk_bytes, c.skip_unchanged, c.verify_restore) == (4 << 20, False, True), c
+        assert (c.save_route, c.restore_route) == ("fastest", "engine"), c
+        # The same settings again are accepted, others refused and nothing changes.
+        gpu_pager.configure(0, chunk_bytes=3 << 20, skip_unchanged=False,
+                            verify_restore=True, save_route="fastest", restore_route="engine")
+        try:
+            gpu_pager.configure(0, verify_restore=False)
+        except gpu_pager.InvalidArgumentError as e:
+            assert "before its first use" in str(e), e
+        else:
+            raise AssertionError("other settings accepted after the first use")
+        assert gpu_pager.Pager.for_device(0).config.verify_restore
+        print(repr(c))
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Config(chunk_bytes=4194304, skip_unchanged=False" in done.stdout
+
+
+def test_an_open_pager_keeps_its_settings(pager: gpu_pager.Pager) -> None:
+    c = pager.config
+    same = dict(
+        chunk_bytes=c.chunk_bytes,
+        skip_unchanged=c.skip_unchanged,
+        verify_restore=c.verify_restore,
+        save_route=c.save_route,
+        restore_route=c.restore_route,
+    )
+    gpu_pager.configure(pager.device, **same)  # type: ignore[arg-type]
+    with pytest.raises(gpu_pager.InvalidArgumentError, match="before its first use"):
+        gpu_pager.configure(pager.device, verify_restore=not c.verify_restore)
+    assert pager.config.verify_restore == c.verify_restore
+
+
+def test_bad_settings_are_python_errors() -> None:
+    with pytest.raises(ValueError, match='unknown restore_route "sideways"'):
+        gpu_pager.configure(0, restore_route="sideways")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="chunk_bytes must be an int"):
+        gpu_pager.configure(0, chunk_bytes=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chunk_bytes must be between"):
+        gpu_pager.configure(0, chunk_bytes=-1)
+    with pytest.raises(TypeError):
+        gpu_pager.configure(0, 1 << 20)  # type: ignore[call-arg]

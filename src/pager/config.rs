@@ -1,0 +1,186 @@
+//! What a pager is configured with: the settings a user chooses ([`PagerConfig`]), the
+//! tuning knobs that only tests and benchmarks move ([`Tuning`]), and the options of one
+//! release or resume.
+
+use crate::backend::Mover;
+use crate::backup::file;
+use crate::pump::{self, CopyRoute, PumpConfig};
+
+/// Default physical chunk size: 512 MiB. Mapping costs per handle, so large chunks map
+/// fast, and a region's last chunk wastes at most one chunk's rounding.
+pub const DEFAULT_CHUNK_BYTES: usize = 512 << 20;
+
+/// The longest tag, in bytes: tags are names, and a bounded length bounds the cost of the
+/// "did you mean" of an unknown tag.
+pub const MAX_TAG_BYTES: usize = 256;
+
+/// Default buffer alignment: 256 bytes, what CUDA's own allocators guarantee.
+pub const DEFAULT_ALIGN: usize = 256;
+
+/// Pager settings: what a user of the pager chooses. C sets them with
+/// `gpu_pager_configure`, Python with `gpu_pager.configure`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagerConfig {
+    /// Physical chunk size in bytes; rounded up to the backend's granularity and to a power
+    /// of two. A region smaller than a chunk is one chunk of its own (rounded) size.
+    /// [`crate::RegionOptions::chunk_bytes`] overrides it per region. `Discard` and
+    /// `DiscardZeroed` regions that are not elastic map in larger chunks (see
+    /// [`Tuning::discard_chunk_bytes`]).
+    pub chunk_bytes: usize,
+    /// On release, hash `Preserve` contents and copy only the hash chunks that changed since
+    /// the last backup or restore (default on).
+    pub skip_unchanged: bool,
+    /// After each restore, hash the device contents and compare with the backup's hashes;
+    /// a mismatch fails the resume with [`crate::Error::Corrupted`] (default off: it costs
+    /// one hash pass over the contents on every resume). Not applied by
+    /// [`crate::Pager::resume_on`].
+    pub verify_restore: bool,
+    /// Which movers copy `Preserve` contents to the backup on release (default
+    /// [`CopyRoute::Engine`]: it leaves the SMs to the application).
+    pub save_route: CopyRoute,
+    /// Which movers restore `Preserve` contents on resume (default [`CopyRoute::Fastest`]:
+    /// right after a trainer's free the copy kernel outruns the copy engine).
+    pub restore_route: CopyRoute,
+    /// Knobs whose defaults are measured, moved only by tests and benchmarks.
+    #[doc(hidden)]
+    pub tuning: Tuning,
+}
+
+/// Tuning knobs: each default is the measured best, and changing one trades speed, memory or
+/// the number of driver calls; tests and benchmarks move them to reach edge cases. Not part
+/// of the stable API.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tuning {
+    /// Physical chunk size of `Discard` and `DiscardZeroed` regions that are not elastic
+    /// (for a growing one, the largest piece one buffer is mapped in), rounded as
+    /// `chunk_bytes` (default 2 GiB: their resume copies nothing, so the fewest handles map
+    /// fastest; `usize::MAX`: one handle per region or buffer). Elastic regions, mapped and
+    /// trimmed chunk by chunk, keep `chunk_bytes`.
+    pub discard_chunk_bytes: usize,
+    /// Hash-chunk size in bytes for `skip_unchanged` and `verify_restore` (a multiple of
+    /// 16; default 32 MiB).
+    pub hash_chunk_bytes: usize,
+    /// On resume, map `Preserve` regions in groups of doubling size, ahead on a helper
+    /// thread, and copy each group as soon as it is mapped (default on). Off: map the whole
+    /// region with one call, then copy.
+    pub overlap_restore: bool,
+    /// Bytes per unit of a pumped copy (default 256 MiB, about 5 ms over the link: smaller
+    /// units restore no faster and cost more fences; rounded up to a multiple of 4 KiB).
+    pub copy_unit_bytes: usize,
+    /// Units' worth of bytes queued per mover at most (default 2: one copying, one ready
+    /// behind it). What is in flight is all that a concurrent release of another tag waits
+    /// for.
+    pub copy_depth: usize,
+    /// The mover [`crate::Pager::resume_on`] enqueues its restore with on the caller's
+    /// stream (default [`Mover::CopyEngine`]; [`Mover::CopyKernel`] launches the copy kernel
+    /// there).
+    pub stream_mover: Mover,
+    /// On release, a gap of fewer than this many bytes between two spans that a `Preserve`
+    /// region saves (bytes marked overwritten, see [`crate::Pager::set_overwritten`], or
+    /// free space between buffers) is copied along with them: one copy over a small gap
+    /// costs less than two copies. Those bytes are then restored too, which their undefined
+    /// contents allow. 0 copies exactly the unmarked bytes of live buffers. Default 1 MiB,
+    /// which crosses the link in about the time one copy call's fixed cost takes.
+    pub copy_gap_bytes: usize,
+    /// On the first release of a `Preserve` region without a backup (no `prepin`), with
+    /// `skip_unchanged` on: pin the backup and copy the whole region (a growing region's
+    /// whole buffers) into it in one pass, the pinning of later pieces overlapping the copy
+    /// of earlier ones, then hash it, so that the save that follows copies nothing (default
+    /// on; [`crate::report::Steps::pin`] says what it counts). A backup holding bytes marked
+    /// overwritten, which are never copied out, is pinned, then saved. Off: pin, then save.
+    pub first_save_overlap: bool,
+    /// Bytes per chunk of a file backup's transfers ([`crate::Medium::File`]): the pager
+    /// pins a staging buffer of twice this size on the first file transfer, and one chunk
+    /// crosses the link while the other is written to or read from the disk. Default
+    /// 64 MiB: sequential disk I/O at full speed, a small staging buffer. Clamped to
+    /// 4 KiB ..= [`crate::MAX_FILE_CHUNK_BYTES`].
+    pub file_chunk_bytes: usize,
+}
+
+impl Default for PagerConfig {
+    fn default() -> Self {
+        PagerConfig {
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            skip_unchanged: true,
+            verify_restore: false,
+            save_route: CopyRoute::Engine,
+            restore_route: CopyRoute::Fastest,
+            tuning: Tuning::default(),
+        }
+    }
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            discard_chunk_bytes: 2 << 30,
+            hash_chunk_bytes: crate::backup::DEFAULT_HASH_CHUNK_BYTES,
+            overlap_restore: true,
+            copy_unit_bytes: pump::DEFAULT_UNIT_BYTES,
+            copy_depth: pump::DEFAULT_DEPTH,
+            stream_mover: Mover::CopyEngine,
+            copy_gap_bytes: 1 << 20,
+            first_save_overlap: true,
+            file_chunk_bytes: 64 << 20,
+        }
+    }
+}
+
+impl PagerConfig {
+    /// The settings as a pager on a backend of granularity `g` applies them: sizes rounded
+    /// and clamped as each field's docs say.
+    pub(crate) fn effective(self, g: usize) -> PagerConfig {
+        let t = self.tuning;
+        let copies = PumpConfig {
+            route: self.restore_route,
+            unit_bytes: t.copy_unit_bytes,
+            depth: t.copy_depth,
+        }
+        .normalized();
+        PagerConfig {
+            chunk_bytes: round_chunk(self.chunk_bytes, g),
+            tuning: Tuning {
+                discard_chunk_bytes: round_chunk(t.discard_chunk_bytes, g),
+                hash_chunk_bytes: t
+                    .hash_chunk_bytes
+                    .max(16)
+                    .checked_next_multiple_of(16)
+                    .unwrap_or(usize::MAX / 16 * 16),
+                copy_unit_bytes: copies.unit_bytes,
+                copy_depth: copies.depth,
+                file_chunk_bytes: file::clamp_chunk(t.file_chunk_bytes),
+                ..t
+            },
+            ..self
+        }
+    }
+}
+
+/// Rounds a chunk size up to the granularity `g` and then to a power of two.
+pub(crate) fn round_chunk(bytes: usize, g: usize) -> usize {
+    let g = g.max(1);
+    bytes
+        .max(g)
+        .div_ceil(g)
+        .saturating_mul(g)
+        .checked_next_power_of_two()
+        .unwrap_or(usize::MAX / 2 + 1)
+}
+
+/// What a release does beyond backing up and unmapping ([`crate::Pager::release_with`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReleaseOptions {
+    /// Tags (among those released) whose contents are dropped for this cycle instead of
+    /// backed up: they come back zeroed at the next resume.
+    pub drop: Vec<String>,
+}
+
+/// What a resume does beyond restoring ([`crate::Pager::resume_with`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ResumeOptions {
+    /// Keep the host memory of [`crate::Medium::Host`] backups after restoring from them,
+    /// instead of giving it back (default: give it back). Kept, the next release of
+    /// unchanged contents copies nothing; it is given back by the first resume without this.
+    pub keep_host_backups: bool,
+}

@@ -55,6 +55,8 @@ enum gpu_pager_code
   GPU_PAGER_ERROR_BACKEND = 15,
   // An invariant of gpu-pager failed (a bug; the message says which, please report it).
   GPU_PAGER_ERROR_INTERNAL = 16,
+  // A companion of a region failed while it moved; the move was undone.
+  GPU_PAGER_ERROR_COMPANION = 17,
   // gpu-pager panicked inside the call (a bug; the message says where).
   GPU_PAGER_ERROR_PANIC = 99,
 };
@@ -253,6 +255,12 @@ typedef struct gpu_pager_stats {
   // Such failures since the device's pager was made, taken or not.
   uint64_t deferred_errors_total;
 } gpu_pager_stats;
+
+// A companion's callback: called with the tag (a NUL-terminated string valid for the
+// call) and the `user` pointer given to `gpu_pager_add_companion`; returns 0 on success,
+// anything else on failure (the release or resume is then undone and fails with
+// `GPU_PAGER_ERROR_COMPANION`, whose message gives the number).
+typedef int (*gpu_pager_companion_fn)(const char *tag, void *user);
 
 // A C log callback: `level` 1 (error) to 5 (trace), the record's target (`"gpu_pager"`)
 // and message, both NUL-terminated and valid only during the call, and the `user` pointer
@@ -520,6 +528,38 @@ gpu_pager_code gpu_pager_get_stats(int device, struct gpu_pager_stats *out);
 // `""` when there are none. The text stays valid until this thread's next call of this
 // function. NULL on failure (`gpu_pager_last_error` says why).
 const char *gpu_pager_take_deferred_errors(int device);
+
+// Registers a companion of region `tag` on device `device` (the region need not exist
+// yet): each release of `tag` calls `before_release(tag, user)` after the contents are
+// saved and before the memory is unmapped; each resume calls `after_resume(tag, user)`
+// after the memory is mapped and restored. Either callback may be NULL (nothing to do). A
+// callback that returns non-zero undoes the move: the companions that ran are undone
+// (each by its other callback, newest first), every region stays as before the call, and
+// the call fails with `GPU_PAGER_ERROR_COMPANION` naming `name`. A tag's companions run
+// in registration order on resume and in reverse on release. Stores the companion's
+// identity in `*id_out` for `gpu_pager_remove_companion`.
+//
+// The callbacks run inside the release or resume, on the thread that called it, with the
+// region locked: they must not release, resume or remove that region, nor add or remove
+// companions.
+//
+// # Safety
+// `tag` and `name` are NULL (an error) or NUL-terminated strings; each non-NULL callback
+// stays callable, with `user`, from any thread until the companion is removed; `id_out` is
+// NULL (an error) or valid for a write of a `uint64_t`.
+gpu_pager_code gpu_pager_add_companion(int device,
+                                       const char *tag,
+                                       const char *name,
+                                       gpu_pager_companion_fn before_release,
+                                       gpu_pager_companion_fn after_resume,
+                                       void *user,
+                                       uint64_t *id_out);
+
+// Unregisters companion `id` (from `gpu_pager_add_companion` on the same device): its
+// callbacks are not called again once this returns (a release or resume running them now
+// finishes first), so `user` may be freed then. `GPU_PAGER_ERROR_INVALID_ARGUMENT` if
+// there is no such companion.
+gpu_pager_code gpu_pager_remove_companion(int device, uint64_t id);
 
 // Sends gpu-pager's log records of `level` and above (1 error, 2 warning, 3 info, 4 debug,
 // 5 trace; 0 none) to `callback` with `user`; a NULL callback stops. The callback runs on

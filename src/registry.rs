@@ -75,7 +75,7 @@ pub fn configure(ordinal: usize, config: PagerConfig) -> Result<()> {
         return Err(Error::InvalidArgument {
             tag: None,
             reason: format!(
-                "device {ordinal}'s pager already exists with other settings ({:?}); settings \
+                "device {ordinal}'s pager already exists with other settings ({}); settings \
                  apply when the pager is created, so configure the device before its first use \
                  (the first region, allocation or query on it), once per process",
                 p.config()

@@ -26,11 +26,13 @@
 
 mod api;
 pub mod boundary;
+mod companions;
 mod logs;
 mod torch;
 mod types;
 
 pub use api::*;
+pub use companions::*;
 pub use logs::*;
 pub use torch::*;
 pub use types::*;

@@ -1,7 +1,7 @@
 """Type stubs of gpu_pager._native, the extension module (re-exported by ``gpu_pager``)."""
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Literal, final
 
 from typing_extensions import Buffer as _BytesLike, Self
@@ -433,6 +433,19 @@ class Pager:
     @property
     def backup_dir(self) -> str | None:
         """The directory of new ``"file"`` backups, or ``None``."""
+    def add_companion(
+        self,
+        tag: str,
+        name: str,
+        before_release: Callable[[str], object] | None = None,
+        after_resume: Callable[[str], object] | None = None,
+    ) -> int:
+        """Registers work that moves with region ``tag``: ``before_release(tag)`` before its
+        memory is unmapped, ``after_resume(tag)`` after it is mapped and restored. An exception
+        undoes the move and raises ``CompanionError``. Returns the id ``remove_companion``
+        takes."""
+    def remove_companion(self, id: int) -> None:
+        """Unregisters companion ``id``; it is not called again once this returns."""
     def remove(self, tag: str) -> None:
         """Removes region ``tag``: unmaps it, frees its backup and its address range; its buffers
         become stale. Refused (``BusyError``) while it is leased."""

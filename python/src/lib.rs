@@ -23,6 +23,7 @@ pub use gpu_pager_capi::*;
 pub use gpu_pager_wing::tms::{gpu_pager_tms_cuda_free, gpu_pager_tms_cuda_malloc};
 
 mod args;
+mod companions;
 mod errors;
 mod hooks;
 mod pager;

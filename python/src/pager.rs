@@ -218,6 +218,54 @@ impl PyPager {
         self.inner.backup_dir().map(|d| d.display().to_string())
     }
 
+    /// Registers a companion of region ``tag`` (which need not exist yet): work that moves
+    /// with it. Each release of ``tag`` calls ``before_release(tag)`` after the contents are
+    /// saved and before the memory is unmapped; each resume calls ``after_resume(tag)``
+    /// after the memory is mapped and restored. Either may be ``None``. An exception from
+    /// one undoes the move: the companions that ran are undone (each by its other callable,
+    /// newest first), every region stays as before the call, and the call raises
+    /// ``CompanionError`` naming ``name``. A tag's companions run in registration order on
+    /// resume and in reverse on release, on the thread that releases or resumes, with the
+    /// region locked: they must not release, resume or remove it, nor add or remove
+    /// companions. Returns the identity ``remove_companion`` takes.
+    #[pyo3(signature = (tag, name, before_release = None, after_resume = None))]
+    fn add_companion(
+        &self,
+        py: Python<'_>,
+        tag: &str,
+        name: &str,
+        before_release: Option<Py<PyAny>>,
+        after_resume: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
+        for (what, f) in [
+            ("before_release", &before_release),
+            ("after_resume", &after_resume),
+        ] {
+            if let Some(f) = f
+                && !f.bind(py).is_callable()
+            {
+                return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                    "{what} must be callable or None, not {}",
+                    args::type_name(f.bind(py))
+                )));
+            }
+        }
+        let companion = std::sync::Arc::new(crate::companions::PyCompanion {
+            name: name.to_owned(),
+            before_release,
+            after_resume,
+        });
+        let p = &self.inner;
+        run(py, || p.add_companion(tag, companion))
+    }
+
+    /// Unregisters companion ``id`` (from ``add_companion``): it is not called again once
+    /// this returns. ``InvalidArgumentError`` if there is no such companion.
+    fn remove_companion(&self, py: Python<'_>, id: u64) -> PyResult<()> {
+        let p = &self.inner;
+        run(py, || p.remove_companion(id))
+    }
+
     /// Removes region ``tag``: unmaps it, frees its backup and its address range; its
     /// buffers become stale. Refused (``BusyError``) while it is leased.
     fn remove(&self, py: Python<'_>, tag: &str) -> PyResult<()> {

@@ -16,8 +16,8 @@ use crate::error::{Error, Result};
 pub type CompanionError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Work that moves with a tag ([`Pager::add_companion`]). Both calls run with the tag's
-/// region locked, so they must not release, resume or remove that tag themselves; they may
-/// run on any thread that releases or resumes the tag.
+/// region locked, so they must not release, resume or remove that tag, nor add or remove
+/// companions; they may run on any thread that releases or resumes the tag.
 pub trait Companion: Send + Sync {
     /// The name errors and logs give it, e.g. `"kv transport registration"`.
     fn name(&self) -> &str;
@@ -55,7 +55,6 @@ impl Phase {
 }
 
 /// A registered companion.
-#[derive(Clone)]
 pub(super) struct Entry {
     id: u64,
     tag: String,
@@ -106,8 +105,8 @@ impl Pager {
         Ok(id)
     }
 
-    /// Unregisters the companion `id` (from [`Pager::add_companion`]); it runs in no later
-    /// move. `InvalidArgument` if no companion of this pager has that identity.
+    /// Unregisters the companion `id` (from [`Pager::add_companion`]): once this returns it
+    /// is not called again (a move running it now finishes first). `InvalidArgument` if no companion of this pager has that identity.
     pub fn remove_companion(&self, id: u64) -> Result<()> {
         let mut list = self.companions.write().unwrap_or_else(|p| p.into_inner());
         let Some(at) = list.iter().position(|e| e.id == id) else {
@@ -127,13 +126,12 @@ impl Pager {
     /// failure the ones that ran are undone in reverse order and the error names the
     /// companion; an undo that fails too is a deferred error.
     pub(super) fn run_companions(&self, phase: Phase, tags: &[&str]) -> Result<()> {
-        let list: Vec<Entry> = {
-            let all = self.companions.read().unwrap_or_else(|p| p.into_inner());
-            if all.is_empty() {
-                return Ok(());
-            }
-            all.clone()
-        };
+        // Held while the companions run, so that once `remove_companion` returns, no move
+        // calls the removed one again.
+        let list = self.companions.read().unwrap_or_else(|p| p.into_inner());
+        if list.is_empty() {
+            return Ok(());
+        }
         let mut ran: Vec<(&str, &Entry)> = Vec::new();
         for &tag in tags {
             let mine: Vec<&Entry> = list.iter().filter(|e| e.tag == tag).collect();

@@ -127,6 +127,24 @@ impl Default for Tuning {
     }
 }
 
+/// The settings as the bindings name them (the tuning is left out), e.g.
+/// `chunk_bytes=536870912, skip_unchanged=true, verify_restore=false, save_route=engine,
+/// restore_route=fastest`.
+impl std::fmt::Display for PagerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "chunk_bytes={}, skip_unchanged={}, verify_restore={}, save_route={}, \
+             restore_route={}",
+            self.chunk_bytes,
+            self.skip_unchanged,
+            self.verify_restore,
+            self.save_route.name(),
+            self.restore_route.name()
+        )
+    }
+}
+
 impl PagerConfig {
     /// The settings as a pager on a backend of granularity `g` applies them: sizes rounded
     /// and clamped as each field's docs say.

@@ -195,6 +195,84 @@ static void marks(int dev) {
     free(back);
 }
 
+/* A companion's state: a buffer of the caller's own (outside the pager) that is freed at each
+ * release of its tag and brought back, with its contents, at each resume; and counters. */
+typedef struct side {
+    unsigned char *live;
+    unsigned char kept[4096];
+    int releases, resumes, fail_with;
+} side;
+
+static int side_release(const char *tag, void *user) {
+    side *s = user;
+    if (s->fail_with) return s->fail_with;
+    if (strcmp(tag, "kv_cache") != 0 || s->live == NULL) return 1;
+    memcpy(s->kept, s->live, sizeof s->kept);
+    free(s->live);
+    s->live = NULL;
+    s->releases++;
+    return 0;
+}
+
+static int side_resume(const char *tag, void *user) {
+    side *s = user;
+    if (strcmp(tag, "kv_cache") != 0 || s->live != NULL) return 1;
+    s->live = malloc(sizeof s->kept);
+    if (s->live == NULL) return 2;
+    memcpy(s->live, s->kept, sizeof s->kept);
+    s->resumes++;
+    return 0;
+}
+
+/* Companions of kv_cache: one that moves a buffer outside the pager with the tag, and one
+ * that fails, which undoes the release (the first companion's release undone too). */
+static void companions(int dev) {
+    const char *kv[] = {"kv_cache"};
+    side own = {0}, bad = {0};
+    own.live = malloc(sizeof own.kept);
+    if (own.live == NULL) exit(1);
+    pattern(own.live, sizeof own.kept, 77);
+    uint64_t own_id = 0, bad_id = 0;
+    EXPECT(gpu_pager_add_companion(dev, "kv_cache", "own", side_release, side_resume, &own,
+                                   NULL),
+           GPU_PAGER_ERROR_INVALID_ARGUMENT, "id_out");
+    bad.fail_with = 3;
+    CHECK(gpu_pager_add_companion(dev, "kv_cache", "transport", side_release, NULL, &bad,
+                                  &bad_id));
+    CHECK(gpu_pager_add_companion(dev, "kv_cache", "own", side_release, side_resume, &own,
+                                  &own_id));
+    /* On release the newest companion runs first: "own" gives its buffer up, "transport"
+     * fails, and "own" gets its buffer back; nothing moved. */
+    EXPECT(gpu_pager_release(dev, kv, 1, NULL), GPU_PAGER_ERROR_COMPANION, "returned 3");
+    gpu_pager_stats st;
+    CHECK(gpu_pager_get_stats(dev, &st));
+    if (st.released_bytes != 0 || own.live == NULL || own.releases != 1 || own.resumes != 1) {
+        fprintf(stderr, "a failed companion left the release half done\n");
+        failures++;
+    }
+    CHECK(gpu_pager_remove_companion(dev, bad_id));
+    EXPECT(gpu_pager_remove_companion(dev, bad_id), GPU_PAGER_ERROR_INVALID_ARGUMENT,
+           "not registered");
+    for (int cycle = 0; cycle < 2; cycle++) {
+        CHECK(gpu_pager_release(dev, kv, 1, NULL));
+        if (own.live != NULL) {
+            fprintf(stderr, "the companion's buffer outlived the release\n");
+            failures++;
+        }
+        CHECK(gpu_pager_resume(dev, kv, 1, NULL));
+    }
+    unsigned char want[sizeof own.kept];
+    pattern(want, sizeof want, 77);
+    if (own.live == NULL || memcmp(own.live, want, sizeof want) != 0 || own.releases != 3 ||
+        own.resumes != 3) {
+        fprintf(stderr, "the companion's buffer did not come back (%d releases, %d resumes)\n",
+                own.releases, own.resumes);
+        failures++;
+    }
+    CHECK(gpu_pager_remove_companion(dev, own_id));
+    free(own.live);
+}
+
 /* Settings before the device's first use: refused when malformed, applied to the pager the
  * first call opens, fixed once it is open. */
 static void configure(int dev) {
@@ -306,6 +384,8 @@ int main(void) {
                 (unsigned long long)st.resident_bytes, (unsigned long long)st.regions);
         failures++;
     }
+
+    companions(dev);
 
     /* A lease keeps weights resident. */
     uint64_t lease = 0;

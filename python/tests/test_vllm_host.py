@@ -219,31 +219,41 @@ def test_release_host_memory_follows_vllm_s_variable(
     assert drop_in.release_host_memory() is on
 
 
-# The allocator over a recording stand-in for gpu_pager.torch (no torch here): `log` gets
-# each release (with the tags it drops) and resume, in order.
+# The allocator over a recording stand-in for gpu_pager.torch (no torch here) that moves
+# real regions of the host pager (so the tags' companions, vLLM's hooks, run as they do on a
+# GPU): `log` gets each release (with the tags it drops) and resume, in order.
 RECORDED = """
     import sys, types
     sys.modules["torch"] = types.SimpleNamespace(
         cuda=types.SimpleNamespace(empty_cache=lambda: None))
+    import gpu_pager
     import vllm.device_allocator as va
     from gpu_pager.compat import vllm as drop_in
     log = []
+    real = gpu_pager.Pager.for_device(0)
 
     class Pager:
         fail = False
+        def pager(self, device):
+            return real
         def release(self, tags, device, drop):
             if self.fail:
                 raise RuntimeError("release failed")
+            real.release(tags, drop or None)
             log.append(("release", *tags) + (("drop", *drop) if drop else ()))
         def resume(self, tags, device):
             log.append(("resume", *tags))
+            real.resume(tags)
 
     pager = Pager()
     drop_in._gpt = lambda: pager
 
     def allocator(*tags):
         a = drop_in.CuMemAllocator()
-        a._tags, a._device = list(tags), 0
+        a._device = 0
+        for t in tags:
+            real.region(t, "preserve", 1 << 20)
+            a._add_tag(t)
         return a
 
     def step(name, call):
@@ -255,8 +265,9 @@ RECORDED = """
 
 def test_vllm_s_tag_hooks_run_around_unmapping_and_mapping() -> None:
     """Where vLLM has tag hooks (a KV connector's transport registration), a tag's
-    before-unmap hooks run before its release and its after-map hooks after each wake-up
-    that leaves it mapped; a release that fails runs the after-map hooks again."""
+    before-unmap hooks run before its memory is unmapped and its after-map hooks after it is
+    mapped back, as the pager's companions of the tag; a release that fails before them
+    runs none."""
     code = RECORDED + """
     for tag in ("kv_cache", "weights"):
         va.register_tag_hooks(
@@ -278,9 +289,51 @@ def test_vllm_s_tag_hooks_run_around_unmapping_and_mapping() -> None:
         "discard [('before', 'kv_cache'), ('release', 'kv_cache', 'drop', 'kv_cache')]",
         "sleep [('before', 'weights'), ('release', 'weights')]",
         "wake weights [('resume', 'weights'), ('after', 'weights')]",
-        "wake all [('resume', 'kv_cache'), ('after', 'kv_cache'), ('after', 'weights')]",
-        "failed sleep [('before', 'kv_cache'), ('before', 'weights'), "
-        "('after', 'kv_cache'), ('after', 'weights')] {}",
+        "wake all [('resume', 'kv_cache'), ('after', 'kv_cache')]",
+        "failed sleep [] {}",
+    ]
+
+
+def test_a_raising_vllm_hook_undoes_the_sleep_and_the_wake_up() -> None:
+    """A hook that raises (a transport that cannot deregister) fails the sleep with
+    ``CompanionError`` and leaves every tag awake, the hooks that ran undone; at a wake-up
+    it leaves every tag asleep, and the next wake-up, once the hook works, maps them."""
+    code = RECORDED + """
+    broken = {"before": False, "after": False}
+    def hook(kind, tag):
+        if broken[kind] and tag == "weights":
+            raise ConnectionError(f"{kind} hook of {tag} failed")
+        log.append((kind, tag))
+    for tag in ("kv_cache", "weights"):
+        va.register_tag_hooks(
+            tag, lambda t=tag: hook("before", t), lambda t=tag: hook("after", t))
+    a = allocator("kv_cache", "weights")
+    broken["before"] = True
+    try:
+        step("sleep", lambda: a.sleep())
+    except gpu_pager.CompanionError as e:
+        print("sleep failed", log, a._kept, [real.info(t).state.value for t in a._tags])
+        assert "ConnectionError: before hook of weights failed" in str(e), e
+    broken["before"] = False
+    step("sleep", lambda: a.sleep())
+    broken["after"] = True
+    try:
+        step("wake", lambda: a.wake_up())
+    except gpu_pager.CompanionError:
+        print("wake failed", log, [real.info(t).state.value for t in a._tags])
+    broken["after"] = False
+    step("wake", lambda: a.wake_up())
+    """
+    done = run(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "sleep failed [('before', 'kv_cache'), ('after', 'kv_cache')] {} "
+        "['resident', 'resident']",
+        "sleep [('before', 'kv_cache'), ('before', 'weights'), "
+        "('release', 'kv_cache', 'weights', 'drop', 'kv_cache', 'weights')]",
+        "wake failed [('resume', 'kv_cache', 'weights'), ('after', 'kv_cache'), "
+        "('before', 'kv_cache')] ['released', 'released']",
+        "wake [('resume', 'kv_cache', 'weights'), ('after', 'kv_cache'), ('after', 'weights')]",
     ]
 
 

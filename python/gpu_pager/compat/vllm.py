@@ -34,13 +34,20 @@ idempotent; tags already asleep keep how they went to sleep; waking or discardin
 that has no allocations moves nothing (a KV-only worker, or a wake-up before any weights
 exist); where vLLM has tag hooks
 (``register_tag_hooks``, for a KV connector's transport registrations), a tag's
-before-unmap hooks run before it sleeps and the after-map hooks after every wake-up.
+before-unmap hooks run before its memory is unmapped and its after-map hooks after its
+memory is mapped back, as the pager's companions of the tag (``Pager.add_companion``).
 Backups stay in pinned host memory across cycles, so a sleep of unchanged weights copies
 nothing; with ``VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY=1`` each wake-up gives that memory back
 instead (:func:`release_host_memory`). Differences, on the safe side: a wake-up that runs
 out of memory raises ``gpu_pager.OutOfMemoryError`` (a ``RuntimeError``, as vLLM's CUDA
 errors are, and a ``MemoryError``), restores nothing and loses nothing, and a retry
-succeeds; an allocation under a sleeping tag fails (``torch.OutOfMemoryError``, the
+succeeds; a hook that raises undoes the sleep or wake-up it ran in (the hooks that ran
+are undone, every tag stays as it was) and surfaces as ``gpu_pager.CompanionError`` (a
+``RuntimeError``) naming the hook's exception, where vLLM leaves the tag half moved; a
+tag's after-map hooks run when the tag is mapped back, not again at wake-ups that find it
+mapped already (vLLM reruns them, being idempotent, to retry a failed one: here a failed
+one leaves its tag asleep, and the next wake-up retries it); an allocation under a
+sleeping tag fails (``torch.OutOfMemoryError``, the
 reason in ``gpu_pager.torch.last_error()``) instead of handing out memory that is not
 mapped.
 """
@@ -116,6 +123,10 @@ class AllocationData:
 class _TagHooks(NamedTuple):
     before_unmap: Callable[..., None]
     after_map: Callable[..., None]
+
+
+_COMPANION = "vLLM tag hooks"
+"""The name of the pager companion that runs a tag's vLLM hooks (in ``CompanionError``)."""
 
 
 # Where vLLM keeps its sleep-mode allocator, newest layout first: vLLM's main branch moved
@@ -205,8 +216,7 @@ class CuMemAllocator:
             )
         medium = "host" if release_host_memory() else "pinned"
         gpt._ensure_region(gpt.pager(self._device), tag, "preserve", None, False, medium)
-        if tag not in self._tags:
-            self._tags.append(tag)
+        self._add_tag(tag)
         pool = gpt.graph_pool(tag, self._device) if tag in GRAPH_TAGS else gpt.pool(tag, self._device)
         self.allocator_and_pools[tag] = (pool, gpt.allocator())
         return pool
@@ -250,6 +260,34 @@ class CuMemAllocator:
     def _pager(self) -> Any:
         return _gpt().pager(self._device)
 
+    def _add_tag(self, tag: str) -> None:
+        """Takes ``tag`` on (once): its vLLM hooks become a companion of its region, run by
+        every release and resume of the tag, whoever calls them."""
+        if tag in self._tags:
+            return
+        self._pager().add_companion(tag, _COMPANION, self._before_unmap, self._after_map)
+        self._tags.append(tag)
+
+    def _before_unmap(self, tag: str) -> None:
+        """vLLM's before-unmap hooks of ``tag``, still mapped (also when a failed wake-up
+        unmaps it again), where vLLM has hooks."""
+        hooks = _vllm_tag_hooks()
+        if hooks is not None:
+            hooks.before_unmap(self._mapped_only(tag), [tag])
+
+    def _after_map(self, tag: str) -> None:
+        """vLLM's after-map hooks of ``tag``, just mapped (also when a failed sleep maps it
+        back), where vLLM has hooks: no other tag's hooks run again."""
+        hooks = _vllm_tag_hooks()
+        if hooks is not None:
+            hooks.after_map(self._mapped_only(tag))
+
+    def _mapped_only(self, tag: str) -> list[AllocationData]:
+        """Records that say ``tag`` alone is mapped: what a companion call hands vLLM's
+        hooks, whatever the allocator's own state says mid-move."""
+        device = self._device or 0
+        return [AllocationData((device, 0, 0, 0), t, is_asleep=t != tag) for t in self._tags]
+
     def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
         """Gives every tag's memory back: the tags in ``offload_tags`` (default
         ``("default",)``) and the ``KEPT_TAGS`` keep their contents, the others are
@@ -284,27 +322,11 @@ class CuMemAllocator:
             self._unmap(awake, drop=awake)
 
     def _unmap(self, tags: list[str], drop: list[str]) -> None:
-        """Releases ``tags`` (those in ``drop`` without a backup) inside vLLM's tag hooks:
-        their before-unmap hooks first, and if the release fails (nothing changed) the
-        after-map hooks again, so that nothing stays unregistered from a live mapping."""
-        hooks = _vllm_tag_hooks()
-        if hooks is not None:
-            hooks.before_unmap(self._records(), tags)
-        try:
-            _gpt().release(tags, self._device, drop=drop)
-        except BaseException:
-            if hooks is not None:
-                hooks.after_map(self._records())
-            raise
+        """Releases ``tags`` (those in ``drop`` without a backup); the pager runs their vLLM
+        hooks (the companions) and undoes them if the release fails."""
+        _gpt().release(tags, self._device, drop=drop)
         for t in tags:
             self._kept[t] = t not in drop
-
-    def _records(self) -> list[AllocationData]:
-        """One record per tag, asleep or not: what vLLM's hooks read."""
-        device = self._device or 0
-        return [
-            AllocationData((device, 0, 0, 0), t, is_asleep=t in self._kept) for t in self._tags
-        ]
 
     @property
     def pointer_to_data(self) -> dict[int, AllocationData]:
@@ -336,9 +358,6 @@ class CuMemAllocator:
             _gpt().resume(want, self._device)
             for t in want:
                 del self._kept[t]
-        hooks = _vllm_tag_hooks()
-        if hooks is not None:
-            hooks.after_map(self._records())
 
     def get_current_usage(self) -> int:
         """Bytes of the segments torch holds in this allocator's tags, asleep or not (as

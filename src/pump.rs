@@ -513,6 +513,9 @@ pub struct Pump<'e, 'h> {
     pace: [Pace; 2],
     /// A [`CopyRoute::Fastest`] pump's choice, once both movers are timed.
     chosen: Option<Mover>,
+    /// The copy engine's rate on its first timing, kept while it is timed a second time
+    /// because the copy kernel looked faster ([`Pump::choose`]).
+    engine_first: Option<f64>,
     /// A [`CopyRoute::Fastest`] pump started a unit before choosing while the other
     /// direction was busy: its timings are spoiled, and start again once both movers are
     /// idle.
@@ -573,6 +576,7 @@ fn run<'e, 'h, T, E>(
         started: Instant::now(),
         pace: [Pace::default(); 2],
         chosen: None,
+        engine_first: None,
         retime: false,
         _host: PhantomData,
     };
@@ -719,8 +723,12 @@ impl<'h> Pump<'_, 'h> {
 
     /// A [`CopyRoute::Fastest`] pump picks its mover once each has finished the bytes it
     /// was timed on ([`Pump::timing`]) and gone idle: the copy kernel if it was more than
-    /// [`KERNEL_MARGIN`] times as fast, else the copy engine. Timings spoiled by the other
-    /// direction's traffic ([`Pump::retime`]) are dropped once both movers are idle.
+    /// [`KERNEL_MARGIN`] times as fast, else the copy engine. Before it picks the kernel it
+    /// times the copy engine once more and takes the better of its two rates: right after a
+    /// trainer's free the copy engine's first units may be slow for a few milliseconds only
+    /// (an H100) or for about a second (an H200), and the kernel below the link on a GPU
+    /// where the engine recovers at once would cost the whole copy. Timings spoiled by the
+    /// other direction's traffic ([`Pump::retime`]) are dropped once both movers are idle.
     fn choose(&mut self) {
         if self.config.route != CopyRoute::Fastest || self.chosen.is_some() {
             return;
@@ -728,6 +736,7 @@ impl<'h> Pump<'_, 'h> {
         if self.retime {
             if self.flight.iter().all(Vec::is_empty) {
                 self.pace = [Pace::default(); 2];
+                self.engine_first = None;
                 self.retime = false;
             }
             return;
@@ -739,19 +748,25 @@ impl<'h> Pump<'_, 'h> {
         };
         if timed(Mover::CopyEngine) && timed(Mover::CopyKernel) {
             let rate = |m: Mover| self.pace[m.index()].rate().unwrap_or(0.0);
-            self.chosen = Some(
-                if rate(Mover::CopyKernel) > KERNEL_MARGIN * rate(Mover::CopyEngine) {
-                    Mover::CopyKernel
-                } else {
-                    Mover::CopyEngine
-                },
-            );
+            let engine = rate(Mover::CopyEngine).max(self.engine_first.unwrap_or(0.0));
+            let kernel_faster = rate(Mover::CopyKernel) > KERNEL_MARGIN * engine;
+            if kernel_faster && self.engine_first.is_none() {
+                self.engine_first = Some(engine);
+                self.pace[Mover::CopyEngine.index()] = Pace::default();
+                return;
+            }
+            self.chosen = Some(if kernel_faster {
+                Mover::CopyKernel
+            } else {
+                Mover::CopyEngine
+            });
         }
     }
 
     /// The mover a [`CopyRoute::Fastest`] pump is timing now: the copy engine until it
     /// started [`Pump::probe_bytes`], then, once it went idle, the copy kernel until it did
-    /// too (`None`: waiting for one to go idle, or decided).
+    /// too, then (when [`Pump::choose`] times it again) the copy engine once more (`None`:
+    /// waiting for one to go idle, or decided).
     fn timing(&self) -> Option<Mover> {
         if self.chosen.is_some() {
             return None;
@@ -1062,6 +1077,8 @@ mod tests {
     #[derive(Default)]
     struct Script {
         cost: [u64; 2],
+        /// The copy engine's first this many units cost this many ticks each instead.
+        engine_slow_start: Option<(usize, u64)>,
         /// Fail the start of this unit (counting from 0), once.
         fail_start: Option<usize>,
         /// The fence of this unit reports an error when polled.
@@ -1147,7 +1164,15 @@ mod tests {
             let m = mover.index();
             let other = c.in_flight[1 - m];
             c.other_busy.push(other);
-            let due = c.now.max(c.last[m]) + self.cost[m];
+            let engine_units = c.starts[..n]
+                .iter()
+                .filter(|(m, _)| *m == Mover::CopyEngine)
+                .count();
+            let cost = match self.engine_slow_start {
+                Some((units, slow)) if mover == Mover::CopyEngine && engine_units < units => slow,
+                _ => self.cost[m],
+            };
+            let due = c.now.max(c.last[m]) + cost;
             c.last[m] = due;
             c.in_flight[m] += 1;
             c.max_in_flight[m] = c.max_in_flight[m].max(c.in_flight[m]);
@@ -1441,14 +1466,25 @@ mod tests {
                     c.other_busy[..kernel_done].iter().all(|&n| n == 0),
                     "{piece} {cost:?}: each mover timed alone"
                 );
-                if fast == Mover::CopyKernel {
+                // Before the kernel takes the copy, the engine is timed once more, alone.
+                let decided = if fast == Mover::CopyKernel {
                     assert!(
                         c.max_in_flight[fast.index()] > 2,
                         "{piece}: the kernel carrying the copy gets more slots"
                     );
-                }
+                    let again = kernel_done
+                        + movers[kernel_done..]
+                            .iter()
+                            .position(|&m| m != Mover::CopyEngine)
+                            .expect("the kernel takes the rest");
+                    assert!(bytes_until(again) - bytes_until(kernel_done) >= MIB);
+                    assert!(c.other_busy[..again].iter().all(|&n| n == 0));
+                    again
+                } else {
+                    kernel_done
+                };
                 assert!(
-                    movers[kernel_done..].iter().all(|&m| m == fast),
+                    movers[decided..].iter().all(|&m| m == fast),
                     "{piece} {cost:?}: the rest on {fast}: {movers:?}"
                 );
                 assert!(
@@ -1474,7 +1510,12 @@ mod tests {
         let starts: Vec<(Mover, usize)> = c.starts.iter().map(|(m, u)| (*m, u.bytes)).collect();
         assert_eq!(starts[0], (Mover::CopyEngine, PROBE_BYTES), "{starts:?}");
         assert_eq!(starts[1], (Mover::CopyKernel, PROBE_BYTES), "{starts:?}");
-        assert!(starts[2..].iter().all(|&(m, _)| m == Mover::CopyKernel));
+        assert_eq!(
+            starts[2],
+            (Mover::CopyEngine, PROBE_BYTES),
+            "timed again: {starts:?}"
+        );
+        assert!(starts[3..].iter().all(|&(m, _)| m == Mover::CopyKernel));
         // The units still cover the buffer back to back.
         let mut at = buf.as_slice().as_ptr() as u64;
         let mut sorted: Vec<&RawCopy> = c.starts.iter().map(|(_, u)| u).collect();
@@ -1484,6 +1525,37 @@ mod tests {
             assert_eq!(u.device - 0x1000_0000, at - buf.as_slice().as_ptr() as u64);
             at += u.bytes as u64;
         }
+    }
+
+    #[test]
+    fn fastest_keeps_the_copy_engine_when_only_its_first_units_were_slow() {
+        // The engine half as fast as the kernel on its first unit only (an H100 right
+        // after a trainer's free), then twice as fast: timed again, it keeps the copy.
+        let script = Script {
+            engine_slow_start: Some((1, 40)),
+            ..Script::costing([10, 20])
+        };
+        let buf = buffer(64 * MIB);
+        let stats = restore(&script, config(CopyRoute::Fastest), buf.as_ref(), MIB).unwrap();
+        let c = script.state.lock().unwrap();
+        let movers: Vec<Mover> = c.starts.iter().map(|(m, _)| *m).collect();
+        assert_eq!(
+            movers[..3],
+            [Mover::CopyEngine, Mover::CopyKernel, Mover::CopyEngine],
+            "{movers:?}"
+        );
+        assert!(
+            movers[3..].iter().all(|&m| m == Mover::CopyEngine),
+            "{movers:?}"
+        );
+        assert_eq!(stats.bytes_by(Mover::CopyKernel), MIB);
+        // Slow for longer (an H200: about a second), the kernel still takes it.
+        let script = Script {
+            engine_slow_start: Some((usize::MAX, 40)),
+            ..Script::costing([10, 10])
+        };
+        let stats = restore(&script, config(CopyRoute::Fastest), buf.as_ref(), MIB).unwrap();
+        assert!(stats.bytes_by(Mover::CopyKernel) > 60 * MIB, "{stats:?}");
     }
 
     #[test]

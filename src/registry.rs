@@ -30,7 +30,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock, RwLock};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, BackendError};
 use crate::error::{Error, Result};
 use crate::pager::{Pager, PagerConfig};
 
@@ -131,8 +131,18 @@ pub fn host_fallback() -> Option<String> {
     HOST_FALLBACK.get().cloned()
 }
 
+/// [`crate::backend::auto`] with the crate's errors: a malformed [`HOST_CAPACITY_ENV`] is
+/// [`Error::InvalidArgument`], anything else [`Error::Backend`]. What the registry's pagers
+/// and the `gpu-pager` program open.
+pub fn open_backend(ordinal: usize) -> Result<(Arc<dyn Backend>, Option<String>)> {
+    crate::backend::auto(ordinal).map_err(|e| match e {
+        e @ BackendError::Invalid { .. } => Error::invalid(None, format!("{e}, or unset it")),
+        e => Error::backend_of(&[], "opening the CUDA device", e),
+    })
+}
+
 fn open(ordinal: usize) -> Result<Arc<dyn Backend>> {
-    let (backend, why) = crate::backend::auto(ordinal)?;
+    let (backend, why) = open_backend(ordinal)?;
     if let Some(why) = why {
         log::warn!(
             "gpu-pager: no usable GPU ({why}); device 0 runs on the host backend with {} bytes",

@@ -28,6 +28,7 @@
 
 use std::fmt;
 use std::mem::ManuallyDrop;
+#[cfg(feature = "testing")]
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -373,7 +374,9 @@ pub struct CudaBackend {
     hash_scratch: Mutex<HashScratch>,
     /// Device copies of the index lists of [`KvKernels::kv`] calls.
     kv_scratch: Mutex<Option<DeviceScratch>>,
-    /// Piece size of first backups ([`Backend::alloc_pinned_from_device`]).
+    /// Piece size of first backups ([`Backend::alloc_pinned_from_device`]), which tests
+    /// shrink; [`FIRST_BACKUP_PIECE_BYTES`] in library builds.
+    #[cfg(feature = "testing")]
     first_backup_piece: AtomicUsize,
 }
 
@@ -499,6 +502,7 @@ impl CudaBackend {
             copy_functions: InScope::new(OnceLock::new(), &dev),
             hash_scratch: Mutex::new(HashScratch::default()),
             kv_scratch: Mutex::new(None),
+            #[cfg(feature = "testing")]
             first_backup_piece: AtomicUsize::new(FIRST_BACKUP_PIECE_BYTES),
             dev: dev.clone(),
         };
@@ -759,6 +763,14 @@ impl CudaBackend {
         self.first_backup_piece.store(bytes, Ordering::Relaxed);
     }
 
+    /// The piece size of first backups.
+    fn first_backup_piece(&self) -> usize {
+        #[cfg(feature = "testing")]
+        return self.first_backup_piece.load(Ordering::Relaxed);
+        #[cfg(not(feature = "testing"))]
+        FIRST_BACKUP_PIECE_BYTES
+    }
+
     /// A fresh event (timing disabled) as an unrecorded fence, which has passed until it is
     /// recorded. The caller holds a [`CtxScope`].
     fn new_fence(&self) -> BackendResult<CudaFence> {
@@ -937,7 +949,7 @@ impl Backend for CudaBackend {
         bytes: usize,
         src: u64,
     ) -> BackendResult<Box<dyn HostBuffer>> {
-        let piece = self.first_backup_piece.load(Ordering::Relaxed);
+        let piece = self.first_backup_piece();
         // SAFETY: forwarded from the caller (mapped device memory of this context, not
         // written until this returns).
         Ok(Box::new(unsafe {
@@ -951,7 +963,7 @@ impl Backend for CudaBackend {
         &self,
         ranges: &[DeviceRange],
     ) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
-        let part = self.first_backup_piece.load(Ordering::Relaxed);
+        let part = self.first_backup_piece();
         // SAFETY: forwarded from the caller (every range mapped device memory of this
         // context, not written until this returns).
         let pinned = unsafe { self.pin_many_from_device(ranges, part) }?;

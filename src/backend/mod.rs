@@ -725,28 +725,22 @@ pub(crate) fn kv_invalid(op: &KvOp<'_>, e: KvError) -> BackendError {
 /// driver and the device are there; without a usable GPU, device 0 runs on the host backend
 /// (capacity from [`host::CAPACITY_ENV`], else half the machine's memory, at most 32 GiB)
 /// and the second value says why. Errors: a CUDA failure other than the absence of a
-/// device, a device other than 0 without a GPU, a malformed [`host::CAPACITY_ENV`].
-pub fn auto(ordinal: usize) -> crate::Result<(Arc<dyn Backend>, Option<String>)> {
+/// device, a device other than 0 without a GPU ([`BackendError::Unavailable`]), a malformed
+/// [`host::CAPACITY_ENV`] ([`BackendError::Invalid`]).
+pub fn auto(ordinal: usize) -> BackendResult<(Arc<dyn Backend>, Option<String>)> {
     let why = match cuda::CudaBackend::new(ordinal) {
         Ok(b) => return Ok((Arc::new(b), None)),
         Err(BackendError::Unavailable(why)) => why,
-        Err(e) => {
-            return Err(crate::Error::backend_of(&[], "opening the CUDA device", e));
-        }
+        Err(e) => return Err(e),
     };
     if ordinal != 0 {
-        return Err(crate::Error::backend_of(
-            &[],
-            "opening the CUDA device",
-            BackendError::Unavailable(format!(
-                "device {ordinal}: {why}; without a GPU only device 0 exists (on the host \
-                 backend), so use device 0 or run on a machine with {} GPUs",
-                ordinal + 1
-            )),
-        ));
+        return Err(BackendError::Unavailable(format!(
+            "device {ordinal}: {why}; without a GPU only device 0 exists (on the host \
+             backend), so use device 0 or run on a machine with {} GPUs",
+            ordinal + 1
+        )));
     }
-    let config = host::HostConfig::from_env()
-        .map_err(|e| crate::Error::invalid(None, format!("{e}, or unset it")))?;
+    let config = host::HostConfig::from_env()?;
     Ok((Arc::new(host::HostBackend::new(config)), Some(why)))
 }
 

@@ -36,7 +36,7 @@ fn a_driver_below_the_floor_is_an_error_naming_both_versions() {
             "a_driver_below_the_floor_is_an_error_naming_both_versions",
         );
     }
-    let err = match gpu_pager::backend::auto(0) {
+    let err = match gpu_pager::registry::open_backend(0) {
         Ok((_, why)) => panic!("opened a backend on a CUDA 11.8 driver (host fallback: {why:?})"),
         Err(e) => e,
     };

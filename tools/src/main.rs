@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
-use gpu_pager::backend::{self, Backend, BackendKind};
+use gpu_pager::backend::{Backend, BackendKind};
 use gpu_pager::report::{gbps, ms};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, Report};
 
@@ -139,7 +139,7 @@ fn main() -> ExitCode {
     }
 }
 
-/// The backend by the crate's one fallback rule ([`backend::auto`]), or host memory with
+/// The backend by the crate's one fallback rule ([`gpu_pager::registry::open_backend`]), or host memory with
 /// `--host`; a malformed capacity variable is an error either way.
 fn pick_backend(force_host: bool) -> Result<Arc<dyn Backend>, Error> {
     if force_host {
@@ -148,7 +148,7 @@ fn pick_backend(force_host: bool) -> Result<Arc<dyn Backend>, Error> {
             .map_err(|e| Error::invalid(None, format!("{e}, or unset it")))?;
         return Ok(Arc::new(HostBackend::new(config)));
     }
-    let (b, why) = backend::auto(0)?;
+    let (b, why) = gpu_pager::registry::open_backend(0)?;
     match why {
         Some(why) => println!("backend: host memory — no GPU ({why}); figures are not GPU figures"),
         None => println!("backend: {} ({})", b.info().name, b.info().kind),

@@ -52,7 +52,7 @@ pub fn copy(dst: &mut [u8], src: &[u8]) {
 /// hash = fmix64(sum ^ (len * GP_HASH_K2))
 /// ```
 ///
-/// ([`GP_HASH_K1`], [`GP_HASH_K2`] come from `kernels/abi.h`.) The word index makes the hash
+/// (`GP_HASH_K1`, `GP_HASH_K2` come from `kernels/abi.h`.) The word index makes the hash
 /// depend on where each word sits; the length term separates chunks that differ only by
 /// trailing zero bytes.
 ///

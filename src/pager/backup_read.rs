@@ -1,6 +1,7 @@
 //! Reading a released buffer's contents from its pinned host backup, without resuming.
 
-use super::{Buffer, Pager, buffer_range, lock};
+use super::buffers::buffer_range;
+use super::{Buffer, Pager, lock};
 use crate::error::{Error, Result};
 
 impl Pager {

@@ -15,7 +15,7 @@
 //! # Launch parameters and geometry
 //!
 //! Everything here is pure host code: it turns a [`KvLayout`] and device addresses into the
-//! parameter structs of [`super::abi`] and picks grids. The launchers validate the calls
+//! parameter structs of `kernels/abi.h` and picks grids. The launchers validate the calls
 //! first ([`KvOp::check`]); these builders are also public for enqueue-only
 //! launches (`CudaBackend::kv_rows_on` / `kv_move_on`), so they refuse what the kernels
 //! cannot do on their own (no access width dividing every address and stride, counts over

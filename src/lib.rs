@@ -9,7 +9,7 @@
 //! use std::sync::Arc;
 //!
 //! # fn main() -> Result<(), Error> {
-//! // On a GPU use `gpu_pager::backend::auto(0)?.0`; the host backend runs anywhere.
+//! // On a GPU use `gpu_pager::registry::open_backend(0)?.0`; the host backend runs anywhere.
 //! let pager = Pager::new(Arc::new(HostBackend::new(HostConfig::default())));
 //! let weights = pager.region("weights", 64 << 20, Policy::Preserve)?;
 //! pager.region("kv_cache", 256 << 20, Policy::Discard)?;

@@ -365,7 +365,7 @@ mod tests {
     use super::*;
 
     /// Every error code (not `GPU_PAGER_OK`), in numeric order.
-    const ERRORS: [gpu_pager_code; 17] = [
+    const ERRORS: [gpu_pager_code; 18] = [
         gpu_pager_code::GPU_PAGER_ERROR_NOT_RESIDENT,
         gpu_pager_code::GPU_PAGER_ERROR_NOT_BACKED,
         gpu_pager_code::GPU_PAGER_ERROR_UNKNOWN_TAG,
@@ -382,6 +382,7 @@ mod tests {
         gpu_pager_code::GPU_PAGER_ERROR_KV,
         gpu_pager_code::GPU_PAGER_ERROR_BACKEND,
         gpu_pager_code::GPU_PAGER_ERROR_INTERNAL,
+        gpu_pager_code::GPU_PAGER_ERROR_COMPANION,
         gpu_pager_code::GPU_PAGER_ERROR_PANIC,
     ];
 

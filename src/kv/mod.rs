@@ -11,7 +11,7 @@
 //! use gpu_pager::{Error, Pager, Policy};
 //!
 //! # fn main() -> Result<(), Error> {
-//! // On a GPU use `gpu_pager::backend::auto(0)?.0`; the host backend runs anywhere.
+//! // On a GPU use `gpu_pager::registry::open_backend(0)?.0`; the host backend runs anywhere.
 //! let pager = Arc::new(Pager::new(Arc::new(HostBackend::new(HostConfig::default()))));
 //! let layout = KvLayout::new(2, 4, 64, 16, KvDtype::Bf16, KvOrder::Nhd)
 //!     .map_err(|error| Error::Kv { tag: Some("kv_cache".into()), error })?;

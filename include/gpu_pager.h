@@ -8,6 +8,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// The 32-bit pattern of `gpu_pager_config.poison_discards`: a NaN as bf16, fp16 and fp32.
+#define GPU_PAGER_POISON 2147450879
+
 // `gpu_pager_resume_with`'s flag: keep the host memory of `GPU_PAGER_MEDIUM_HOST` backups
 // after restoring (the next release of unchanged contents then copies nothing).
 #define GPU_PAGER_RESUME_KEEP_HOST_BACKUPS 1
@@ -209,6 +212,11 @@ typedef struct gpu_pager_config {
   // A `gpu_pager_copy_route`: who restores contents on resume (default
   // `GPU_PAGER_ROUTE_FASTEST`).
   uint32_t restore_route;
+  // Memory that comes back without its contents (a `GPU_PAGER_DISCARD` region, a tag
+  // dropped at its release) is filled with `GPU_PAGER_POISON` on resume, a NaN read as
+  // bf16, fp16 or fp32 (default false; the environment variable
+  // `GPU_PAGER_POISON_DISCARDS=1` turns it on too).
+  bool poison_discards;
 } gpu_pager_config;
 
 // What one `gpu_pager_release`, `gpu_pager_resume` or `gpu_pager_resume_on` call did, over

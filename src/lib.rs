@@ -58,7 +58,7 @@ pub use map_ahead::ABSORBED_MAP_ERROR;
 pub use pager::Tuning;
 pub use pager::{
     Buffer, Companion, CompanionError, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, Lease, MAX_TAG_BYTES,
-    Pager, PagerConfig, ReleaseOptions, ResumeOptions, Stats,
+    POISON, POISON_DISCARDS_ENV, Pager, PagerConfig, ReleaseOptions, ResumeOptions, Stats,
 };
 pub use pump::{CopyRoute, PumpStats};
 pub use region::{Medium, Policy, RegionInfo, RegionKind, RegionOptions, RegionStats, State};

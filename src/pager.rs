@@ -29,8 +29,8 @@ pub use buffers::Buffer;
 use buffers::stale;
 pub use companions::{Companion, CompanionError};
 pub use config::{
-    DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, MAX_TAG_BYTES, PagerConfig, ReleaseOptions, ResumeOptions,
-    Tuning,
+    DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, MAX_TAG_BYTES, POISON, POISON_DISCARDS_ENV, PagerConfig,
+    ReleaseOptions, ResumeOptions, Tuning,
 };
 
 /// Statistics of the whole pager.

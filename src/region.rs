@@ -67,7 +67,7 @@ pub(crate) struct Region {
     marks: RangeSet,
     pub state: State,
     /// The last release dropped the contents (`ReleaseOptions::drop`): the next resume
-    /// zero-fills what it maps.
+    /// zero-fills what it maps (or poisons it, see `PagerConfig::poison_discards`).
     pub zero_on_resume: bool,
     /// After `resume_on`: the restore copies still in flight on the caller's stream.
     pending: Option<std::sync::Arc<dyn Fence>>,
@@ -417,9 +417,14 @@ impl Region {
 
     /// Zero-fills `range` (mapped, inside the region).
     pub fn zero_range(&self, backend: &dyn Backend, range: Range<usize>) -> Result<()> {
+        self.fill_range(backend, range, 0)
+    }
+
+    /// Fills a mapped range (region offsets) with the 32-bit `pattern` repeated.
+    fn fill_range(&self, backend: &dyn Backend, range: Range<usize>, pattern: u32) -> Result<()> {
         // SAFETY: the caller passes a mapped range of this region.
-        unsafe { backend.fill(self.base() + range.start as u64, range.len(), 0) }
-            .map_err(|e| Error::backend(&self.tag, "zero-filling", e))
+        unsafe { backend.fill(self.base() + range.start as u64, range.len(), pattern) }
+            .map_err(|e| Error::backend(&self.tag, "filling", e))
     }
 
     /// A growing region's new buffer `offset .. offset + len` (granularity-aligned): maps it
@@ -588,9 +593,15 @@ impl Region {
     /// Zero-fills everything mapped (the whole region right after `map_all`), one fill per
     /// contiguous run.
     pub fn zero(&self, backend: &dyn Backend) -> Result<Duration> {
+        self.fill(backend, 0)
+    }
+
+    /// Fills everything mapped with the 32-bit `pattern` repeated, one fill per contiguous
+    /// run.
+    pub fn fill(&self, backend: &dyn Backend, pattern: u32) -> Result<Duration> {
         let t = Instant::now();
         for run in self.mapped.runs() {
-            self.zero_range(backend, run)?;
+            self.fill_range(backend, run, pattern)?;
         }
         Ok(t.elapsed())
     }

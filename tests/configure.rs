@@ -13,6 +13,8 @@ fn settings_apply_to_the_pager_created_after_them_and_stay() {
         restore_route: CopyRoute::Engine,
         ..PagerConfig::default()
     };
+    // SAFETY: this binary's one test, before anything reads the environment.
+    unsafe { std::env::set_var(gpu_pager::POISON_DISCARDS_ENV, "1") };
     // Before first use, a later call replaces an earlier one.
     Pager::configure(0, PagerConfig::default()).unwrap();
     Pager::configure(0, config).unwrap();
@@ -20,6 +22,11 @@ fn settings_apply_to_the_pager_created_after_them_and_stay() {
     let got = pager.config();
     assert_eq!(got.chunk_bytes, 4 << 20, "rounded up to a power of two");
     assert!(!got.skip_unchanged && got.verify_restore);
+    assert!(
+        got.poison_discards,
+        "{} turns it on",
+        gpu_pager::POISON_DISCARDS_ENV
+    );
     assert_eq!(
         (got.save_route, got.restore_route),
         (CopyRoute::Fastest, CopyRoute::Engine)

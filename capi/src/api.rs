@@ -170,6 +170,7 @@ pub unsafe extern "C" fn gpu_pager_configure(
                 verify_restore: c.verify_restore,
                 save_route: route(c.save_route, "save_route")?,
                 restore_route: route(c.restore_route, "restore_route")?,
+                poison_discards: c.poison_discards,
                 ..PagerConfig::default()
             },
         )

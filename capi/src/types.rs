@@ -222,7 +222,15 @@ pub struct gpu_pager_config {
     /// A `gpu_pager_copy_route`: who restores contents on resume (default
     /// `GPU_PAGER_ROUTE_FASTEST`).
     pub restore_route: u32,
+    /// Memory that comes back without its contents (a `GPU_PAGER_DISCARD` region, a tag
+    /// dropped at its release) is filled with `GPU_PAGER_POISON` on resume, a NaN read as
+    /// bf16, fp16 or fp32 (default false; the environment variable
+    /// `GPU_PAGER_POISON_DISCARDS=1` turns it on too).
+    pub poison_discards: bool,
 }
+
+/// The 32-bit pattern of `gpu_pager_config.poison_discards`: a NaN as bf16, fp16 and fp32.
+pub const GPU_PAGER_POISON: u32 = 0x7FFF_7FFF;
 
 impl From<PagerConfig> for gpu_pager_config {
     fn from(c: PagerConfig) -> Self {
@@ -232,6 +240,7 @@ impl From<PagerConfig> for gpu_pager_config {
             verify_restore: c.verify_restore,
             save_route: gpu_pager_copy_route::number(c.save_route),
             restore_route: gpu_pager_copy_route::number(c.restore_route),
+            poison_discards: c.poison_discards,
         }
     }
 }
@@ -400,6 +409,11 @@ mod tests {
             out.push(ch.to_ascii_uppercase());
         }
         out
+    }
+
+    #[test]
+    fn the_c_poison_is_the_core_s() {
+        assert_eq!(GPU_PAGER_POISON, gpu_pager::POISON);
     }
 
     #[test]

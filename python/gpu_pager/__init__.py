@@ -26,6 +26,7 @@ vLLM's CuMemAllocator: ``gpu_pager.compat``.
 
 from gpu_pager._native import (
     DEFAULT_ALIGN,
+    POISON,
     Buffer,
     Config,
     Lease,
@@ -64,6 +65,7 @@ from gpu_pager._native import (
 
 __all__ = [
     "DEFAULT_ALIGN",
+    "POISON",
     "Buffer",
     "Config",
     "Lease",

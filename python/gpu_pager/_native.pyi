@@ -54,6 +54,7 @@ __all__ = [
     "RegionStats",
     "Stats",
     "DEFAULT_ALIGN",
+    "POISON",
     "__version__",
 ]
 
@@ -74,6 +75,9 @@ kernel, or whichever the first 64 MiB of a copy shows faster."""
 DEFAULT_ALIGN: int
 """Default buffer alignment in bytes (256, what CUDA's own allocators guarantee)."""
 
+POISON: int
+"""The 32-bit pattern of poisoned discards (``0x7FFF7FFF``): a NaN read as bf16, fp16 or fp32."""
+
 __version__: str
 
 def error_codes() -> list[tuple[int, str]]:
@@ -87,9 +91,11 @@ def configure(
     verify_restore: bool | None = None,
     save_route: _RouteName | None = None,
     restore_route: _RouteName | None = None,
+    poison_discards: bool | None = None,
 ) -> None:
     """Chooses device ``device``'s pager settings before its first use; arguments left out
-    keep their defaults. Once the pager exists, other settings are ``InvalidArgumentError``."""
+    keep their defaults. Once the pager exists, other settings are ``InvalidArgumentError``.
+    ``poison_discards`` fills memory that comes back without its contents with ``POISON``."""
 
 def _torch_hook_state(device: int) -> tuple[str | None, str | None]:
     """``(tag, last_error)``: the calling thread's tag for torch segments on ``device``
@@ -183,6 +189,9 @@ class Config:
     @property
     def restore_route(self) -> _RouteName:
         """Who restores contents on resume."""
+    @property
+    def poison_discards(self) -> bool:
+        """Whether memory that comes back without its contents is filled with ``POISON``."""
 
 @final
 class RegionInfo:

@@ -54,6 +54,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::RegionStats>()?;
     m.add_class::<types::Stats>()?;
     m.add("DEFAULT_ALIGN", gpu_pager::DEFAULT_ALIGN)?;
+    m.add("POISON", gpu_pager::POISON)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

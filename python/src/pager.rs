@@ -87,10 +87,14 @@ impl PyPager {
 /// ``verify_restore``: check each restore against the backup's hashes (default ``False``).
 /// ``save_route`` / ``restore_route``: ``"engine"``, ``"kernel"`` or ``"fastest"`` (defaults
 /// ``"engine"``, which leaves the SMs to the application, and ``"fastest"``).
+/// ``poison_discards``: memory that comes back without its contents (a ``"discard"`` region,
+/// a tag dropped at its release) is filled with ``POISON``, a NaN as bf16, fp16 and fp32, so
+/// that reading it before writing it shows at once (default ``False``; the environment
+/// variable ``GPU_PAGER_POISON_DISCARDS=1`` turns it on too).
 #[pyfunction]
 #[pyo3(signature = (device = None, *, chunk_bytes = None, skip_unchanged = None,
-    verify_restore = None, save_route = None, restore_route = None),
-    text_signature = "(device=0, *, chunk_bytes=None, skip_unchanged=None, verify_restore=None, save_route=None, restore_route=None)")]
+    verify_restore = None, save_route = None, restore_route = None, poison_discards = None),
+    text_signature = "(device=0, *, chunk_bytes=None, skip_unchanged=None, verify_restore=None, save_route=None, restore_route=None, poison_discards=None)")]
 #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one parameter each
 pub(crate) fn configure(
     py: Python<'_>,
@@ -100,6 +104,7 @@ pub(crate) fn configure(
     verify_restore: Option<bool>,
     save_route: Option<&str>,
     restore_route: Option<&str>,
+    poison_discards: Option<bool>,
 ) -> PyResult<()> {
     let device = device.map_or(Ok(0), |d| args::size(d, "device"))?;
     let d = gpu_pager::PagerConfig::default();
@@ -110,6 +115,7 @@ pub(crate) fn configure(
         save_route: save_route.map_or(Ok(d.save_route), |r| args::route(r, "save_route"))?,
         restore_route: restore_route
             .map_or(Ok(d.restore_route), |r| args::route(r, "restore_route"))?,
+        poison_discards: poison_discards.unwrap_or(d.poison_discards),
         ..d
     };
     run(py, || gpu_pager::Pager::configure(device, config))

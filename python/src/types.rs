@@ -129,6 +129,14 @@ pub struct Config {
     pub save_route: &'static str,
     /// Who restores contents on resume: ``"engine"``, ``"kernel"`` or ``"fastest"``.
     pub restore_route: &'static str,
+    /// Whether memory that comes back without its contents is filled with a NaN pattern
+    /// (``gpu_pager.POISON``) instead of zeros or stale bytes.
+    pub poison_discards: bool,
+}
+
+/// `True` or `False`, as Python writes a bool.
+fn py_bool(b: bool) -> &'static str {
+    if b { "True" } else { "False" }
 }
 
 impl From<gpu_pager::PagerConfig> for Config {
@@ -139,6 +147,7 @@ impl From<gpu_pager::PagerConfig> for Config {
             verify_restore: c.verify_restore,
             save_route: c.save_route.name(),
             restore_route: c.restore_route.name(),
+            poison_discards: c.poison_discards,
         }
     }
 }
@@ -148,12 +157,13 @@ impl Config {
     fn __repr__(&self) -> String {
         format!(
             "Config(chunk_bytes={}, skip_unchanged={}, verify_restore={}, save_route={:?}, \
-             restore_route={:?})",
+             restore_route={:?}, poison_discards={})",
             self.chunk_bytes,
-            if self.skip_unchanged { "True" } else { "False" },
-            if self.verify_restore { "True" } else { "False" },
+            py_bool(self.skip_unchanged),
+            py_bool(self.verify_restore),
             self.save_route,
-            self.restore_route
+            self.restore_route,
+            py_bool(self.poison_discards)
         )
     }
 }

@@ -60,3 +60,35 @@ def test_bad_settings_are_python_errors() -> None:
         gpu_pager.configure(0, chunk_bytes=-1)
     with pytest.raises(TypeError):
         gpu_pager.configure(0, 1 << 20)  # type: ignore[call-arg]
+
+
+def test_poisoned_discards_read_back_as_nan() -> None:
+    done = run_python(
+        """
+        import array, struct, gpu_pager
+        gpu_pager.configure(0, poison_discards=True)
+        p = gpu_pager.Pager.for_device(0)
+        assert p.config.poison_discards
+        p.region("kv", "discard", 1 << 20)
+        b = p.alloc("kv", 4096)
+        p.write(b, 0, bytes([1]) * 4096)
+        p.release("kv")
+        p.resume("kv")
+        got = p.read(b, 0, 4096)
+        assert got == struct.pack("<I", gpu_pager.POISON) * 1024, got[:8]
+        floats = array.array("f", got)
+        assert all(f != f for f in floats), "fp32 NaN"
+        print("poisoned")
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "poisoned"
+
+
+def test_the_environment_turns_poison_on() -> None:
+    done = run_python(
+        "import gpu_pager; print(gpu_pager.Pager.for_device(0).config.poison_discards)",
+        GPU_PAGER_POISON_DISCARDS="1",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"

@@ -17,6 +17,14 @@ pub const MAX_TAG_BYTES: usize = 256;
 /// Default buffer alignment: 256 bytes, what CUDA's own allocators guarantee.
 pub const DEFAULT_ALIGN: usize = 256;
 
+/// The 32-bit pattern of [`PagerConfig::poison_discards`]: `0x7FFF` in each 16-bit half is
+/// a NaN in bf16 and in fp16, and the whole word a NaN in fp32.
+pub const POISON: u32 = 0x7FFF_7FFF;
+
+/// The environment variable that turns [`PagerConfig::poison_discards`] on for the pagers
+/// of the registry ([`crate::Pager::for_device`]): `1`, `true` or `yes`.
+pub const POISON_DISCARDS_ENV: &str = "GPU_PAGER_POISON_DISCARDS";
+
 /// Pager settings: what a user of the pager chooses. C sets them with
 /// `gpu_pager_configure`, Python with `gpu_pager.configure`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +49,13 @@ pub struct PagerConfig {
     /// Which movers restore `Preserve` contents on resume (default [`CopyRoute::Fastest`]:
     /// right after a trainer's free the copy kernel outruns the copy engine).
     pub restore_route: CopyRoute,
+    /// Memory that comes back without its contents (a `Discard` region, a tag dropped at
+    /// its release) is filled with [`POISON`] on resume, a NaN read as bf16, fp16 or fp32,
+    /// so that a kernel that reads what it did not write since the wake-up computes NaN at
+    /// once instead of reusing stale bytes (default off: one device fill per resume of such
+    /// memory). `DiscardZeroed` regions still come back zeroed, as they promise. The
+    /// environment variable [`POISON_DISCARDS_ENV`] turns it on for the process's pagers.
+    pub poison_discards: bool,
     /// Knobs whose defaults are measured, moved only by tests and benchmarks.
     #[doc(hidden)]
     pub tuning: Tuning,
@@ -106,6 +121,7 @@ impl Default for PagerConfig {
             verify_restore: false,
             save_route: CopyRoute::Engine,
             restore_route: CopyRoute::Fastest,
+            poison_discards: false,
             tuning: Tuning::default(),
         }
     }
@@ -135,17 +151,29 @@ impl std::fmt::Display for PagerConfig {
         write!(
             f,
             "chunk_bytes={}, skip_unchanged={}, verify_restore={}, save_route={}, \
-             restore_route={}",
+             restore_route={}, poison_discards={}",
             self.chunk_bytes,
             self.skip_unchanged,
             self.verify_restore,
             self.save_route.name(),
-            self.restore_route.name()
+            self.restore_route.name(),
+            self.poison_discards
         )
     }
 }
 
 impl PagerConfig {
+    /// These settings with [`POISON_DISCARDS_ENV`] applied: set to `1`, `true` or `yes`, it
+    /// turns [`PagerConfig::poison_discards`] on.
+    pub fn with_env(self) -> PagerConfig {
+        let on = std::env::var(POISON_DISCARDS_ENV)
+            .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes"));
+        PagerConfig {
+            poison_discards: self.poison_discards || on,
+            ..self
+        }
+    }
+
     /// The settings as a pager on a backend of granularity `g` applies them: sizes rounded
     /// and clamped as each field's docs say.
     pub(crate) fn effective(self, g: usize) -> PagerConfig {

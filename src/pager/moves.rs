@@ -266,7 +266,7 @@ impl Pager {
     }
 
     /// Zero-fills what comes back zeroed (`DiscardZeroed`, or contents dropped at the
-    /// release) and, with `verify_restore` and no caller's stream, checks restored contents.
+    /// release), poisons what comes back without contents with `poison_discards`, and, with `verify_restore` and no caller's stream, checks restored contents.
     fn fill_or_verify(
         &self,
         regions: &mut Locked<'_>,
@@ -279,7 +279,12 @@ impl Pager {
             if !p.moves {
                 continue;
             }
-            if r.zero_on_resume || r.policy == Policy::DiscardZeroed {
+            let poison = self.config.poison_discards
+                && (r.policy == Policy::Discard
+                    || (r.zero_on_resume && r.policy == Policy::Preserve));
+            if poison {
+                p.steps.fill = r.fill(backend, super::POISON)?;
+            } else if r.zero_on_resume || r.policy == Policy::DiscardZeroed {
                 p.steps.fill = r.zero(backend)?;
             } else if r.policy == Policy::Preserve && verify {
                 let t = Instant::now();

@@ -35,6 +35,7 @@ mod host_model;
 mod host_overwritten;
 mod host_pager;
 mod host_pin_batch;
+mod host_poison;
 mod host_pump;
 mod host_review;
 mod kv_block_pool;

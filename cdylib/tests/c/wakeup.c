@@ -271,6 +271,25 @@ static void companions(int dev) {
     }
     CHECK(gpu_pager_remove_companion(dev, own_id));
     free(own.live);
+
+    /* Poisoned discards (configured on): the discarded KV cache comes back as NaN words. */
+    uint64_t b = 0;
+    uint32_t words[1024];
+    CHECK(gpu_pager_alloc(dev, "kv_cache", sizeof words, &b));
+    memset(words, 0x11, sizeof words);
+    CHECK(gpu_pager_write(dev, b, words, sizeof words));
+    CHECK(gpu_pager_release(dev, kv, 1, NULL));
+    CHECK(gpu_pager_resume(dev, kv, 1, NULL));
+    CHECK(gpu_pager_read(dev, b, words, sizeof words));
+    for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) {
+        if (words[i] != GPU_PAGER_POISON) {
+            fprintf(stderr, "word %zu of the discarded KV cache is %#x, not the poison\n", i,
+                    (unsigned)words[i]);
+            failures++;
+            break;
+        }
+    }
+    CHECK(gpu_pager_free(dev, b));
 }
 
 /* Settings before the device's first use: refused when malformed, applied to the pager the
@@ -286,13 +305,18 @@ static void configure(int dev) {
         fprintf(stderr, "gpu_pager_config_default() is not the documented defaults\n");
         failures++;
     }
+    if (c.poison_discards) {
+        fprintf(stderr, "poisoned discards are on by default\n");
+        failures++;
+    }
     c.chunk_bytes = 3 * MIB;
     c.verify_restore = true;
+    c.poison_discards = true;
     c.save_route = GPU_PAGER_ROUTE_FASTEST;
     CHECK(gpu_pager_configure(dev, &c));
     gpu_pager_config got;
     CHECK(gpu_pager_get_config(dev, &got)); /* opens the pager */
-    if (got.chunk_bytes != 4 * MIB || !got.verify_restore || !got.skip_unchanged ||
+    if (got.chunk_bytes != 4 * MIB || !got.verify_restore || !got.skip_unchanged || !got.poison_discards ||
         got.save_route != GPU_PAGER_ROUTE_FASTEST || got.restore_route != GPU_PAGER_ROUTE_FASTEST) {
         fprintf(stderr, "the pager does not have the configured settings (chunk %llu)\n",
                 (unsigned long long)got.chunk_bytes);

@@ -43,7 +43,8 @@ pub struct Steps {
     pub map: Duration,
     /// Unmapping and releasing physical memory.
     pub unmap: Duration,
-    /// Zero-filling (Discard regions resumed with `DiscardZeroed`).
+    /// Filling on resume: zeros (a `DiscardZeroed` region, a dropped tag) or the poison of
+    /// [`crate::PagerConfig::poison_discards`].
     pub fill: Duration,
     /// Hashing contents (release with `skip_unchanged`; resume with `verify_restore`).
     pub hash: Duration,

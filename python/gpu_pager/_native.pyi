@@ -268,7 +268,7 @@ class Steps:
         """Unmapping and releasing physical memory."""
     @property
     def fill(self) -> float:
-        """Zero-filling."""
+        """Filling: zeros, or the poison of poisoned discards."""
     @property
     def hash(self) -> float:
         """Hashing contents."""

@@ -297,7 +297,7 @@ pub struct Steps {
     pub map: f64,
     /// Unmapping and releasing physical memory.
     pub unmap: f64,
-    /// Zero-filling.
+    /// Filling on resume: zeros, or the poison of poisoned discards.
     pub fill: f64,
     /// Hashing contents.
     pub hash: f64,

@@ -310,3 +310,47 @@ def test_vllm_sleep_sequence_on_a_real_model() -> None:
     assert done.returncode == 0, out
     for step in ("level 1", "level 2", "discard kv_cache", "out of memory", "retry"):
         assert f'"step": "{step}"' in done.stdout, out
+
+
+POISONED = """
+import os, sys
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import torch
+torch.use_deterministic_algorithms(True, warn_only=True)
+sys.path.insert(0, {tests!r})
+import gpu_pager
+import gpu_pager.torch as gpt
+from engine import Engine, gpt_placement
+
+tags = dict(weights="w", kv="kv", graph="g")
+engine = Engine("small", gpt_placement(tags))
+print("poison", gpt.pager().config.poison_discards)
+want = engine.step()
+gpt.release(["kv", "w", "g"])
+gpt.resume("w")
+gpt.resume(["kv", "g"])
+got = engine.step()  # the normal sequence: the cache reset and refilled before it is read
+print("same", all(torch.equal(a, b) for a, b in zip(got, want)))
+gpt.release("kv")
+gpt.resume("kv")
+engine.graph.replay()  # a decode that reads the discarded cache before anything writes it
+torch.cuda.synchronize()
+print("nan", bool(torch.isnan(engine.logits).any()))
+"""
+
+
+@pytest.mark.parametrize("poison", [True, False])
+def test_poisoned_discards_turn_a_stale_kv_read_into_nan_logits(poison: bool) -> None:
+    """With ``GPU_PAGER_POISON_DISCARDS=1`` a decode step that reads the KV cache after a
+    wake-up, before a prefill wrote it, gives NaN logits; the normal sequence gives the same
+    logits as before the cycle, with the option on or off."""
+    env = {**os.environ, "GPU_PAGER_POISON_DISCARDS": "1" if poison else ""}
+    code = POISONED.format(tests=os.path.dirname(__file__))
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split()
+    assert lines[:4] == ["poison", str(poison), "same", "True"], done.stdout
+    if poison:
+        assert lines[4:] == ["nan", "True"], done.stdout

@@ -264,6 +264,20 @@ typedef struct gpu_pager_stats {
   uint64_t deferred_errors_total;
 } gpu_pager_stats;
 
+// Where a device's memory is (`gpu_pager_audit`), in bytes.
+typedef struct gpu_pager_audit_totals {
+  // The device's memory in all.
+  uint64_t device_total_bytes;
+  // What the driver says is free.
+  uint64_t device_free_bytes;
+  // Mapped under the pager's regions.
+  uint64_t mapped_bytes;
+  // In use outside every region: other allocators, the CUDA context, other processes.
+  uint64_t outside_bytes;
+  // Regions.
+  uint64_t regions;
+} gpu_pager_audit_totals;
+
 // A companion's callback: called with the tag (a NUL-terminated string valid for the
 // call) and the `user` pointer given to `gpu_pager_add_companion`; returns 0 on success,
 // anything else on failure (the release or resume is then undone and fails with
@@ -530,6 +544,16 @@ gpu_pager_code gpu_pager_unlease(uint64_t lease);
 // # Safety
 // `out` is NULL (an error) or valid for a write of a `gpu_pager_stats`.
 gpu_pager_code gpu_pager_get_stats(int device, struct gpu_pager_stats *out);
+
+// Where device `device`'s memory is now: fills `*out` (unless NULL) with the totals and
+// returns the whole audit as a table (one line per region: tag, state, policy, mapped,
+// reserved and backup bytes; then the device's use and what lies outside every region).
+// The text stays valid until this thread's next call of this function. NULL on failure
+// (`gpu_pager_last_error` says why).
+//
+// # Safety
+// `out` is NULL or valid for a write of a `gpu_pager_audit_totals`.
+const char *gpu_pager_audit(int device, struct gpu_pager_audit_totals *out);
 
 // Takes device `device`'s failures that no call could return (a driver or OS call in a
 // cleanup; `gpu_pager_stats.deferred_errors` counts them), oldest first, one per line;

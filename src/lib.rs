@@ -57,8 +57,9 @@ pub use map_ahead::ABSORBED_MAP_ERROR;
 #[doc(hidden)]
 pub use pager::Tuning;
 pub use pager::{
-    Buffer, Companion, CompanionError, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, Lease, MAX_TAG_BYTES,
-    POISON, POISON_DISCARDS_ENV, Pager, PagerConfig, ReleaseOptions, ResumeOptions, Stats,
+    Audit, AuditRegion, Buffer, Companion, CompanionError, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES,
+    Lease, MAX_TAG_BYTES, POISON, POISON_DISCARDS_ENV, Pager, PagerConfig, RESIDENT_WARNING_BYTES,
+    ReleaseOptions, ResumeOptions, Stats,
 };
 pub use pump::{CopyRoute, PumpStats};
 pub use region::{Medium, Policy, RegionInfo, RegionKind, RegionOptions, RegionStats, State};

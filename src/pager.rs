@@ -15,6 +15,7 @@ use crate::region::{
 use crate::report::Report;
 use crate::suballoc::AllocError;
 
+mod audit;
 mod backup_read;
 mod buffers;
 mod companions;
@@ -25,6 +26,7 @@ mod overwritten;
 
 use config::round_chunk;
 
+pub use audit::{Audit, AuditRegion, RESIDENT_WARNING_BYTES};
 pub use buffers::Buffer;
 use buffers::stale;
 pub use companions::{Companion, CompanionError};
@@ -393,7 +395,16 @@ impl Pager {
         }
         let slots = self.slots(tags)?;
         let mut regions: Vec<_> = slots.iter().map(lock).collect();
-        self.release_locked(tags, &mut regions, options)
+        let report = self.release_locked(tags, &mut regions, options)?;
+        drop(regions);
+        if report
+            .regions
+            .iter()
+            .any(|r| r.outcome == crate::Outcome::Done)
+        {
+            self.warn_if_resident(tags);
+        }
+        Ok(report)
     }
 
     /// Maps physical memory back under `tags` at the same addresses and restores

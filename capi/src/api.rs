@@ -14,9 +14,9 @@ use gpu_pager::{
 
 use crate::boundary::{self, call, call_or, invalid, pager, required, untagged, write_out};
 use crate::types::{
-    GPU_PAGER_RESUME_KEEP_HOST_BACKUPS, gpu_pager_code, gpu_pager_config, gpu_pager_copy_route,
-    gpu_pager_device_info, gpu_pager_medium, gpu_pager_policy, gpu_pager_region_kind,
-    gpu_pager_report, gpu_pager_stats,
+    GPU_PAGER_RESUME_KEEP_HOST_BACKUPS, gpu_pager_audit_totals, gpu_pager_code, gpu_pager_config,
+    gpu_pager_copy_route, gpu_pager_device_info, gpu_pager_medium, gpu_pager_policy,
+    gpu_pager_region_kind, gpu_pager_report, gpu_pager_stats,
 };
 
 /// The live buffer containing `ptr` in `pager`, and `ptr`'s offset in it.
@@ -736,6 +736,50 @@ pub unsafe extern "C" fn gpu_pager_get_stats(
 thread_local! {
     /// The text `gpu_pager_take_deferred_errors` last returned on this thread.
     static DEFERRED: std::cell::RefCell<CString> = std::cell::RefCell::new(CString::default());
+    /// The table `gpu_pager_audit` last returned on this thread.
+    static AUDIT: std::cell::RefCell<CString> = std::cell::RefCell::new(CString::default());
+}
+
+/// Keeps `text` in `slot` (this thread's) and returns it as a C string valid until the
+/// slot's next use on this thread (NUL bytes become spaces).
+fn keep_text(
+    slot: &'static std::thread::LocalKey<std::cell::RefCell<CString>>,
+    text: String,
+) -> *const c_char {
+    let text = CString::new(text.replace('\0', " ")).unwrap_or_default();
+    slot.try_with(|d| {
+        *d.borrow_mut() = text;
+        d.borrow().as_ptr()
+    })
+    .unwrap_or(std::ptr::null())
+}
+
+/// Where device `device`'s memory is now: fills `*out` (unless NULL) with the totals and
+/// returns the whole audit as a table (one line per region: tag, state, policy, mapped,
+/// reserved and backup bytes; then the device's use and what lies outside every region).
+/// The text stays valid until this thread's next call of this function. NULL on failure
+/// (`gpu_pager_last_error` says why).
+///
+/// # Safety
+/// `out` is NULL or valid for a write of a `gpu_pager_audit_totals`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_audit(
+    device: c_int,
+    out: *mut gpu_pager_audit_totals,
+) -> *const c_char {
+    call_or("gpu_pager_audit", std::ptr::null(), || {
+        let a = pager(device)?.audit()?;
+        let totals = gpu_pager_audit_totals {
+            device_total_bytes: a.device_total_bytes as u64,
+            device_free_bytes: a.device_free_bytes as u64,
+            mapped_bytes: a.mapped_bytes() as u64,
+            outside_bytes: a.outside_bytes() as u64,
+            regions: a.regions.len() as u64,
+        };
+        // SAFETY: NULL (skipped) or valid for a write (the contract).
+        unsafe { write_out(out, totals) };
+        Ok(keep_text(&AUDIT, a.to_string()))
+    })
 }
 
 /// Takes device `device`'s failures that no call could return (a driver or OS call in a
@@ -746,13 +790,7 @@ thread_local! {
 pub extern "C" fn gpu_pager_take_deferred_errors(device: c_int) -> *const c_char {
     call_or("gpu_pager_take_deferred_errors", std::ptr::null(), || {
         let text = pager(device)?.take_deferred_errors().join("\n");
-        let text = CString::new(text.replace('\0', " ")).unwrap_or_default();
-        Ok(DEFERRED
-            .try_with(|d| {
-                *d.borrow_mut() = text;
-                d.borrow().as_ptr()
-            })
-            .unwrap_or(std::ptr::null()))
+        Ok(keep_text(&DEFERRED, text))
     })
 }
 

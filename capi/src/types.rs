@@ -319,6 +319,22 @@ impl From<&Report> for gpu_pager_report {
     }
 }
 
+/// Where a device's memory is (`gpu_pager_audit`), in bytes.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct gpu_pager_audit_totals {
+    /// The device's memory in all.
+    pub device_total_bytes: u64,
+    /// What the driver says is free.
+    pub device_free_bytes: u64,
+    /// Mapped under the pager's regions.
+    pub mapped_bytes: u64,
+    /// In use outside every region: other allocators, the CUDA context, other processes.
+    pub outside_bytes: u64,
+    /// Regions.
+    pub regions: u64,
+}
+
 /// A device's pager now, over all its regions (`gpu_pager_get_stats`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

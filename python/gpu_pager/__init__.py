@@ -27,6 +27,8 @@ vLLM's CuMemAllocator: ``gpu_pager.compat``.
 from gpu_pager._native import (
     DEFAULT_ALIGN,
     POISON,
+    Audit,
+    AuditRegion,
     Buffer,
     Config,
     Lease,
@@ -66,6 +68,8 @@ from gpu_pager._native import (
 __all__ = [
     "DEFAULT_ALIGN",
     "POISON",
+    "Audit",
+    "AuditRegion",
     "Buffer",
     "Config",
     "Lease",

@@ -42,6 +42,8 @@ __all__ = [
     "_tms_backup_view",
     "configure",
     "Config",
+    "Audit",
+    "AuditRegion",
     "Pager",
     "Lease",
     "Policy",
@@ -192,6 +194,58 @@ class Config:
     @property
     def poison_discards(self) -> bool:
         """Whether memory that comes back without its contents is filled with ``POISON``."""
+
+@final
+class AuditRegion:
+    """One region in an ``Audit``."""
+
+    @property
+    def tag(self) -> str:
+        """The tag."""
+    @property
+    def state(self) -> State:
+        """Resident or released."""
+    @property
+    def policy(self) -> Policy:
+        """Its policy."""
+    @property
+    def kind(self) -> Literal["fixed", "growing", "elastic"]:
+        """How its memory is mapped."""
+    @property
+    def reserved_bytes(self) -> int:
+        """Reserved address range, bytes."""
+    @property
+    def mapped_bytes(self) -> int:
+        """Physical bytes mapped now."""
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes in live buffers."""
+    @property
+    def backup_bytes(self) -> int:
+        """Backup held, bytes."""
+
+@final
+class Audit:
+    """Where a device's memory is, as ``Pager.audit()`` saw it; ``str()`` is a table."""
+
+    @property
+    def device_total_bytes(self) -> int:
+        """The device's memory in all, bytes."""
+    @property
+    def device_free_bytes(self) -> int:
+        """What the driver says is free, bytes."""
+    @property
+    def device_used_bytes(self) -> int:
+        """Device memory in use (every holder, other processes included), bytes."""
+    @property
+    def mapped_bytes(self) -> int:
+        """Physical bytes mapped under the pager's regions."""
+    @property
+    def outside_bytes(self) -> int:
+        """Device memory in use outside every region, bytes."""
+    @property
+    def regions(self) -> list[AuditRegion]:
+        """Every region, in tag order."""
 
 @final
 class RegionInfo:
@@ -514,6 +568,9 @@ class Pager:
         """Keeps ``tags`` resident until the lease is closed: releasing one of them is ``BusyError``
         meanwhile. ``NotResidentError`` if one is released now. Use it as a context manager
         (``with pager.lease("weights"): ...``) or call ``close()``."""
+    def audit(self) -> Audit:
+        """Where the device's memory is now: each region's bytes and state, the device's use,
+        and what lies outside every region."""
     def stats(self) -> Stats:
         """Statistics of every region."""
     def region_stats(self, tag: str) -> RegionStats:

@@ -74,7 +74,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from gpu_pager import _native
-from gpu_pager._native import Buffer, Lease, Pager, Policy, RegionInfo, Report
+from gpu_pager._native import Audit, Buffer, Lease, Pager, Policy, RegionInfo, Report
 
 if TYPE_CHECKING:
     from gpu_pager._native import _MediumName, _PolicyName
@@ -108,6 +108,9 @@ __all__ = [
     "mark_overwritten",
     "mark_parameters",
     "read_backup",
+    "audit",
+    "TorchAudit",
+    "OutsideSegment",
 ]
 
 MALLOC_SYMBOL = "gpu_pager_torch_malloc"
@@ -658,3 +661,91 @@ def read_backup(tensor: Any) -> Any | None:
         return None
     out = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     return out.view(tensor.dtype).reshape(tensor.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutsideSegment:
+    """A segment torch holds outside every tag: device memory the pager's releases leave
+    where it is."""
+
+    address: int
+    """Its first device address."""
+    bytes: int
+    """Its size."""
+    pool: tuple[int, int]
+    """torch's id of its pool (``(0, 0)``: the default pool)."""
+    site: str | None
+    """Where its first live block was allocated (``file:line in function``), when torch
+    records memory history (``torch.cuda.memory._record_memory_history()``), else ``None``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchAudit:
+    """Where a device's memory is, in a torch process (``audit()``): the pager's audit
+    (each tag, the device's use) and torch's segments outside every tag, largest first.
+    ``str()`` is a table."""
+
+    pager: Audit
+    """The pager's audit: each region, the device's totals."""
+    outside_tags: list[OutsideSegment]
+    """torch's segments outside every region, largest first."""
+
+    @property
+    def torch_outside_bytes(self) -> int:
+        """Bytes torch holds outside every tag."""
+        return sum(s.bytes for s in self.outside_tags)
+
+    @property
+    def other_bytes(self) -> int:
+        """Device memory in use outside the tags and outside torch: the CUDA context,
+        libraries and other allocators of this process, and other processes."""
+        return max(0, self.pager.outside_bytes - self.torch_outside_bytes)
+
+    def __str__(self) -> str:
+        gib = 1 << 30
+        lines = [str(self.pager), f"torch outside every tag: {self.torch_outside_bytes / gib:.2f} GiB "
+                 f"in {len(self.outside_tags)} segments"]
+        for seg in self.outside_tags[:8]:
+            where = seg.site or "site unknown (torch.cuda.memory._record_memory_history())"
+            lines.append(f"  {seg.bytes / gib:8.2f} GiB at {seg.address:#x}, pool {seg.pool}: {where}")
+        lines.append(f"the rest (CUDA context, other allocators and processes): "
+                     f"{self.other_bytes / gib:.2f} GiB")
+        return "\n".join(lines)
+
+
+def _site(segment: dict[str, Any]) -> str | None:
+    """The first frame outside torch of the segment's first live block, if recorded."""
+    for block in segment.get("blocks", []):
+        if not str(block.get("state", "")).startswith("active"):
+            continue
+        for frame in block.get("frames", []) or []:
+            filename = str(frame.get("filename", ""))
+            if "/torch/" in filename or filename.startswith("??"):
+                continue
+            return f"{filename}:{frame.get('line')} in {frame.get('name')}"
+    return None
+
+
+def audit(device: Any = None) -> TorchAudit:
+    """Where ``device``'s memory is (default: torch's current device): each tag's mapped,
+    reserved and backed-up bytes and state, torch's segments outside every tag (with the
+    allocation site when torch records memory history), and the rest the driver reports in
+    use. After a ``release``, what is still on the GPU and who holds it."""
+    torch = _torch()
+    index = _index(device)
+    p = Pager.for_device(index)
+    report = p.audit()
+    spans = [(r.info.base, r.info.base + r.info.size) for r in p.stats().regions]
+    outside: list[OutsideSegment] = []
+    for seg in torch.cuda.memory_snapshot():
+        if int(seg.get("device", index)) != index:
+            continue
+        address, size = int(seg["address"]), int(seg["total_size"])
+        if any(lo <= address < hi for lo, hi in spans):
+            continue
+        pool = seg.get("segment_pool_id", (0, 0))
+        outside.append(
+            OutsideSegment(address, size, (int(pool[0]), int(pool[1])), _site(seg))
+        )
+    outside.sort(key=lambda s: (-s.bytes, s.address))
+    return TorchAudit(report, outside)

@@ -46,6 +46,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::State>()?;
     m.add_function(wrap_pyfunction!(pager::configure, m)?)?;
     m.add_class::<types::Config>()?;
+    m.add_class::<types::Audit>()?;
+    m.add_class::<types::AuditRegion>()?;
     m.add_class::<types::RegionInfo>()?;
     m.add_class::<types::Buffer>()?;
     m.add_class::<types::Steps>()?;

@@ -522,6 +522,15 @@ impl PyPager {
         run(py, || Ok(p.take_deferred_errors()))
     }
 
+    /// Where the device's memory is now (an ``Audit``): each region's mapped, reserved and
+    /// backed-up bytes and state, the device's use as the driver reports it, and what lies
+    /// outside every region. ``gpu_pager.torch.audit()`` adds torch's memory outside the
+    /// tags.
+    fn audit(&self, py: Python<'_>) -> PyResult<crate::types::Audit> {
+        let p = &self.inner;
+        run(py, || p.audit()).map(crate::types::Audit::from)
+    }
+
     /// Statistics of every region.
     fn stats(&self, py: Python<'_>) -> PyResult<Stats> {
         let p = &self.inner;

@@ -536,6 +536,102 @@ impl RegionStats {
     }
 }
 
+/// One region in an ``Audit``.
+#[pyclass(module = "gpu_pager", frozen, get_all)]
+#[derive(Debug, Clone)]
+pub struct AuditRegion {
+    /// The tag.
+    pub tag: String,
+    /// ``State.RESIDENT`` or ``State.RELEASED``.
+    pub state: State,
+    /// Its policy.
+    pub policy: Policy,
+    /// ``"fixed"``, ``"growing"`` or ``"elastic"``.
+    pub kind: String,
+    /// Reserved address range, bytes.
+    pub reserved_bytes: usize,
+    /// Physical bytes mapped now.
+    pub mapped_bytes: usize,
+    /// Bytes in live buffers.
+    pub allocated_bytes: usize,
+    /// Backup held, bytes.
+    pub backup_bytes: usize,
+}
+
+/// Where a device's memory is, as ``Pager.audit()`` saw it: each region's bytes and state,
+/// and the device's use as the driver reports it. ``str()`` is a table.
+#[pyclass(module = "gpu_pager", frozen)]
+#[derive(Debug, Clone)]
+pub struct Audit {
+    inner: gpu_pager::Audit,
+}
+
+impl From<gpu_pager::Audit> for Audit {
+    fn from(inner: gpu_pager::Audit) -> Self {
+        Audit { inner }
+    }
+}
+
+#[pymethods]
+impl Audit {
+    /// The device's memory in all, bytes.
+    #[getter]
+    fn device_total_bytes(&self) -> usize {
+        self.inner.device_total_bytes
+    }
+    /// What the driver says is free, bytes.
+    #[getter]
+    fn device_free_bytes(&self) -> usize {
+        self.inner.device_free_bytes
+    }
+    /// Device memory in use (every holder, other processes included), bytes.
+    #[getter]
+    fn device_used_bytes(&self) -> usize {
+        self.inner.device_used_bytes()
+    }
+    /// Physical bytes mapped under the pager's regions.
+    #[getter]
+    fn mapped_bytes(&self) -> usize {
+        self.inner.mapped_bytes()
+    }
+    /// Device memory in use outside every region (other allocators such as torch's own
+    /// pools, the CUDA context, other processes), bytes.
+    #[getter]
+    fn outside_bytes(&self) -> usize {
+        self.inner.outside_bytes()
+    }
+    /// Every region, in tag order.
+    #[getter]
+    fn regions(&self) -> Vec<AuditRegion> {
+        self.inner
+            .regions
+            .iter()
+            .map(|r| AuditRegion {
+                tag: r.tag.clone(),
+                state: State::from_core(r.state),
+                policy: Policy::from_core(r.policy),
+                kind: r.kind.to_string(),
+                reserved_bytes: r.reserved_bytes,
+                mapped_bytes: r.mapped_bytes,
+                allocated_bytes: r.allocated_bytes,
+                backup_bytes: r.backup_bytes,
+            })
+            .collect()
+    }
+    fn __str__(&self) -> String {
+        self.inner.to_string()
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "Audit(regions={}, mapped_bytes={}, outside_bytes={}, device_free_bytes={})",
+            self.inner.regions.len(),
+            self.inner.mapped_bytes(),
+            self.inner.outside_bytes(),
+            self.inner.device_free_bytes
+        )
+    }
+}
+
 /// Statistics of the whole pager, as they were when ``Pager.stats()`` returned.
 #[pyclass(module = "gpu_pager", frozen)]
 #[derive(Debug, Clone)]

@@ -111,6 +111,10 @@ pub struct Tuning {
     /// 64 MiB: sequential disk I/O at full speed, a small staging buffer. Clamped to
     /// 4 KiB ..= [`crate::MAX_FILE_CHUNK_BYTES`].
     pub file_chunk_bytes: usize,
+    /// A release that moved something logs one warning when more than this many bytes of
+    /// device memory stay in use after it, naming the largest holders (default
+    /// [`super::RESIDENT_WARNING_BYTES`]; `usize::MAX`: never).
+    pub resident_warning_bytes: usize,
 }
 
 impl Default for PagerConfig {
@@ -139,6 +143,7 @@ impl Default for Tuning {
             copy_gap_bytes: 1 << 20,
             first_save_overlap: true,
             file_chunk_bytes: 64 << 20,
+            resident_warning_bytes: super::RESIDENT_WARNING_BYTES,
         }
     }
 }

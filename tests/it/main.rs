@@ -14,6 +14,7 @@ mod gpu_pager;
 mod gpu_pinned;
 mod gpu_pump;
 mod growing_model;
+mod host_audit;
 mod host_backup_files;
 mod host_backup_read;
 mod host_companions;

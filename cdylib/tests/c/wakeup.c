@@ -366,6 +366,17 @@ int main(void) {
         fprintf(stderr, "unexpected release report\n");
         failures++;
     }
+    /* The audit after the release: nothing mapped under the regions, both listed. */
+    gpu_pager_audit_totals at;
+    const char *table = gpu_pager_audit(dev, &at);
+    if (table == NULL || at.mapped_bytes != 0 || at.regions != 2 ||
+        at.device_total_bytes < at.device_free_bytes || strstr(table, "weights") == NULL ||
+        strstr(table, "released") == NULL) {
+        fprintf(stderr, "unexpected audit (mapped %llu, regions %llu):\n%s\n",
+                (unsigned long long)at.mapped_bytes, (unsigned long long)at.regions,
+                table ? table : gpu_pager_last_error());
+        failures++;
+    }
     EXPECT(gpu_pager_write(dev, w[0], data, 16), GPU_PAGER_ERROR_NOT_RESIDENT, "`weights`");
     EXPECT(gpu_pager_read(dev, w[0], back, 16), GPU_PAGER_ERROR_NOT_RESIDENT, "resume `weights` first");
 

@@ -1,0 +1,71 @@
+"""The residency audit: ``Pager.audit()`` adds up to the regions and the device, and
+``gpu_pager.torch.audit()`` names torch's segments outside every tag."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Callable
+
+import gpu_pager
+from fresh import run_python
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_the_audit_adds_up_to_the_regions(
+    pager: gpu_pager.Pager, new_tag: Callable[[], str]
+) -> None:
+    kept, gone = new_tag(), new_tag()
+    pager.region(kept, "preserve", 4 << 20)
+    pager.region(gone, "discard", 8 << 20)
+    pager.release(gone)
+    a = pager.audit()
+    assert a.mapped_bytes == pager.stats().resident_bytes
+    assert a.device_used_bytes == a.device_total_bytes - a.device_free_bytes
+    assert a.outside_bytes == max(0, a.device_used_bytes - a.mapped_bytes)
+    entries = {r.tag: r for r in a.regions}
+    assert entries[kept].state == gpu_pager.State.RESIDENT
+    assert entries[kept].mapped_bytes == entries[kept].reserved_bytes == 4 << 20
+    assert entries[gone].state == gpu_pager.State.RELEASED
+    assert (entries[gone].mapped_bytes, entries[gone].reserved_bytes) == (0, 8 << 20)
+    assert entries[gone].policy == gpu_pager.Policy.DISCARD and entries[gone].kind == "fixed"
+    table = str(a)
+    assert kept in table and gone in table and "outside every region" in table, table
+    pager.remove(gone)
+    pager.remove(kept)
+
+
+def test_torch_s_segments_outside_every_tag_are_named() -> None:
+    code = textwrap.dedent(
+        """
+        import torch_standin
+        torch = torch_standin.install()
+        import gpu_pager, gpu_pager.torch as gpt
+        pager = gpu_pager.Pager.for_device(0)
+        inside = pager.region("audited", "preserve", 2 << 20).base
+        frame = dict(filename="/srv/engine/deepseek.py", line=42, name="make_buffer")
+        torch.cuda.memory_snapshot = lambda: [
+            dict(device=0, address=inside, total_size=2 << 20, segment_pool_id=(1, 2),
+                 blocks=[dict(state="active_allocated", frames=[])]),
+            dict(device=0, address=0x7000_0000_0000, total_size=6 << 20,
+                 segment_pool_id=(0, 0),
+                 blocks=[dict(state="active_allocated",
+                              frames=[dict(filename="/lib/torch/nn.py", line=1, name="x"),
+                                      frame])]),
+            dict(device=0, address=0x7100_0000_0000, total_size=3 << 20,
+                 segment_pool_id=(0, 0), blocks=[]),
+        ]
+        a = gpt.audit()
+        print([(s.bytes >> 20, s.site) for s in a.outside_tags])
+        print(a.torch_outside_bytes >> 20)
+        text = str(a)
+        assert "deepseek.py:42 in make_buffer" in text and "site unknown" in text, text
+        print("ok")
+        """
+    )
+    done = run_python(code, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "[(6, '/srv/engine/deepseek.py:42 in make_buffer'), (3, None)]", lines
+    assert lines[1:] == ["9", "ok"], lines

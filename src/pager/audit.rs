@@ -1,0 +1,181 @@
+//! The residency audit: where the device's memory is, for one pager. Each region's mapped,
+//! reserved and backed-up bytes and its state, the device's use as the driver reports it,
+//! and what of that lies outside every region (another allocator's memory, the CUDA context
+//! and libraries, other processes). A release warns when much stays resident after it.
+
+use super::*;
+
+/// The default of [`Tuning::resident_warning_bytes`]: a release logs a warning when more than
+/// this many bytes of device memory stay in use after it: 4 GiB, above a CUDA context and a test's small workload,
+/// below what an engine that forgot a buffer holds.
+pub const RESIDENT_WARNING_BYTES: usize = 4 << 30;
+
+/// One region in an [`Audit`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditRegion {
+    /// The tag.
+    pub tag: String,
+    /// Resident or released.
+    pub state: State,
+    /// Its policy.
+    pub policy: Policy,
+    /// Its kind.
+    pub kind: RegionKind,
+    /// Reserved address range, bytes.
+    pub reserved_bytes: usize,
+    /// Physical bytes mapped now.
+    pub mapped_bytes: usize,
+    /// Bytes in live buffers.
+    pub allocated_bytes: usize,
+    /// Backup held, bytes (pinned or host memory, or file).
+    pub backup_bytes: usize,
+}
+
+/// Where a device's memory is, as one call saw it ([`Pager::audit`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Audit {
+    /// The device's memory in all, bytes.
+    pub device_total_bytes: usize,
+    /// What the driver says is free now, bytes.
+    pub device_free_bytes: usize,
+    /// Every region, in tag order.
+    pub regions: Vec<AuditRegion>,
+}
+
+impl Audit {
+    /// Device memory in use now (every holder, other processes included), bytes.
+    pub fn device_used_bytes(&self) -> usize {
+        self.device_total_bytes
+            .saturating_sub(self.device_free_bytes)
+    }
+
+    /// Physical bytes mapped under the pager's regions.
+    pub fn mapped_bytes(&self) -> usize {
+        self.regions.iter().map(|r| r.mapped_bytes).sum()
+    }
+
+    /// Device memory in use outside every region: other allocators of this process (torch's
+    /// own pools), the CUDA context and libraries, and other processes on the device.
+    pub fn outside_bytes(&self) -> usize {
+        self.device_used_bytes().saturating_sub(self.mapped_bytes())
+    }
+
+    /// The entry for `tag`.
+    pub fn region(&self, tag: &str) -> Option<&AuditRegion> {
+        self.regions.iter().find(|r| r.tag == tag)
+    }
+
+    /// The resident regions holding memory, largest first.
+    pub fn largest_resident(&self) -> Vec<&AuditRegion> {
+        let mut held: Vec<&AuditRegion> =
+            self.regions.iter().filter(|r| r.mapped_bytes > 0).collect();
+        held.sort_by(|a, b| b.mapped_bytes.cmp(&a.mapped_bytes).then(a.tag.cmp(&b.tag)));
+        held
+    }
+}
+
+/// Bytes as GiB with two decimals.
+fn gib(bytes: usize) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// A table: one line per region, then the device's totals.
+impl std::fmt::Display for Audit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "{:<24} {:<9} {:<15} {:>12} {:>12} {:>12}",
+            "tag", "state", "policy", "mapped", "reserved", "backup"
+        )?;
+        for r in &self.regions {
+            writeln!(
+                f,
+                "{:<24} {:<9} {:<15} {:>12} {:>12} {:>12}",
+                r.tag,
+                format!("{:?}", r.state).to_lowercase(),
+                format!("{:?}", r.policy).to_lowercase(),
+                gib(r.mapped_bytes),
+                gib(r.reserved_bytes),
+                gib(r.backup_bytes)
+            )?;
+        }
+        write!(
+            f,
+            "device: {} used of {} ({} free); in regions {}, outside every region {} (other \
+             allocators, the CUDA context, other processes)",
+            gib(self.device_used_bytes()),
+            gib(self.device_total_bytes),
+            gib(self.device_free_bytes),
+            gib(self.mapped_bytes()),
+            gib(self.outside_bytes())
+        )
+    }
+}
+
+impl Pager {
+    /// Where the device's memory is now: each region's bytes and state, and the device's
+    /// use as the driver reports it (see [`Audit`]). Takes each region's lock in turn, not
+    /// all at once: a move running meanwhile shows before or after.
+    pub fn audit(&self) -> Result<Audit> {
+        self.check_process()?;
+        let mem = self
+            .backend
+            .mem_info()
+            .map_err(|e| Error::backend_of(&[], "querying device memory", e))?;
+        let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
+        let regions = map
+            .values()
+            .map(|slot| {
+                let s = lock(slot).stats();
+                AuditRegion {
+                    tag: s.info.tag,
+                    state: s.info.state,
+                    policy: s.info.policy,
+                    kind: s.info.kind,
+                    reserved_bytes: s.info.size,
+                    mapped_bytes: s.resident_bytes,
+                    allocated_bytes: s.allocated_bytes,
+                    backup_bytes: s.backup_bytes,
+                }
+            })
+            .collect();
+        Ok(Audit {
+            device_total_bytes: mem.total,
+            device_free_bytes: mem.free,
+            regions,
+        })
+    }
+
+    /// After a release of `tags` that moved something: one warning when more than
+    /// [`Tuning::resident_warning_bytes`] of device memory stays in use, naming the largest
+    /// holders. Never fails the release: an audit that cannot be had is skipped.
+    pub(super) fn warn_if_resident(&self, tags: &[&str]) {
+        let limit = self.config.tuning.resident_warning_bytes;
+        if limit == usize::MAX {
+            return;
+        }
+        let Ok(audit) = self.audit() else { return };
+        let used = audit.device_used_bytes();
+        if used <= limit {
+            return;
+        }
+        let mut holders: Vec<String> = audit
+            .largest_resident()
+            .into_iter()
+            .take(3)
+            .map(|r| format!("region `{}` {}", r.tag, gib(r.mapped_bytes)))
+            .collect();
+        holders.push(format!(
+            "outside every region {}",
+            gib(audit.outside_bytes())
+        ));
+        log::warn!(
+            target: "gpu_pager",
+            "gpu-pager: after releasing {tags:?}, {} of device memory is still in use \
+             (more than {}): {}; Pager::audit / gpu_pager.torch.audit() shows all of it",
+            gib(used),
+            gib(limit),
+            holders.join(", ")
+        );
+    }
+}

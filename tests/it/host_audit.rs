@@ -1,0 +1,122 @@
+//! The residency audit and the release's warning, on the host backend: the audit's numbers
+//! are the regions' and the backend's own accounting.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use gpu_pager::backend::Backend;
+use gpu_pager::backend::host::{HostBackend, HostConfig};
+use gpu_pager::{Pager, PagerConfig, Policy, State};
+use gpu_pager_faults::Hog;
+
+const MIB: usize = 1 << 20;
+
+/// Warnings logged by any test of this binary, kept for the tests that look for theirs.
+struct Captured(Mutex<Vec<String>>);
+
+impl log::Log for Captured {
+    fn enabled(&self, m: &log::Metadata<'_>) -> bool {
+        m.level() <= log::Level::Warn
+    }
+    fn log(&self, r: &log::Record<'_>) {
+        if self.enabled(r.metadata()) {
+            self.0.lock().unwrap().push(r.args().to_string());
+        }
+    }
+    fn flush(&self) {}
+}
+
+fn warnings_naming(needle: &str) -> Vec<String> {
+    static LOGGER: OnceLock<&'static Captured> = OnceLock::new();
+    let logger = LOGGER.get_or_init(|| {
+        let l: &'static Captured = Box::leak(Box::new(Captured(Mutex::new(Vec::new()))));
+        let _ = log::set_logger(l);
+        log::set_max_level(log::LevelFilter::Warn);
+        l
+    });
+    logger
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|m| m.contains(needle))
+        .cloned()
+        .collect()
+}
+
+fn setup(warn_above: usize) -> (Arc<HostBackend>, Pager) {
+    warnings_naming(""); // the logger, before anything logs
+    let backend = Arc::new(HostBackend::new(HostConfig {
+        capacity: 64 * MIB,
+        granularity: 64 << 10,
+    }));
+    let pager = Pager::with_config(
+        backend.clone(),
+        PagerConfig {
+            tuning: gpu_pager::Tuning {
+                resident_warning_bytes: warn_above,
+                ..gpu_pager::Tuning::default()
+            },
+            ..PagerConfig::default()
+        },
+    );
+    (backend, pager)
+}
+
+#[test]
+fn the_audit_adds_up_to_the_regions_and_the_backend() {
+    let (backend, p) = setup(usize::MAX);
+    p.region("audit-w", 8 * MIB, Policy::Preserve).unwrap();
+    p.region("audit-kv", 16 * MIB, Policy::Discard).unwrap();
+    let w = p.alloc("audit-w", MIB).unwrap();
+    p.write(&w, 0, &[1u8; MIB]).unwrap();
+    let hog = Hog::take(backend.as_ref(), 4 * MIB).unwrap(); // memory outside every region
+
+    let a = p.audit().unwrap();
+    let mem = backend.mem_info().unwrap();
+    assert_eq!(
+        (a.device_total_bytes, a.device_free_bytes),
+        (mem.total, mem.free)
+    );
+    assert_eq!(a.mapped_bytes(), p.stats().resident_bytes());
+    assert_eq!(a.mapped_bytes(), 24 * MIB);
+    assert_eq!(a.outside_bytes(), 4 * MIB, "the hog, and nothing else");
+    assert_eq!(a.device_used_bytes(), 28 * MIB);
+
+    p.release(&["audit-kv", "audit-w"]).unwrap();
+    let a = p.audit().unwrap();
+    let w_entry = a.region("audit-w").unwrap();
+    assert_eq!(w_entry.state, State::Released);
+    assert_eq!((w_entry.mapped_bytes, w_entry.reserved_bytes), (0, 8 * MIB));
+    assert_eq!(w_entry.allocated_bytes, MIB);
+    assert!(w_entry.backup_bytes >= MIB);
+    assert_eq!(a.mapped_bytes(), 0);
+    assert_eq!(a.outside_bytes(), 4 * MIB);
+    let table = a.to_string();
+    assert!(
+        table.contains("audit-w") && table.contains("released"),
+        "{table}"
+    );
+    assert!(table.contains("outside every region"), "{table}");
+    drop(hog);
+    assert_eq!(p.audit().unwrap().device_used_bytes(), 0);
+}
+
+#[test]
+fn a_release_warns_when_much_stays_resident_and_is_quiet_otherwise() {
+    let (backend, p) = setup(6 * MIB);
+    p.region("warn-kept", 8 * MIB, Policy::Discard).unwrap();
+    p.region("warn-gone", 4 * MIB, Policy::Discard).unwrap();
+    p.region("quiet-a", 2 * MIB, Policy::Discard).unwrap();
+    // 8 MiB stay resident in `warn-kept`: more than 6 MiB, named.
+    p.release(&["warn-gone", "quiet-a"]).unwrap();
+    let w = warnings_naming("[\"warn-gone\", \"quiet-a\"]");
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(w[0].contains("region `warn-kept` 0.01 GiB"), "{}", w[0]);
+    // Released already: nothing moves, no second warning.
+    p.release(&["warn-gone", "quiet-a"]).unwrap();
+    assert_eq!(warnings_naming("[\"warn-gone\", \"quiet-a\"]").len(), 1);
+    // Once the rest goes too, at most a hog's 2 MiB stay: quiet.
+    let _hog = Hog::take(backend.as_ref(), 2 * MIB).unwrap();
+    p.release(&["warn-kept"]).unwrap();
+    assert!(warnings_naming("[\"warn-kept\"]").is_empty());
+}

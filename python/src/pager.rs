@@ -233,7 +233,10 @@ impl PyPager {
     /// ``CompanionError`` naming ``name``. A tag's companions run in registration order on
     /// resume and in reverse on release, on the thread that releases or resumes, with the
     /// region locked: they must not release, resume or remove it, nor add or remove
-    /// companions. Returns the identity ``remove_companion`` takes.
+    /// companions. A callable takes the GIL: a thread that holds the GIL while it allocates
+    /// in the tag (torch inside ``gpu_pager.torch.use(tag)``) during that tag's release or
+    /// resume would wait for the region while the callable waits for the GIL, so do not
+    /// allocate into a tag while it moves. Returns the identity ``remove_companion`` takes.
     #[pyo3(signature = (tag, name, before_release = None, after_resume = None))]
     fn add_companion(
         &self,

@@ -17,7 +17,9 @@ pub type CompanionError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Work that moves with a tag ([`Pager::add_companion`]). Both calls run with the tag's
 /// region locked, so they must not release, resume or remove that tag, nor add or remove
-/// companions; they may run on any thread that releases or resumes the tag.
+/// companions, nor wait for a thread that may be allocating in the tag; they may run on any
+/// thread that releases or resumes the tag. [`Pager::remove`] of a resident region does not
+/// run them (removal is not a release).
 pub trait Companion: Send + Sync {
     /// The name errors and logs give it, e.g. `"kv transport registration"`.
     fn name(&self) -> &str;

@@ -13,7 +13,6 @@ use crate::region::{
     Medium, Policy, Region, RegionInfo, RegionKind, RegionOptions, RegionStats, Shape, State,
 };
 use crate::report::Report;
-use crate::suballoc::AllocError;
 
 mod audit;
 mod backup_read;
@@ -362,7 +361,7 @@ impl Pager {
             g.settle()?;
         }
         for g in &mut guards {
-            g.leases += 1;
+            g.lease();
         }
         drop(guards);
         Ok(Lease { slots })
@@ -433,7 +432,7 @@ impl Pager {
         let report = self.resume_locked(tags, &mut regions, None, ResumeOptions::default())?;
         // Still under the regions' locks: no release can come in between.
         for r in &mut regions {
-            r.leases += 1;
+            r.lease();
         }
         drop(regions);
         Ok((report, Lease { slots }))
@@ -517,7 +516,7 @@ impl Pager {
     /// not count). A KV cache compares it with the value it saw to know that its blocks'
     /// contents are gone.
     pub fn releases(&self, tag: &str) -> Result<u64> {
-        Ok(lock(&self.slot(tag)?).releases)
+        Ok(lock(&self.slot(tag)?).releases())
     }
 
     /// Frees a region's pinned backup (the next release pins again). Refused while the
@@ -537,7 +536,7 @@ impl Pager {
     pub(crate) fn identity(&self, tag: &str) -> Result<(u64, u64)> {
         let slot = self.slot(tag)?;
         let r = lock(&slot);
-        Ok((r.id, r.releases))
+        Ok((r.id, r.releases()))
     }
 
     /// Statistics of one region.
@@ -603,7 +602,7 @@ impl Drop for Lease {
     fn drop(&mut self) {
         for s in &self.slots {
             let mut r = lock(s);
-            r.leases = r.leases.saturating_sub(1);
+            r.unlease();
         }
     }
 }

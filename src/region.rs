@@ -30,7 +30,7 @@ use crate::mapped::{Mapped, pieces};
 use crate::pump::{Pump, Sink};
 use crate::ranges::{RangeSet, bridge};
 use crate::report::{RegionReport, Report};
-use crate::suballoc::SubAllocator;
+use crate::suballoc::{AllocError, SubAllocator};
 
 mod backups;
 mod types;
@@ -51,10 +51,10 @@ pub(crate) struct Region {
     /// Pin each buffer's backup when it is allocated (growing `Preserve` with `prepin`).
     prepin: bool,
     /// Releases that changed this region (a KV cache invalidates its block ids on a change).
-    pub releases: u64,
+    releases: u64,
     /// Owned by one owner ([`crate::Pager::region_exclusive`], a KV cache), which removes
     /// it; a plain [`crate::Pager::remove`] is refused.
-    pub exclusive: bool,
+    exclusive: bool,
     /// What is mapped. Each mapping holds the reservation, so the range is freed only after
     /// the last one is unmapped.
     mapped: Mapped,
@@ -65,19 +65,19 @@ pub(crate) struct Region {
     /// Bytes of live buffers marked overwritten by the next update (region offsets): a
     /// release does not save them. Cleared where a buffer is freed.
     marks: RangeSet,
-    pub state: State,
+    state: State,
     /// The last release dropped the contents (`ReleaseOptions::drop`): the next resume
     /// zero-fills what it maps (or poisons it, see `PagerConfig::poison_discards`).
-    pub zero_on_resume: bool,
+    zero_on_resume: bool,
     /// After `resume_on`: the restore copies still in flight on the caller's stream.
     pending: Option<std::sync::Arc<dyn Fence>>,
-    pub alloc: SubAllocator,
+    alloc: SubAllocator,
     /// A growing region's buffers' lengths as asked for, by offset (the allocator holds
     /// them rounded up to the granularity): a buffer has one length wherever it is found.
-    pub lens: BTreeMap<usize, usize>,
-    pub leases: usize,
-    pub last_release: Option<RegionReport>,
-    pub last_resume: Option<RegionReport>,
+    lens: BTreeMap<usize, usize>,
+    leases: usize,
+    last_release: Option<RegionReport>,
+    last_resume: Option<RegionReport>,
     /// The backend's sink, for failures that cannot be returned (in `Drop`, in cleanup).
     errors: Arc<DeferredErrors>,
 }
@@ -477,9 +477,122 @@ impl Region {
 
     /// Forgets everything kept for the buffer at `offset .. offset + len` (its allocation)
     /// once it is freed: its marks (a new buffer there starts unmarked).
-    pub fn forget_buffer(&mut self, offset: usize, len: usize) {
+    fn forget_buffer(&mut self, offset: usize, len: usize) {
         self.marks.remove(offset..offset + len);
         self.lens.remove(&offset);
+    }
+
+    /// A new buffer of `bytes` with identity `id`: sub-allocates `want` bytes (`bytes`, or
+    /// rounded up to the granularity in a growing region) aligned to `align` and, in a
+    /// growing region, maps them. Returns its offset. All or nothing.
+    pub fn add_buffer(
+        &mut self,
+        backend: &dyn Backend,
+        bytes: usize,
+        want: usize,
+        align: usize,
+        id: u64,
+    ) -> Result<usize> {
+        let a = self.alloc.alloc(want, align, id).map_err(|e| match e {
+            AllocError::Invalid(reason) if bytes == 0 => Error::InvalidSize {
+                tag: self.tag.clone(),
+                reason,
+            },
+            AllocError::Invalid(reason) => Error::InvalidArgument {
+                tag: Some(self.tag.clone()),
+                reason,
+            },
+            AllocError::Full { free } => Error::RegionFull {
+                tag: self.tag.clone(),
+                requested: bytes,
+                align,
+                free,
+            },
+            AllocError::Stale => Error::Internal {
+                tag: Some(self.tag.clone()),
+                reason: "the allocator answered a fresh allocation as stale".to_owned(),
+            },
+        })?;
+        if self.growing() {
+            if let Err(e) = self.map_buffer(backend, a.offset, a.len) {
+                let _ = self.alloc.free(a.offset, id);
+                return Err(e);
+            }
+            self.lens.insert(a.offset, bytes);
+        }
+        Ok(a.offset)
+    }
+
+    /// Frees the buffer at `offset` with identity `id`: in a growing region, after the
+    /// device's work on it, unmaps its memory first. `StaleBuffer` unless it is live.
+    pub fn remove_buffer(&mut self, backend: &dyn Backend, offset: usize, id: u64) -> Result<()> {
+        let tag = self.tag.clone();
+        let stale = || Error::StaleBuffer { tag, id, offset };
+        let len = match self.alloc.get(offset) {
+            Some(a) if a.id == id => a.len,
+            _ => return Err(stale()),
+        };
+        if self.growing() {
+            self.settle()?;
+            self.unmap_buffer(backend, offset, len)?;
+        }
+        self.alloc.free(offset, id).map_err(|_| stale())?;
+        self.forget_buffer(offset, len);
+        Ok(())
+    }
+
+    /// Whether the buffer at `offset` with identity `id` is live.
+    pub fn is_live(&self, offset: usize, id: u64) -> bool {
+        self.alloc.is_live(offset, id)
+    }
+
+    /// The allocated extent of the live buffer at `offset` with identity `id` (a growing
+    /// region's buffers are rounded up to the granularity), if it is live.
+    pub fn extent_of(&self, offset: usize, id: u64) -> Option<usize> {
+        self.alloc.get(offset).filter(|a| a.id == id).map(|a| a.len)
+    }
+
+    /// The live buffer containing region offset `at`: its offset, identity and length as
+    /// asked for (`None` in free space or in a buffer's padding).
+    pub fn buffer_at(&self, at: usize) -> Option<(usize, u64, usize)> {
+        let a = self.alloc.live_containing(at)?;
+        let len = self.lens.get(&a.offset).copied().unwrap_or(a.len);
+        (at - a.offset < len).then_some((a.offset, a.id, len))
+    }
+
+    /// Whether it is owned by one owner, which removes it (see the field).
+    pub fn exclusive(&self) -> bool {
+        self.exclusive
+    }
+
+    /// Makes the region owned by one owner, or not.
+    pub fn set_exclusive(&mut self, on: bool) {
+        self.exclusive = on;
+    }
+
+    /// Live leases.
+    pub fn leases(&self) -> usize {
+        self.leases
+    }
+
+    /// Takes a lease (the region stays resident until it is given back).
+    pub fn lease(&mut self) {
+        self.leases += 1;
+    }
+
+    /// Gives a lease back.
+    pub fn unlease(&mut self) {
+        self.leases = self.leases.saturating_sub(1);
+    }
+
+    /// Releases that changed the region so far.
+    pub fn releases(&self) -> u64 {
+        self.releases
+    }
+
+    /// Whether the last release dropped the contents (the next resume fills what it maps).
+    pub fn zero_on_resume(&self) -> bool {
+        self.zero_on_resume
     }
 
     /// Maps the region and sends the restore of its backups to `sink`, overlapping the two:

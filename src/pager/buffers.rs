@@ -69,44 +69,13 @@ impl Pager {
         } else {
             (bytes, align)
         };
-        match r.alloc.alloc(want, align, id) {
-            Ok(a) => {
-                if r.growing() {
-                    if let Err(e) = r.map_buffer(self.backend.as_ref(), a.offset, a.len) {
-                        let _ = r.alloc.free(a.offset, id);
-                        return Err(e);
-                    }
-                    r.lens.insert(a.offset, bytes);
-                }
-                Ok(Buffer {
-                    tag: Arc::from(tag),
-                    id,
-                    offset: a.offset,
-                    len: bytes,
-                })
-            }
-            Err(AllocError::Invalid(reason)) => Err(if bytes == 0 {
-                Error::InvalidSize {
-                    tag: tag.to_owned(),
-                    reason,
-                }
-            } else {
-                Error::InvalidArgument {
-                    tag: Some(tag.to_owned()),
-                    reason,
-                }
-            }),
-            Err(AllocError::Full { free }) => Err(Error::RegionFull {
-                tag: tag.to_owned(),
-                requested: bytes,
-                align,
-                free,
-            }),
-            Err(AllocError::Stale) => Err(Error::Internal {
-                tag: Some(tag.to_owned()),
-                reason: "the allocator answered a fresh allocation as stale".to_owned(),
-            }),
-        }
+        let offset = r.add_buffer(self.backend.as_ref(), bytes, want, align, id)?;
+        Ok(Buffer {
+            tag: Arc::from(tag),
+            id,
+            offset,
+            len: bytes,
+        })
     }
 
     /// The live buffer that starts exactly at device address `ptr`, in any region, resident
@@ -134,20 +103,16 @@ impl Pager {
         if offset >= r.size() {
             return None;
         }
-        let a = r.alloc.live_containing(offset)?;
         // A growing region rounds its buffers up to the granularity: the rest is padding.
-        let len = r.lens.get(&a.offset).copied().unwrap_or(a.len);
-        if offset - a.offset >= len {
-            return None;
-        }
+        let (start, id, len) = r.buffer_at(offset)?;
         Some((
             Buffer {
                 tag: Arc::from(r.tag.as_str()),
-                id: a.id,
-                offset: a.offset,
+                id,
+                offset: start,
                 len,
             },
-            offset - a.offset,
+            offset - start,
         ))
     }
 
@@ -158,17 +123,7 @@ impl Pager {
     pub fn free(&self, buf: &Buffer) -> Result<()> {
         let slot = self.slot_of(buf)?;
         let mut r = lock(&slot);
-        if !r.alloc.is_live(buf.offset, buf.id) {
-            return Err(stale(buf));
-        }
-        let len = r.alloc.get(buf.offset).map_or(0, |a| a.len);
-        if r.growing() {
-            r.settle()?;
-            r.unmap_buffer(self.backend.as_ref(), buf.offset, len)?;
-        }
-        r.alloc.free(buf.offset, buf.id).map_err(|_| stale(buf))?;
-        r.forget_buffer(buf.offset, len);
-        Ok(())
+        r.remove_buffer(self.backend.as_ref(), buf.offset, buf.id)
     }
 
     /// Runs `f` on the locked region of `buf` after checking that the buffer is live, that
@@ -214,7 +169,7 @@ impl Pager {
     pub fn address(&self, buf: &Buffer) -> Result<u64> {
         let slot = self.slot_of(buf)?;
         let r = lock(&slot);
-        if !r.alloc.is_live(buf.offset, buf.id) {
+        if !r.is_live(buf.offset, buf.id) {
             return Err(stale(buf));
         }
         Ok(r.base() + buf.offset as u64)
@@ -277,7 +232,7 @@ pub(super) fn buffer_range(
     offset: usize,
     len: usize,
 ) -> Result<Range<usize>> {
-    if !r.alloc.is_live(buf.offset, buf.id) {
+    if !r.is_live(buf.offset, buf.id) {
         return Err(stale(buf));
     }
     if offset.checked_add(len).is_none_or(|end| end > buf.len) {

@@ -136,7 +136,7 @@ impl Pager {
             return self.existing(tag, &slot, &want);
         }
         let mut region = self.build_region(tag, size, policy, options)?;
-        region.exclusive = exclusive;
+        region.set_exclusive(exclusive);
         self.publish(tag, region, &want)
     }
 
@@ -327,9 +327,9 @@ impl Pager {
         if id.is_some() {
             // Its owner is going away: whatever happens below, a plain `remove` may take
             // the region from now on (it is nobody's any more).
-            r.exclusive = false;
+            r.set_exclusive(false);
         }
-        if id.is_none() && r.exclusive {
+        if id.is_none() && r.exclusive() {
             return Err(Error::InvalidArgument {
                 tag: Some(tag.to_owned()),
                 reason: "the region belongs to its owner (a KvCache) and is removed when that \
@@ -337,10 +337,10 @@ impl Pager {
                     .to_owned(),
             });
         }
-        if r.leases > 0 {
+        if r.leases() > 0 {
             return Err(Error::Busy {
                 tag: tag.to_owned(),
-                leases: r.leases,
+                leases: r.leases(),
             });
         }
         Ok(true)

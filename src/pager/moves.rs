@@ -41,10 +41,10 @@ impl Pager {
         options: &ReleaseOptions,
     ) -> Result<Report> {
         let start = Instant::now();
-        if let Some(r) = regions.iter().find(|r| r.is_resident() && r.leases > 0) {
+        if let Some(r) = regions.iter().find(|r| r.is_resident() && r.leases() > 0) {
             return Err(Error::Busy {
                 tag: r.tag.clone(),
-                leases: r.leases,
+                leases: r.leases(),
             });
         }
         let t = Instant::now();
@@ -281,10 +281,10 @@ impl Pager {
             }
             let poison = self.config.poison_discards
                 && (r.policy == Policy::Discard
-                    || (r.zero_on_resume && r.policy == Policy::Preserve));
+                    || (r.zero_on_resume() && r.policy == Policy::Preserve));
             if poison {
                 p.steps.fill = r.fill(backend, super::POISON)?;
-            } else if r.zero_on_resume || r.policy == Policy::DiscardZeroed {
+            } else if r.zero_on_resume() || r.policy == Policy::DiscardZeroed {
                 p.steps.fill = r.zero(backend)?;
             } else if r.policy == Policy::Preserve && verify {
                 let t = Instant::now();

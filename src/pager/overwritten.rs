@@ -43,9 +43,8 @@ impl Pager {
     pub fn set_overwritten(&self, buf: &Buffer, range: Range<usize>, on: bool) -> Result<()> {
         let slot = self.slot_of(buf)?;
         let mut r = lock(&slot);
-        let alloc_len = match r.alloc.get(buf.offset) {
-            Some(a) if a.id == buf.id => a.len,
-            _ => return Err(stale(buf)),
+        let Some(alloc_len) = r.extent_of(buf.offset, buf.id) else {
+            return Err(stale(buf));
         };
         if range.start > range.end {
             return Err(Error::reversed_range(&buf.tag, &range));
@@ -91,7 +90,7 @@ impl Pager {
     pub fn overwritten(&self, buf: &Buffer) -> Result<Vec<Range<usize>>> {
         let slot = self.slot_of(buf)?;
         let r = lock(&slot);
-        if !r.alloc.is_live(buf.offset, buf.id) {
+        if !r.is_live(buf.offset, buf.id) {
             return Err(stale(buf));
         }
         let within = buf.offset..buf.offset + buf.len;

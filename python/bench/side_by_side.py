@@ -273,12 +273,20 @@ def main() -> int:
     ap.add_argument("--impl", choices=["gpu_pager", "torch_memory_saver"])
     ap.add_argument("--json")
     ap.add_argument("--weights-gib", type=float, default=16)
-    ap.add_argument("--kv-gib", type=float, default=64)
+    ap.add_argument("--kv-gib", type=float, default=None,
+                    help="KV cache (default 64 GiB, less where it and the weights would not "
+                         "leave 6 GiB of the device free: an 80 GB card takes 56)")
     ap.add_argument("--tensors", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-repeats", type=int, default=10,
                     help="extra pause/resume cycles of the KV cache alone")
     args = ap.parse_args()
+    if args.kv_gib is None:
+        # The card's size from nvidia-smi: a CUDA context here would take memory from the
+        # children for the whole run.
+        query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"]
+        total_gib = float(subprocess.run(query, capture_output=True, text=True, check=True).stdout) / 1024
+        args.kv_gib = float(max(8, min(64, int(total_gib - args.weights_gib - 6) // 8 * 8)))
     wb, kb = int(args.weights_gib * GIB), int(args.kv_gib * GIB)
     if args.impl:
         exit_child(run_one(args.impl, wb, kb, args.tensors, args.repeats, args.kv_repeats), args.json)

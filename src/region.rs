@@ -144,7 +144,7 @@ impl Region {
             tag: tag.to_owned(),
             policy,
             medium: options.medium,
-            files: (options.medium == Medium::File).then(|| files.clone()),
+            files: options.medium.uses_files().then(|| files.clone()),
             chunk_bytes: shape.chunk_bytes,
             kind: options.kind,
             prepin: options.prepin

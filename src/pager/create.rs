@@ -38,14 +38,14 @@ struct Wanted {
 /// `Preserve` regions, and `prepin` pins what a host-medium backup gives back.
 fn check_options(tag: &str, policy: Policy, options: &RegionOptions) -> Result<()> {
     let refuse = |reason: String| Err(Error::invalid(Some(tag), reason));
-    if options.medium != Medium::Pinned && policy != Policy::Preserve {
+    if options.medium != Medium::default() && policy != Policy::Preserve {
         return refuse(format!(
             "a backup medium ({}) is for preserve regions, and a {policy:?} region keeps no \
              contents; leave the medium at its default",
             options.medium
         ));
     }
-    if options.prepin && options.medium == Medium::Host {
+    if options.prepin && !options.medium.can_prepin() {
         return refuse(
             "prepin pins the backup now, but a host-medium backup is given back after every \
              resume and pinned again at the release; use prepin with the pinned medium, or \

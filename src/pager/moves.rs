@@ -11,7 +11,7 @@ use crate::backend::{Backend, Fence, RawStream};
 use crate::backup::Saved;
 use crate::error::{Error, Result};
 use crate::pump::{self, PumpStats, Sink};
-use crate::region::{Medium, Policy, Region, remember};
+use crate::region::{Policy, Region, remember};
 use crate::report::{Move, Outcome, RegionReport, Report, Steps};
 
 /// The locked regions of one call, in tag order.
@@ -193,7 +193,7 @@ impl Pager {
             && regions
                 .iter()
                 .zip(&parts)
-                .any(|(r, p)| p.moves && r.medium == Medium::Host);
+                .any(|(r, p)| p.moves && r.medium.gives_back_after_resume());
         if give_back {
             fence = settle(backend, tags, fence);
         }

@@ -30,7 +30,7 @@ impl Region {
     /// a fixed `Preserve` region's one backup, or (growing) each live buffer's, and every
     /// later buffer's when it is allocated. Nothing for other policies or `Medium::Host`.
     pub fn prepin_now(&mut self, backend: &dyn Backend) -> Result<()> {
-        if self.policy != Policy::Preserve || self.medium == Medium::Host {
+        if self.policy != Policy::Preserve || !self.medium.can_prepin() {
             return Ok(());
         }
         if self.growing() {
@@ -45,7 +45,7 @@ impl Region {
     /// Gives back the host memory of a [`Medium::Host`] region's backups (after a resume
     /// restored them). Returns the bytes given back.
     pub fn give_back_host_backups(&mut self) -> usize {
-        if self.medium != Medium::Host {
+        if !self.medium.gives_back_after_resume() {
             return 0;
         }
         let bytes = self.backup_bytes();

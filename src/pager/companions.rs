@@ -108,7 +108,8 @@ impl Pager {
     }
 
     /// Unregisters the companion `id` (from [`Pager::add_companion`]): once this returns it
-    /// is not called again (a move running it now finishes first). `InvalidArgument` if no companion of this pager has that identity.
+    /// is not called again (a move running it now finishes first). `InvalidArgument` if no
+    /// companion of this pager has that identity.
     pub fn remove_companion(&self, id: u64) -> Result<()> {
         let mut list = self.companions.write().unwrap_or_else(|p| p.into_inner());
         let Some(at) = list.iter().position(|e| e.id == id) else {

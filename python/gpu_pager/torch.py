@@ -111,6 +111,7 @@ __all__ = [
     "audit",
     "TorchAudit",
     "OutsideSegment",
+    "DiscardedAllocation",
 ]
 
 MALLOC_SYMBOL = "gpu_pager_torch_malloc"
@@ -680,6 +681,20 @@ class OutsideSegment:
 
 
 @dataclasses.dataclass(frozen=True)
+class DiscardedAllocation:
+    """A live tensor allocation inside a ``discard`` tag: its contents are dropped at every
+    release. Anything here that is not KV cache (metadata that outlives the step it was made
+    for) comes back as garbage, or as NaN with poisoned discards."""
+
+    tag: str
+    """The discard tag."""
+    bytes: int
+    """The block's size."""
+    site: str | None
+    """Where it was allocated, when torch records memory history, else ``None``."""
+
+
+@dataclasses.dataclass(frozen=True)
 class TorchAudit:
     """Where a device's memory is, in a torch process (``audit()``): the pager's audit
     (each tag, the device's use) and torch's segments outside every tag, largest first.
@@ -689,6 +704,9 @@ class TorchAudit:
     """The pager's audit: each region, the device's totals."""
     outside_tags: list[OutsideSegment]
     """torch's segments outside every region, largest first."""
+    discarded: list[DiscardedAllocation] = dataclasses.field(default_factory=list)
+    """The live allocations inside ``discard`` tags, by tag, largest first: the place to look
+    for state that must survive a sleep but was allocated under a discarded tag."""
 
     @property
     def torch_outside_bytes(self) -> int:
@@ -710,42 +728,69 @@ class TorchAudit:
             lines.append(f"  {seg.bytes / gib:8.2f} GiB at {seg.address:#x}, pool {seg.pool}: {where}")
         lines.append(f"the rest (CUDA context, other allocators and processes): "
                      f"{self.other_bytes / gib:.2f} GiB")
+        if self.discarded:
+            lines.append(f"live allocations in discard tags (dropped at every release): "
+                         f"{len(self.discarded)}")
+            for a in self.discarded[:8]:
+                lines.append(f"  {a.tag}: {a.bytes} bytes, {a.site or 'site unknown'}")
         return "\n".join(lines)
 
 
-def _site(segment: dict[str, Any]) -> str | None:
-    """The first frame outside torch of the segment's first live block, if recorded."""
-    for block in segment.get("blocks", []):
-        if not str(block.get("state", "")).startswith("active"):
+def _live_blocks(segment: dict[str, Any]) -> list[dict[str, Any]]:
+    """The segment's blocks in use."""
+    return [b for b in segment.get("blocks", []) if str(b.get("state", "")).startswith("active")]
+
+
+def _block_site(block: dict[str, Any]) -> str | None:
+    """The block's first allocation frame outside torch, if torch recorded it."""
+    for frame in block.get("frames", []) or []:
+        filename = str(frame.get("filename", ""))
+        if "/torch/" in filename or filename.startswith("??"):
             continue
-        for frame in block.get("frames", []) or []:
-            filename = str(frame.get("filename", ""))
-            if "/torch/" in filename or filename.startswith("??"):
-                continue
-            return f"{filename}:{frame.get('line')} in {frame.get('name')}"
+        return f"{filename}:{frame.get('line')} in {frame.get('name')}"
+    return None
+
+
+def _site(segment: dict[str, Any]) -> str | None:
+    """Where the segment's first live block was allocated, if recorded."""
+    for block in _live_blocks(segment):
+        site = _block_site(block)
+        if site is not None:
+            return site
     return None
 
 
 def audit(device: Any = None) -> TorchAudit:
     """Where ``device``'s memory is (default: torch's current device): each tag's mapped,
     reserved and backed-up bytes and state, torch's segments outside every tag (with the
-    allocation site when torch records memory history), and the rest the driver reports in
-    use. After a ``release``, what is still on the GPU and who holds it."""
+    allocation site when torch records memory history), the rest the driver reports in use,
+    and the live allocations inside ``discard`` tags. After a ``release``, what is still on
+    the GPU and who holds it; before one, what a discard would lose."""
     torch = _torch()
     index = _index(device)
     p = Pager.for_device(index)
     report = p.audit()
-    spans = [(r.info.base, r.info.base + r.info.size) for r in p.stats().regions]
+    spans = [
+        (r.info.base, r.info.base + r.info.size, r.info.tag, r.info.policy)
+        for r in p.stats().regions
+    ]
     outside: list[OutsideSegment] = []
+    discarded: list[DiscardedAllocation] = []
     for seg in torch.cuda.memory_snapshot():
         if int(seg.get("device", index)) != index:
             continue
         address, size = int(seg["address"]), int(seg["total_size"])
-        if any(lo <= address < hi for lo, hi in spans):
-            continue
-        pool = seg.get("segment_pool_id", (0, 0))
-        outside.append(
-            OutsideSegment(address, size, (int(pool[0]), int(pool[1])), _site(seg))
-        )
+        region = next((sp for sp in spans if sp[0] <= address < sp[1]), None)
+        if region is None:
+            pool = seg.get("segment_pool_id", (0, 0))
+            outside.append(
+                OutsideSegment(address, size, (int(pool[0]), int(pool[1])), _site(seg))
+            )
+        elif region[3] != Policy.PRESERVE:
+            discarded.extend(
+                DiscardedAllocation(region[2], int(b.get("size", 0)), _block_site(b))
+                for b in _live_blocks(seg)
+            )
     outside.sort(key=lambda s: (-s.bytes, s.address))
-    return TorchAudit(report, outside)
+    discarded.sort(key=lambda a: (a.tag, -a.bytes))
+    return TorchAudit(report, outside, discarded)

@@ -44,6 +44,8 @@ def test_torch_s_segments_outside_every_tag_are_named() -> None:
         import gpu_pager, gpu_pager.torch as gpt
         pager = gpu_pager.Pager.for_device(0)
         inside = pager.region("audited", "preserve", 2 << 20).base
+        kv = pager.region("audited-kv", "discard", 4 << 20).base
+        meta = dict(filename="/srv/engine/block_table.py", line=7, name="__init__")
         frame = dict(filename="/srv/engine/deepseek.py", line=42, name="make_buffer")
         torch.cuda.memory_snapshot = lambda: [
             dict(device=0, address=inside, total_size=2 << 20, segment_pool_id=(1, 2),
@@ -55,12 +57,17 @@ def test_torch_s_segments_outside_every_tag_are_named() -> None:
                                       frame])]),
             dict(device=0, address=0x7100_0000_0000, total_size=3 << 20,
                  segment_pool_id=(0, 0), blocks=[]),
+            dict(device=0, address=kv, total_size=4 << 20, segment_pool_id=(3, 4),
+                 blocks=[dict(state="active_allocated", size=1 << 20, frames=[meta]),
+                         dict(state="inactive", size=3 << 20, frames=[])]),
         ]
         a = gpt.audit()
         print([(s.bytes >> 20, s.site) for s in a.outside_tags])
         print(a.torch_outside_bytes >> 20)
+        print([(d.tag, d.bytes >> 20, d.site) for d in a.discarded])
         text = str(a)
         assert "deepseek.py:42 in make_buffer" in text and "site unknown" in text, text
+        assert "live allocations in discard tags" in text, text
         print("ok")
         """
     )
@@ -68,4 +75,6 @@ def test_torch_s_segments_outside_every_tag_are_named() -> None:
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "[(6, '/srv/engine/deepseek.py:42 in make_buffer'), (3, None)]", lines
-    assert lines[1:] == ["9", "ok"], lines
+    assert lines[1] == "9", lines
+    assert lines[2] == "[('audited-kv', 1, '/srv/engine/block_table.py:7 in __init__')]", lines
+    assert lines[-1] == "ok", lines

@@ -122,21 +122,19 @@ impl Pager {
             .backend
             .mem_info()
             .map_err(|e| Error::backend_of(&[], "querying device memory", e))?;
-        let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
-        let regions = map
-            .values()
-            .map(|slot| {
-                let s = lock(slot).stats();
-                AuditRegion {
-                    tag: s.info.tag,
-                    state: s.info.state,
-                    policy: s.info.policy,
-                    kind: s.info.kind,
-                    reserved_bytes: s.info.size,
-                    mapped_bytes: s.resident_bytes,
-                    allocated_bytes: s.allocated_bytes,
-                    backup_bytes: s.backup_bytes,
-                }
+        let regions = self
+            .stats()
+            .regions
+            .into_iter()
+            .map(|s| AuditRegion {
+                tag: s.info.tag,
+                state: s.info.state,
+                policy: s.info.policy,
+                kind: s.info.kind,
+                reserved_bytes: s.info.size,
+                mapped_bytes: s.resident_bytes,
+                allocated_bytes: s.allocated_bytes,
+                backup_bytes: s.backup_bytes,
             })
             .collect();
         Ok(Audit {
@@ -154,11 +152,15 @@ impl Pager {
         if limit == usize::MAX {
             return;
         }
-        let Ok(audit) = self.audit() else { return };
-        let used = audit.device_used_bytes();
-        if used <= limit {
+        // One driver query per release; the regions are listed only when it warns.
+        let Ok(mem) = self.backend.mem_info() else {
+            return;
+        };
+        if mem.total.saturating_sub(mem.free) <= limit {
             return;
         }
+        let Ok(audit) = self.audit() else { return };
+        let used = audit.device_used_bytes();
         let mut holders: Vec<String> = audit
             .largest_resident()
             .into_iter()

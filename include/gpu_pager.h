@@ -217,6 +217,11 @@ typedef struct gpu_pager_config {
   // bf16, fp16 or fp32 (default false; the environment variable
   // `GPU_PAGER_POISON_DISCARDS=1` turns it on too).
   bool poison_discards;
+  // A release that moved something logs one warning (through the log callback) when
+  // more than this many bytes of the device's memory stay in use after it, naming the
+  // largest holders; `gpu_pager_audit` shows all of them (default 4 GiB; `UINT64_MAX`:
+  // never).
+  uint64_t resident_warning_bytes;
 } gpu_pager_config;
 
 // What one `gpu_pager_release`, `gpu_pager_resume` or `gpu_pager_resume_on` call did, over

@@ -11,6 +11,7 @@ fn settings_apply_to_the_pager_created_after_them_and_stay() {
         verify_restore: true,
         save_route: CopyRoute::Fastest,
         restore_route: CopyRoute::Engine,
+        resident_warning_bytes: 1 << 30,
         ..PagerConfig::default()
     };
     // SAFETY: this binary's one test, before anything reads the environment.
@@ -22,6 +23,7 @@ fn settings_apply_to_the_pager_created_after_them_and_stay() {
     let got = pager.config();
     assert_eq!(got.chunk_bytes, 4 << 20, "rounded up to a power of two");
     assert!(!got.skip_unchanged && got.verify_restore);
+    assert_eq!(got.resident_warning_bytes, 1 << 30);
     assert!(
         got.poison_discards,
         "{} turns it on",

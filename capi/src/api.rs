@@ -171,6 +171,9 @@ pub unsafe extern "C" fn gpu_pager_configure(
                 save_route: route(c.save_route, "save_route")?,
                 restore_route: route(c.restore_route, "restore_route")?,
                 poison_discards: c.poison_discards,
+                // A count past this machine's address space can never be reached: never.
+                resident_warning_bytes: usize::try_from(c.resident_warning_bytes)
+                    .unwrap_or(usize::MAX),
                 ..PagerConfig::default()
             },
         )

@@ -227,6 +227,11 @@ pub struct gpu_pager_config {
     /// bf16, fp16 or fp32 (default false; the environment variable
     /// `GPU_PAGER_POISON_DISCARDS=1` turns it on too).
     pub poison_discards: bool,
+    /// A release that moved something logs one warning (through the log callback) when
+    /// more than this many bytes of the device's memory stay in use after it, naming the
+    /// largest holders; `gpu_pager_audit` shows all of them (default 4 GiB; `UINT64_MAX`:
+    /// never).
+    pub resident_warning_bytes: u64,
 }
 
 /// The 32-bit pattern of `gpu_pager_config.poison_discards`: a NaN as bf16, fp16 and fp32.
@@ -241,6 +246,7 @@ impl From<PagerConfig> for gpu_pager_config {
             save_route: gpu_pager_copy_route::number(c.save_route),
             restore_route: gpu_pager_copy_route::number(c.restore_route),
             poison_discards: c.poison_discards,
+            resident_warning_bytes: c.resident_warning_bytes as u64,
         }
     }
 }

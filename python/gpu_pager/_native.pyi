@@ -94,10 +94,13 @@ def configure(
     save_route: _RouteName | None = None,
     restore_route: _RouteName | None = None,
     poison_discards: bool | None = None,
+    resident_warning_bytes: int | None = None,
 ) -> None:
     """Chooses device ``device``'s pager settings before its first use; arguments left out
     keep their defaults. Once the pager exists, other settings are ``InvalidArgumentError``.
-    ``poison_discards`` fills memory that comes back without its contents with ``POISON``."""
+    ``poison_discards`` fills memory that comes back without its contents with ``POISON``;
+    a release logs a warning when more than ``resident_warning_bytes`` (default 4 GiB;
+    ``2**64 - 1``: never) of the device's memory stay in use after it."""
 
 def _torch_hook_state(device: int) -> tuple[str | None, str | None]:
     """``(tag, last_error)``: the calling thread's tag for torch segments on ``device``
@@ -194,6 +197,9 @@ class Config:
     @property
     def poison_discards(self) -> bool:
         """Whether memory that comes back without its contents is filled with ``POISON``."""
+    @property
+    def resident_warning_bytes(self) -> int:
+        """A release logs a warning when more than this many bytes stay in use after it."""
 
 @final
 class AuditRegion:

@@ -66,8 +66,10 @@ older one.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -760,16 +762,10 @@ def _site(segment: dict[str, Any]) -> str | None:
     return None
 
 
-def audit(device: Any = None) -> TorchAudit:
-    """Where ``device``'s memory is (default: torch's current device): each tag's mapped,
-    reserved and backed-up bytes and state, torch's segments outside every tag (with the
-    allocation site when torch records memory history), the rest the driver reports in use,
-    and the live allocations inside ``discard`` tags. After a ``release``, what is still on
-    the GPU and who holds it; before one, what a discard would lose."""
+def _scan(index: int, p: Pager) -> tuple[list[OutsideSegment], list[DiscardedAllocation]]:
+    """torch's segments on device ``index`` outside every region of ``p`` (largest first),
+    and the live allocations inside its ``discard`` regions (by tag, largest first)."""
     torch = _torch()
-    index = _index(device)
-    p = Pager.for_device(index)
-    report = p.audit()
     spans = [
         (r.info.base, r.info.base + r.info.size, r.info.tag, r.info.policy)
         for r in p.stats().regions
@@ -793,4 +789,57 @@ def audit(device: Any = None) -> TorchAudit:
             )
     outside.sort(key=lambda s: (-s.bytes, s.address))
     discarded.sort(key=lambda a: (a.tag, -a.bytes))
+    return outside, discarded
+
+
+def audit(device: Any = None) -> TorchAudit:
+    """Where ``device``'s memory is (default: torch's current device): each tag's mapped,
+    reserved and backed-up bytes and state, torch's segments outside every tag (with the
+    allocation site when torch records memory history), the rest the driver reports in use,
+    and the live allocations inside ``discard`` tags. After a ``release``, what is still on
+    the GPU and who holds it; before one, what a discard would lose."""
+    index = _index(device)
+    p = Pager.for_device(index)
+    report = p.audit()
+    outside, discarded = _scan(index, p)
     return TorchAudit(report, outside, discarded)
+
+
+_RESIDENT_WARNING = re.compile(r"gpu-pager: device (\d+): after releasing ")
+
+
+class _NameTorchHolders(logging.Filter):
+    """Adds torch's largest segments outside every tag, with their allocation sites, to the
+    pager's warning that much memory stays in use after a release: the pager sees only the
+    bytes outside its regions; in a torch process, torch knows who holds them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        match = _RESIDENT_WARNING.match(record.getMessage())
+        if record.levelno != logging.WARNING or match is None or _torch_if_imported() is None:
+            return True
+        index = int(match.group(1))
+        try:
+            outside, _ = _scan(index, Pager.for_device(index))
+        except Exception:  # naming the holders must never turn a warning into an error
+            return True
+        if outside:
+            gib = 1 << 30
+            largest = "; ".join(
+                f"{s.bytes / gib:.2f} GiB at {s.site or 'an unrecorded site'}"
+                for s in outside[:3]
+            )
+            record.msg = (
+                f"{record.getMessage()}. torch holds "
+                f"{sum(s.bytes for s in outside) / gib:.2f} GiB of it outside every tag, "
+                f"the largest: {largest}"
+            )
+            record.args = ()
+        return True
+
+
+def _torch_if_imported() -> Any:
+    """torch, if this process imported it (a warning never imports it)."""
+    return sys.modules.get("torch")
+
+
+logging.getLogger("gpu_pager").addFilter(_NameTorchHolders())

@@ -90,11 +90,15 @@ impl PyPager {
 /// ``poison_discards``: memory that comes back without its contents (a ``"discard"`` region,
 /// a tag dropped at its release) is filled with ``POISON``, a NaN as bf16, fp16 and fp32, so
 /// that reading it before writing it shows at once (default ``False``; the environment
-/// variable ``GPU_PAGER_POISON_DISCARDS=1`` turns it on too).
+/// variable ``GPU_PAGER_POISON_DISCARDS=1`` turns it on too). ``resident_warning_bytes``: a
+/// release that moved something logs one warning (logger ``"gpu_pager"``) when more than
+/// this many bytes of the device's memory stay in use after it, naming the largest holders
+/// (default 4 GiB; ``2**64 - 1``: never).
 #[pyfunction]
 #[pyo3(signature = (device = None, *, chunk_bytes = None, skip_unchanged = None,
-    verify_restore = None, save_route = None, restore_route = None, poison_discards = None),
-    text_signature = "(device=0, *, chunk_bytes=None, skip_unchanged=None, verify_restore=None, save_route=None, restore_route=None, poison_discards=None)")]
+    verify_restore = None, save_route = None, restore_route = None, poison_discards = None,
+    resident_warning_bytes = None),
+    text_signature = "(device=0, *, chunk_bytes=None, skip_unchanged=None, verify_restore=None, save_route=None, restore_route=None, poison_discards=None, resident_warning_bytes=None)")]
 #[allow(clippy::too_many_arguments)] // Python's keyword arguments, one parameter each
 pub(crate) fn configure(
     py: Python<'_>,
@@ -105,6 +109,7 @@ pub(crate) fn configure(
     save_route: Option<&str>,
     restore_route: Option<&str>,
     poison_discards: Option<bool>,
+    resident_warning_bytes: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let device = device.map_or(Ok(0), |d| args::size(d, "device"))?;
     let d = gpu_pager::PagerConfig::default();
@@ -116,6 +121,10 @@ pub(crate) fn configure(
         restore_route: restore_route
             .map_or(Ok(d.restore_route), |r| args::route(r, "restore_route"))?,
         poison_discards: poison_discards.unwrap_or(d.poison_discards),
+        resident_warning_bytes: resident_warning_bytes
+            .map_or(Ok(d.resident_warning_bytes), |b| {
+                args::size(b, "resident_warning_bytes")
+            })?,
         ..d
     };
     run(py, || gpu_pager::Pager::configure(device, config))

@@ -132,6 +132,9 @@ pub struct Config {
     /// Whether memory that comes back without its contents is filled with a NaN pattern
     /// (``gpu_pager.POISON``) instead of zeros or stale bytes.
     pub poison_discards: bool,
+    /// A release logs a warning when more than this many bytes of the device's memory stay
+    /// in use after it.
+    pub resident_warning_bytes: usize,
 }
 
 /// `True` or `False`, as Python writes a bool.
@@ -148,6 +151,7 @@ impl From<gpu_pager::PagerConfig> for Config {
             save_route: c.save_route.name(),
             restore_route: c.restore_route.name(),
             poison_discards: c.poison_discards,
+            resident_warning_bytes: c.resident_warning_bytes,
         }
     }
 }
@@ -157,13 +161,14 @@ impl Config {
     fn __repr__(&self) -> String {
         format!(
             "Config(chunk_bytes={}, skip_unchanged={}, verify_restore={}, save_route={:?}, \
-             restore_route={:?}, poison_discards={})",
+             restore_route={:?}, poison_discards={}, resident_warning_bytes={})",
             self.chunk_bytes,
             py_bool(self.skip_unchanged),
             py_bool(self.verify_restore),
             self.save_route,
             self.restore_route,
-            py_bool(self.poison_discards)
+            py_bool(self.poison_discards),
+            self.resident_warning_bytes
         )
     }
 }

@@ -78,3 +78,55 @@ def test_torch_s_segments_outside_every_tag_are_named() -> None:
     assert lines[1] == "9", lines
     assert lines[2] == "[('audited-kv', 1, '/srv/engine/block_table.py:7 in __init__')]", lines
     assert lines[-1] == "ok", lines
+
+
+WARNED = """
+    import logging
+    import torch_standin
+    torch = torch_standin.install()
+    import gpu_pager, gpu_pager.torch as gpt
+    seen = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if "still in use" in record.getMessage():
+                seen.append(record.getMessage())
+    logging.getLogger("gpu_pager").addHandler(Keep())
+    {configure}
+    pager = gpu_pager.Pager.for_device(0)
+    print(pager.config.resident_warning_bytes)
+    pager.region("kept", "preserve", 4 << 20)
+    pager.region("gone", "discard", 4 << 20)
+    frame = dict(filename="/srv/engine/deepseek.py", line=42, name="make_buffer")
+    torch.cuda.memory_snapshot = lambda: [
+        dict(device=0, address=0x7000_0000_0000, total_size=6 << 20, segment_pool_id=(0, 0),
+             blocks=[dict(state="active_allocated", frames=[frame])]),
+    ]
+    pager.release("gone")
+    print(len(seen))
+    for message in seen:
+        print(message)
+"""
+
+
+def test_a_release_that_leaves_much_in_use_warns_naming_torch_s_holders() -> None:
+    configure = "gpu_pager.configure(0, resident_warning_bytes=1 << 20)"
+    done = run_python(
+        textwrap.dedent(WARNED.format(configure=configure)),
+        PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:2] == [str(1 << 20), "1"], lines
+    warning = lines[2]
+    assert warning.startswith("gpu-pager: device 0: after releasing [\"gone\"]"), warning
+    assert "region `kept`" in warning, warning
+    assert "torch holds" in warning and "deepseek.py:42 in make_buffer" in warning, warning
+
+
+def test_a_release_under_the_threshold_stays_quiet() -> None:
+    done = run_python(
+        textwrap.dedent(WARNED.format(configure="pass")),
+        PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [str(4 << 30), "0"], done.stdout

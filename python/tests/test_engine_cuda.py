@@ -354,3 +354,52 @@ def test_poisoned_discards_turn_a_stale_kv_read_into_nan_logits(poison: bool) ->
     assert lines[:4] == ["poison", str(poison), "same", "True"], done.stdout
     if poison:
         assert lines[4:] == ["nan", "True"], done.stdout
+
+
+AUDITED = """
+import logging, sys
+import torch
+sys.path.insert(0, {tests!r})
+import gpu_pager.torch as gpt
+from engine import Engine, gpt_placement
+
+seen = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        seen.append(record.getMessage())
+logging.getLogger("gpu_pager").addHandler(Keep())
+torch.cuda.memory._record_memory_history(max_entries=100000)
+def forgotten_buffer():
+    return torch.empty(5 << 30, dtype=torch.uint8, device="cuda")
+tags = dict(weights="w", kv="kv", graph="g")
+engine = Engine("small", gpt_placement(tags))
+want = engine.step()
+leftover = forgotten_buffer()
+gpt.release(["kv", "w", "g"])
+a = gpt.audit()
+big = a.outside_tags[0]
+print(big.bytes >= 5 << 30, "forgotten_buffer" in (big.site or ""))
+warned = [m for m in seen if "still in use" in m]
+print(len(warned), "forgotten_buffer" in warned[0] if warned else None)
+mapped = {{r.tag: r.mapped_bytes for r in a.pager.regions}}
+print(a.pager.outside_bytes >= 5 << 30, [mapped[t] for t in ("w", "kv", "g")])
+gpt.resume(["w", "kv", "g"])
+print(all(torch.equal(x, y) for x, y in zip(engine.step(), want)))
+print(a)
+print(*warned)
+"""
+
+
+def test_the_audit_names_a_buffer_outside_every_tag() -> None:
+    """A transformers model in three tags and a 5 GiB buffer allocated outside every tag
+    (the SGLang case): after the release, ``gpu_pager.torch.audit()`` shows the buffer with
+    its size and allocation site and the tags with nothing mapped, the release logs one
+    warning naming the buffer's site, and the engine's logits after the resume are the
+    same as before."""
+    code = AUDITED.format(tests=os.path.dirname(__file__))
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:4] == ["True True", "1 True", "True [0, 0, 0]", "True"], done.stdout

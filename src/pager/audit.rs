@@ -5,9 +5,8 @@
 
 use super::*;
 
-/// The default of [`Tuning::resident_warning_bytes`]: a release logs a warning when more than
-/// this many bytes of device memory stay in use after it: 4 GiB, above a CUDA context and a test's small workload,
-/// below what an engine that forgot a buffer holds.
+/// The default of [`PagerConfig::resident_warning_bytes`]: 4 GiB, above a CUDA context and
+/// a test's small workload, below what an engine that forgot a buffer holds.
 pub const RESIDENT_WARNING_BYTES: usize = 4 << 30;
 
 /// One region in an [`Audit`].
@@ -145,10 +144,10 @@ impl Pager {
     }
 
     /// After a release of `tags` that moved something: one warning when more than
-    /// [`Tuning::resident_warning_bytes`] of device memory stays in use, naming the largest
+    /// [`PagerConfig::resident_warning_bytes`] of device memory stays in use, naming the largest
     /// holders. Never fails the release: an audit that cannot be had is skipped.
     pub(super) fn warn_if_resident(&self, tags: &[&str]) {
-        let limit = self.config.tuning.resident_warning_bytes;
+        let limit = self.config.resident_warning_bytes;
         if limit == usize::MAX {
             return;
         }
@@ -173,8 +172,9 @@ impl Pager {
         ));
         log::warn!(
             target: "gpu_pager",
-            "gpu-pager: after releasing {tags:?}, {} of device memory is still in use \
-             (more than {}): {}; Pager::audit / gpu_pager.torch.audit() shows all of it",
+            "gpu-pager: device {}: after releasing {tags:?}, {} of device memory is still in \
+             use (more than {}): {}; Pager::audit / gpu_pager.torch.audit() shows all of it",
+            self.backend.info().ordinal.unwrap_or(0),
             gib(used),
             gib(limit),
             holders.join(", ")

@@ -56,6 +56,11 @@ pub struct PagerConfig {
     /// memory). `DiscardZeroed` regions still come back zeroed, as they promise. The
     /// environment variable [`POISON_DISCARDS_ENV`] turns it on for the process's pagers.
     pub poison_discards: bool,
+    /// A release that moved something logs one warning when more than this many bytes of
+    /// the device's memory stay in use after it, naming the largest holders (default
+    /// [`super::RESIDENT_WARNING_BYTES`]; `usize::MAX`: never). The driver's count is the
+    /// whole device's: other processes on it count too.
+    pub resident_warning_bytes: usize,
     /// Knobs whose defaults are measured, moved only by tests and benchmarks.
     #[doc(hidden)]
     pub tuning: Tuning,
@@ -111,10 +116,6 @@ pub struct Tuning {
     /// 64 MiB: sequential disk I/O at full speed, a small staging buffer. Clamped to
     /// 4 KiB ..= [`crate::MAX_FILE_CHUNK_BYTES`].
     pub file_chunk_bytes: usize,
-    /// A release that moved something logs one warning when more than this many bytes of
-    /// device memory stay in use after it, naming the largest holders (default
-    /// [`super::RESIDENT_WARNING_BYTES`]; `usize::MAX`: never).
-    pub resident_warning_bytes: usize,
 }
 
 impl Default for PagerConfig {
@@ -126,6 +127,7 @@ impl Default for PagerConfig {
             save_route: CopyRoute::Engine,
             restore_route: CopyRoute::Fastest,
             poison_discards: false,
+            resident_warning_bytes: super::RESIDENT_WARNING_BYTES,
             tuning: Tuning::default(),
         }
     }
@@ -143,7 +145,6 @@ impl Default for Tuning {
             copy_gap_bytes: 1 << 20,
             first_save_overlap: true,
             file_chunk_bytes: 64 << 20,
-            resident_warning_bytes: super::RESIDENT_WARNING_BYTES,
         }
     }
 }
@@ -156,13 +157,14 @@ impl std::fmt::Display for PagerConfig {
         write!(
             f,
             "chunk_bytes={}, skip_unchanged={}, verify_restore={}, save_route={}, \
-             restore_route={}, poison_discards={}",
+             restore_route={}, poison_discards={}, resident_warning_bytes={}",
             self.chunk_bytes,
             self.skip_unchanged,
             self.verify_restore,
             self.save_route.name(),
             self.restore_route.name(),
-            self.poison_discards
+            self.poison_discards,
+            self.resident_warning_bytes
         )
     }
 }

@@ -52,10 +52,7 @@ fn setup(warn_above: usize) -> (Arc<HostBackend>, Pager) {
     let pager = Pager::with_config(
         backend.clone(),
         PagerConfig {
-            tuning: gpu_pager::Tuning {
-                resident_warning_bytes: warn_above,
-                ..gpu_pager::Tuning::default()
-            },
+            resident_warning_bytes: warn_above,
             ..PagerConfig::default()
         },
     );

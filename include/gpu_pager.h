@@ -218,8 +218,9 @@ typedef struct gpu_pager_config {
   // `GPU_PAGER_POISON_DISCARDS=1` turns it on too).
   bool poison_discards;
   // A release that moved something logs one warning (through the log callback) when
-  // more than this many bytes of the device's memory stay in use after it, naming the
-  // largest holders; `gpu_pager_audit` shows all of them (default 4 GiB; `UINT64_MAX`:
+  // this process still holds more than this many bytes of device memory after it (the
+  // device's whole use where NVML does not report this process), naming the largest
+  // holders; `gpu_pager_audit` shows all of them (default 4 GiB; `UINT64_MAX`:
   // never).
   uint64_t resident_warning_bytes;
 } gpu_pager_config;
@@ -281,6 +282,12 @@ typedef struct gpu_pager_audit_totals {
   uint64_t outside_bytes;
   // Regions.
   uint64_t regions;
+  // Device memory this process holds, as NVML reports it; `UINT64_MAX` where NVML is
+  // not there or does not report this process (a container's own PID namespace).
+  uint64_t this_process_bytes;
+  // Device memory the other processes on the device hold, as NVML reports it;
+  // `UINT64_MAX` where NVML is not there.
+  uint64_t other_processes_bytes;
 } gpu_pager_audit_totals;
 
 // A companion's callback: called with the tag (a NUL-terminated string valid for the

@@ -778,6 +778,8 @@ pub unsafe extern "C" fn gpu_pager_audit(
             mapped_bytes: a.mapped_bytes() as u64,
             outside_bytes: a.outside_bytes() as u64,
             regions: a.regions.len() as u64,
+            this_process_bytes: a.this_process_bytes().map_or(u64::MAX, |b| b as u64),
+            other_processes_bytes: a.other_processes_bytes().map_or(u64::MAX, |b| b as u64),
         };
         // SAFETY: NULL (skipped) or valid for a write (the contract).
         unsafe { write_out(out, totals) };

@@ -228,8 +228,9 @@ pub struct gpu_pager_config {
     /// `GPU_PAGER_POISON_DISCARDS=1` turns it on too).
     pub poison_discards: bool,
     /// A release that moved something logs one warning (through the log callback) when
-    /// more than this many bytes of the device's memory stay in use after it, naming the
-    /// largest holders; `gpu_pager_audit` shows all of them (default 4 GiB; `UINT64_MAX`:
+    /// this process still holds more than this many bytes of device memory after it (the
+    /// device's whole use where NVML does not report this process), naming the largest
+    /// holders; `gpu_pager_audit` shows all of them (default 4 GiB; `UINT64_MAX`:
     /// never).
     pub resident_warning_bytes: u64,
 }
@@ -339,6 +340,12 @@ pub struct gpu_pager_audit_totals {
     pub outside_bytes: u64,
     /// Regions.
     pub regions: u64,
+    /// Device memory this process holds, as NVML reports it; `UINT64_MAX` where NVML is
+    /// not there or does not report this process (a container's own PID namespace).
+    pub this_process_bytes: u64,
+    /// Device memory the other processes on the device hold, as NVML reports it;
+    /// `UINT64_MAX` where NVML is not there.
+    pub other_processes_bytes: u64,
 }
 
 /// A device's pager now, over all its regions (`gpu_pager_get_stats`).

@@ -99,8 +99,9 @@ def configure(
     """Chooses device ``device``'s pager settings before its first use; arguments left out
     keep their defaults. Once the pager exists, other settings are ``InvalidArgumentError``.
     ``poison_discards`` fills memory that comes back without its contents with ``POISON``;
-    a release logs a warning when more than ``resident_warning_bytes`` (default 4 GiB;
-    ``2**64 - 1``: never) of the device's memory stay in use after it."""
+    a release logs a warning when this process still holds more than
+    ``resident_warning_bytes`` (default 4 GiB; ``2**64 - 1``: never) of device memory after
+    it."""
 
 def _torch_hook_state(device: int) -> tuple[str | None, str | None]:
     """``(tag, last_error)``: the calling thread's tag for torch segments on ``device``
@@ -249,6 +250,16 @@ class Audit:
     @property
     def outside_bytes(self) -> int:
         """Device memory in use outside every region, bytes."""
+    @property
+    def processes(self) -> list[tuple[int, int | None]] | None:
+        """The processes using the device as ``(pid, bytes)``, this one included, as NVML
+        reports them; ``None`` where NVML is not there."""
+    @property
+    def this_process_bytes(self) -> int | None:
+        """Device memory this process holds (``None``: NVML does not report it)."""
+    @property
+    def other_processes_bytes(self) -> int | None:
+        """Device memory the other processes on the device hold (``None``: no NVML)."""
     @property
     def regions(self) -> list[AuditRegion]:
         """Every region, in tag order."""

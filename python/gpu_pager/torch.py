@@ -730,6 +730,11 @@ class TorchAudit:
             lines.append(f"  {seg.bytes / gib:8.2f} GiB at {seg.address:#x}, pool {seg.pool}: {where}")
         lines.append(f"the rest (CUDA context, other allocators and processes): "
                      f"{self.other_bytes / gib:.2f} GiB")
+        mine = self.pager.this_process_bytes
+        if mine is not None:
+            own_rest = max(0, mine - self.pager.mapped_bytes - self.torch_outside_bytes)
+            lines.append(f"  of it in this process (CUDA context, libraries, other "
+                         f"allocators): {own_rest / gib:.2f} GiB")
         if self.discarded:
             lines.append(f"live allocations in discard tags (dropped at every release): "
                          f"{len(self.discarded)}")

@@ -91,9 +91,10 @@ impl PyPager {
 /// a tag dropped at its release) is filled with ``POISON``, a NaN as bf16, fp16 and fp32, so
 /// that reading it before writing it shows at once (default ``False``; the environment
 /// variable ``GPU_PAGER_POISON_DISCARDS=1`` turns it on too). ``resident_warning_bytes``: a
-/// release that moved something logs one warning (logger ``"gpu_pager"``) when more than
-/// this many bytes of the device's memory stay in use after it, naming the largest holders
-/// (default 4 GiB; ``2**64 - 1``: never).
+/// release that moved something logs one warning (logger ``"gpu_pager"``) when this process
+/// still holds more than this many bytes of device memory after it (the device's whole use
+/// where NVML does not report this process), naming the largest holders (default 4 GiB;
+/// ``2**64 - 1``: never).
 #[pyfunction]
 #[pyo3(signature = (device = None, *, chunk_bytes = None, skip_unchanged = None,
     verify_restore = None, save_route = None, restore_route = None, poison_discards = None,

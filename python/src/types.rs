@@ -132,8 +132,8 @@ pub struct Config {
     /// Whether memory that comes back without its contents is filled with a NaN pattern
     /// (``gpu_pager.POISON``) instead of zeros or stale bytes.
     pub poison_discards: bool,
-    /// A release logs a warning when more than this many bytes of the device's memory stay
-    /// in use after it.
+    /// A release logs a warning when this process still holds more than this many bytes of
+    /// device memory after it.
     pub resident_warning_bytes: usize,
 }
 
@@ -604,6 +604,28 @@ impl Audit {
     #[getter]
     fn outside_bytes(&self) -> usize {
         self.inner.outside_bytes()
+    }
+    /// The processes using the device as ``(pid, bytes)``, this one included (``bytes``
+    /// ``None`` where NVML does not say), as NVML reports them; ``None`` where NVML is not
+    /// there.
+    #[getter]
+    fn processes(&self) -> Option<Vec<(u32, Option<usize>)>> {
+        self.inner
+            .processes
+            .as_ref()
+            .map(|ps| ps.iter().map(|p| (p.pid, p.bytes)).collect())
+    }
+    /// Device memory this process holds, bytes; ``None`` where NVML is not there or does
+    /// not report this process (a container with a PID namespace of its own).
+    #[getter]
+    fn this_process_bytes(&self) -> Option<usize> {
+        self.inner.this_process_bytes()
+    }
+    /// Device memory the other processes on the device hold, bytes; ``None`` where NVML is
+    /// not there.
+    #[getter]
+    fn other_processes_bytes(&self) -> Option<usize> {
+        self.inner.other_processes_bytes()
     }
     /// Every region, in tag order.
     #[getter]

@@ -24,6 +24,9 @@ def test_the_audit_adds_up_to_the_regions(
     assert a.mapped_bytes == pager.stats().resident_bytes
     assert a.device_used_bytes == a.device_total_bytes - a.device_free_bytes
     assert a.outside_bytes == max(0, a.device_used_bytes - a.mapped_bytes)
+    # The host backend's device is this process's alone, as NVML would report it.
+    assert a.processes == [(os.getpid(), a.device_used_bytes)]
+    assert (a.this_process_bytes, a.other_processes_bytes) == (a.device_used_bytes, 0)
     entries = {r.tag: r for r in a.regions}
     assert entries[kept].state == gpu_pager.State.RESIDENT
     assert entries[kept].mapped_bytes == entries[kept].reserved_bytes == 4 << 20

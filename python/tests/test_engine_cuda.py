@@ -387,6 +387,7 @@ gpt.resume(["w", "kv", "g"])
 print(all(torch.equal(x, y) for x, y in zip(engine.step(), want)))
 print(a)
 print(*warned)
+print("processes", a.pager.processes, a.pager.this_process_bytes)
 """
 
 

@@ -35,9 +35,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKernelArg, sys};
 
 use super::{
-    Backend, BackendError, BackendKind, BackendResult, DeferredErrors, DeviceInfo, DeviceRange,
-    Fence, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
-    check_map,
+    Backend, BackendError, BackendKind, BackendResult, DeferredErrors, DeviceInfo, DeviceProcess,
+    DeviceRange, Fence, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream,
+    Reservation, check_map,
 };
 use crate::kernels::{self, KernelModule, abi};
 
@@ -45,6 +45,7 @@ mod context;
 mod copy;
 mod handles;
 mod kv;
+mod nvml;
 mod pinned;
 use context::{CtxScope, Dev, InScope};
 use handles::{CudaChunk, CudaFence, CudaMapping, CudaReservation};
@@ -96,6 +97,17 @@ fn device_alloc_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
             reserved: [0; 4],
         },
     }
+}
+
+/// The PCI bus id of `device` (`"0000:3b:00.0"`), `None` if the driver does not say.
+fn pci_bus_id(device: sys::CUdevice) -> Option<String> {
+    let mut buf = [0 as std::ffi::c_char; 32];
+    // SAFETY: `buf` is writable for its length, which is passed; the driver writes a
+    // NUL-terminated string of at most that many bytes.
+    check(unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, device) }).ok()?;
+    // SAFETY: NUL-terminated within `buf` (the driver's contract, and `buf` was zeroed).
+    let id = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
+    id.to_str().ok().map(str::to_owned)
 }
 
 /// Queries the allocation granularity of pinned device memory on `device`.
@@ -185,6 +197,8 @@ pub struct CudaBackend {
     d2h_kernel: InScope<Arc<CudaStream>>,
     kernel_stream: InScope<Arc<CudaStream>>,
     info: DeviceInfo,
+    /// The device's PCI bus id (`cuDeviceGetPCIBusId`), by which NVML finds it.
+    pci_bus_id: Option<String>,
     /// Streaming multiprocessors, for the copy kernel's grid.
     sms: u32,
     fill_kernels: InScope<OnceLock<FillKernels>>,
@@ -290,6 +304,7 @@ impl CudaBackend {
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| driver_err("cuDeviceGetAttribute", e))?;
+        let pci_bus_id = pci_bus_id(device);
         let new_stream = || {
             ctx.new_stream()
                 .map(|s| InScope::new(s, &dev))
@@ -308,6 +323,7 @@ impl CudaBackend {
             d2h_kernel,
             kernel_stream,
             sms: u32::try_from(sms).unwrap_or(1).max(1),
+            pci_bus_id,
             info: DeviceInfo {
                 kind: BackendKind::Cuda,
                 name,
@@ -620,6 +636,10 @@ impl Backend for CudaBackend {
         let (free, total) =
             cudarc::driver::result::mem_get_info().map_err(|e| driver_err("cuMemGetInfo", e))?;
         Ok(MemInfo { free, total })
+    }
+
+    fn processes(&self) -> Option<Vec<DeviceProcess>> {
+        nvml::processes(self.pci_bus_id.as_deref()?)
     }
 
     fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>> {

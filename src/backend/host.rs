@@ -13,9 +13,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{
-    Backend, BackendError, BackendKind, BackendResult, DeferredErrors, DeviceInfo, Direction,
-    HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, Reservation, check_copy, check_map,
-    kv_invalid,
+    Backend, BackendError, BackendKind, BackendResult, DeferredErrors, DeviceInfo, DeviceProcess,
+    Direction, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, Reservation, check_copy,
+    check_map, kv_invalid,
 };
 use crate::kernels::kv::{KvOp, reference as kv_reference};
 use crate::kernels::{self, reference};
@@ -392,6 +392,14 @@ impl Backend for HostBackend {
             free: total.saturating_sub(self.used_bytes()),
             total,
         })
+    }
+
+    /// This process alone, holding every byte in use: the host backend's device is its own.
+    fn processes(&self) -> Option<Vec<DeviceProcess>> {
+        Some(vec![DeviceProcess {
+            pid: std::process::id(),
+            bytes: Some(self.used_bytes()),
+        }])
     }
 
     fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>> {

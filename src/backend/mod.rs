@@ -64,6 +64,17 @@ pub struct DeviceInfo {
     pub ordinal: Option<usize>,
 }
 
+/// One process using the device and its device memory, as the driver's management library
+/// (NVML) reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceProcess {
+    /// Its process id, in NVML's PID namespace (the host's, inside a container that does not
+    /// share it).
+    pub pid: u32,
+    /// Device memory it holds, its CUDA context included; `None` where NVML does not say.
+    pub bytes: Option<usize>,
+}
+
 /// Free and total device memory, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemInfo {
@@ -445,6 +456,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Free and total device memory now.
     fn mem_info(&self) -> BackendResult<MemInfo>;
+
+    /// The processes using the device now, with their device memory, where the backend can
+    /// see them (NVML on a GPU); `None` where it cannot.
+    fn processes(&self) -> Option<Vec<DeviceProcess>> {
+        None
+    }
 
     /// Reserves `bytes` (a multiple of the granularity) of virtual address space, mapped to
     /// nothing. Accessing it faults until something is mapped.

@@ -4,6 +4,7 @@
 //! and libraries, other processes). A release warns when much stays resident after it.
 
 use super::*;
+use crate::backend::DeviceProcess;
 
 /// The default of [`PagerConfig::resident_warning_bytes`]: 4 GiB, above a CUDA context and
 /// a test's small workload, below what an engine that forgot a buffer holds.
@@ -39,6 +40,9 @@ pub struct Audit {
     pub device_free_bytes: usize,
     /// Every region, in tag order.
     pub regions: Vec<AuditRegion>,
+    /// The processes using the device and their device memory, this one included, as the
+    /// driver's management library (NVML) reports them; `None` where it is not there.
+    pub processes: Option<Vec<DeviceProcess>>,
 }
 
 impl Audit {
@@ -57,6 +61,31 @@ impl Audit {
     /// own pools), the CUDA context and libraries, and other processes on the device.
     pub fn outside_bytes(&self) -> usize {
         self.device_used_bytes().saturating_sub(self.mapped_bytes())
+    }
+
+    /// Device memory this process holds (its CUDA context, its regions and every other
+    /// allocator in it), where NVML reports it under this process's id (not inside a
+    /// container with a PID namespace of its own).
+    pub fn this_process_bytes(&self) -> Option<usize> {
+        let me = std::process::id();
+        self.processes
+            .as_ref()?
+            .iter()
+            .find(|p| p.pid == me)
+            .and_then(|p| p.bytes)
+    }
+
+    /// Device memory the other processes on the device hold, where NVML reports it.
+    pub fn other_processes_bytes(&self) -> Option<usize> {
+        let me = std::process::id();
+        Some(
+            self.processes
+                .as_ref()?
+                .iter()
+                .filter(|p| p.pid != me)
+                .filter_map(|p| p.bytes)
+                .sum(),
+        )
     }
 
     /// The entry for `tag`.
@@ -107,7 +136,25 @@ impl std::fmt::Display for Audit {
             gib(self.device_free_bytes),
             gib(self.mapped_bytes()),
             gib(self.outside_bytes())
-        )
+        )?;
+        match &self.processes {
+            None => write!(f, "\nprocesses on the device: unknown (NVML is not there)"),
+            Some(listed) => {
+                let me = std::process::id();
+                let each: Vec<String> = listed
+                    .iter()
+                    .map(|p| {
+                        format!(
+                            "{}{} {}",
+                            p.pid,
+                            if p.pid == me { " (this one)" } else { "" },
+                            p.bytes.map_or_else(|| "unknown".to_owned(), gib)
+                        )
+                    })
+                    .collect();
+                write!(f, "\nprocesses on the device: {}", each.join(", "))
+            }
+        }
     }
 }
 
@@ -140,6 +187,7 @@ impl Pager {
             device_total_bytes: mem.total,
             device_free_bytes: mem.free,
             regions,
+            processes: self.backend.processes(),
         })
     }
 
@@ -159,7 +207,14 @@ impl Pager {
             return;
         }
         let Ok(audit) = self.audit() else { return };
-        let used = audit.device_used_bytes();
+        // This process's own use where NVML says, else the device's.
+        let (used, whose) = match audit.this_process_bytes() {
+            Some(mine) => (mine, "this process"),
+            None => (audit.device_used_bytes(), "the device"),
+        };
+        if used <= limit {
+            return;
+        }
         let mut holders: Vec<String> = audit
             .largest_resident()
             .into_iter()
@@ -168,16 +223,71 @@ impl Pager {
             .collect();
         holders.push(format!(
             "outside every region {}",
-            gib(audit.outside_bytes())
+            gib(used.saturating_sub(audit.mapped_bytes()))
         ));
         log::warn!(
             target: "gpu_pager",
-            "gpu-pager: device {}: after releasing {tags:?}, {} of device memory is still in \
-             use (more than {}): {}; Pager::audit / gpu_pager.torch.audit() shows all of it",
+            "gpu-pager: device {}: after releasing {tags:?}, {} of {whose}'s device memory is \
+             still in use (more than {}): {}; Pager::audit / gpu_pager.torch.audit() shows all \
+             of it",
             self.backend.info().ordinal.unwrap_or(0),
             gib(used),
             gib(limit),
             holders.join(", ")
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn audit(processes: Option<Vec<DeviceProcess>>) -> Audit {
+        Audit {
+            device_total_bytes: 80 << 30,
+            device_free_bytes: 60 << 30,
+            regions: Vec::new(),
+            processes,
+        }
+    }
+
+    #[test]
+    fn this_process_and_the_others_come_from_nvml_s_list() {
+        let me = std::process::id();
+        let listed = vec![
+            DeviceProcess {
+                pid: me.wrapping_add(1),
+                bytes: Some(12 << 30),
+            },
+            DeviceProcess {
+                pid: me,
+                bytes: Some(7 << 30),
+            },
+            DeviceProcess {
+                pid: me.wrapping_add(2),
+                bytes: None,
+            },
+        ];
+        let a = audit(Some(listed));
+        assert_eq!(a.this_process_bytes(), Some(7 << 30));
+        assert_eq!(a.other_processes_bytes(), Some(12 << 30));
+        let table = a.to_string();
+        assert!(
+            table.contains(&format!("{me} (this one) 7.00 GiB")),
+            "{table}"
+        );
+        assert!(table.contains(" unknown"), "{table}");
+        // A container's own PID namespace: NVML lists the host's ids, not this one.
+        let elsewhere = audit(Some(vec![DeviceProcess {
+            pid: me.wrapping_add(1),
+            bytes: Some(1),
+        }]));
+        assert_eq!(elsewhere.this_process_bytes(), None);
+        let none = audit(None);
+        assert_eq!(
+            (none.this_process_bytes(), none.other_processes_bytes()),
+            (None, None)
+        );
+        assert!(none.to_string().contains("NVML is not there"));
     }
 }

@@ -56,10 +56,11 @@ pub struct PagerConfig {
     /// memory). `DiscardZeroed` regions still come back zeroed, as they promise. The
     /// environment variable [`POISON_DISCARDS_ENV`] turns it on for the process's pagers.
     pub poison_discards: bool,
-    /// A release that moved something logs one warning when more than this many bytes of
-    /// the device's memory stay in use after it, naming the largest holders (default
-    /// [`super::RESIDENT_WARNING_BYTES`]; `usize::MAX`: never). The driver's count is the
-    /// whole device's: other processes on it count too.
+    /// A release that moved something logs one warning when this process still holds more
+    /// than this many bytes of device memory after it, naming the largest holders (default
+    /// [`super::RESIDENT_WARNING_BYTES`]; `usize::MAX`: never). Where NVML does not report
+    /// this process (no NVML, a container's own PID namespace), the device's whole use
+    /// counts, other processes included.
     pub resident_warning_bytes: usize,
     /// Knobs whose defaults are measured, moved only by tests and benchmarks.
     #[doc(hidden)]

@@ -78,6 +78,10 @@ fn the_audit_adds_up_to_the_regions_and_the_backend() {
     assert_eq!(a.mapped_bytes(), 24 * MIB);
     assert_eq!(a.outside_bytes(), 4 * MIB, "the hog, and nothing else");
     assert_eq!(a.device_used_bytes(), 28 * MIB);
+    // The host backend's device is this process's alone, as NVML would report it.
+    assert_eq!(a.this_process_bytes(), Some(28 * MIB));
+    assert_eq!(a.other_processes_bytes(), Some(0));
+    assert!(a.to_string().contains(" (this one) "), "{a}");
 
     p.release(&["audit-kv", "audit-w"]).unwrap();
     let a = p.audit().unwrap();

@@ -228,9 +228,9 @@ pub struct gpu_pager_config {
     /// `GPU_PAGER_POISON_DISCARDS=1` turns it on too).
     pub poison_discards: bool,
     /// A release that moved something logs one warning (through the log callback) when
-    /// this process still holds more than this many bytes of device memory after it (the
-    /// device's whole use where NVML does not report this process), naming the largest
-    /// holders; `gpu_pager_audit` shows all of them (default 4 GiB; `UINT64_MAX`:
+    /// this process holds more than this many bytes of device memory outside every region
+    /// after it (the device's whole use outside the regions where NVML does not report this
+    /// process); `gpu_pager_audit` shows all of them (default 4 GiB; `UINT64_MAX`:
     /// never).
     pub resident_warning_bytes: u64,
 }

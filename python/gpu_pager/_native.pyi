@@ -99,9 +99,8 @@ def configure(
     """Chooses device ``device``'s pager settings before its first use; arguments left out
     keep their defaults. Once the pager exists, other settings are ``InvalidArgumentError``.
     ``poison_discards`` fills memory that comes back without its contents with ``POISON``;
-    a release logs a warning when this process still holds more than
-    ``resident_warning_bytes`` (default 4 GiB; ``2**64 - 1``: never) of device memory after
-    it."""
+    a release logs a warning when this process holds more than ``resident_warning_bytes``
+    (default 4 GiB; ``2**64 - 1``: never) of device memory outside every region after it."""
 
 def _torch_hook_state(device: int) -> tuple[str | None, str | None]:
     """``(tag, last_error)``: the calling thread's tag for torch segments on ``device``
@@ -200,7 +199,8 @@ class Config:
         """Whether memory that comes back without its contents is filled with ``POISON``."""
     @property
     def resident_warning_bytes(self) -> int:
-        """A release logs a warning when more than this many bytes stay in use after it."""
+        """A release logs a warning when more than this many bytes stay in use outside every
+        region after it."""
 
 @final
 class AuditRegion:

@@ -92,9 +92,9 @@ impl PyPager {
 /// that reading it before writing it shows at once (default ``False``; the environment
 /// variable ``GPU_PAGER_POISON_DISCARDS=1`` turns it on too). ``resident_warning_bytes``: a
 /// release that moved something logs one warning (logger ``"gpu_pager"``) when this process
-/// still holds more than this many bytes of device memory after it (the device's whole use
-/// where NVML does not report this process), naming the largest holders (default 4 GiB;
-/// ``2**64 - 1``: never).
+/// holds more than this many bytes of device memory outside every region after it (the
+/// device's whole use outside the regions where NVML does not report this process), naming
+/// the holders (default 4 GiB; ``2**64 - 1``: never).
 #[pyfunction]
 #[pyo3(signature = (device = None, *, chunk_bytes = None, skip_unchanged = None,
     verify_restore = None, save_route = None, restore_route = None, poison_discards = None,

@@ -132,8 +132,8 @@ pub struct Config {
     /// Whether memory that comes back without its contents is filled with a NaN pattern
     /// (``gpu_pager.POISON``) instead of zeros or stale bytes.
     pub poison_discards: bool,
-    /// A release logs a warning when this process still holds more than this many bytes of
-    /// device memory after it.
+    /// A release logs a warning when this process holds more than this many bytes of device
+    /// memory outside every region after it.
     pub resident_warning_bytes: usize,
 }
 

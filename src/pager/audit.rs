@@ -159,10 +159,18 @@ impl std::fmt::Display for Audit {
 }
 
 impl Pager {
-    /// Where the device's memory is now: each region's bytes and state, and the device's
-    /// use as the driver reports it (see [`Audit`]). Takes each region's lock in turn, not
-    /// all at once: a move running meanwhile shows before or after.
+    /// Where the device's memory is now: each region's bytes and state, the device's use
+    /// as the driver reports it, and the processes on the device where NVML is there (see
+    /// [`Audit`]). Takes each region's lock in turn, not all at once: a move running
+    /// meanwhile shows before or after.
     pub fn audit(&self) -> Result<Audit> {
+        let mut audit = self.audit_regions()?;
+        audit.processes = self.backend.processes();
+        Ok(audit)
+    }
+
+    /// [`Pager::audit`] without the processes (no NVML query).
+    fn audit_regions(&self) -> Result<Audit> {
         self.check_process()?;
         let mem = self
             .backend
@@ -187,53 +195,68 @@ impl Pager {
             device_total_bytes: mem.total,
             device_free_bytes: mem.free,
             regions,
-            processes: self.backend.processes(),
+            processes: None,
         })
     }
 
-    /// After a release of `tags` that moved something: one warning when more than
-    /// [`PagerConfig::resident_warning_bytes`] of device memory stays in use, naming the largest
-    /// holders. Never fails the release: an audit that cannot be had is skipped.
+    /// After a release of `tags` that moved something: one warning when this process holds
+    /// more than [`PagerConfig::resident_warning_bytes`] of device memory outside every
+    /// region (the device's whole use outside the regions where NVML does not report this
+    /// process). Regions left resident do not count: a release in stages keeps them on
+    /// purpose, and the audit lists them. Never fails the release: an audit that cannot be
+    /// had is skipped.
     pub(super) fn warn_if_resident(&self, tags: &[&str]) {
         let limit = self.config.resident_warning_bytes;
         if limit == usize::MAX {
             return;
         }
-        // One driver query per release; the regions are listed only when it warns.
+        // One driver query per release; the regions are listed, and NVML asked, only when
+        // the device's use outside them is above the limit.
         let Ok(mem) = self.backend.mem_info() else {
             return;
         };
         if mem.total.saturating_sub(mem.free) <= limit {
             return;
         }
-        let Ok(audit) = self.audit() else { return };
-        // This process's own use where NVML says, else the device's.
-        let (used, whose) = match audit.this_process_bytes() {
-            Some(mine) => (mine, "this process"),
-            None => (audit.device_used_bytes(), "the device"),
+        let Ok(mut audit) = self.audit_regions() else {
+            return;
         };
-        if used <= limit {
+        if audit.outside_bytes() <= limit {
             return;
         }
-        let mut holders: Vec<String> = audit
+        audit.processes = self.backend.processes();
+        let (outside, whose) = match audit.this_process_bytes() {
+            Some(mine) => (mine.saturating_sub(audit.mapped_bytes()), "this process's"),
+            None => (audit.outside_bytes(), "the device's"),
+        };
+        if outside <= limit {
+            return;
+        }
+        let resident: Vec<String> = audit
             .largest_resident()
             .into_iter()
             .take(3)
-            .map(|r| format!("region `{}` {}", r.tag, gib(r.mapped_bytes)))
+            .map(|r| format!("`{}` {}", r.tag, gib(r.mapped_bytes)))
             .collect();
-        holders.push(format!(
-            "outside every region {}",
-            gib(used.saturating_sub(audit.mapped_bytes()))
-        ));
+        let resident = if resident.is_empty() {
+            "none".to_owned()
+        } else {
+            resident.join(", ")
+        };
         log::warn!(
             target: "gpu_pager",
-            "gpu-pager: device {}: after releasing {tags:?}, {} of {whose}'s device memory is \
-             still in use (more than {}): {}; Pager::audit / gpu_pager.torch.audit() shows all \
-             of it",
+            "gpu-pager: device {}: after releasing {tags:?}, {} of {whose} device memory is \
+             still in use outside every region (more than {}: another allocator, the CUDA \
+             context{}); regions left resident: {resident}; Pager::audit / \
+             gpu_pager.torch.audit() shows all of it",
             self.backend.info().ordinal.unwrap_or(0),
-            gib(used),
+            gib(outside),
             gib(limit),
-            holders.join(", ")
+            if audit.this_process_bytes().is_some() {
+                ""
+            } else {
+                ", other processes"
+            },
         );
     }
 }

@@ -56,11 +56,12 @@ pub struct PagerConfig {
     /// memory). `DiscardZeroed` regions still come back zeroed, as they promise. The
     /// environment variable [`POISON_DISCARDS_ENV`] turns it on for the process's pagers.
     pub poison_discards: bool,
-    /// A release that moved something logs one warning when this process still holds more
-    /// than this many bytes of device memory after it, naming the largest holders (default
-    /// [`super::RESIDENT_WARNING_BYTES`]; `usize::MAX`: never). Where NVML does not report
-    /// this process (no NVML, a container's own PID namespace), the device's whole use
-    /// counts, other processes included.
+    /// A release that moved something logs one warning when this process holds more than
+    /// this many bytes of device memory outside every region after it (default
+    /// [`super::RESIDENT_WARNING_BYTES`]; `usize::MAX`: never). Regions left resident do
+    /// not count. Where NVML does not report this process (no NVML, a container's own PID
+    /// namespace), the device's whole use outside the regions counts, other processes
+    /// included.
     pub resident_warning_bytes: usize,
     /// Knobs whose defaults are measured, moved only by tests and benchmarks.
     #[doc(hidden)]

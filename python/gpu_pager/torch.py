@@ -748,13 +748,22 @@ def _live_blocks(segment: dict[str, Any]) -> list[dict[str, Any]]:
     return [b for b in segment.get("blocks", []) if str(b.get("state", "")).startswith("active")]
 
 
+def _is_caller_frame(filename: str) -> bool:
+    """A Python frame of the caller's: a ``.py`` file outside torch, or code without a file
+    (``<string>``, ``<stdin>``); not torch's own frames, nor the C++ frames torch records
+    with them."""
+    if "/torch/" in filename:
+        return False
+    return filename.endswith(".py") or (filename.startswith("<") and filename.endswith(">"))
+
+
 def _block_site(block: dict[str, Any]) -> str | None:
-    """The block's first allocation frame outside torch, if torch recorded it."""
+    """The block's first allocation frame in the caller's Python code, if torch recorded
+    it."""
     for frame in block.get("frames", []) or []:
         filename = str(frame.get("filename", ""))
-        if "/torch/" in filename or filename.startswith("??"):
-            continue
-        return f"{filename}:{frame.get('line')} in {frame.get('name')}"
+        if _is_caller_frame(filename):
+            return f"{filename}:{frame.get('line')} in {frame.get('name')}"
     return None
 
 

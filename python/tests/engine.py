@@ -77,8 +77,18 @@ class Engine:
         # Static inputs of the graph: ordinary torch memory, always resident.
         self.token = torch.randint(0, config.vocab_size, (BATCH, 1), generator=gen).cuda()
         self.position = torch.full((1,), PROMPT, dtype=torch.long, device="cuda")
+        # The cache's tensors and nothing else under the KV placement: a first forward pass
+        # there would also put cuBLAS's workspace and the model's other first-use state under
+        # the KV tag, which a discard then loses (the audit lists such allocations).
+        early = getattr(self.cache, "early_initialization", None)
         with place.kv():
-            self.prefill()  # the static cache allocates its tensors on first use
+            if early is not None:
+                head_dim = config.hidden_size // config.num_attention_heads
+                early(BATCH, config.num_key_value_heads, head_dim, torch.bfloat16,
+                      torch.device("cuda"))
+            else:  # a transformers without it: the cache allocates on first use
+                self.prefill()
+        self.prefill()
         self.graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

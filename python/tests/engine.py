@@ -77,18 +77,16 @@ class Engine:
         # Static inputs of the graph: ordinary torch memory, always resident.
         self.token = torch.randint(0, config.vocab_size, (BATCH, 1), generator=gen).cuda()
         self.position = torch.full((1,), PROMPT, dtype=torch.long, device="cuda")
-        # The cache's tensors and nothing else under the KV placement: a first forward pass
-        # there would also put cuBLAS's workspace and the model's other first-use state under
-        # the KV tag, which a discard then loses (the audit lists such allocations).
-        early = getattr(self.cache, "early_initialization", None)
+        # The keys and values and nothing else under the KV placement, as an engine places
+        # its KV cache: a first forward pass there would also put cuBLAS's workspace and the
+        # cache layers' device-side position counters under the KV tag, which a discard then
+        # loses (the audit lists such allocations; poisoned, a counter indexes out of range).
+        self.prefill()  # the static cache allocates its tensors on first use
         with place.kv():
-            if early is not None:
-                head_dim = config.hidden_size // config.num_attention_heads
-                early(BATCH, config.num_key_value_heads, head_dim, torch.bfloat16,
-                      torch.device("cuda"))
-            else:  # a transformers without it: the cache allocates on first use
-                self.prefill()
-        self.prefill()
+            for layer in self.cache.layers:
+                layer.keys = torch.zeros_like(layer.keys)
+                layer.values = torch.zeros_like(layer.values)
+        torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -1,6 +1,7 @@
 //! The processes on a device, through NVML (`libnvidia-ml.so.1`, which every NVIDIA driver
-//! installs), loaded at the first audit: a pager that never audits never loads it. A
-//! machine without it, or a device NVML cannot find, answers `None`.
+//! installs), loaded the first time an audit, or a release's warning check over its
+//! threshold, asks: a pager that never does never loads it. A machine without it, or a
+//! device NVML cannot find, answers `None`.
 
 use std::sync::OnceLock;
 

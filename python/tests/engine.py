@@ -79,8 +79,9 @@ class Engine:
         self.position = torch.full((1,), PROMPT, dtype=torch.long, device="cuda")
         # The keys and values and nothing else under the KV placement, as an engine places
         # its KV cache: a first forward pass there would also put cuBLAS's workspace and the
-        # cache layers' device-side position counters under the KV tag, which a discard then
-        # loses (the audit lists such allocations; poisoned, a counter indexes out of range).
+        # cache layers' other device state under the KV tag, which a discard then loses (the
+        # audit lists such allocations; poisoned, that state made index_copy_ index out of
+        # range).
         self.prefill()  # the static cache allocates its tensors on first use
         with place.kv():
             for layer in self.cache.layers:

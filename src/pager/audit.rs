@@ -4,7 +4,7 @@
 //! and libraries, other processes). A release warns when much stays resident after it.
 
 use super::*;
-use crate::backend::DeviceProcess;
+use crate::backend::{DeviceProcess, MemInfo};
 
 /// The default of [`PagerConfig::resident_warning_bytes`]: 4 GiB, above a CUDA context and
 /// a test's small workload, below what an engine that forgot a buffer holds.
@@ -164,18 +164,19 @@ impl Pager {
     /// [`Audit`]). Takes each region's lock in turn, not all at once: a move running
     /// meanwhile shows before or after.
     pub fn audit(&self) -> Result<Audit> {
-        let mut audit = self.audit_regions()?;
-        audit.processes = self.backend.processes();
-        Ok(audit)
-    }
-
-    /// [`Pager::audit`] without the processes (no NVML query).
-    fn audit_regions(&self) -> Result<Audit> {
         self.check_process()?;
         let mem = self
             .backend
             .mem_info()
             .map_err(|e| Error::backend_of(&[], "querying device memory", e))?;
+        let mut audit = self.audit_regions(mem);
+        audit.processes = self.backend.processes();
+        Ok(audit)
+    }
+
+    /// The audit of the regions against the driver's `mem`, without the processes (no
+    /// NVML query).
+    fn audit_regions(&self, mem: MemInfo) -> Audit {
         let regions = self
             .stats()
             .regions
@@ -191,12 +192,12 @@ impl Pager {
                 backup_bytes: s.backup_bytes,
             })
             .collect();
-        Ok(Audit {
+        Audit {
             device_total_bytes: mem.total,
             device_free_bytes: mem.free,
             regions,
             processes: None,
-        })
+        }
     }
 
     /// After a release of `tags` that moved something: one warning when this process holds
@@ -218,16 +219,18 @@ impl Pager {
         if mem.total.saturating_sub(mem.free) <= limit {
             return;
         }
-        let Ok(mut audit) = self.audit_regions() else {
-            return;
-        };
+        let mut audit = self.audit_regions(mem);
         if audit.outside_bytes() <= limit {
             return;
         }
         audit.processes = self.backend.processes();
-        let (outside, whose) = match audit.this_process_bytes() {
-            Some(mine) => (mine.saturating_sub(audit.mapped_bytes()), "this process's"),
-            None => (audit.outside_bytes(), "the device's"),
+        let (outside, whose, others) = match audit.this_process_bytes() {
+            Some(mine) => (
+                mine.saturating_sub(audit.mapped_bytes()),
+                "this process's",
+                "",
+            ),
+            None => (audit.outside_bytes(), "the device's", ", other processes"),
         };
         if outside <= limit {
             return;
@@ -247,16 +250,11 @@ impl Pager {
             target: "gpu_pager",
             "gpu-pager: device {}: after releasing {tags:?}, {} of {whose} device memory is \
              still in use outside every region (more than {}: another allocator, the CUDA \
-             context{}); regions left resident: {resident}; Pager::audit / \
+             context{others}); regions left resident: {resident}; Pager::audit / \
              gpu_pager.torch.audit() shows all of it",
             self.backend.info().ordinal.unwrap_or(0),
             gib(outside),
             gib(limit),
-            if audit.this_process_bytes().is_some() {
-                ""
-            } else {
-                ", other processes"
-            },
         );
     }
 }

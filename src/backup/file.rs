@@ -28,10 +28,12 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use super::Store;
 use super::named::{self, Owner};
 use crate::backend::{
     Backend, BackendError, BackendResult, Direction, Fence, HostBuffer, Mover, RawCopy,
 };
+use crate::pump::{Pump, Sink};
 
 /// The environment variable that sets a new pager's backup directory
 /// ([`crate::Pager::set_backup_dir`] changes it later and wins over it).
@@ -479,11 +481,6 @@ impl Drop for FileStore {
 }
 
 impl FileStore {
-    /// Bytes the file holds.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
     /// Copies the file's bytes `range` into `out` (of `range.len()` bytes).
     pub fn read(&self, range: Range<usize>, out: &mut [u8]) -> BackendResult<()> {
         self.check(&range)?;
@@ -690,6 +687,44 @@ impl FileStore {
             }
         }
         Ok(out)
+    }
+}
+
+/// A file backup's saves and restores move through the staging buffer and are done when
+/// they return: nothing is left for the pump or the sink.
+impl Store for FileStore {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn host(&self) -> Option<&[u8]> {
+        None
+    }
+
+    fn read(&self, range: Range<usize>, out: &mut [u8]) -> BackendResult<()> {
+        FileStore::read(self, range, out)
+    }
+
+    unsafe fn save<'h>(
+        &'h mut self,
+        backend: &dyn Backend,
+        base: u64,
+        runs: &[Range<usize>],
+        _pump: &mut Pump<'_, 'h>,
+    ) -> BackendResult<usize> {
+        // SAFETY: the caller's contract; the copies finish before this returns.
+        unsafe { self.write_from_device(backend, base, runs) }
+    }
+
+    unsafe fn restore<'h>(
+        &'h self,
+        backend: &dyn Backend,
+        base: u64,
+        spans: &[Range<usize>],
+        _sink: &mut Sink<'_, '_, 'h>,
+    ) -> BackendResult<usize> {
+        // SAFETY: the caller's contract; the copies finish before this returns.
+        unsafe { self.read_to_device(backend, base, spans) }
     }
 }
 

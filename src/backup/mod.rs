@@ -25,32 +25,118 @@
 //! adversaries.
 
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BackendError, HostBuffer};
+use crate::Medium;
+use crate::backend::{Backend, BackendError, BackendResult, HostBuffer};
 use crate::kernels;
-use crate::pump::{Pinned, PinnedMut, Pump, Sink};
+use crate::pump::{Pump, Sink};
 
 pub(crate) mod file;
+mod memory;
 mod named;
 
-use file::FileStore;
+use file::FileIo;
+use memory::MemoryStore;
 
-/// Where a backup's bytes are.
-#[derive(Debug)]
-enum Store {
-    /// Pinned host memory of the backend.
-    Memory(Box<dyn HostBuffer>),
-    /// A file, moved through the pager's pinned staging buffer.
-    File(FileStore),
+/// Where a backup's bytes are: one implementation per backup medium ([`Medium`]). A new
+/// medium is a store in a file of its own, its variant of [`Medium`] with its arms in the
+/// `impl Medium` below, and its name in the bindings.
+trait Store: std::fmt::Debug + Send + Sync {
+    /// Bytes the store holds room for.
+    fn len(&self) -> usize;
+
+    /// The bytes, where they are in host memory (read in place, and lent to readers by
+    /// address); `None` for a store that must be read through [`Store::read`].
+    fn host(&self) -> Option<&[u8]>;
+
+    /// Copies the store's bytes `range` into `out` (of `range.len()` bytes).
+    fn read(&self, range: Range<usize>, out: &mut [u8]) -> BackendResult<()>;
+
+    /// Copies device bytes `base + r` into the store at `r` for each of `runs` (sorted,
+    /// disjoint, inside the store): pushed into `pump`, or done before it returns. Returns
+    /// the bytes copied. A failure leaves the store partly written.
+    ///
+    /// # Safety
+    /// Each `base + r` is mapped device memory of `backend` (the pump's), not written until
+    /// the pump's scope returns.
+    unsafe fn save<'h>(
+        &'h mut self,
+        backend: &dyn Backend,
+        base: u64,
+        runs: &[Range<usize>],
+        pump: &mut Pump<'_, 'h>,
+    ) -> BackendResult<usize>;
+
+    /// Copies the store's bytes `r` to device `base + r` for each of `spans` (inside the
+    /// store): pushed into `sink`, or done before it returns. Returns the bytes sent.
+    ///
+    /// # Safety
+    /// As [`Sink::push_to_device`] for each device range `base + r`.
+    unsafe fn restore<'h>(
+        &'h self,
+        backend: &dyn Backend,
+        base: u64,
+        spans: &[Range<usize>],
+        sink: &mut Sink<'_, '_, 'h>,
+    ) -> BackendResult<usize>;
 }
 
-impl Store {
-    fn len(&self) -> usize {
+/// What each medium means for the pager: the one place its rules live, next to the stores.
+impl Medium {
+    /// Whether the backup's host memory is given back after each resume (pinned again at
+    /// the next release).
+    pub fn gives_back_after_resume(self) -> bool {
         match self {
-            Store::Memory(b) => b.len(),
-            Store::File(f) => f.len(),
+            Medium::Host => true,
+            Medium::Pinned | Medium::File => false,
         }
+    }
+
+    /// Whether `prepin` (pinning the backup at creation) makes sense: not for a backup that
+    /// each resume gives back anyway.
+    pub fn can_prepin(self) -> bool {
+        !self.gives_back_after_resume()
+    }
+
+    /// Whether the backup lives in the pager's backup directory (file I/O).
+    pub fn uses_files(self) -> bool {
+        match self {
+            Medium::File => true,
+            Medium::Pinned | Medium::Host => false,
+        }
+    }
+
+    /// Whether the backup is one pinned host buffer ([`Backup::adopt`]): such backups are
+    /// pinned many in one batch, and a first one is pinned and filled from the device in
+    /// one pass ([`Backup::ensure_from_device`]).
+    pub(crate) fn is_pinned_memory(self) -> bool {
+        match self {
+            Medium::Pinned | Medium::Host => true,
+            Medium::File => false,
+        }
+    }
+
+    /// A new store of `size` bytes: pinned on `backend`, or a file of `files` (which
+    /// [`Medium::uses_files`] media are given).
+    fn store(
+        self,
+        backend: &dyn Backend,
+        files: Option<&Arc<FileIo>>,
+        size: usize,
+    ) -> BackendResult<Box<dyn Store>> {
+        Ok(match self {
+            Medium::Pinned | Medium::Host => Box::new(MemoryStore(backend.alloc_pinned(size)?)),
+            Medium::File => Box::new(
+                files
+                    .ok_or_else(|| BackendError::Internal {
+                        op: "backup file",
+                        reason: "a file backup without the pager's file I/O".to_owned(),
+                    })?
+                    .create(size)?,
+            ),
+        })
     }
 }
 
@@ -78,7 +164,7 @@ struct Hashes {
 /// A pinned host copy of some byte ranges of a region (its live buffers' unmarked bytes).
 #[derive(Debug, Default)]
 pub(crate) struct Backup {
-    buf: Option<Store>,
+    buf: Option<Box<dyn Store>>,
     /// The byte ranges (from the backup's start; sorted, disjoint) that hold the device
     /// contents as of the last save: exactly what a resume restores. Everything else in
     /// the buffer is stale or never written and must never reach the device.
@@ -130,14 +216,7 @@ impl Backup {
             return Ok(false);
         }
         match &self.buf {
-            Some(Store::Memory(b)) => match b.as_slice().get(range) {
-                Some(src) => {
-                    out.copy_from_slice(src);
-                    Ok(true)
-                }
-                None => Ok(false),
-            },
-            Some(Store::File(f)) => f.read(range, out).map(|()| true),
+            Some(store) => store.read(range, out).map(|()| true),
             None => Ok(false),
         }
     }
@@ -148,12 +227,8 @@ impl Backup {
         if !crate::ranges::covers(&self.valid, &range) {
             return None;
         }
-        match &self.buf {
-            Some(Store::Memory(b)) if range.end <= b.len() => {
-                Some(b.as_slice().as_ptr() as u64 + range.start as u64)
-            }
-            _ => None,
-        }
+        let host = self.buf.as_ref()?.host()?;
+        (range.end <= host.len()).then(|| host.as_ptr() as u64 + range.start as u64)
     }
 
     /// Forgets what the backup holds (its memory or file stays): a resume restores nothing,
@@ -164,7 +239,7 @@ impl Backup {
 
     /// Bytes the backup holds room for (host memory, or the file's size).
     pub fn bytes(&self) -> usize {
-        self.buf.as_ref().map_or(0, Store::len)
+        self.buf.as_ref().map_or(0, |s| s.len())
     }
 
     /// Whether the backup has its memory or file.
@@ -172,30 +247,21 @@ impl Backup {
         self.buf.is_some()
     }
 
-    /// Creates the backup's file of `size` bytes (with `io`) if it has no memory or file
-    /// yet. Returns the time it took.
-    pub fn ensure_file(
+    /// Makes the backup's store of `size` bytes for `medium` (pinned on `backend`, or a
+    /// file of `files`) if it has none yet. Returns the time it took.
+    pub fn ensure(
         &mut self,
-        io: &std::sync::Arc<file::FileIo>,
+        medium: Medium,
+        backend: &dyn Backend,
+        files: Option<&Arc<FileIo>>,
         size: usize,
     ) -> Result<Duration, BackendError> {
         if self.buf.is_some() {
             return Ok(Duration::ZERO);
         }
         let t = Instant::now();
-        let store = io.create(size)?;
-        self.buf = Some(Store::File(store));
+        self.buf = Some(medium.store(backend, files, size)?);
         self.forget();
-        Ok(t.elapsed())
-    }
-
-    /// Pins `size` bytes if nothing is pinned yet. Returns the time it took.
-    pub fn ensure(&mut self, backend: &dyn Backend, size: usize) -> Result<Duration, BackendError> {
-        if self.buf.is_some() {
-            return Ok(Duration::ZERO);
-        }
-        let t = Instant::now();
-        self.adopt(backend.alloc_pinned(size)?);
         Ok(t.elapsed())
     }
 
@@ -203,7 +269,7 @@ impl Backup {
     /// [`Backend::alloc_pinned_many`]) as the backup's buffer, in place of any it had; the
     /// backup then holds nothing.
     pub fn adopt(&mut self, buf: Box<dyn HostBuffer>) {
-        self.buf = Some(Store::Memory(buf));
+        self.buf = Some(Box::new(MemoryStore(buf)));
         self.forget();
     }
 
@@ -367,16 +433,9 @@ impl Backup {
                 reason: format!("a backup of {} bytes for {len} device bytes", store.len()),
             });
         }
-        out.copied = match store {
-            Store::Memory(buf) => {
-                // SAFETY: the caller's contract covers the device ranges (inside `base ..
-                // base + len`); the host side is the backup, borrowed by the pump for its
-                // scope.
-                unsafe { copy_out(PinnedMut::new(buf.as_mut()), base, &runs, pump) }?
-            }
-            // SAFETY: as above; the file copies finish before this returns.
-            Store::File(f) => unsafe { f.write_from_device(backend, base, &runs) }?,
-        };
+        // SAFETY: the caller's contract covers the device ranges (inside `base .. base +
+        // len`); the store is the backup's, borrowed by the pump for its scope.
+        out.copied = unsafe { store.save(backend, base, &runs, pump) }?;
         *staged = Some(Staged {
             valid: want,
             hashes: new,
@@ -420,27 +479,8 @@ impl Backup {
         };
         for range in ranges {
             let spans = crate::ranges::clip(&self.valid, range);
-            match store {
-                Store::Memory(buf) => {
-                    for span in spans {
-                        let src = Pinned::new(buf.as_ref()).get(span.clone()).ok_or_else(|| {
-                            BackendError::Internal {
-                                op: "restore",
-                                reason: format!(
-                                    "backup bytes {span:?} outside its {} bytes",
-                                    buf.len()
-                                ),
-                            }
-                        })?;
-                        // SAFETY: as this function's contract; `span` lies inside `range`.
-                        unsafe { sink.push_to_device(src, base + span.start as u64) }?;
-                        sent += span.len();
-                    }
-                }
-                // SAFETY: as this function's contract; the file copies finish before this
-                // returns, so nothing is left for the sink.
-                Store::File(f) => sent += unsafe { f.read_to_device(backend, base, &spans) }?,
-            }
+            // SAFETY: as this function's contract; the spans lie inside `range`.
+            sent += unsafe { store.restore(backend, base, &spans, sink) }?;
         }
         Ok(sent)
     }
@@ -474,7 +514,7 @@ impl Backup {
             match stored.and_then(|h| h.of.get(k).copied().flatten()) {
                 Some(h) if full => whole.push((k, h)),
                 // SAFETY: `part` is held, so mapped and restored (the caller's contract).
-                _ => match unsafe { verify_part(backend, base, store, &part) }? {
+                _ => match unsafe { verify_part(backend, base, store.as_ref(), &part) }? {
                     true => {}
                     false => return Ok(Some(part.start)),
                 },
@@ -522,36 +562,6 @@ unsafe fn hash_chunks(
     Ok(Hashes { chunk, of })
 }
 
-/// Pushes the copies of device `base + r` into `dst[r]` for each of `ranges` (sorted,
-/// disjoint, inside `dst`) into `pump`. Returns the bytes pushed.
-///
-/// # Safety
-/// Each device range `base + r` is mapped memory of the pump's backend, not written until
-/// the pump's scope returns.
-unsafe fn copy_out<'h>(
-    dst: PinnedMut<'h>,
-    base: u64,
-    ranges: &[Range<usize>],
-    pump: &mut Pump<'_, 'h>,
-) -> Result<usize, BackendError> {
-    let bad = |r: &Range<usize>| BackendError::Internal {
-        op: "save",
-        reason: format!("backup ranges out of order or outside the backup at {r:?}"),
-    };
-    let (mut rest, mut at, mut copied) = (dst, 0usize, 0usize);
-    for r in ranges {
-        let skip = r.start.checked_sub(at).ok_or_else(|| bad(r))?;
-        let (_, tail) = rest.split_at(skip).ok_or_else(|| bad(r))?;
-        let (part, tail) = tail.split_at(r.len()).ok_or_else(|| bad(r))?;
-        // SAFETY: the caller's contract covers the device range; `part` is the backup's
-        // bytes `r`, borrowed by the pump.
-        unsafe { pump.push_to_host(base + r.start as u64, part) }?;
-        (rest, at) = (tail, r.end);
-        copied += r.len();
-    }
-    Ok(copied)
-}
-
 /// Whether device `base + part` equals the backup's bytes `part`: the part from its first
 /// 16-byte boundary by one device hash against the host reference, the bytes before it read
 /// back. A file backup's part is read from the file (that part only).
@@ -561,22 +571,15 @@ unsafe fn copy_out<'h>(
 unsafe fn verify_part(
     backend: &dyn Backend,
     base: u64,
-    store: &Store,
+    store: &dyn Store,
     part: &Range<usize>,
 ) -> Result<bool, BackendError> {
     let read;
-    let host: &[u8] = match store {
-        Store::Memory(buf) => {
-            buf.as_slice()
-                .get(part.clone())
-                .ok_or_else(|| BackendError::Internal {
-                    op: "verify",
-                    reason: format!("backup bytes {part:?} outside its {} bytes", buf.len()),
-                })?
-        }
-        Store::File(f) => {
+    let host: &[u8] = match store.host().and_then(|h| h.get(part.clone())) {
+        Some(bytes) => bytes,
+        None => {
             let mut bytes = vec![0u8; part.len()];
-            f.read(part.clone(), &mut bytes)?;
+            store.read(part.clone(), &mut bytes)?;
             read = bytes;
             &read
         }
@@ -737,7 +740,7 @@ mod tests {
         let data = bytes(len, 1);
         put(&b, base, &data);
         let mut backup = Backup::default();
-        backup.ensure(&b, len).unwrap();
+        backup.ensure(Medium::Pinned, &b, None, len).unwrap();
         let want = vec![100..5000, G..2 * G + 7, 3 * G + 1..len];
         for skip in [false, true] {
             // SAFETY: mapped, not written meanwhile.
@@ -775,7 +778,7 @@ mod tests {
         let data = bytes(len, 2);
         put(&b, base, &data);
         let mut backup = Backup::default();
-        backup.ensure(&b, len).unwrap();
+        backup.ensure(Medium::Pinned, &b, None, len).unwrap();
         let all = vec![0..len];
         let hole = G + 100..G + 300;
         let holed = vec![0..hole.start, hole.end..len];
@@ -807,7 +810,7 @@ mod tests {
         put(&b, base, &data);
         for skip in [false, true] {
             let mut backup = Backup::default();
-            backup.ensure(&b, len).unwrap();
+            backup.ensure(Medium::Pinned, &b, None, len).unwrap();
             let want = vec![3..G + 5, 2 * G..4 * G];
             // SAFETY: mapped, not written meanwhile.
             unsafe { save_with(&mut backup, &b, base, len, &want, skip, 4096) };

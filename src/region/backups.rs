@@ -15,15 +15,15 @@ impl Region {
         start: usize,
         len: usize,
     ) -> Result<Duration> {
-        let backup = self.backups.entry(start).or_default();
-        match &self.files {
-            Some(io) => backup
-                .ensure_file(io, len)
-                .map_err(|e| Error::backend(&self.tag, "creating the backup file", e)),
-            None => backup
-                .ensure(backend, len)
-                .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e)),
-        }
+        let what = match self.medium.uses_files() {
+            true => "creating the backup file",
+            false => "pinning the host backup",
+        };
+        self.backups
+            .entry(start)
+            .or_default()
+            .ensure(self.medium, backend, self.files.as_ref(), len)
+            .map_err(|e| Error::backend(&self.tag, what, e))
     }
 
     /// Pins the backups now, for a creation that asks again for this region with `prepin`:
@@ -86,8 +86,8 @@ impl Region {
     /// time the pinning took.
     pub fn ensure_backup(&mut self, backend: &dyn Backend, gap: usize) -> Result<Duration> {
         let missing = self.missing_backups(gap);
-        if self.files.is_some() {
-            // Files one by one; on failure the ones just made are deleted again.
+        if !self.medium.is_pinned_memory() {
+            // One by one; on failure the ones just made are deleted again.
             let t = Instant::now();
             for (k, &(start, len)) in missing.iter().enumerate() {
                 if let Err(e) = self.pin(backend, start, len) {
@@ -137,7 +137,8 @@ impl Region {
         hash_chunk: usize,
     ) -> Result<(Duration, Duration, usize)> {
         let none = (Duration::ZERO, Duration::ZERO, 0);
-        if self.policy != Policy::Preserve || !self.is_resident() || self.files.is_some() {
+        if self.policy != Policy::Preserve || !self.is_resident() || !self.medium.is_pinned_memory()
+        {
             return Ok(none);
         }
         if self.growing() {

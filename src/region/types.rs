@@ -32,33 +32,7 @@ pub enum Medium {
     /// the backup is made, so a full disk fails the release before anything is unmapped.
     File,
 }
-
-/// What each medium means for the pager: the one place its rules live. A new medium is an
-/// arm here, its store in `backup/`, and its name in the bindings.
-impl Medium {
-    /// Whether the backup's host memory is given back after each resume (pinned again at
-    /// the next release).
-    pub fn gives_back_after_resume(self) -> bool {
-        match self {
-            Medium::Host => true,
-            Medium::Pinned | Medium::File => false,
-        }
-    }
-
-    /// Whether `prepin` (pinning the backup at creation) makes sense: not for a backup that
-    /// each resume gives back anyway.
-    pub fn can_prepin(self) -> bool {
-        !self.gives_back_after_resume()
-    }
-
-    /// Whether the backup lives in the pager's backup directory (file I/O).
-    pub fn uses_files(self) -> bool {
-        match self {
-            Medium::File => true,
-            Medium::Pinned | Medium::Host => false,
-        }
-    }
-}
+// What each medium means for the pager (its rules) and its store live in `crate::backup`.
 
 impl std::fmt::Display for Medium {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

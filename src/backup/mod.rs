@@ -216,8 +216,8 @@ impl Backup {
             return Ok(false);
         }
         match &self.buf {
-            Some(store) => store.read(range, out).map(|()| true),
-            None => Ok(false),
+            Some(store) if range.end <= store.len() => store.read(range, out).map(|()| true),
+            _ => Ok(false),
         }
     }
 

@@ -266,7 +266,8 @@ impl Pager {
     }
 
     /// Zero-fills what comes back zeroed (`DiscardZeroed`, or contents dropped at the
-    /// release), poisons what comes back without contents with `poison_discards`, and, with `verify_restore` and no caller's stream, checks restored contents.
+    /// release), poisons what comes back without contents with `poison_discards`, and, with
+    /// `verify_restore` and no caller's stream, checks restored contents.
     fn fill_or_verify(
         &self,
         regions: &mut Locked<'_>,

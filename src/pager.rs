@@ -207,6 +207,7 @@ impl Pager {
     /// A pager over `backend` with the given settings.
     pub fn with_config(backend: Arc<dyn Backend>, config: PagerConfig) -> Self {
         let config = config.effective(backend.info().granularity);
+        backend.set_reclaim_scrubbed(config.tuning.reclaim_scrubbed);
         Pager {
             files: Arc::new(FileIo::new(config.tuning.file_chunk_bytes)),
             backend,

@@ -446,6 +446,10 @@ impl Backend for FaultyBackend {
         self.inner.deferred_errors()
     }
 
+    fn set_reclaim_scrubbed(&self, on: bool) {
+        self.inner.set_reclaim_scrubbed(on)
+    }
+
     fn mem_info(&self) -> BackendResult<MemInfo> {
         self.inner.mem_info()
     }

@@ -34,6 +34,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKernelArg, sys};
 
+use super::reclaim::{Reclaimer, Schedule};
 use super::{
     Backend, BackendError, BackendKind, BackendResult, DeferredErrors, DeviceInfo, DeviceProcess,
     DeviceRange, Fence, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream,
@@ -271,6 +272,7 @@ impl CudaBackend {
         let dev = Arc::new(Dev {
             ctx: ManuallyDrop::new(ctx),
             errors: errors.clone(),
+            reclaim: Reclaimer::new(Schedule::DEFAULT),
         });
         let ctx = &dev.ctx;
         let device = ctx.cu_device();
@@ -599,6 +601,13 @@ impl CudaBackend {
         self.first_backup_piece.store(bytes, Ordering::Relaxed);
     }
 
+    /// Test fixture: how many times the helper thread has collected the driver's scrubbed
+    /// pages ([`Backend::set_reclaim_scrubbed`]).
+    #[cfg(feature = "testing")]
+    pub fn scrub_collections(&self) -> u64 {
+        self.dev.reclaim.runs()
+    }
+
     /// The piece size of first backups.
     fn first_backup_piece(&self) -> usize {
         #[cfg(feature = "testing")]
@@ -640,6 +649,10 @@ impl Backend for CudaBackend {
 
     fn processes(&self) -> Option<Vec<DeviceProcess>> {
         nvml::processes(self.pci_bus_id.as_deref()?)
+    }
+
+    fn set_reclaim_scrubbed(&self, on: bool) {
+        self.dev.reclaim.set_enabled(on);
     }
 
     fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>> {

@@ -21,6 +21,7 @@
 
 pub mod cuda;
 pub mod host;
+pub(crate) mod reclaim;
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -462,6 +463,13 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn processes(&self) -> Option<Vec<DeviceProcess>> {
         None
     }
+
+    /// Whether a release of device memory makes the backend collect the driver's scrubbed
+    /// pages ahead, on a helper thread, so that the next allocation does not pay for them
+    /// (default on): the driver zeroes freed memory and hands it back to its allocator only
+    /// at an allocation, which then waits for that bookkeeping (about 20 ms per 64 GiB on
+    /// an H100). A backend without a scrubber ignores it.
+    fn set_reclaim_scrubbed(&self, _on: bool) {}
 
     /// Reserves `bytes` (a multiple of the granularity) of virtual address space, mapped to
     /// nothing. Accessing it faults until something is mapped.

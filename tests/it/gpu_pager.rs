@@ -464,3 +464,60 @@ fn gpu_every_backup_medium_cycles_bit_exact() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A release of more than a gigabyte has the backend's helper thread collect the pages the
+/// driver scrubs (`Tuning::reclaim_scrubbed`, default on) on a schedule that ends, the
+/// region comes back at its address; with the knob off, nothing is collected.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_release_collects_scrubbed_pages_ahead() {
+    use std::time::{Duration, Instant};
+    let _lock = gpu_lock();
+    let backend = gpu();
+    let pager = Pager::new(backend.clone());
+    pager.region("kv_cache", 2 * GIB, Policy::Discard).unwrap();
+    let kv = pager.alloc("kv_cache", 2 * GIB).unwrap();
+    let ptr = pager.ptr(&kv).unwrap();
+    let wait_for = |what: &str, f: &dyn Fn() -> bool| {
+        let end = Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(Instant::now() < end, "{what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+
+    let start = backend.scrub_collections();
+    pager.release(&["kv_cache"]).unwrap();
+    wait_for("no collection within 10 s of a 2 GiB release", &|| {
+        backend.scrub_collections() > start
+    });
+    // The schedule's last run is 1.6 s after the release.
+    std::thread::sleep(Duration::from_millis(2500));
+    let ended = backend.scrub_collections();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(backend.scrub_collections(), ended, "the schedule ended");
+    assert!(ended - start >= 2, "{} collections", ended - start);
+    pager.resume(&["kv_cache"]).unwrap();
+    assert_eq!(pager.ptr(&kv).unwrap(), ptr);
+    pager.fill(&kv, 0x0102_0304).unwrap();
+
+    // A pager configured with the knob off turns it off for its backend.
+    let off = gpu_pager::PagerConfig {
+        tuning: gpu_pager::Tuning {
+            reclaim_scrubbed: false,
+            ..gpu_pager::Tuning::default()
+        },
+        ..gpu_pager::PagerConfig::default()
+    };
+    let _quiet = Pager::with_config(backend.clone(), off);
+    let before = backend.scrub_collections();
+    pager.release(&["kv_cache"]).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        backend.scrub_collections(),
+        before,
+        "off: nothing collected"
+    );
+    pager.resume(&["kv_cache"]).unwrap();
+    common::assert_no_deferred_errors(&backend);
+}

@@ -90,15 +90,16 @@ impl Drop for CtxScope<'_> {
     }
 }
 
-/// What the backend and every handle it hands out hold: the context, and the sink for the
-/// failures their `Drop` cannot return. The context is released when the last holder
-/// drops.
+/// What the backend and every handle it hands out hold: the context, the sink for the
+/// failures their `Drop` cannot return, and the [`Reclaimer`] their releases notify. The
+/// context is released when the last holder drops.
 pub(super) struct Dev {
     /// `ManuallyDrop` so that [`Dev`]'s drop releases it inside a scope: cudarc's
     /// `CudaContext` drop makes the context current, and leaves it so, before it releases
     /// the primary context.
     pub(super) ctx: ManuallyDrop<Arc<CudaContext>>,
     pub(super) errors: Arc<DeferredErrors>,
+    pub(super) reclaim: Reclaimer,
 }
 
 impl fmt::Debug for Dev {
@@ -124,6 +125,63 @@ impl Dev {
                     .record(format!("making the context current to drop {what}: {e}"))
             })
             .ok()
+    }
+
+    /// `bytes` of device memory were released just now: the reclaimer collects the driver's
+    /// scrubbed pages on its helper thread ([`crate::backend::reclaim`]).
+    pub(super) fn freed(self: &Arc<Self>, bytes: usize) {
+        self.reclaim.freed(bytes, || {
+            // Weak: the helper thread must not keep the context alive.
+            let dev = Arc::downgrade(self);
+            Box::new(move || match dev.upgrade() {
+                Some(dev) => {
+                    dev.collect_scrubbed();
+                    true
+                }
+                None => false,
+            })
+        });
+    }
+
+    /// Creates and releases one minimum-granularity chunk: the allocation collects every
+    /// page the driver has scrubbed since the last one, so that the next real allocation
+    /// does not pay for them. Best effort: a failure is only logged.
+    fn collect_scrubbed(&self) {
+        let Ok(_scope) = self.scope() else {
+            return;
+        };
+        // Relaxed, so that these calls never invalidate a graph another thread is
+        // capturing in global mode.
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: `mode` is a valid in/out pointer; the call sets this thread's mode only.
+        if check(unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) }).is_err() {
+            return;
+        }
+        let device = self.ctx.cu_device();
+        let min = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+        let Ok(size) = query_granularity(device, min) else {
+            return;
+        };
+        let prop = device_alloc_prop(device);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: `handle` is a valid out-pointer and `prop` fully initialised.
+        match check(unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) }) {
+            Ok(()) => {
+                // SAFETY: the handle came from cuMemCreate just above, unmapped, and is
+                // released once, here.
+                if let Err(e) = check(unsafe { sys::cuMemRelease(handle) }) {
+                    self.record(
+                        "cuMemRelease",
+                        format_args!("the {size}-byte chunk that collects scrubbed memory"),
+                        e,
+                    );
+                }
+            }
+            Err(e) => log::debug!(
+                "collecting scrubbed device memory ahead: cuMemCreate failed: {}",
+                describe(e)
+            ),
+        }
     }
 
     /// Records the failure of the driver call `op` while dropping something.

@@ -67,9 +67,11 @@ impl Drop for CudaChunk {
     fn drop(&mut self) {
         let scope = self.dev.scope_in_drop("a physical chunk");
         // SAFETY: the handle came from cuMemCreate and is released once, here.
-        if let Err(e) = check(unsafe { sys::cuMemRelease(self.handle) }) {
-            self.dev
-                .record("cuMemRelease", format_args!("a {}-byte chunk", self.len), e);
+        match check(unsafe { sys::cuMemRelease(self.handle) }) {
+            Ok(()) => self.dev.freed(self.len),
+            Err(e) => self
+                .dev
+                .record("cuMemRelease", format_args!("a {}-byte chunk", self.len), e),
         }
         drop(scope);
     }

@@ -272,7 +272,8 @@ impl CudaBackend {
         let dev = Arc::new(Dev {
             ctx: ManuallyDrop::new(ctx),
             errors: errors.clone(),
-            reclaim: Reclaimer::new(Schedule::DEFAULT),
+            // Off until a pager turns it on (`Tuning::reclaim_scrubbed`).
+            reclaim: Reclaimer::new(Schedule::DEFAULT, false),
         });
         let ctx = &dev.ctx;
         let device = ctx.cu_device();

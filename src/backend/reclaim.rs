@@ -90,13 +90,13 @@ pub struct Reclaimer {
 }
 
 impl Reclaimer {
-    /// A reclaimer that runs on `schedule`, enabled.
-    pub fn new(schedule: Schedule) -> Self {
+    /// A reclaimer that runs on `schedule` once enabled ([`Reclaimer::set_enabled`]).
+    pub fn new(schedule: Schedule, enabled: bool) -> Self {
         Reclaimer {
             schedule,
             shared: Arc::new(Shared {
                 state: Mutex::new(State {
-                    enabled: true,
+                    enabled,
                     stop: false,
                     spawned: false,
                     pending: 0,
@@ -262,7 +262,7 @@ mod tests {
 
     #[test]
     fn a_large_free_runs_the_whole_schedule_once() {
-        let r = Reclaimer::new(FAST);
+        let r = Reclaimer::new(FAST, true);
         let (n, make) = counting();
         r.freed(2 << 20, make);
         assert!(eventually(|| r.runs() == 3), "runs: {}", r.runs());
@@ -278,7 +278,7 @@ mod tests {
 
     #[test]
     fn small_frees_add_up_to_the_threshold() {
-        let r = Reclaimer::new(FAST);
+        let r = Reclaimer::new(FAST, true);
         let (n, make) = counting();
         r.freed(512 << 10, || {
             unreachable!("below the threshold no thread starts")
@@ -291,7 +291,7 @@ mod tests {
 
     #[test]
     fn a_second_schedule_reuses_the_thread() {
-        let r = Reclaimer::new(FAST);
+        let r = Reclaimer::new(FAST, true);
         let (n, make) = counting();
         r.freed(1 << 20, make);
         assert!(eventually(|| r.runs() == 3));
@@ -301,10 +301,13 @@ mod tests {
 
     #[test]
     fn a_free_during_a_schedule_starts_it_over() {
-        let r = Reclaimer::new(Schedule {
-            first: Duration::from_millis(200),
-            ..FAST
-        });
+        let r = Reclaimer::new(
+            Schedule {
+                first: Duration::from_millis(200),
+                ..FAST
+            },
+            true,
+        );
         let (n, make) = counting();
         r.freed(1 << 20, make);
         assert!(eventually(|| r.runs() == 1));
@@ -318,7 +321,7 @@ mod tests {
 
     #[test]
     fn disabled_it_never_runs() {
-        let r = Reclaimer::new(FAST);
+        let r = Reclaimer::new(FAST, true);
         r.set_enabled(false);
         r.freed(1 << 30, || unreachable!("disabled: no thread"));
         std::thread::sleep(Duration::from_millis(30));
@@ -327,10 +330,13 @@ mod tests {
 
     #[test]
     fn dropping_it_ends_the_thread() {
-        let r = Reclaimer::new(Schedule {
-            first: Duration::from_secs(3600),
-            ..FAST
-        });
+        let r = Reclaimer::new(
+            Schedule {
+                first: Duration::from_secs(3600),
+                ..FAST
+            },
+            true,
+        );
         let token = Arc::new(());
         let held = token.clone();
         r.freed(1 << 20, move || -> Action {
@@ -349,7 +355,7 @@ mod tests {
 
     #[test]
     fn an_action_that_says_its_owner_is_gone_ends_the_thread() {
-        let r = Reclaimer::new(FAST);
+        let r = Reclaimer::new(FAST, true);
         let token = Arc::new(());
         let held = token.clone();
         r.freed(1 << 20, move || -> Action {

@@ -120,8 +120,10 @@ pub struct Tuning {
     pub file_chunk_bytes: usize,
     /// After a release of device memory, collect the pages the driver scrubs on a helper
     /// thread, so that the next allocation (a resume's, a trainer's) does not wait for that
-    /// bookkeeping ([`crate::backend::Backend::set_reclaim_scrubbed`]; default on: it takes
-    /// about 20 ms per 64 GiB off a KV resume on an H100, for a few 2 MiB allocations).
+    /// bookkeeping ([`crate::backend::Backend::set_reclaim_scrubbed`]). With bare driver
+    /// calls this takes about 20 ms per 64 GiB off a KV resume on an H100, for a few 2 MiB
+    /// allocations. Default off: it has not yet been measured through the pager and the
+    /// drop-ins on a GPU.
     pub reclaim_scrubbed: bool,
 }
 
@@ -152,7 +154,7 @@ impl Default for Tuning {
             copy_gap_bytes: 1 << 20,
             first_save_overlap: true,
             file_chunk_bytes: 64 << 20,
-            reclaim_scrubbed: true,
+            reclaim_scrubbed: false,
         }
     }
 }

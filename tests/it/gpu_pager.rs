@@ -465,16 +465,23 @@ fn gpu_every_backup_medium_cycles_bit_exact() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A release of more than a gigabyte has the backend's helper thread collect the pages the
-/// driver scrubs (`Tuning::reclaim_scrubbed`, default on) on a schedule that ends, the
-/// region comes back at its address; with the knob off, nothing is collected.
+/// With `Tuning::reclaim_scrubbed`, a release of more than a gigabyte has the backend's
+/// helper thread collect the pages the driver scrubs on a schedule that ends, and the
+/// region comes back at its address; with the knob off (the default), nothing is collected.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_release_collects_scrubbed_pages_ahead() {
     use std::time::{Duration, Instant};
     let _lock = gpu_lock();
     let backend = gpu();
-    let pager = Pager::new(backend.clone());
+    let with = |on: bool| gpu_pager::PagerConfig {
+        tuning: gpu_pager::Tuning {
+            reclaim_scrubbed: on,
+            ..gpu_pager::Tuning::default()
+        },
+        ..gpu_pager::PagerConfig::default()
+    };
+    let pager = Pager::with_config(backend.clone(), with(true));
     pager.region("kv_cache", 2 * GIB, Policy::Discard).unwrap();
     let kv = pager.alloc("kv_cache", 2 * GIB).unwrap();
     let ptr = pager.ptr(&kv).unwrap();
@@ -501,15 +508,8 @@ fn gpu_release_collects_scrubbed_pages_ahead() {
     assert_eq!(pager.ptr(&kv).unwrap(), ptr);
     pager.fill(&kv, 0x0102_0304).unwrap();
 
-    // A pager configured with the knob off turns it off for its backend.
-    let off = gpu_pager::PagerConfig {
-        tuning: gpu_pager::Tuning {
-            reclaim_scrubbed: false,
-            ..gpu_pager::Tuning::default()
-        },
-        ..gpu_pager::PagerConfig::default()
-    };
-    let _quiet = Pager::with_config(backend.clone(), off);
+    // A pager with the default settings turns it off for its backend.
+    let _quiet = Pager::new(backend.clone());
     let before = backend.scrub_collections();
     pager.release(&["kv_cache"]).unwrap();
     std::thread::sleep(Duration::from_millis(500));

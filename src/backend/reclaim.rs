@@ -240,6 +240,20 @@ mod tests {
         (n, make)
     }
 
+    /// A token, and an action that holds a clone of it and answers `alive`: the token's
+    /// count tells whether the thread still holds the action.
+    fn holding(alive: bool) -> (Arc<()>, impl FnOnce() -> Action) {
+        let token = Arc::new(());
+        let held = token.clone();
+        let make = move || -> Action {
+            Box::new(move || {
+                let _ = &held;
+                alive
+            })
+        };
+        (token, make)
+    }
+
     /// Waits until `f` holds, at most 10 s (a loaded CI machine); false if it never did.
     fn eventually(f: impl Fn() -> bool) -> bool {
         let end = Instant::now() + Duration::from_secs(10);
@@ -337,14 +351,8 @@ mod tests {
             },
             true,
         );
-        let token = Arc::new(());
-        let held = token.clone();
-        r.freed(1 << 20, move || -> Action {
-            Box::new(move || {
-                let _ = &held;
-                true
-            })
-        });
+        let (token, make) = holding(true);
+        r.freed(1 << 20, make);
         assert_eq!(Arc::strong_count(&token), 2, "the thread holds the action");
         drop(r);
         assert!(
@@ -356,14 +364,8 @@ mod tests {
     #[test]
     fn an_action_that_says_its_owner_is_gone_ends_the_thread() {
         let r = Reclaimer::new(FAST, true);
-        let token = Arc::new(());
-        let held = token.clone();
-        r.freed(1 << 20, move || -> Action {
-            Box::new(move || {
-                let _ = &held;
-                false
-            })
-        });
+        let (token, make) = holding(false);
+        r.freed(1 << 20, make);
         assert!(eventually(|| Arc::strong_count(&token) == 1));
         assert_eq!(r.runs(), 1);
     }

@@ -474,14 +474,14 @@ fn gpu_release_collects_scrubbed_pages_ahead() {
     use std::time::{Duration, Instant};
     let _lock = gpu_lock();
     let backend = gpu();
-    let with = |on: bool| gpu_pager::PagerConfig {
+    let on = gpu_pager::PagerConfig {
         tuning: gpu_pager::Tuning {
-            reclaim_scrubbed: on,
+            reclaim_scrubbed: true,
             ..gpu_pager::Tuning::default()
         },
         ..gpu_pager::PagerConfig::default()
     };
-    let pager = Pager::with_config(backend.clone(), with(true));
+    let pager = Pager::with_config(backend.clone(), on);
     pager.region("kv_cache", 2 * GIB, Policy::Discard).unwrap();
     let kv = pager.alloc("kv_cache", 2 * GIB).unwrap();
     let ptr = pager.ptr(&kv).unwrap();

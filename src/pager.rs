@@ -31,7 +31,7 @@ use buffers::stale;
 pub use companions::{Companion, CompanionError};
 pub use config::{
     DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, MAX_TAG_BYTES, POISON, POISON_DISCARDS_ENV, PagerConfig,
-    ReleaseOptions, ResumeOptions, Tuning,
+    RECLAIM_SCRUBBED_ENV, ReleaseOptions, ResumeOptions, Tuning,
 };
 
 /// Statistics of the whole pager.

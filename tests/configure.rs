@@ -16,6 +16,8 @@ fn settings_apply_to_the_pager_created_after_them_and_stay() {
     };
     // SAFETY: this binary's one test, before anything reads the environment.
     unsafe { std::env::set_var(gpu_pager::POISON_DISCARDS_ENV, "1") };
+    // SAFETY: as above.
+    unsafe { std::env::set_var(gpu_pager::RECLAIM_SCRUBBED_ENV, " Yes ") };
     // Before first use, a later call replaces an earlier one.
     Pager::configure(0, PagerConfig::default()).unwrap();
     Pager::configure(0, config).unwrap();
@@ -28,6 +30,11 @@ fn settings_apply_to_the_pager_created_after_them_and_stay() {
         got.poison_discards,
         "{} turns it on",
         gpu_pager::POISON_DISCARDS_ENV
+    );
+    assert!(
+        got.tuning.reclaim_scrubbed,
+        "{} turns it on",
+        gpu_pager::RECLAIM_SCRUBBED_ENV
     );
     assert_eq!(
         (got.save_route, got.restore_route),

@@ -12,6 +12,8 @@ so that every implementation sees the same stretch of the machine's time.
     python kv_cycles.py                              # 3 rounds of 10 cycles each
     python kv_cycles.py --rounds 5 --cycles 8 --json out.json
     python kv_cycles.py --impl bare --cycles 5       # one process, one implementation
+    python kv_cycles.py --impls gpu_pager,gpu_pager_reclaim,torch_memory_saver,bare
+                                                     # gpu_pager_reclaim: GPU_PAGER_RECLAIM_SCRUBBED=1
 
 Each cycle: 0.5 s idle, pause, 0.5 s idle, resume (as ``side_by_side.py``'s KV rows), and
 every cycle counts, the first of each process included. The cache is 32 tensors of
@@ -35,7 +37,9 @@ from typing import Any
 from side_by_side import exit_child
 
 GIB = 1 << 30
-IMPLS = ("gpu_pager", "torch_memory_saver", "bare")
+IMPLS = ("gpu_pager", "gpu_pager_reclaim", "torch_memory_saver", "bare")
+DEFAULT_IMPLS = ("gpu_pager", "torch_memory_saver", "bare")
+
 TENSORS = 32
 
 
@@ -127,7 +131,7 @@ def run_one(impl: str, kv_bytes: int, cycles: int) -> dict[str, Any]:
         bare = Bare(torch.cuda.current_device(), size)
         pause, resume = bare.pause, bare.resume
     else:
-        if impl == "gpu_pager":
+        if impl.startswith("gpu_pager"):
             from gpu_pager.compat.torch_memory_saver import torch_memory_saver as tms
         else:
             from torch_memory_saver import torch_memory_saver as tms  # type: ignore[no-redef]
@@ -191,7 +195,8 @@ def table(samples: dict[str, dict[str, list[float]]], rounds: int, cycles: int, 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", choices=IMPLS, help="one process of one implementation")
-    ap.add_argument("--impls", default=",".join(IMPLS), help="which to alternate (comma-separated)")
+    ap.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                    help=f"which to alternate (comma-separated, of {', '.join(IMPLS)})")
     ap.add_argument("--kv-gib", type=float, default=64)
     ap.add_argument("--cycles", type=int, default=10, help="pause/resume cycles per process")
     ap.add_argument("--rounds", type=int, default=3, help="processes per implementation, alternated")
@@ -214,7 +219,10 @@ def main() -> int:
             _log(f"round {r + 1} of {args.rounds}: {impl}")
             cmd = [sys.executable, os.path.abspath(__file__), "--impl", impl, "--json", out,
                    "--kv-gib", str(args.kv_gib), "--cycles", str(args.cycles)]
-            done = subprocess.run(cmd)
+            env = dict(os.environ)
+            if impl == "gpu_pager_reclaim":  # the driver's scrubbed pages collected after each pause
+                env["GPU_PAGER_RECLAIM_SCRUBBED"] = "1"
+            done = subprocess.run(cmd, env=env)
             if done.returncode != 0:
                 _log(f"{impl} failed with exit code {done.returncode}")
                 return 1

@@ -25,6 +25,11 @@ pub const POISON: u32 = 0x7FFF_7FFF;
 /// of the registry ([`crate::Pager::for_device`]): `1`, `true` or `yes`.
 pub const POISON_DISCARDS_ENV: &str = "GPU_PAGER_POISON_DISCARDS";
 
+/// The environment variable that sets [`Tuning::reclaim_scrubbed`] for the pagers of the
+/// registry ([`crate::Pager::for_device`]): `1`, `true` or `yes` turns it on, `0`, `false`
+/// or `no` off; unset or anything else leaves the configured setting.
+pub const RECLAIM_SCRUBBED_ENV: &str = "GPU_PAGER_RECLAIM_SCRUBBED";
+
 /// Pager settings: what a user of the pager chooses. C sets them with
 /// `gpu_pager_configure`, Python with `gpu_pager.configure`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,7 +128,7 @@ pub struct Tuning {
     /// bookkeeping ([`crate::backend::Backend::set_reclaim_scrubbed`]). With bare driver
     /// calls this takes about 20 ms per 64 GiB off a KV resume on an H100, for a few 2 MiB
     /// allocations. Default off: it has not yet been measured through the pager and the
-    /// drop-ins on a GPU.
+    /// drop-ins on a GPU. [`RECLAIM_SCRUBBED_ENV`] sets it for the registry's pagers.
     pub reclaim_scrubbed: bool,
 }
 
@@ -180,13 +185,17 @@ impl std::fmt::Display for PagerConfig {
 }
 
 impl PagerConfig {
-    /// These settings with [`POISON_DISCARDS_ENV`] applied: set to `1`, `true` or `yes`, it
-    /// turns [`PagerConfig::poison_discards`] on.
+    /// These settings with the environment applied: [`POISON_DISCARDS_ENV`] set to `1`,
+    /// `true` or `yes` turns [`PagerConfig::poison_discards`] on; [`RECLAIM_SCRUBBED_ENV`]
+    /// sets [`Tuning::reclaim_scrubbed`].
     pub fn with_env(self) -> PagerConfig {
-        let on = std::env::var(POISON_DISCARDS_ENV)
-            .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes"));
         PagerConfig {
-            poison_discards: self.poison_discards || on,
+            poison_discards: self.poison_discards || env_switch(POISON_DISCARDS_ENV) == Some(true),
+            tuning: Tuning {
+                reclaim_scrubbed: env_switch(RECLAIM_SCRUBBED_ENV)
+                    .unwrap_or(self.tuning.reclaim_scrubbed),
+                ..self.tuning
+            },
             ..self
         }
     }
@@ -246,4 +255,15 @@ pub struct ResumeOptions {
     /// instead of giving it back (default: give it back). Kept, the next release of
     /// unchanged contents copies nothing; it is given back by the first resume without this.
     pub keep_host_backups: bool,
+}
+
+/// An on/off environment variable: `Some(true)` for `1`, `true` or `yes`, `Some(false)` for
+/// `0`, `false` or `no` (any case, spaces trimmed), `None` when unset or anything else.
+fn env_switch(name: &str) -> Option<bool> {
+    let v = std::env::var(name).ok()?;
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" => Some(true),
+        "0" | "false" | "no" => Some(false),
+        _ => None,
+    }
 }

@@ -288,8 +288,6 @@ class _TorchMemorySaverImpl:
     def _trim(self, keys: list[Any], device: int) -> None:
         """Memory freed inside a region goes back to the device (torch mode: the segments
         of the regions' pools with nothing allocated in them; graph pools keep theirs)."""
-        import gpu_pager.torch as gpt
-
         _pools.trim_pools(self._mem_pools, keys, device)
 
     def _current_backend(self) -> str:
@@ -313,8 +311,6 @@ class _TorchMemorySaverImpl:
             device = int(torch.cuda.current_device())
             resolved = (cpu_backup_backend or self._current_backend()) if enable_cpu_backup else ""
             key = (tag, enable_cpu_backup, False, resolved, device)
-            import gpu_pager.torch as gpt
-
             _pools.keep_for_graphs(key)
             pool = self._mem_pools[key].id
         with torch.cuda.graph(
@@ -376,8 +372,6 @@ class _TorchMemorySaverImpl:
                 "TMS_INIT_ENABLE=1); outside, allocations are ordinary already"
             )
         torch = _torch()
-        import gpu_pager.torch as gpt
-
         cdll.tms_set_interesting_region(False)
         _disabling.depth = 1
         pool = None

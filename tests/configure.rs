@@ -17,7 +17,7 @@ fn settings_apply_to_the_pager_created_after_them_and_stay() {
     // SAFETY: this binary's one test, before anything reads the environment.
     unsafe { std::env::set_var(gpu_pager::POISON_DISCARDS_ENV, "1") };
     // SAFETY: as above.
-    unsafe { std::env::set_var(gpu_pager::RECLAIM_SCRUBBED_ENV, " Yes ") };
+    unsafe { std::env::set_var(gpu_pager::RECLAIM_SCRUBBED_ENV, " No ") };
     // Before first use, a later call replaces an earlier one.
     Pager::configure(0, PagerConfig::default()).unwrap();
     Pager::configure(0, config).unwrap();
@@ -32,8 +32,8 @@ fn settings_apply_to_the_pager_created_after_them_and_stay() {
         gpu_pager::POISON_DISCARDS_ENV
     );
     assert!(
-        got.tuning.reclaim_scrubbed,
-        "{} turns it on",
+        !got.tuning.reclaim_scrubbed,
+        "{} turns it off",
         gpu_pager::RECLAIM_SCRUBBED_ENV
     );
     assert_eq!(

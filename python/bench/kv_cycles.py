@@ -12,8 +12,8 @@ so that every implementation sees the same stretch of the machine's time.
     python kv_cycles.py                              # 3 rounds of 10 cycles each
     python kv_cycles.py --rounds 5 --cycles 8 --json out.json
     python kv_cycles.py --impl bare --cycles 5       # one process, one implementation
-    python kv_cycles.py --impls gpu_pager,gpu_pager_reclaim,torch_memory_saver,bare
-                                                     # gpu_pager_reclaim: GPU_PAGER_RECLAIM_SCRUBBED=1
+    python kv_cycles.py --impls gpu_pager,gpu_pager_no_reclaim,torch_memory_saver,bare
+                                  # gpu_pager_no_reclaim: GPU_PAGER_RECLAIM_SCRUBBED=0
 
 Each cycle: 0.5 s idle, pause, 0.5 s idle, resume (as ``side_by_side.py``'s KV rows), and
 every cycle counts, the first of each process included. The cache is 32 tensors of
@@ -37,7 +37,7 @@ from typing import Any
 from side_by_side import exit_child
 
 GIB = 1 << 30
-IMPLS = ("gpu_pager", "gpu_pager_reclaim", "torch_memory_saver", "bare")
+IMPLS = ("gpu_pager", "gpu_pager_no_reclaim", "torch_memory_saver", "bare")
 DEFAULT_IMPLS = ("gpu_pager", "torch_memory_saver", "bare")
 
 TENSORS = 32
@@ -220,8 +220,8 @@ def main() -> int:
             cmd = [sys.executable, os.path.abspath(__file__), "--impl", impl, "--json", out,
                    "--kv-gib", str(args.kv_gib), "--cycles", str(args.cycles)]
             env = dict(os.environ)
-            if impl == "gpu_pager_reclaim":  # the driver's scrubbed pages collected after each pause
-                env["GPU_PAGER_RECLAIM_SCRUBBED"] = "1"
+            if impl == "gpu_pager_no_reclaim":  # the next allocation collects the scrubbed pages
+                env["GPU_PAGER_RECLAIM_SCRUBBED"] = "0"
             done = subprocess.run(cmd, env=env)
             if done.returncode != 0:
                 _log(f"{impl} failed with exit code {done.returncode}")

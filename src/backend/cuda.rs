@@ -272,7 +272,8 @@ impl CudaBackend {
         let dev = Arc::new(Dev {
             ctx: ManuallyDrop::new(ctx),
             errors: errors.clone(),
-            // Off until a pager turns it on (`Tuning::reclaim_scrubbed`).
+            // Off until a pager sets it (`Tuning::reclaim_scrubbed`): a backend used alone
+            // makes no calls of its own.
             reclaim: Reclaimer::new(Schedule::DEFAULT, false),
         });
         let ctx = &dev.ctx;

@@ -466,8 +466,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Whether a release of device memory makes the backend collect the driver's scrubbed
     /// pages ahead, on a helper thread, so that the next allocation does not pay for them
-    /// (off until turned on; [`crate::Tuning::reclaim_scrubbed`] sets it for a pager's
-    /// backend): the driver zeroes freed memory and hands it back to its allocator only
+    /// (off until turned on; a pager sets it from [`crate::Tuning::reclaim_scrubbed`], on by
+    /// default): the driver zeroes freed memory and hands it back to its allocator only
     /// at an allocation, which then waits for that bookkeeping (about 20 ms per 64 GiB on
     /// an H100). A backend without a scrubber ignores it.
     fn set_reclaim_scrubbed(&self, _on: bool) {}

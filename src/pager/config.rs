@@ -125,10 +125,10 @@ pub struct Tuning {
     pub file_chunk_bytes: usize,
     /// After a release of device memory, collect the pages the driver scrubs on a helper
     /// thread, so that the next allocation (a resume's, a trainer's) does not wait for that
-    /// bookkeeping ([`crate::backend::Backend::set_reclaim_scrubbed`]). With bare driver
-    /// calls this takes about 20 ms per 64 GiB off a KV resume on an H100, for a few 2 MiB
-    /// allocations. Default off: it has not yet been measured through the pager and the
-    /// drop-ins on a GPU. [`RECLAIM_SCRUBBED_ENV`] sets it for the registry's pagers.
+    /// bookkeeping ([`crate::backend::Backend::set_reclaim_scrubbed`]). Default on: it takes
+    /// a 64 GiB KV resume through the drop-in from about 24 to about 5 ms, for a few 2 MiB
+    /// allocations on a helper thread after each large release (BENCHMARKS.md).
+    /// [`RECLAIM_SCRUBBED_ENV`] sets it for the registry's pagers.
     pub reclaim_scrubbed: bool,
 }
 
@@ -159,7 +159,7 @@ impl Default for Tuning {
             copy_gap_bytes: 1 << 20,
             first_save_overlap: true,
             file_chunk_bytes: 64 << 20,
-            reclaim_scrubbed: false,
+            reclaim_scrubbed: true,
         }
     }
 }

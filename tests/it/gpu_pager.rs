@@ -465,23 +465,16 @@ fn gpu_every_backup_medium_cycles_bit_exact() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// With `Tuning::reclaim_scrubbed`, a release of more than a gigabyte has the backend's
-/// helper thread collect the pages the driver scrubs on a schedule that ends, and the
-/// region comes back at its address; with the knob off (the default), nothing is collected.
+/// With `Tuning::reclaim_scrubbed` (the default), a release of more than a gigabyte has the
+/// backend's helper thread collect the pages the driver scrubs on a schedule that ends, and
+/// the region comes back at its address; with the knob off, nothing is collected.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_release_collects_scrubbed_pages_ahead() {
     use std::time::{Duration, Instant};
     let _lock = gpu_lock();
     let backend = gpu();
-    let on = gpu_pager::PagerConfig {
-        tuning: gpu_pager::Tuning {
-            reclaim_scrubbed: true,
-            ..gpu_pager::Tuning::default()
-        },
-        ..gpu_pager::PagerConfig::default()
-    };
-    let pager = Pager::with_config(backend.clone(), on);
+    let pager = Pager::new(backend.clone());
     pager.region("kv_cache", 2 * GIB, Policy::Discard).unwrap();
     let kv = pager.alloc("kv_cache", 2 * GIB).unwrap();
     let ptr = pager.ptr(&kv).unwrap();
@@ -508,8 +501,15 @@ fn gpu_release_collects_scrubbed_pages_ahead() {
     assert_eq!(pager.ptr(&kv).unwrap(), ptr);
     pager.fill(&kv, 0x0102_0304).unwrap();
 
-    // A pager with the default settings turns it off for its backend.
-    let _quiet = Pager::new(backend.clone());
+    // A pager with the knob off turns it off for its backend.
+    let off = gpu_pager::PagerConfig {
+        tuning: gpu_pager::Tuning {
+            reclaim_scrubbed: false,
+            ..gpu_pager::Tuning::default()
+        },
+        ..gpu_pager::PagerConfig::default()
+    };
+    let _quiet = Pager::with_config(backend.clone(), off);
     let before = backend.scrub_collections();
     pager.release(&["kv_cache"]).unwrap();
     std::thread::sleep(Duration::from_millis(500));

@@ -470,11 +470,21 @@ impl Drop for FileStore {
                         )
                     };
                 }
-                let end = locked(&spool.extents).give(*at, len);
+                let mut extents = locked(&spool.extents);
+                let end = extents.give(*at, len);
+                #[cfg(test)]
+                tests::BEFORE_SHRINK.with(|hook| {
+                    if let Some(hook) = hook.borrow().as_ref() {
+                        hook();
+                    }
+                });
                 if end <= *at {
-                    // The extent was the file's last: shrink the file (advice, as above).
+                    // The extent was the file's last: shrink the file (advice, as above),
+                    // under the extents' lock, so that no backup can take the freed tail
+                    // and be cut by the shrink.
                     let _ = spool.file.set_len(end);
                 }
+                drop(extents);
             }
         }
     }
@@ -789,6 +799,62 @@ mod tests {
     use crate::backend::host::{HostBackend, HostConfig};
 
     const G: usize = 64 << 10;
+
+    thread_local! {
+        /// Runs in a store's drop between giving its extent back and shrinking the spool.
+        pub(super) static BEFORE_SHRINK: std::cell::RefCell<Option<Box<dyn Fn()>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    #[test]
+    fn a_backup_taking_the_freed_tail_is_not_cut_by_the_shrink() {
+        let dir =
+            std::env::temp_dir().join(format!("gpu-pager-file-shrink-{}", std::process::id()));
+        let io = Arc::new(FileIo::new(4096));
+        io.set_dir(&dir, BackupFiles::Unnamed).unwrap();
+        let b = Arc::new(HostBackend::new(HostConfig {
+            capacity: 4 * G,
+            granularity: G,
+        }));
+        let r: Arc<dyn Reservation> = b.reserve(2 * G).unwrap();
+        // SAFETY: a fresh reservation of this backend.
+        let _maps = unsafe { b.map(&r, 0, &[2 * G]) }.unwrap();
+        let data: Vec<u8> = (0..2 * G).map(|i| (i * 13 % 251) as u8).collect();
+        // SAFETY: mapped.
+        unsafe { b.copy_to_device(r.base(), &data) }.unwrap();
+        let base = r.base();
+        let first = io.create(2 * G).unwrap();
+        // Another tag's release on another thread takes the extent just given back (the
+        // spool's tail) and writes its backup, before this drop shrinks the spool.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (io2, b2) = (io.clone(), b.clone());
+        let base2 = base as usize;
+        BEFORE_SHRINK.with(|hook| {
+            *hook.borrow_mut() = Some(Box::new(move || {
+                let (io, b, tx) = (io2.clone(), b2.clone(), tx.clone());
+                let writer = std::thread::spawn(move || {
+                    let store = io.create(2 * G).unwrap();
+                    // SAFETY: mapped, not written meanwhile.
+                    unsafe { store.write_from_device(&*b, base2 as _, &[0..2 * G]) }.unwrap();
+                    tx.send(store).unwrap();
+                });
+                // Without the lock held over the shrink, the writer ends before it.
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                drop(writer);
+            }))
+        });
+        drop(first);
+        BEFORE_SHRINK.with(|hook| hook.borrow_mut().take());
+        let second = rx.recv().unwrap();
+        let mut back = vec![0u8; 2 * G];
+        second.read(0..2 * G, &mut back).unwrap();
+        assert!(
+            back == data,
+            "the backup written into the freed tail was cut"
+        );
+        drop(second);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn bytes_survive_a_round_trip_through_small_chunks() {

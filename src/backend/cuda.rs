@@ -245,8 +245,20 @@ impl CudaBackend {
         // error that says so, not whatever a newer call would do on it.
         let mut version = 0;
         // SAFETY: one valid out-pointer; cuDriverGetVersion exists in every driver.
-        check(unsafe { sys::cuDriverGetVersion(&mut version) })
-            .map_err(|e| driver_err("cuDriverGetVersion", e))?;
+        check(unsafe { sys::cuDriverGetVersion(&mut version) }).map_err(|e| {
+            if e.0 == sys::CUresult::CUDA_ERROR_STUB_LIBRARY {
+                // A toolkit's link stub on the loader path (build containers, CPU-only CI):
+                // there is no driver, as when the library is missing.
+                BackendError::Unavailable(
+                    "the CUDA driver library (libcuda.so) found is a CUDA toolkit's link stub, \
+                     not an NVIDIA driver (take the stubs folder off LD_LIBRARY_PATH where a \
+                     GPU should be used)"
+                        .to_owned(),
+                )
+            } else {
+                driver_err("cuDriverGetVersion", e)
+            }
+        })?;
         super::check_driver_version(version)?;
         cudarc::driver::result::init()
             .map_err(|e| BackendError::Unavailable(format!("cuInit failed: {}", describe(e))))?;

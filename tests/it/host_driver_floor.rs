@@ -69,3 +69,15 @@ fn a_driver_at_or_above_the_floor_passes_the_check() {
     let why = why.expect("the stand-in has no GPU");
     assert!(why.contains("CUDA_ERROR_NO_DEVICE"), "{why}");
 }
+
+#[test]
+fn a_link_stub_driver_falls_back_to_the_host() {
+    if std::env::var_os(CHILD).is_none() {
+        return with_driver("stub", "a_link_stub_driver_falls_back_to_the_host");
+    }
+    // A CUDA toolkit's link stub (CUDA_ERROR_STUB_LIBRARY) is no driver: the host backend,
+    // with the reason, as when libcuda.so is missing.
+    let (_, why) = gpu_pager::backend::auto(0).expect("host fallback, not an error");
+    let why = why.expect("a stub is no GPU");
+    assert!(why.contains("link stub"), "{why}");
+}

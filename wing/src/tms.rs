@@ -187,7 +187,7 @@ fn region_for(d: usize, route: &Route) -> Result<String> {
     if keep == Keep::File {
         // The drop-in's own setting wins over the pager's GPU_PAGER_BACKUP_DIR; its files
         // are named, one per backup, as torch_memory_saver's are.
-        let explicit = locked(&DISK_DIR).clone();
+        let explicit = explicit_disk_dir();
         let named = pager.backup_files() == BackupFiles::Named;
         match (explicit, pager.backup_dir()) {
             (Some(dir), Some(now)) if dir == now && named => {}
@@ -213,10 +213,16 @@ fn region_for(d: usize, route: &Route) -> Result<String> {
 }
 
 fn disk_dir() -> PathBuf {
-    locked(&DISK_DIR).clone().unwrap_or_else(|| {
+    explicit_disk_dir().unwrap_or_else(|| PathBuf::from("/tmp"))
+}
+
+/// The directory the drop-in was told to use: `set_disk_backup_dir`, else
+/// `TMS_DISK_BACKUP_DIR` (both win over the pager's `GPU_PAGER_BACKUP_DIR`).
+fn explicit_disk_dir() -> Option<PathBuf> {
+    locked(&DISK_DIR).clone().or_else(|| {
         std::env::var_os("TMS_DISK_BACKUP_DIR")
             .filter(|d| !d.is_empty())
-            .map_or_else(|| PathBuf::from("/tmp"), PathBuf::from)
+            .map(PathBuf::from)
     })
 }
 

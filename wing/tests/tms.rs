@@ -576,3 +576,49 @@ fn an_explicit_disk_directory_wins_over_the_environment() {
         gpu_pager_tms_set_disk_backup(false);
     });
 }
+
+/// `TMS_DISK_BACKUP_DIR` wins over `GPU_PAGER_BACKUP_DIR` too, as documented: the drop-in's
+/// disk backups are named files there, not unnamed ones in the pager's directory (run in a
+/// process of its own, whose pager starts with both variables set).
+#[test]
+fn tms_disk_backup_dir_wins_over_the_pager_s_variable() {
+    const CHILD: &str = "GPU_PAGER_TMS_ENV_DIR_CHILD";
+    let base = std::env::temp_dir().join(format!("gpu-pager-tms-env-dirs-{}", std::process::id()));
+    let Some(dirs) = std::env::var_os(CHILD) else {
+        let out = gpu_pager_faults::driver_stub::command(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "tms_disk_backup_dir_wins_over_the_pager_s_variable",
+            ])
+            .env(CHILD, &base)
+            .env(gpu_pager::BACKUP_DIR_ENV, base.join("pager"))
+            .env("TMS_DISK_BACKUP_DIR", base.join("tms"))
+            .output()
+            .unwrap();
+        let log = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && log.contains("1 passed"), "{log}");
+        std::fs::remove_dir_all(&base).ok();
+        return;
+    };
+    let (pager_dir, tms_dir) = (Path::new(&dirs).join("pager"), Path::new(&dirs).join("tms"));
+    on_a_thread(move || {
+        ok(try_set_tag(c"disk"));
+        gpu_pager_tms_set_disk_backup(true);
+        let p = alloc(1 << 20);
+        write(p, &[5; 4096]);
+        ok(pause(Some(c"disk")));
+        assert!(
+            spool::on_disk(&tms_dir) >= 1 << 20,
+            "in TMS_DISK_BACKUP_DIR"
+        );
+        assert!(
+            std::fs::read_dir(&tms_dir).unwrap().count() >= 1,
+            "as named files"
+        );
+        assert_eq!(spool::on_disk(&pager_dir), 0, "not in GPU_PAGER_BACKUP_DIR");
+        ok(resume(Some(c"disk")));
+        assert_eq!(read(p, 4096), vec![5; 4096]);
+        gpu_pager_tms_set_disk_backup(false);
+    });
+}

@@ -166,16 +166,25 @@ fn parse(name: &str) -> Option<(&str, bool)> {
     (is_id(id) && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())).then_some((id, false))
 }
 
-/// Whether nobody holds the lock of the owner file at `path` (its owner is gone).
+/// Whether nobody holds the lock of the owner file at `path` (its owner is gone). Only a
+/// regular file of this user counts: opened without blocking (a FIFO another user put
+/// there under an owner file's name would block the open forever), then checked.
 fn abandoned(path: &Path) -> bool {
     let Ok(file) = OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
         .open(path)
     else {
         return false;
     };
-    flock(&file, libc::LOCK_EX | libc::LOCK_NB).is_ok()
+    let Ok(meta) = file.metadata() else {
+        return false;
+    };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    meta.file_type().is_file()
+        && std::os::unix::fs::MetadataExt::uid(&meta) == me
+        && flock(&file, libc::LOCK_EX | libc::LOCK_NB).is_ok()
 }
 
 /// Removes the files of owners in `dir` that are gone (their owner file unlocked, or
@@ -247,6 +256,30 @@ extern "C" fn remove_at_exit() {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_fifo_named_like_an_owner_file_does_not_hang_the_sweep() {
+        let dir = std::env::temp_dir().join(format!("gpu-pager-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join(super::owner_name(&"0".repeat(32)));
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let d = dir.clone();
+        std::thread::spawn(move || {
+            super::sweep(&d);
+            tx.send(()).unwrap();
+        });
+        let done = rx.recv_timeout(std::time::Duration::from_secs(10));
+        if done.is_err() {
+            // Unblock the stuck open before failing, so that the thread ends.
+            let _ = std::fs::OpenOptions::new().write(true).open(&fifo);
+        }
+        assert!(done.is_ok(), "the sweep hung on a FIFO");
+        assert!(fifo.exists(), "another's file is left alone");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     use super::*;
 
     #[test]

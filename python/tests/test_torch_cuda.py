@@ -181,8 +181,9 @@ def test_vllm_pointer_to_data_follows_the_mappings(new_tag: Callable[[], str]) -
 
 
 def test_vllm_sleep_mode_backend_cycle() -> None:
-    """The ``gpu_pager`` sleep-mode backend as vLLM's worker drives it (through vLLM's
-    registry: the stand-in package): level 1 keeps the weights, a weights-only wake, then
+    """The ``gpu_pager`` sleep-mode backend as vLLM 0.34's worker drives it (through vLLM's
+    registry: the stand-in package): a level-1 ``suspend(set())`` keeps the weights (an
+    earlier backend read the set as level 2 and dropped them), a weights-only wake, then
     the KV cache; ``discard`` (``release_kv_cache_memory``) drops the KV cache alone."""
     code = """
         import torch
@@ -197,7 +198,7 @@ def test_vllm_sleep_mode_backend_cycle() -> None:
         with a.use_memory_pool(tag="kv_cache"):
             kv = torch.full((1 << 20,), 3.0, device="cuda")
         b = SleepModeBackendFactory.get_backend_class("gpu_pager")()
-        b.suspend(level=1)
+        b.suspend(set())
         assert b.state() == "SUSPENDED"
         b.resume(["weights"])
         assert float(w.sum()) == 5.0 * (1 << 20)
@@ -212,8 +213,57 @@ def test_vllm_sleep_mode_backend_cycle() -> None:
         assert float(w.sum()) == 5.0 * (1 << 20) and float(kv.abs().sum()) == 0.0
         print("ok")
     """
+    done = run_vllm_standin(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def run_vllm_standin(code: str) -> Any:
+    """``run_python`` with the vLLM stand-in (0.34's protocol) importable and the vLLM
+    drop-in switched on."""
     standin = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_standin")
-    done = run_python(code, PYTHONPATH=standin + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return run_python(
+        code,
+        PYTHONPATH=standin + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        GPU_PAGER_DROP_IN="vllm",
+    )
+
+
+def test_vllm_0_34_discardable_leaves_out_only_the_rewritten_tensors() -> None:
+    """vLLM 0.34's level 2: ``sleep(offload_tags, discardable)`` as its default backend
+    calls it (positionally; an earlier allocator raised ``TypeError``), with the storages
+    that the weight update rewrites. Every other tensor of the weights (a preserved
+    parameter, a drafter's, a buffer), also one that shares a torch segment with a
+    discardable one, comes back bit-exact (an earlier backend dropped them all); the memory
+    is freed; and the next level-1 sleep backs everything up again."""
+    code = """
+        import torch
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm.device_allocator import get_mem_allocator_instance
+        a = get_mem_allocator_instance()
+        with a.use_memory_pool(tag="weights"):
+            # 1 MiB tensors: torch puts several in one 20 MiB segment.
+            rewritten = [torch.full((1 << 18,), float(i), device="cuda") for i in range(6)]
+            kept = [torch.full((1 << 18,), 100.0 + i, device="cuda") for i in range(6)]
+            big = torch.full((64 << 18,), 7.0, device="cuda")
+        keep = [t.clone().cpu() for t in kept]
+        torch.cuda.synchronize()
+        free = torch.cuda.mem_get_info()[0]
+        a.sleep(("weights", "runtime", "cudagraph"), {t.untyped_storage().data_ptr() for t in rewritten})
+        assert torch.cuda.mem_get_info()[0] - free >= 80 << 20, "the weights were not freed"
+        a.wake_up(None)
+        for t, k in zip(kept, keep):
+            assert torch.equal(t.cpu(), k), "a tensor outside discardable was not kept"
+        assert float(big.min()) == 7.0 and float(big.max()) == 7.0
+        for t in rewritten:
+            t.fill_(-1.0)  # the weight update
+        a.sleep(("weights", "runtime", "cudagraph"), set())
+        a.wake_up(["weights"])
+        assert all(float(t.min()) == -1.0 and float(t.max()) == -1.0 for t in rewritten)
+        print("ok")
+    """
+    done = run_vllm_standin(code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
 

@@ -73,24 +73,28 @@ def test_the_protocol_surface_and_its_refusals() -> None:
 
 def test_the_entry_point_switches_vllm_only_when_asked() -> None:
     """vLLM's plugin loader finds gpu_pager's entry point (installed with the wheel); the
-    sleep-mode backend is registered either way, the allocator swapped only on request."""
+    sleep-mode backend is registered either way, the allocator swapped only on request.
+    The backend without the allocator's switch refuses to start (the model's memory would
+    be vLLM's, which it cannot free) instead of sleeping nothing."""
     code = """
         from vllm.plugins import load_general_plugins
         load_general_plugins()
         from vllm.device_allocator import get_mem_allocator_instance
         from vllm.device_allocator.sleep_mode_backend import SleepModeBackend, SleepModeBackendFactory
         import vllm.device_allocator.cumem as cumem
+        print(type(get_mem_allocator_instance()).__module__, cumem.CuMemAllocator.__module__)
         backend = SleepModeBackendFactory.get_backend_class("gpu_pager")
         assert issubclass(backend, SleepModeBackend)
         b = backend()
-        b.suspend(level=1)  # nothing allocated: a no-op sleep of gpu_pager's allocator
+        b.suspend(set())  # nothing allocated: a no-op sleep of gpu_pager's allocator
         b.resume(None)
         assert b.state() == "RUNNING" and backend.preserves_communicators()
-        print(type(get_mem_allocator_instance()).__module__, cumem.CuMemAllocator.__module__)
     """
     off = run(code, GPU_PAGER_DROP_IN="")
-    assert off.returncode == 0, off.stderr
+    assert off.returncode != 0
     assert off.stdout.split() == ["vllm.device_allocator.cumem"] * 2
+    assert "--sleep-mode-backend gpu_pager needs gpu_pager's allocator" in off.stderr
+    assert "set GPU_PAGER_DROP_IN=vllm" in off.stderr
     on = run(code, GPU_PAGER_DROP_IN="vllm")
     assert on.returncode == 0, on.stderr
     assert on.stdout.split() == ["gpu_pager.compat.vllm"] * 2
@@ -120,16 +124,15 @@ def test_a_vllm_plugins_list_without_gpu_pager_is_reported_at_start() -> None:
     assert "VLLM_PLUGINS" not in other.stderr
 
 
-def test_the_entry_point_without_vllm_s_registry_still_switches() -> None:
+def test_the_entry_point_without_vllm_s_registry_still_switches(tmp_path: Path) -> None:
+    """vLLM 0.24 has no sleep-mode backends: the entry point switches the allocator alone."""
     code = """
-        import sys
-        sys.modules["vllm.device_allocator.sleep_mode_backend"] = None  # an older vLLM
         from vllm.plugins import load_general_plugins
         load_general_plugins()
         from vllm.device_allocator import get_mem_allocator_instance
         print(type(get_mem_allocator_instance()).__module__)
     """
-    done = run(code, GPU_PAGER_DROP_IN="all")
+    done = run(code, release_standin(tmp_path, "0.24.0", "0.24"), GPU_PAGER_DROP_IN="all")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "gpu_pager.compat.vllm"
 
@@ -148,7 +151,7 @@ def test_the_entry_point_switches_vllm_in_its_new_layout(tmp_path: Path, shims: 
         from vllm.backends.platform.device_allocator.sleep_mode_backend import SleepModeBackendFactory
         from gpu_pager.compat.vllm import _vllm_tag_hooks
         b = SleepModeBackendFactory.get_backend_class("gpu_pager")()
-        b.suspend(level=1)
+        b.suspend(set())
         b.resume(None)
         print(type(get_mem_allocator_instance()).__module__, cumem.CuMemAllocator.__module__)
         print("hooks", _vllm_tag_hooks() is not None)
@@ -203,7 +206,7 @@ def test_the_backend_discards_through_the_allocator() -> None:
         b.discard(("kv_cache",))
         print("allocator:", calls)
     """
-    done = run(code, GPU_PAGER_DROP_IN="")
+    done = run(code, GPU_PAGER_DROP_IN="vllm")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("allocator: [('kv_cache',)]"), done.stdout
 
@@ -357,3 +360,147 @@ def test_runtime_state_and_graphs_are_kept_at_every_sleep_level() -> None:
         f"level 1 [('release', {every}, 'drop', 'kv_cache')]",
         "discard [('release', 'runtime', 'drop', 'runtime')]",
     ]
+
+
+def release_standin(root: Path, version: str, protocol: str) -> str:
+    """The stand-in as vLLM ``version`` with the signatures of ``protocol``'s releases:
+    ``"0.24"`` (no backends, ``sleep(offload_tags)``, no ``DEFERRABLE_TAGS``), ``"0.31"``
+    (``suspend(level)``), ``"0.33"`` (``suspend(level)``, ``DEFERRABLE_TAGS``) or
+    ``"0.34"`` (``suspend(discardable)``, ``sleep(offload_tags, discardable)``)."""
+    shutil.copytree(
+        os.path.join(STANDIN, "vllm"), root / "vllm", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    init = root / "vllm" / "__init__.py"
+    init.write_text(init.read_text().replace('"0.34.0"', repr(version)))
+    allocators = root / "vllm" / "device_allocator" / "__init__.py"
+    backends = root / "vllm" / "device_allocator" / "sleep_mode_backend.py"
+    text = allocators.read_text()
+    if protocol != "0.34":
+        text = text.replace(", discardable: Collection[int] = ()", "")
+        backends.write_text(
+            backends.read_text().replace(
+                'def suspend(self, discardable: "Collection[int]" = ())', "def suspend(self, level: int = 1)"
+            )
+        )
+    if protocol in ("0.24", "0.31"):
+        text = text.replace('DEFERRABLE_TAGS: tuple[str, ...] = ("weights", "kv_cache")', "")
+    allocators.write_text(text)
+    if protocol == "0.24":
+        backends.unlink()
+    return str(root)
+
+
+@pytest.mark.parametrize(
+    ("version", "protocol"),
+    [("0.24.0", "0.24"), ("0.29.0", "0.31"), ("0.31.1", "0.31"), ("0.33.0", "0.33"), ("0.34.0", "0.34")],
+)
+def test_each_supported_release_is_switched(tmp_path: Path, version: str, protocol: str) -> None:
+    code = """
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm.device_allocator import get_mem_allocator_instance
+        from gpu_pager.compat.vllm import _protocol
+        print(type(get_mem_allocator_instance()).__module__, _protocol().releases)
+    """
+    done = run(code, release_standin(tmp_path, version, protocol), GPU_PAGER_DROP_IN="vllm")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0] == "gpu_pager.compat.vllm"
+    assert protocol in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("version", "protocol", "why"),
+    [
+        ("0.35.0", "0.34", "knows the sleep protocols of vLLM 0.24, 0.29, 0.31, 0.33, 0.34, not vLLM 0.35.0's"),
+        ("0.30.0", "0.31", "not vLLM 0.30.0's"),
+        ("0.34.0", "0.33", "SleepModeBackend.suspend takes: level (vLLM 0.34: discardable)"),
+        ("0.33.0", "0.34", "MemAllocator.sleep takes discardable: True (vLLM 0.33: False)"),
+        ("0.31.0", "0.33", "DEFERRABLE_TAGS exists: True (vLLM 0.29, 0.31: False)"),
+    ],
+)
+def test_an_unknown_release_or_protocol_is_refused(
+    tmp_path: Path, version: str, protocol: str, why: str
+) -> None:
+    """A vLLM whose release the drop-in does not know, or whose signatures are not those of
+    its release, is refused at the entry point (vLLM's start fails with the reason and the
+    supported releases) instead of being answered in another release's semantics; without
+    the switch it starts, on its own allocator; the backend refuses to start either way."""
+    root = release_standin(tmp_path, version, protocol)
+    code = """
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+    """
+    refused = run(code, root, GPU_PAGER_DROP_IN="vllm")
+    assert refused.returncode != 0
+    assert why in refused.stderr, refused.stderr
+    assert "unset GPU_PAGER_DROP_IN to keep vLLM's own allocator" in refused.stderr
+    backend = run(
+        code + """
+        from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+        SleepModeBackendFactory.get_backend_class("gpu_pager")()
+        """,
+        root,
+        GPU_PAGER_DROP_IN="",
+    )
+    assert backend.returncode != 0
+    assert "--sleep-mode-backend gpu_pager: " in backend.stderr and why in backend.stderr
+
+
+@pytest.mark.parametrize(
+    ("version", "protocol", "calls", "slept"),
+    [
+        ("0.34.0", "0.34", "b.suspend(set())", "kept weights"),
+        ("0.34.0", "0.34", "b.suspend({1, 2})", "kept weights"),
+        ("0.34.0", "0.34", "b.suspend(1)", "TypeError"),
+        ("0.33.0", "0.33", "b.suspend(1)", "kept weights"),
+        ("0.33.0", "0.33", "b.suspend(level=2)", "dropped weights"),
+        ("0.31.0", "0.31", "b.suspend(2)", "dropped weights"),
+        ("0.31.0", "0.31", "b.suspend(set())", "TypeError"),
+    ],
+)
+def test_the_backend_sleeps_in_its_release_s_protocol(
+    tmp_path: Path, version: str, protocol: str, calls: str, slept: str
+) -> None:
+    """vLLM 0.34's worker calls ``suspend(discardable)``, 0.29 to 0.33 ``suspend(level)``: the
+    backend keeps the weights at level 1 and for any ``discardable`` (an earlier one read
+    ``set()`` as level 2 and dropped them), and refuses an argument of the other protocol."""
+    code = RECORDED + f"""
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+    a = allocator("weights", "kv_cache")
+    drop_in.CuMemAllocator.instance = a
+    b = SleepModeBackendFactory.get_backend_class("gpu_pager")()
+    try:
+        {calls}
+    except TypeError as e:
+        print("TypeError", e)
+    else:
+        print("kept weights" if a._kept["weights"] else "dropped weights", log)
+    """
+    done = run(code, release_standin(tmp_path, version, protocol), GPU_PAGER_DROP_IN="vllm")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(slept), done.stdout
+
+
+@pytest.mark.parametrize(("version", "protocol", "woke"), [
+    ("0.31.0", "0.31", "['weights']"),
+    ("0.33.0", "0.33", "['weights', 'runtime', 'default']"),
+])
+def test_a_selective_wake_up_follows_its_release(
+    tmp_path: Path, version: str, protocol: str, woke: str
+) -> None:
+    """Up to vLLM 0.31 ``wake_up(["weights"])`` wakes the weights alone; from 0.33 on it also
+    wakes every tag that is not deferrable (block tables, vLLM's default tag)."""
+    code = RECORDED + """
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    a = allocator("weights", "runtime", "default", "kv_cache")
+    a.sleep(("weights",))
+    log.clear()
+    a.wake_up(["weights"])
+    print(list(log[0][1:]))
+    """
+    done = run(code, release_standin(tmp_path, version, protocol), GPU_PAGER_DROP_IN="vllm")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == woke

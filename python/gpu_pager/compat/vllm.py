@@ -1,6 +1,8 @@
-"""A drop-in for vLLM's sleep-mode allocator as it is on vLLM's main branch
-(``vllm/backends/platform/device_allocator/``, formerly ``vllm/device_allocator/``: the
-``MemAllocator`` protocol and ``CuMemAllocator``), on gpu_pager::
+"""A drop-in for vLLM's sleep-mode allocator (``vllm/device_allocator/``: the
+``MemAllocator`` protocol, ``CuMemAllocator`` and the sleep-mode backends) on gpu_pager, for
+the vLLM releases RL frameworks run: 0.24 (verl), 0.29 (OpenRLHF), 0.31 (TRL), 0.33 and 0.34.
+Each release speaks its own sleep protocol (:mod:`gpu_pager.compat._vllm_releases`); the
+drop-in answers each in that release's semantics and refuses a vLLM it does not know::
 
     from gpu_pager.compat.vllm import get_mem_allocator_instance
 
@@ -9,11 +11,11 @@
         model = load_model()
     with allocator.use_memory_pool(tag="kv_cache"):
         kv = allocate_kv_cache()
-    with allocator.use_cudagraph_pool() as pool:  # graphs' memory sleeps too
+    with allocator.cudagraph_pool() as pool:  # graphs' memory sleeps too
         with torch.cuda.graph(graph, pool=pool):
             ...
     allocator.sleep(offload_tags=("weights",))  # level 1; level 2: offload_tags=()
-    allocator.wake_up(tags=["weights"])  # also wakes every tag that is not deferrable
+    allocator.wake_up(tags=["weights"])
     update_weights(model)
     allocator.wake_up(tags=["kv_cache"])
 
@@ -21,27 +23,35 @@ To switch vLLM without editing it, install the wheel and set
 ``GPU_PAGER_DROP_IN=vllm`` (or ``all``): vLLM loads the ``vllm.general_plugins`` entry point
 ``gpu_pager`` (:func:`register`) in every process, which then puts this allocator behind
 vLLM's ``get_mem_allocator_instance()`` (where ``VLLM_PLUGINS`` limits the plugins vLLM
-loads, it must name ``gpu_pager``; every process says so on stderr otherwise). The entry
-point always registers the ``gpu_pager`` sleep-mode backend where vLLM has that registry
-(``--sleep-mode-backend gpu_pager``).
+loads, it must name ``gpu_pager``; every process says so on stderr otherwise). With that
+switch, vLLM's own default backend drives this allocator; where the release has sleep-mode
+backends (0.29 and later), the entry point also registers the ``gpu_pager`` backend
+(``--sleep-mode-backend gpu_pager``), which needs the same switch, since the model's memory
+must come from this allocator.
 
 vLLM's semantics, kept: which tags keep their contents is chosen at each ``sleep`` (the
 tags in ``offload_tags``, default ``("default",)``, and the ``KEPT_TAGS``; every other tag
-is discarded and comes back zeroed); ``discard(tags)`` drops tags without a backup; a
-wake-up may defer only the ``DEFERRABLE_TAGS`` and always restores every other tag
-(``default``, block tables, scratch, the graph pool); ``sleep`` and ``wake_up`` are
-idempotent; tags already asleep keep how they went to sleep; waking or discarding a tag
-that has no allocations moves nothing (a KV-only worker, or a wake-up before any weights
-exist); where vLLM has tag hooks
-(``register_tag_hooks``, for a KV connector's transport registrations), a tag's
-before-unmap hooks run before its memory is unmapped and its after-map hooks after its
-memory is mapped back, as the pager's companions of the tag (``Pager.add_companion``).
+is discarded and comes back zeroed); on vLLM 0.34, ``sleep(offload_tags, discardable)``
+also leaves out of the backup the tensors at the ``discardable`` addresses (the parameters
+the weight update rewrites: they come back undefined), and keeps every other byte of the
+weights (preserved parameters, a drafter, buffers), block by block where vLLM copies whole
+allocations; ``discard(tags)`` drops tags without a backup; a selective wake-up wakes the
+named tags and, from vLLM 0.33 on, every tag that is not in ``DEFERRABLE_TAGS`` (``default``,
+block tables, scratch, the graph pool); ``sleep`` and ``wake_up`` are idempotent; tags
+already asleep keep how they went to sleep; waking or discarding a tag that has no
+allocations moves nothing (a KV-only worker, or a wake-up before any weights exist); where
+vLLM has tag hooks (``register_tag_hooks``, for a KV connector's transport registrations),
+a tag's before-unmap hooks run before its memory is unmapped and its after-map hooks after
+its memory is mapped back, as the pager's companions of the tag (``Pager.add_companion``).
+vLLM 0.34's extensible KV cache lives outside the allocator (vLLM releases and recommits it
+itself) and keeps working beside the drop-in.
 Backups stay in pinned host memory across cycles, so a sleep of unchanged weights copies
 nothing; with ``VLLM_SLEEP_MODE_RELEASE_HOST_MEMORY=1`` each wake-up gives that memory back
 instead (:func:`release_host_memory`). Differences, on the safe side: a wake-up that runs
 out of memory raises ``gpu_pager.OutOfMemoryError`` (a ``RuntimeError``, as vLLM's CUDA
 errors are, and a ``MemoryError``), restores nothing and loses nothing, and a retry
-succeeds; a hook that raises undoes the sleep or wake-up it ran in (the hooks that ran
+succeeds; a second ``wake_up`` of an awake tag does nothing (vLLM 0.24 maps it again); a
+hook that raises undoes the sleep or wake-up it ran in (the hooks that ran
 are undone, every tag stays as it was) and surfaces as ``gpu_pager.CompanionError`` (a
 ``RuntimeError``) naming the hook's exception, where vLLM leaves the tag half moved; a
 tag's after-map hooks run when the tag is mapped back, not again at wake-ups that find it
@@ -60,7 +70,8 @@ import importlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -153,6 +164,24 @@ def _vllm_module(name: str = "") -> Any:
     return next(_vllm_modules(name), None)
 
 
+@functools.cache
+def _found() -> Any:
+    """What :func:`gpu_pager.compat._vllm_releases.detect` reads from the running vLLM (in
+    the first of ``_VLLM_PACKAGES`` that it has), once per process."""
+    from gpu_pager.compat import _vllm_releases
+
+    allocators = _vllm_module()
+    return _vllm_releases.detect(_VLLM_PACKAGES[-1] if allocators is None else allocators.__name__)
+
+
+def _protocol() -> Any:
+    """The running vLLM's sleep protocol; the newest without a vLLM whose release is
+    known (a stand-in, or this module used on its own)."""
+    from gpu_pager.compat import _vllm_releases
+
+    return _found().protocol or _vllm_releases.NEWEST
+
+
 def _vllm_tag_hooks() -> _TagHooks | None:
     """vLLM's tag hooks where the running vLLM has them (``register_tag_hooks``: state that
     must live exactly as long as a tag's mapping, such as a KV connector's transport
@@ -196,12 +225,16 @@ class CuMemAllocator:
 
     def __init__(self) -> None:
         self.current_tag: str = CuMemAllocator.default_tag
-        self.allocator_and_pools: dict[str, Any] = {}
-        """Each tag's torch pool and allocator, as vLLM keeps them (``release_pools``)."""
+        self.allocator_and_pools: dict[str, list[tuple[Any, Any]]] = {}
+        """Each tag's torch pools and allocator, as vLLM (0.33 and later) keeps them: a
+        list of ``(pool, allocator)`` per tag (``release_pools``)."""
         self._tags: list[str] = []
         self._device: int | None = None
         # Tags asleep, and whether their contents were kept (offloaded) when they fell asleep.
         self._kept: dict[str, bool] = {}
+        # The byte ranges of discardable tensors left out of the last sleep's backup, as
+        # (buffer, offset, length), unmarked once their tag is awake again.
+        self._unsaved: list[tuple[Any, int, int]] = []
 
     def _ensure(self, tag: str) -> Any:
         """Makes tag ``tag``'s region and pool if they are new; returns the pool."""
@@ -218,7 +251,9 @@ class CuMemAllocator:
         gpt._ensure_region(gpt.pager(self._device), tag, "preserve", None, False, medium)
         self._add_tag(tag)
         pool = gpt.graph_pool(tag, self._device) if tag in GRAPH_TAGS else gpt.pool(tag, self._device)
-        self.allocator_and_pools[tag] = (pool, gpt.allocator())
+        pools = self.allocator_and_pools.setdefault(tag, [])
+        if all(p is not pool for p, _ in pools):
+            pools.append((pool, gpt.allocator()))
         return pool
 
     @contextmanager
@@ -251,10 +286,22 @@ class CuMemAllocator:
         the graphs' memory lives in tag ``GRAPH_TAG``, which sleeps with the rest (its
         contents kept: ``KEPT_TAGS``) and wakes with any wake-up, at the same addresses, so
         the graphs replay without a capture."""
-        pool = self._ensure(GRAPH_TAG)
+        with self._graph_pool(GRAPH_TAG) as pool:
+            yield pool
+
+    @contextmanager
+    def cudagraph_pool(self) -> Iterator[tuple[int, int]]:
+        """vLLM's own name (0.33 and later) for the graph pool, in vLLM's tag
+        ``cudagraph``: as :meth:`use_cudagraph_pool`."""
+        with self._graph_pool("cudagraph") as pool:
+            yield pool
+
+    @contextmanager
+    def _graph_pool(self, tag: str) -> Iterator[tuple[int, int]]:
+        pool = self._ensure(tag)
         # The capture itself routes the graph's allocations to the pool; this thread's
         # tag says which region they land in.
-        with _gpt()._tagged(self._device, GRAPH_TAG):
+        with _gpt()._tagged(self._device, tag):
             yield pool.id
 
     def _pager(self) -> Any:
@@ -288,10 +335,17 @@ class CuMemAllocator:
         device = self._device or 0
         return [AllocationData((device, 0, 0, 0), t, is_asleep=t != tag) for t in self._tags]
 
-    def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
+    def sleep(
+        self,
+        offload_tags: tuple[str, ...] | str | None = None,
+        discardable: Collection[int] = (),
+    ) -> None:
         """Gives every tag's memory back: the tags in ``offload_tags`` (default
         ``("default",)``) and the ``KEPT_TAGS`` keep their contents, the others are
-        discarded (zeroed when they wake). Tags already asleep keep how they went to sleep.
+        discarded (zeroed when they wake). ``discardable`` (vLLM 0.34): the storage
+        addresses of tensors the caller rewrites after the wake-up; those tensors of the
+        ``weights`` tag are left out of the backup (undefined after the wake-up), every
+        other byte of the tag is kept. Tags already asleep keep how they went to sleep.
         Idempotent."""
         if offload_tags is None:
             offload_tags = (CuMemAllocator.default_tag,)
@@ -306,11 +360,56 @@ class CuMemAllocator:
                 changed,
             )
         if awake:
-            self._unmap(awake, drop=[t for t in awake if t not in offload_tags])
+            drop = [t for t in awake if t not in offload_tags]
+            unsaved = self._leave_out(discardable) if "weights" in awake and "weights" not in drop else []
+            try:
+                self._unmap(awake, drop=drop)
+            except BaseException:
+                self._save_again(unsaved)
+                raise
+            self._unsaved += unsaved
             gc.collect()
             import torch
 
             torch.cuda.empty_cache()
+
+    def _leave_out(self, discardable: Collection[int]) -> list[tuple[Any, int, int]]:
+        """Marks the live blocks of tag ``weights`` that start at a ``discardable`` address
+        as overwritten by the next update (``Pager.set_overwritten``): a release neither
+        saves nor restores them. Returns the marked ranges."""
+        if not discardable or self._device is None:
+            return []
+        wanted = {int(a) for a in discardable}
+        p = self._pager()
+        marked: list[tuple[Any, int, int]] = []
+        try:
+            for pool in _compat_pools().tag_pools(("weights", self._device)):
+                for seg in pool.snapshot(include_traces=False):
+                    for block in seg["blocks"]:
+                        address = int(block["address"])
+                        if block["state"] == "inactive" or address not in wanted:
+                            continue
+                        found = p.buffer_containing(address)
+                        if found is None:
+                            continue
+                        buf, offset = found
+                        p.set_overwritten(buf, True, offset, int(block["size"]))
+                        marked.append((buf, offset, int(block["size"])))
+        except BaseException:
+            self._save_again(marked)
+            raise
+        return marked
+
+    def _save_again(self, marked: list[tuple[Any, int, int]]) -> None:
+        """Clears the marks of :meth:`_leave_out` (buffers freed since are skipped)."""
+        import gpu_pager
+
+        p = self._pager()
+        for buf, offset, n in marked:
+            try:
+                p.set_overwritten(buf, False, offset, n)
+            except gpu_pager.PagerError:
+                pass
 
     def discard(self, tags: Sequence[str] | str) -> None:
         """Gives the memory of ``tags`` back without keeping their contents (they come back
@@ -348,16 +447,20 @@ class CuMemAllocator:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Maps the memory of ``tags`` back at the same addresses, with the contents of
-        those that kept them (default: every tag); a selective wake-up also wakes every tag
-        that is not in ``DEFERRABLE_TAGS``. All or nothing: out of memory raises
+        those that kept them (default: every tag); from vLLM 0.33 on, a selective wake-up
+        also wakes every tag that is not in ``DEFERRABLE_TAGS``. All or nothing: out of memory raises
         ``gpu_pager.OutOfMemoryError`` (a ``RuntimeError``) and every tag stays asleep with
         its backup. Tags without allocations are ignored, as in vLLM. Idempotent."""
         asleep = [t for t in self._tags if t in self._kept]
-        want = [t for t in asleep if tags is None or t in tags or t not in DEFERRABLE_TAGS]
+        deferrable = DEFERRABLE_TAGS if _protocol().deferrable else asleep
+        want = [t for t in asleep if tags is None or t in tags or t not in deferrable]
         if want:
             _gpt().resume(want, self._device)
             for t in want:
                 del self._kept[t]
+            if "weights" in want:
+                unsaved, self._unsaved = self._unsaved, []
+                self._save_again(unsaved)
 
     def get_current_usage(self) -> int:
         """Bytes of the segments torch holds in this allocator's tags, asleep or not (as
@@ -393,15 +496,25 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def is_vllm_s_allocator() -> bool:
+    """Whether vLLM's ``get_mem_allocator_instance()`` gives this allocator (the switch
+    ``GPU_PAGER_DROP_IN=vllm`` took effect)."""
+    return any(
+        getattr(cumem, "CuMemAllocator", None) is CuMemAllocator for cumem in _vllm_modules(".cumem")
+    )
+
+
 def register() -> None:
     """vLLM's ``vllm.general_plugins`` entry point, run in every vLLM process. Registers the
     ``gpu_pager`` sleep-mode backend where vLLM has the registry; with ``GPU_PAGER_DROP_IN``
     naming ``vllm`` (or ``all``) it also puts this allocator behind vLLM's
     ``get_mem_allocator_instance()`` and ``cumem.CuMemAllocator`` (under
-    ``vllm.backends.platform.device_allocator``, where vLLM's main branch keeps them, and
-    the older ``vllm.device_allocator``), so that vLLM's default path uses it, also where a
-    module bound ``get_mem_allocator_instance`` before this ran (vLLM's function looks the
-    class up when called)."""
+    ``vllm.device_allocator``, and ``vllm.backends.platform.device_allocator`` where a
+    development branch of vLLM kept them), so that vLLM's default path uses it, also where
+    a module bound ``get_mem_allocator_instance`` before this ran (vLLM's function looks the
+    class up when called). A vLLM whose release or sleep protocol the drop-in does not know
+    is refused (``RuntimeError`` naming the supported releases) and keeps its own
+    allocator."""
     backends = _vllm_module(".sleep_mode_backend")
     if backends is not None:
         try:
@@ -420,8 +533,18 @@ def register() -> None:
             "GPU_PAGER_DROP_IN asks for vLLM's allocator, but this vLLM has neither "
             f"{' nor '.join(_VLLM_PACKAGES)}: upgrade gpu_pager or unset GPU_PAGER_DROP_IN"
         )
+    found = _found()
+    if found.protocol is None:
+        raise RuntimeError(
+            f"GPU_PAGER_DROP_IN asks for vLLM's allocator, but {found.problem}: use one of "
+            "those releases, or unset GPU_PAGER_DROP_IN to keep vLLM's own allocator"
+        )
     for allocators in packages:
         setattr(allocators, "get_mem_allocator_instance", get_mem_allocator_instance)
     for cumem in _vllm_modules(".cumem"):
         setattr(cumem, "CuMemAllocator", CuMemAllocator)
-    logger.info("gpu_pager: vLLM's sleep-mode allocator is gpu_pager's (%s)", os.environ.get("GPU_PAGER_DROP_IN"))
+    logger.info(
+        "gpu_pager: vLLM %s's sleep-mode allocator is gpu_pager's (%s)",
+        found.version,
+        os.environ.get("GPU_PAGER_DROP_IN"),
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 DEFERRABLE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
 
@@ -17,6 +17,16 @@ class AllocationData:
     tag: str
     cpu_backup_tensor: Any = None
     is_asleep: bool = False
+
+
+class MemAllocator(Protocol):
+    def sleep(
+        self, offload_tags: "tuple[str, ...] | str | None" = None, discardable: Collection[int] = ()
+    ) -> None: ...
+
+    def discard(self, tags: "tuple[str, ...] | str") -> None: ...
+
+    def wake_up(self, tags: "list[str] | None" = None) -> None: ...
 
 
 _hooks: dict[str, list[tuple[Callable[[], None], Callable[[], None]]]] = {}

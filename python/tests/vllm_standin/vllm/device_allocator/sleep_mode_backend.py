@@ -3,7 +3,7 @@ registry of backends by name, loaded lazily by module path and class name."""
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Callable, Collection
 
 
 class SleepModeBackend(ABC):
@@ -11,7 +11,7 @@ class SleepModeBackend(ABC):
         self._state = "RUNNING"
 
     @abstractmethod
-    def suspend(self, level: int = 1) -> None: ...
+    def suspend(self, discardable: "Collection[int]" = ()) -> None: ...
 
     @abstractmethod
     def resume(self, tags: "list[str] | None" = None) -> None: ...

@@ -1,0 +1,84 @@
+"""One engine release, as the checks run it: its own files (from scripts/engines-extract)
+over the stand-ins of ``shim/`` in one import root, and the methods of its worker or
+scheduler taken from its source by name, so that the release's own code makes the calls."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import sys
+import tempfile
+import textwrap
+from typing import Any
+
+SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
+
+
+def version(release: str) -> str:
+    """The release's version (its ``VERSION`` file)."""
+    with open(os.path.join(release, "VERSION")) as f:
+        return f.read().strip()
+
+
+def minor(release: str) -> tuple[int, ...]:
+    """The release's version as numbers, for comparisons (``(0, 34, 0)``)."""
+    return tuple(int(x) for x in version(release).split("."))
+
+
+def import_root(release: str, engine: str) -> str:
+    """A temporary directory holding the stand-in package ``engine`` with the release's own
+    files over it; put first on ``sys.path``."""
+    root = tempfile.mkdtemp(prefix=f"{engine}-{version(release)}-")
+    shutil.copytree(os.path.join(SHIM, engine), os.path.join(root, engine))
+    shutil.copytree(os.path.join(release, engine), os.path.join(root, engine), dirs_exist_ok=True)
+    shutil.copy(os.path.join(release, "VERSION"), root)
+    sys.path.insert(0, root)
+    return root
+
+
+def _function_source(src: str, node: ast.FunctionDef) -> str:
+    lines = src.splitlines()
+    first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+    assert node.end_lineno is not None
+    return textwrap.dedent("\n".join(lines[first - 1 : node.end_lineno]))
+
+
+def methods(source: str, names: tuple[str, ...]) -> dict[str, str]:
+    """The source of each method among ``names`` that a class of file ``source`` defines
+    (decorators included), by name."""
+    with open(source) as f:
+        src = f.read()
+    found: dict[str, str] = {}
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.ClassDef):
+            for f in node.body:
+                if isinstance(f, ast.FunctionDef) and f.name in names and f.name not in found:
+                    found[f.name] = _function_source(src, f)
+    return found
+
+
+def functions(source: str, names: tuple[str, ...]) -> dict[str, str]:
+    """The source of each module-level function among ``names`` in file ``source``."""
+    with open(source) as f:
+        src = f.read()
+    return {
+        n.name: _function_source(src, n)
+        for n in ast.parse(src).body
+        if isinstance(n, ast.FunctionDef) and n.name in names
+    }
+
+
+def build_class(name: str, sources: dict[str, str], namespace: dict[str, Any]) -> type:
+    """A class ``name`` whose methods are ``sources`` (the release's code), run with
+    ``namespace`` as their module globals."""
+    body = "\n".join(textwrap.indent(s, "    ") for s in sources.values()) or "    pass"
+    code = f"from __future__ import annotations\n\nclass {name}:\n{body}\n"
+    exec(compile(code, f"<release {name}>", "exec"), namespace)
+    return namespace[name]
+
+
+def build_functions(sources: dict[str, str], namespace: dict[str, Any]) -> None:
+    """Defines ``sources`` (the release's module-level functions) in ``namespace``."""
+    code = "from __future__ import annotations\n\n" + "\n\n".join(sources.values())
+    exec(compile(code, "<release functions>", "exec"), namespace)

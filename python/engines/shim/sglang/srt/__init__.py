@@ -1,0 +1,1 @@
+"""A package of the SGLang stand-in (see sglang/__init__.py)."""

@@ -1,0 +1,1 @@
+"""A package of the vLLM stand-in (see vllm/__init__.py)."""

@@ -1,0 +1,1 @@
+"""``vllm.utils``: only the modules the sleep path imports."""

@@ -1,0 +1,14 @@
+"""``vllm.utils.system_utils.find_loaded_library``: the path of a shared library this process
+has loaded (its name ``lib_name.so...``), from ``/proc/self/maps``."""
+
+
+def find_loaded_library(lib_name):
+    with open("/proc/self/maps") as f:
+        for line in f:
+            start = line.find("/")
+            if start == -1:
+                continue
+            path = line[start:].strip()
+            if path.rsplit("/", 1)[-1].startswith((f"{lib_name}.", f"{lib_name}-")):
+                return path
+    return None

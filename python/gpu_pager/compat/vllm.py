@@ -70,7 +70,6 @@ import importlib
 import logging
 import os
 import threading
-import functools
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -164,14 +163,20 @@ def _vllm_module(name: str = "") -> Any:
     return next(_vllm_modules(name), None)
 
 
-@functools.cache
+_FOUND: list[Any] = []
+"""What :func:`_found` read, once read."""
+
+
 def _found() -> Any:
     """What :func:`gpu_pager.compat._vllm_releases.detect` reads from the running vLLM (in
     the first of ``_VLLM_PACKAGES`` that it has), once per process."""
-    from gpu_pager.compat import _vllm_releases
+    if not _FOUND:
+        from gpu_pager.compat import _vllm_releases
 
-    allocators = _vllm_module()
-    return _vllm_releases.detect(_VLLM_PACKAGES[-1] if allocators is None else allocators.__name__)
+        allocators = _vllm_module()
+        package = _VLLM_PACKAGES[-1] if allocators is None else allocators.__name__
+        _FOUND.append(_vllm_releases.detect(package))
+    return _FOUND[0]
 
 
 def _protocol() -> Any:
@@ -361,7 +366,8 @@ class CuMemAllocator:
             )
         if awake:
             drop = [t for t in awake if t not in offload_tags]
-            unsaved = self._leave_out(discardable) if "weights" in awake and "weights" not in drop else []
+            kept_weights = "weights" in awake and "weights" not in drop
+            unsaved = self._leave_out(discardable) if kept_weights else []
             try:
                 self._unmap(awake, drop=drop)
             except BaseException:
@@ -448,9 +454,9 @@ class CuMemAllocator:
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Maps the memory of ``tags`` back at the same addresses, with the contents of
         those that kept them (default: every tag); from vLLM 0.33 on, a selective wake-up
-        also wakes every tag that is not in ``DEFERRABLE_TAGS``. All or nothing: out of memory raises
-        ``gpu_pager.OutOfMemoryError`` (a ``RuntimeError``) and every tag stays asleep with
-        its backup. Tags without allocations are ignored, as in vLLM. Idempotent."""
+        also wakes every tag that is not in ``DEFERRABLE_TAGS``. All or nothing: out of
+        memory raises ``gpu_pager.OutOfMemoryError`` (a ``RuntimeError``) and every tag
+        stays asleep with its backup. Tags without allocations are ignored, as in vLLM. Idempotent."""
         asleep = [t for t in self._tags if t in self._kept]
         deferrable = DEFERRABLE_TAGS if _protocol().deferrable else asleep
         want = [t for t in asleep if tags is None or t in tags or t not in deferrable]

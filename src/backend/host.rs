@@ -59,16 +59,36 @@ impl HostConfig {
     pub fn from_env() -> BackendResult<HostConfig> {
         let mut config = HostConfig::default();
         if let Ok(v) = std::env::var(CAPACITY_ENV) {
-            config.capacity = parse_bytes(&v).ok_or_else(|| BackendError::Invalid {
-                op: "reading the host capacity",
-                reason: format!(
-                    "{CAPACITY_ENV}={v:?} is not a byte count; write e.g. 8G, 512M or 1073741824"
-                ),
-            })?;
-            check_capacity(&v, config.capacity, physical_memory())?;
+            config.capacity = capacity_from(&v, config.granularity, physical_memory())?;
         }
         Ok(config)
     }
+}
+
+/// The capacity that `GPU_PAGER_HOST_CAPACITY=asked` sets, in whole chunks of
+/// `granularity`: an error for what is no byte count, less than one chunk (every region
+/// would fail), or more than the machine's `physical` memory.
+fn capacity_from(asked: &str, granularity: usize, physical: usize) -> BackendResult<usize> {
+    let invalid = |reason: String| BackendError::Invalid {
+        op: "the setting GPU_PAGER_HOST_CAPACITY",
+        reason,
+    };
+    let shown: String = asked.chars().take(64).collect();
+    let capacity = parse_bytes(asked).ok_or_else(|| {
+        invalid(format!(
+            "{CAPACITY_ENV}={shown:?} is not a byte count; write e.g. 8G, 512M or 1073741824"
+        ))
+    })?;
+    if capacity < granularity {
+        return Err(invalid(format!(
+            "{CAPACITY_ENV}={shown} is less than one chunk of {} MiB, so no region would fit; \
+             ask for at least {}M",
+            granularity >> 20,
+            granularity >> 20
+        )));
+    }
+    check_capacity(&shown, capacity, physical)?;
+    Ok(capacity / granularity * granularity)
 }
 
 /// Refuses a capacity above the machine's memory: the host backend's "device" memory is host
@@ -76,7 +96,7 @@ impl HostConfig {
 fn check_capacity(asked: &str, capacity: usize, physical: usize) -> BackendResult<()> {
     if capacity > physical {
         return Err(BackendError::Invalid {
-            op: "reading the host capacity",
+            op: "the setting GPU_PAGER_HOST_CAPACITY",
             reason: format!(
                 "{CAPACITY_ENV}={asked} is more than this machine's {physical} bytes of memory (the \
                  host backend's device memory is host memory, and a Preserve region's backup \
@@ -705,6 +725,36 @@ mod capacity_tests {
         assert!(
             e.contains("GPU_PAGER_HOST_CAPACITY=1T") && e.contains("at most half"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn a_capacity_below_one_chunk_or_not_a_count_is_refused_in_words() {
+        let g = 2 << 20;
+        assert_eq!(capacity_from("8G", g, 16 << 30).unwrap(), 8 << 30);
+        assert_eq!(
+            capacity_from("5M", g, 16 << 30).unwrap(),
+            4 << 20,
+            "whole chunks"
+        );
+        for (asked, words) in [
+            ("1", "less than one chunk of 2 MiB"),
+            ("1M", "ask for at least 2M"),
+            ("lots", "is not a byte count"),
+        ] {
+            let e = capacity_from(asked, g, 16 << 30).unwrap_err().to_string();
+            assert!(e.contains(words), "{asked}: {e}");
+            assert!(
+                e.starts_with("invalid argument to the setting GPU_PAGER_HOST_CAPACITY: "),
+                "{e}"
+            );
+        }
+        let long = "9".repeat(100_000) + "x";
+        let e = capacity_from(&long, g, 16 << 30).unwrap_err().to_string();
+        assert!(
+            e.len() < 300,
+            "a long value is not echoed whole: {} bytes",
+            e.len()
         );
     }
 

@@ -322,7 +322,7 @@ pub unsafe extern "C" fn gpu_pager_set_backup_dir(
 ) -> gpu_pager_code {
     call("gpu_pager_set_backup_dir", || {
         // SAFETY: `dir` is NULL or NUL-terminated and alive for this call (the contract).
-        let dir = unsafe { boundary::tag(dir, "dir") }?;
+        let dir = unsafe { boundary::path(dir, "dir") }?;
         pager(device)?.set_backup_dir(dir)
     })
 }

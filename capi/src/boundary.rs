@@ -133,6 +133,24 @@ pub unsafe fn tag<'a>(p: *const c_char, what: &str) -> Result<&'a str> {
     })
 }
 
+/// A filesystem path from C: non-NULL and NUL-terminated, of any bytes (Linux paths need
+/// not be UTF-8).
+///
+/// # Safety
+/// As for [`tag`].
+pub unsafe fn path<'a>(p: *const c_char, what: &str) -> Result<&'a std::path::Path> {
+    if p.is_null() {
+        return Err(untagged(format!(
+            "{what} is NULL; pass a NUL-terminated path"
+        )));
+    }
+    // SAFETY: non-NULL and, by this function's contract, NUL-terminated and alive for 'a.
+    let s = unsafe { CStr::from_ptr(p) };
+    Ok(std::path::Path::new(
+        <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(s.to_bytes()),
+    ))
+}
+
 /// A list of tags from C (`n` pointers at `tags`).
 ///
 /// # Safety

@@ -201,3 +201,23 @@ fn deferred_errors_reach_c_through_the_stats_the_take_and_the_log() {
     // SAFETY: a NULL callback.
     unsafe { gpu_pager_set_log_callback(None, std::ptr::null_mut(), 0) };
 }
+
+/// Linux paths need not be UTF-8: a backup directory of any bytes is taken (it was refused
+/// with a message about tags).
+#[test]
+fn a_backup_directory_that_is_not_utf8_is_taken() {
+    let mut raw = std::env::temp_dir()
+        .join(format!("gpu-pager-dir-{}-", std::process::id()))
+        .into_os_string()
+        .into_encoded_bytes();
+    raw.push(0xff);
+    let path = std::path::PathBuf::from(
+        <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&raw),
+    );
+    raw.push(0);
+    // SAFETY: a NUL-terminated byte string.
+    let code = unsafe { gpu_pager_set_backup_dir(0, raw.as_ptr().cast::<c_char>()) };
+    assert_eq!(code, gpu_pager_code::GPU_PAGER_OK, "{}", last_error());
+    assert!(path.is_dir(), "the directory was made");
+    std::fs::remove_dir_all(&path).unwrap();
+}

@@ -583,7 +583,7 @@ pub extern "C" fn gpu_pager_tms_disk_backup() -> bool {
 pub unsafe extern "C" fn gpu_pager_tms_set_disk_dir(dir: *const c_char) -> gpu_pager_code {
     call("gpu_pager_tms_set_disk_dir", || {
         // SAFETY: NULL or NUL-terminated and alive for this call (the contract).
-        set_disk_dir(Path::new(unsafe { boundary::tag(dir, "dir") }?))
+        set_disk_dir(unsafe { boundary::path(dir, "dir") }?)
     })
 }
 

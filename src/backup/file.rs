@@ -834,8 +834,9 @@ mod tests {
                 let (io, b, tx) = (io2.clone(), b2.clone(), tx.clone());
                 let writer = std::thread::spawn(move || {
                     let store = io.create(2 * G).unwrap();
+                    let whole = std::iter::once(0..2 * G).collect::<Vec<_>>();
                     // SAFETY: mapped, not written meanwhile.
-                    unsafe { store.write_from_device(&*b, base2 as _, &[0..2 * G]) }.unwrap();
+                    unsafe { store.write_from_device(&*b, base2 as _, &whole) }.unwrap();
                     tx.send(store).unwrap();
                 });
                 // Without the lock held over the shrink, the writer ends before it.

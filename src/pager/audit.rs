@@ -31,6 +31,21 @@ pub struct AuditRegion {
     pub backup_bytes: usize,
 }
 
+impl AuditRegion {
+    fn of(s: RegionStats) -> AuditRegion {
+        AuditRegion {
+            tag: s.info.tag,
+            state: s.info.state,
+            policy: s.info.policy,
+            kind: s.info.kind,
+            reserved_bytes: s.info.size,
+            mapped_bytes: s.resident_bytes,
+            allocated_bytes: s.allocated_bytes,
+            backup_bytes: s.backup_bytes,
+        }
+    }
+}
+
 /// Where a device's memory is, as one call saw it ([`Pager::audit`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Audit {
@@ -181,16 +196,7 @@ impl Pager {
             .stats()
             .regions
             .into_iter()
-            .map(|s| AuditRegion {
-                tag: s.info.tag,
-                state: s.info.state,
-                policy: s.info.policy,
-                kind: s.info.kind,
-                reserved_bytes: s.info.size,
-                mapped_bytes: s.resident_bytes,
-                allocated_bytes: s.allocated_bytes,
-                backup_bytes: s.backup_bytes,
-            })
+            .map(AuditRegion::of)
             .collect();
         Audit {
             device_total_bytes: mem.total,
@@ -198,6 +204,31 @@ impl Pager {
             regions,
             processes: None,
         }
+    }
+
+    /// [`Pager::audit_regions`] if every region and the map can be had at once, without
+    /// waiting (`None` otherwise).
+    fn audit_regions_now(&self, mem: MemInfo) -> Option<Audit> {
+        let map = match self.regions.try_read() {
+            Ok(map) => map,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        let mut regions = Vec::with_capacity(map.len());
+        for slot in map.values() {
+            let region = match slot.try_lock() {
+                Ok(r) => r,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return None,
+            };
+            regions.push(AuditRegion::of(region.stats()));
+        }
+        Some(Audit {
+            device_total_bytes: mem.total,
+            device_free_bytes: mem.free,
+            regions,
+            processes: None,
+        })
     }
 
     /// After a release of `tags` that moved something: one warning when this process holds
@@ -219,7 +250,12 @@ impl Pager {
         if mem.total.saturating_sub(mem.free) <= limit {
             return;
         }
-        let mut audit = self.audit_regions(mem);
+        // Never waits for a region or the map: the warning is advice, and this runs after
+        // a release that may itself run in another tag's companion (whose region this
+        // thread holds), beside moves of other tags on other threads.
+        let Some(mut audit) = self.audit_regions_now(mem) else {
+            return;
+        };
         if audit.outside_bytes() <= limit {
             return;
         }

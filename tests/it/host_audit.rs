@@ -137,3 +137,44 @@ fn a_release_warns_when_much_stays_outside_the_regions_and_is_quiet_otherwise() 
     p.release(&["warn-kept"]).unwrap();
     assert!(warnings_naming("[\"warn-kept\"]").is_empty());
 }
+
+/// The release's warning never waits for a region: a companion of `outer` that releases
+/// `inner` (its release walks the regions while this thread holds `outer`) and a release
+/// beside a resume of another tag on another thread both finish, with the warning path
+/// active (much memory outside every region).
+#[test]
+fn the_warning_never_waits_for_a_region() {
+    struct ReleasesInner(std::sync::Weak<Pager>);
+    impl gpu_pager::Companion for ReleasesInner {
+        fn name(&self) -> &str {
+            "releases inner"
+        }
+        fn before_release(&self, _: &str) -> Result<(), gpu_pager::CompanionError> {
+            let p = self.0.upgrade().ok_or("no pager")?;
+            p.release(&["nowait-inner"]).map_err(|e| e.to_string())?;
+            Ok(())
+        }
+        fn after_resume(&self, _: &str) -> Result<(), gpu_pager::CompanionError> {
+            Ok(())
+        }
+    }
+    let (backend, p) = setup(MIB);
+    let p = Arc::new(p);
+    p.region("nowait-outer", 4 * MIB, Policy::Discard).unwrap();
+    p.region("nowait-inner", 4 * MIB, Policy::Discard).unwrap();
+    p.add_companion("nowait-outer", Arc::new(ReleasesInner(Arc::downgrade(&p))))
+        .unwrap();
+    let hog = Hog::take(backend.as_ref(), 10 * MIB).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let q = p.clone();
+    std::thread::spawn(move || {
+        tx.send(q.release(&["nowait-outer"]).map(|_| ())).unwrap();
+    });
+    let done = rx.recv_timeout(std::time::Duration::from_secs(20));
+    assert!(
+        matches!(done, Ok(Ok(()))),
+        "a companion's release of another tag hung or failed: {done:?}"
+    );
+    assert_eq!(p.info("nowait-inner").unwrap().state, State::Released);
+    drop(hog);
+}

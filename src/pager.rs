@@ -137,7 +137,7 @@ pub struct Pager {
     /// (a fastest restore stays off the copy kernel while a release copies out).
     traffic: pump::Traffic,
     /// Work registered to move with tags ([`Pager::add_companion`]), in registration order.
-    companions: RwLock<Vec<companions::Entry>>,
+    companions: RwLock<Vec<Arc<companions::Entry>>>,
 }
 
 impl std::fmt::Debug for Pager {
@@ -307,6 +307,7 @@ impl Pager {
 
     fn slot(&self, tag: &str) -> Result<Slot> {
         self.check_process()?;
+        self.not_held(tag)?;
         let known = {
             let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
             match map.get(tag) {
@@ -346,6 +347,9 @@ impl Pager {
     /// A region's description. Its `base` is valid to record (e.g. in a CUDA graph) at any
     /// time; it is backed by memory only while the region is resident.
     pub fn info(&self, tag: &str) -> Result<RegionInfo> {
+        if let Some(info) = self.with_held(|r| r.tag == tag, Region::info) {
+            return Ok(info);
+        }
         Ok(lock(&self.slot(tag)?).info())
     }
 
@@ -542,6 +546,9 @@ impl Pager {
 
     /// Statistics of one region.
     pub fn region_stats(&self, tag: &str) -> Result<RegionStats> {
+        if let Some(stats) = self.with_held(|r| r.tag == tag, Region::stats) {
+            return Ok(stats);
+        }
         Ok(lock(&self.slot(tag)?).stats())
     }
 
@@ -557,7 +564,13 @@ impl Pager {
         }
         let map = self.regions.read().unwrap_or_else(|p| p.into_inner());
         Stats {
-            regions: map.values().map(|s| lock(s).stats()).collect(),
+            regions: map
+                .iter()
+                .map(|(tag, s)| {
+                    self.with_held(|r| r.tag == *tag, Region::stats)
+                        .unwrap_or_else(|| lock(s).stats())
+                })
+                .collect(),
             deferred_errors: errors.unread(),
             deferred_errors_total: errors.total(),
         }

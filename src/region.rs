@@ -881,6 +881,16 @@ impl Region {
 
     /// Waits for a restore enqueued by `resume_on` to finish, so that pager-mediated access
     /// (on other streams, or the host) sees the restored contents.
+    pub fn wait_pending(&self) -> Result<()> {
+        if let Some(f) = &self.pending {
+            f.wait().map_err(|e| {
+                Error::backend(&self.tag, "waiting for a restore on the caller's stream", e)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Waits for a restore enqueued by `resume_on` to finish and forgets its fence.
     pub fn settle(&mut self) -> Result<()> {
         if let Some(f) = &self.pending {
             f.wait().map_err(|e| {

@@ -94,26 +94,15 @@ impl Pager {
         if !self.in_own_process() {
             return None;
         }
-        let slot = {
+        let (base, slot) = {
             let by_base = self.by_base.read().unwrap_or_else(|p| p.into_inner());
-            by_base.range(..=ptr).next_back()?.1.clone()
+            let (&base, slot) = by_base.range(..=ptr).next_back()?;
+            (base, slot.clone())
         };
-        let r = lock(&slot);
-        let offset = usize::try_from(ptr - r.base()).ok()?;
-        if offset >= r.size() {
-            return None;
+        if let Some(found) = self.with_held(|r| r.base() == base, |r| buffer_in(r, ptr)) {
+            return found;
         }
-        // A growing region rounds its buffers up to the granularity: the rest is padding.
-        let (start, id, len) = r.buffer_at(offset)?;
-        Some((
-            Buffer {
-                tag: Arc::from(r.tag.as_str()),
-                id,
-                offset: start,
-                len,
-            },
-            offset - start,
-        ))
+        buffer_in(&lock(&slot), ptr)
     }
 
     /// Frees a buffer. A second free of the same buffer returns `StaleBuffer`.
@@ -137,6 +126,34 @@ impl Pager {
         op: &'static str,
         f: impl FnOnce(&Region, u64) -> Result<T>,
     ) -> Result<T> {
+        // From a companion of the region's move: the region this thread holds, whose
+        // memory is mapped while its companions run (before the unmap, after the map).
+        let mut f = Some(f);
+        let held = self.with_held(
+            |r| r.tag == *buf.tag,
+            |r| {
+                let range = buffer_range(r, buf, offset, len)?;
+                if !r.is_backed(&range) {
+                    r.require_resident(op)?;
+                    return Err(Error::NotBacked {
+                        tag: buf.tag.to_string(),
+                        offset: range.start,
+                        len,
+                    });
+                }
+                r.wait_pending()?;
+                match f.take() {
+                    Some(f) if len > 0 => f(r, r.base() + range.start as u64),
+                    _ => Ok(T::default()),
+                }
+            },
+        );
+        if let Some(done) = held {
+            return done;
+        }
+        let Some(f) = f else {
+            return Ok(T::default());
+        };
         let slot = self.slot_of(buf)?;
         let mut r = lock(&slot);
         let range = buffer_range(&r, buf, offset, len)?;
@@ -167,6 +184,16 @@ impl Pager {
     /// freed, or of a region removed (even if a region of the same tag was made again: its
     /// addresses belong to that one).
     pub fn address(&self, buf: &Buffer) -> Result<u64> {
+        let held = self.with_held(
+            |r| r.tag == *buf.tag,
+            |r| match r.is_live(buf.offset, buf.id) {
+                true => Ok(r.base() + buf.offset as u64),
+                false => Err(stale(buf)),
+            },
+        );
+        if let Some(found) = held {
+            return found;
+        }
         let slot = self.slot_of(buf)?;
         let r = lock(&slot);
         if !r.is_live(buf.offset, buf.id) {
@@ -254,4 +281,24 @@ pub(super) fn stale(buf: &Buffer) -> Error {
         id: buf.id,
         offset: buf.offset,
     }
+}
+
+/// The live buffer of region `r` whose bytes include device address `ptr`, and `ptr`'s
+/// offset in it.
+fn buffer_in(r: &Region, ptr: u64) -> Option<(Buffer, usize)> {
+    let offset = usize::try_from(ptr.checked_sub(r.base())?).ok()?;
+    if offset >= r.size() {
+        return None;
+    }
+    // A growing region rounds its buffers up to the granularity: the rest is padding.
+    let (start, id, len) = r.buffer_at(offset)?;
+    Some((
+        Buffer {
+            tag: Arc::from(r.tag.as_str()),
+            id,
+            offset: start,
+            len,
+        },
+        offset - start,
+    ))
 }

@@ -4,13 +4,46 @@
 //! before the memory is unmapped; a resume runs them after the memory is mapped and the
 //! contents are restored. A companion that fails undoes the move: the companions that ran
 //! are undone in reverse order and the regions stay as they were ([`Error::Companion`]).
+//!
+//! While its companions run, the thread holds the move's regions locked. It records them
+//! (a thread-local list), so that a companion's read-only queries of them (`info`, `ptr`,
+//! `stats`, `audit`, `buffer_containing`, `read`, ...) are answered from the held regions
+//! instead of waiting for a lock this thread holds, and a move, free or removal of them
+//! fails at once. The companion list is copied for each move, not held locked across the
+//! calls: a nested move and a concurrent `add_companion` cannot deadlock.
 
+use std::cell::RefCell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
 use super::Pager;
 use crate::error::{Error, Result};
+use crate::region::Region;
+
+thread_local! {
+    /// The regions this thread holds locked while it runs companions, with their pager
+    /// (its address).
+    static HELD: RefCell<Vec<(usize, *const Region)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Takes what [`Pager::run_companions`] put on [`HELD`] off again when dropped.
+struct Held(usize);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        HELD.with(|h| {
+            let mut h = h.borrow_mut();
+            let keep = h.len().saturating_sub(self.0);
+            h.truncate(keep);
+        });
+    }
+}
+
+/// Whether this thread is running a companion (of any pager).
+fn in_companion() -> bool {
+    HELD.with(|h| !h.borrow().is_empty())
+}
 
 /// What a companion says when it fails: any error, shown in [`Error::Companion`].
 pub type CompanionError = Box<dyn std::error::Error + Send + Sync>;
@@ -61,6 +94,47 @@ pub(super) struct Entry {
     id: u64,
     tag: String,
     companion: Arc<dyn Companion>,
+    /// Whether it was removed, and how many of its calls run now.
+    calls: Mutex<(bool, usize)>,
+    /// Signalled when a call ends.
+    ended: Condvar,
+}
+
+impl Entry {
+    /// Counts a call about to start; `false` once the companion was removed.
+    fn enter(&self) -> bool {
+        let mut c = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
+        if c.0 {
+            return false;
+        }
+        c.1 += 1;
+        true
+    }
+
+    fn leave(&self) {
+        let mut c = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
+        c.1 -= 1;
+        self.ended.notify_all();
+    }
+
+    /// Marks it removed and, unless `waiting` is off, waits for its running calls to end.
+    fn retire(&self, waiting: bool) {
+        let mut c = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
+        c.0 = true;
+        while waiting && c.1 > 0 {
+            c = self.ended.wait(c).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Runs `phase` of the companion unless it was removed (`None` then).
+    fn run(&self, phase: Phase, tag: &str) -> Option<std::result::Result<(), String>> {
+        if !self.enter() {
+            return None;
+        }
+        let r = call(self.companion.as_ref(), phase, tag);
+        self.leave();
+        Some(r)
+    }
 }
 
 /// Identities of companions, unique in the process.
@@ -92,67 +166,143 @@ impl Pager {
     /// [`Companion::after_resume`] (see the module docs for when, and what a failure
     /// undoes). A tag's companions run in registration order on resume and in reverse on
     /// release. Returns the identity [`Pager::remove_companion`] takes.
+    /// `InvalidArgument` when called from a companion (register companions before the
+    /// moves, not during one).
     pub fn add_companion(&self, tag: &str, companion: Arc<dyn Companion>) -> Result<u64> {
         self.check_process()?;
         super::check_tag(tag)?;
+        if in_companion() {
+            return Err(Error::invalid(
+                Some(tag),
+                "add_companion was called from inside a companion, while a release or resume \
+                 runs it; register companions before the moves, not during one",
+            ));
+        }
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         self.companions
             .write()
             .unwrap_or_else(|p| p.into_inner())
-            .push(Entry {
+            .push(Arc::new(Entry {
                 id,
                 tag: tag.to_owned(),
                 companion,
-            });
+                calls: Mutex::new((false, 0)),
+                ended: Condvar::new(),
+            }));
         Ok(id)
     }
 
     /// Unregisters the companion `id` (from [`Pager::add_companion`]): once this returns it
-    /// is not called again (a move running it now finishes first). `InvalidArgument` if no
-    /// companion of this pager has that identity.
+    /// is not called again (a call running it now on another thread finishes first; from
+    /// inside a companion it does not wait). `InvalidArgument` if no companion of this
+    /// pager has that identity.
     pub fn remove_companion(&self, id: u64) -> Result<()> {
-        let mut list = self.companions.write().unwrap_or_else(|p| p.into_inner());
-        let Some(at) = list.iter().position(|e| e.id == id) else {
-            return Err(Error::invalid(
-                None,
-                format!(
-                    "companion {id} is not registered with this pager (removed already, or \
-                     from another device's pager); remove each companion once"
-                ),
-            ));
+        let entry = {
+            let mut list = self.companions.write().unwrap_or_else(|p| p.into_inner());
+            let Some(at) = list.iter().position(|e| e.id == id) else {
+                return Err(Error::invalid(
+                    None,
+                    format!(
+                        "companion {id} is not registered with this pager (removed already, \
+                         or from another device's pager); remove each companion once"
+                    ),
+                ));
+            };
+            list.remove(at)
         };
-        list.remove(at);
+        entry.retire(!in_companion());
         Ok(())
     }
 
-    /// Runs `phase` for the companions of `tags` (the regions that move, in tag order). On a
-    /// failure the ones that ran are undone in reverse order and the error names the
+    /// Runs `f` on the region that `pick` chooses among those this thread holds locked
+    /// while it runs this pager's companions (`None` when it holds none such).
+    pub(super) fn with_held<T>(
+        &self,
+        pick: impl Fn(&Region) -> bool,
+        f: impl FnOnce(&Region) -> T,
+    ) -> Option<T> {
+        let me = std::ptr::from_ref(self) as usize;
+        let region = HELD.with(|h| {
+            h.borrow()
+                .iter()
+                .filter(|(p, _)| *p == me)
+                // SAFETY: run_companions put these pointers here from shared borrows of
+                // regions it holds locked, and takes them off before those borrows end;
+                // only this thread reads its list, and nothing mutates those regions while
+                // their companions run (other threads wait for the locks, and this thread
+                // is inside run_companions, under shared borrows).
+                .map(|&(_, r)| unsafe { &*r })
+                .find(|r| pick(r))
+                .map(std::ptr::from_ref)
+        })?;
+        // SAFETY: as above: the region stays held and unmutated until this call returns.
+        Some(f(unsafe { &*region }))
+    }
+
+    /// An error when this thread holds region `tag` locked in a companion call of this
+    /// pager: a move, free or removal of it would wait for itself.
+    pub(super) fn not_held(&self, tag: &str) -> Result<()> {
+        if self.with_held(|r| r.tag == tag, |_| ()).is_some() {
+            return Err(Error::invalid(
+                Some(tag),
+                format!(
+                    "region `{tag}` is being released or resumed by this thread, which runs \
+                     its companions now: a companion may look at it (info, ptr, read, \
+                     stats) but not move, free, allocate in or remove it; do that after the \
+                     move returns"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Runs `phase` for the companions of `tags` (the regions that move, in tag order),
+    /// with `held` (every region the move holds locked) recorded for this thread's queries.
+    /// On a failure the ones that ran are undone in reverse order and the error names the
     /// companion; an undo that fails too is a deferred error.
-    pub(super) fn run_companions(&self, phase: Phase, tags: &[&str]) -> Result<()> {
-        // Held while the companions run, so that once `remove_companion` returns, no move
-        // calls the removed one again.
-        let list = self.companions.read().unwrap_or_else(|p| p.into_inner());
+    pub(super) fn run_companions(
+        &self,
+        phase: Phase,
+        tags: &[&str],
+        held: &[&Region],
+    ) -> Result<()> {
+        let list: Vec<Arc<Entry>> = {
+            let list = self.companions.read().unwrap_or_else(|p| p.into_inner());
+            list.iter()
+                .filter(|e| tags.contains(&e.tag.as_str()))
+                .cloned()
+                .collect()
+        };
         if list.is_empty() {
             return Ok(());
         }
+        let me = std::ptr::from_ref(self) as usize;
+        HELD.with(|h| {
+            h.borrow_mut()
+                .extend(held.iter().map(|r| (me, std::ptr::from_ref::<Region>(r))))
+        });
+        let _held = Held(held.len());
         let mut ran: Vec<(&str, &Entry)> = Vec::new();
         for &tag in tags {
-            let mine: Vec<&Entry> = list.iter().filter(|e| e.tag == tag).collect();
+            let mine: Vec<&Entry> = list.iter().filter(|e| e.tag == tag).map(|e| &**e).collect();
             let ordered: Box<dyn Iterator<Item = &&Entry>> = match phase {
                 Phase::Resume => Box::new(mine.iter()),
                 Phase::Release => Box::new(mine.iter().rev()),
             };
             for &e in ordered {
-                if let Err(reason) = call(e.companion.as_ref(), phase, tag) {
-                    self.undo_companions(phase, &ran);
-                    return Err(Error::Companion {
-                        tag: tag.to_owned(),
-                        companion: e.companion.name().to_owned(),
-                        phase: phase.name(),
-                        reason,
-                    });
+                match e.run(phase, tag) {
+                    None => continue,
+                    Some(Ok(())) => ran.push((tag, e)),
+                    Some(Err(reason)) => {
+                        self.undo_companions(phase, &ran);
+                        return Err(Error::Companion {
+                            tag: tag.to_owned(),
+                            companion: e.companion.name().to_owned(),
+                            phase: phase.name(),
+                            reason,
+                        });
+                    }
                 }
-                ran.push((tag, e));
             }
         }
         Ok(())
@@ -162,7 +312,7 @@ impl Pager {
     fn undo_companions(&self, phase: Phase, ran: &[(&str, &Entry)]) {
         let undo = phase.opposite();
         for (tag, e) in ran.iter().rev() {
-            if let Err(reason) = call(e.companion.as_ref(), undo, tag) {
+            if let Some(Err(reason)) = e.run(undo, tag) {
                 self.backend.deferred_errors().record(format!(
                     "companion `{}` of region `{tag}` failed to undo its {} after another \
                      companion failed: {reason}",

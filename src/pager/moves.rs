@@ -67,7 +67,7 @@ impl Pager {
             .collect();
         self.pin_backups(regions, &mut parts)?;
         let copies = self.save_contents(tags, regions, &mut parts)?;
-        self.run_companions(Phase::Release, &moving(regions, &parts))?;
+        self.run_companions(Phase::Release, &moving(regions, &parts), &held(regions))?;
         let out = regions
             .iter_mut()
             .zip(&mut parts)
@@ -184,7 +184,9 @@ impl Pager {
                     .map_err(|e| Error::backend_of(tags, "recording the restore's fence", e)),
                 None => Ok(()),
             })
-            .and_then(|()| self.run_companions(Phase::Resume, &moving(regions, &parts)));
+            .and_then(|()| {
+                self.run_companions(Phase::Resume, &moving(regions, &parts), &held(regions))
+            });
         if let Err(e) = done {
             undo_resume(backend, tags, regions, &parts);
             return Err(e);
@@ -336,6 +338,11 @@ fn undo_resume(backend: &dyn Backend, tags: &[&str], regions: &mut Locked<'_>, p
 /// given back: `None` once it is over, the fence again when the wait failed (the backups are
 /// then kept).
 /// The tags of the regions this call moves.
+/// Every region a move holds locked, for its companions' queries.
+fn held<'a>(regions: &'a Locked<'_>) -> Vec<&'a Region> {
+    regions.iter().map(|g| &**g).collect()
+}
+
 fn moving<'a>(regions: &'a Locked<'_>, parts: &[Part]) -> Vec<&'a str> {
     regions
         .iter()

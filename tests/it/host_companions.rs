@@ -235,3 +235,149 @@ fn a_companion_moves_a_buffer_outside_the_pager_with_the_tag() {
         assert_eq!(side.live.lock().unwrap().as_deref(), Some(&data[..]));
     }
 }
+
+/// Runs `f` on a thread; panics if it has not returned within 20 s (a hang).
+fn within_20_s<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(20))
+        .unwrap_or_else(|_| panic!("{what} hung"))
+}
+
+/// What a transport's companion looks at: its own region's info, pointer, contents,
+/// statistics and audit, and the buffer at an address (each hung, since the thread holds
+/// the region); and what it may not do: move its own tag, or add a companion (both fail
+/// at once, in words).
+struct LooksAtItself {
+    pager: std::sync::Weak<Pager>,
+    buf: Mutex<Option<gpu_pager::Buffer>>,
+    seen: Mutex<Vec<String>>,
+}
+
+impl LooksAtItself {
+    fn look(&self, phase: &str, tag: &str) -> Result<(), CompanionError> {
+        let p = self.pager.upgrade().ok_or("no pager")?;
+        let buf = self.buf.lock().unwrap().clone().ok_or("no buffer")?;
+        let info = p.info(tag)?;
+        let ptr = p.ptr(&buf)?;
+        let mut bytes = [0u8; 4];
+        p.read(&buf, 0, &mut bytes)?;
+        let stats = p.region_stats(tag)?;
+        let all = p.stats();
+        let audit = p.audit()?;
+        let (found, at) = p.buffer_containing(ptr + 1).ok_or("no buffer there")?;
+        let own = p
+            .release(&[tag])
+            .expect_err("a companion released its own tag");
+        let add = p
+            .add_companion(
+                tag,
+                Recorder::new("late", &Arc::new(Mutex::new(Vec::new()))),
+            )
+            .expect_err("a companion added a companion");
+        self.seen.lock().unwrap().push(format!(
+            "{phase} {} {} {bytes:?} {} {} {} {} {} {:?} {:?}",
+            info.tag,
+            ptr == p.address(&buf)?,
+            stats.allocated_bytes,
+            all.regions.len(),
+            audit.regions.len(),
+            found == buf,
+            at,
+            own.code(),
+            add.code(),
+        ));
+        Ok(())
+    }
+}
+
+impl Companion for LooksAtItself {
+    fn name(&self) -> &str {
+        "looks at itself"
+    }
+    fn before_release(&self, tag: &str) -> Result<(), CompanionError> {
+        self.look("release", tag)
+    }
+    fn after_resume(&self, tag: &str) -> Result<(), CompanionError> {
+        self.look("resume", tag)
+    }
+}
+
+#[test]
+fn a_companion_looks_at_its_own_region_without_hanging() {
+    let p = Arc::new(pager());
+    p.region("self", 4 * MIB, Policy::Preserve).unwrap();
+    p.region("other", 4 * MIB, Policy::Discard).unwrap();
+    let buf = p.alloc("self", 4096).unwrap();
+    p.write(&buf, 0, &[1, 2, 3, 4]).unwrap();
+    let c = Arc::new(LooksAtItself {
+        pager: Arc::downgrade(&p),
+        buf: Mutex::new(Some(buf)),
+        seen: Mutex::new(Vec::new()),
+    });
+    p.add_companion("self", c.clone()).unwrap();
+    let q = p.clone();
+    within_20_s("a release whose companion looks at its region", move || {
+        q.release(&["self", "other"]).unwrap();
+        q.resume(&["self"]).unwrap();
+    });
+    assert_eq!(
+        *c.seen.lock().unwrap(),
+        [
+            "release self true [1, 2, 3, 4] 4096 2 2 true 1 InvalidArgument InvalidArgument",
+            "resume self true [1, 2, 3, 4] 4096 2 2 true 1 InvalidArgument InvalidArgument",
+        ]
+    );
+    assert_eq!(p.info("self").unwrap().state, State::Resident);
+}
+
+/// A companion that moves another tag, while another thread adds companions: the list is
+/// not held across the calls, so neither waits for the other.
+#[test]
+fn a_nested_move_and_a_concurrent_add_companion_do_not_deadlock() {
+    struct MovesOther(std::sync::Weak<Pager>);
+    impl Companion for MovesOther {
+        fn name(&self) -> &str {
+            "moves other"
+        }
+        fn before_release(&self, _: &str) -> Result<(), CompanionError> {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let p = self.0.upgrade().ok_or("no pager")?;
+            p.release(&["nested-other"])?;
+            Ok(())
+        }
+        fn after_resume(&self, _: &str) -> Result<(), CompanionError> {
+            let p = self.0.upgrade().ok_or("no pager")?;
+            p.resume(&["nested-other"])?;
+            Ok(())
+        }
+    }
+    let p = Arc::new(pager());
+    p.region("nested-main", 4 * MIB, Policy::Discard).unwrap();
+    p.region("nested-other", 4 * MIB, Policy::Discard).unwrap();
+    p.add_companion("nested-main", Arc::new(MovesOther(Arc::downgrade(&p))))
+        .unwrap();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let adder = {
+        let (p, log) = (p.clone(), log.clone());
+        std::thread::spawn(move || {
+            for _ in 0..50 {
+                let id = p
+                    .add_companion("nested-x", Recorder::new("x", &log))
+                    .unwrap();
+                p.remove_companion(id).unwrap();
+            }
+        })
+    };
+    let q = p.clone();
+    within_20_s("a nested move beside add_companion", move || {
+        for _ in 0..5 {
+            q.release(&["nested-main"]).unwrap();
+            q.resume(&["nested-main"]).unwrap();
+        }
+    });
+    adder.join().unwrap();
+    assert_eq!(p.info("nested-other").unwrap().state, State::Resident);
+}

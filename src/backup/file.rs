@@ -333,11 +333,11 @@ impl FileIo {
         let spool = match dest {
             Dest::Spool(spool) => spool,
             Dest::Owner(owner) => {
-                let path = owner
+                let (path, id) = owner
                     .create(len as u64)
                     .map_err(|e| file_error("allocating a backup file in", &dir, e))?;
                 return Ok(FileStore {
-                    place: Place::Named { owner, path },
+                    place: Place::Named { owner, path, id },
                     len,
                     io: self.clone(),
                 });
@@ -408,7 +408,12 @@ enum Place {
     /// An extent of the pager's unnamed spool, starting at `at`.
     Extent { spool: Arc<Spool>, at: u64 },
     /// A named file of its own ([`BackupFiles::Named`]), opened for each move.
-    Named { owner: Arc<Owner>, path: PathBuf },
+    Named {
+        owner: Arc<Owner>,
+        path: PathBuf,
+        /// The file's identity when it was made, checked at each open.
+        id: named::Identity,
+    },
 }
 
 /// An open backup file and where the backup starts in it, for one move.
@@ -446,7 +451,7 @@ impl Drop for FileStore {
     fn drop(&mut self) {
         match &self.place {
             // A fork child's copy of a backup is its parent's: never touched.
-            Place::Named { owner, path } => {
+            Place::Named { owner, path, .. } => {
                 if owner.is_ours() {
                     let _ = std::fs::remove_file(path);
                 }
@@ -504,7 +509,7 @@ impl FileStore {
     fn open(&self) -> io::Result<Opened<'_>> {
         match &self.place {
             Place::Extent { spool, at } => Ok(Opened::Shared(&spool.file, *at)),
-            Place::Named { path, .. } => named::open(path).map(Opened::Own),
+            Place::Named { path, id, .. } => named::open(path, *id).map(Opened::Own),
         }
     }
 

@@ -37,7 +37,7 @@ pub(crate) struct Owner {
     id: String,
     /// The owner file, locked while this process (or a fork child sharing the descriptor)
     /// lives.
-    _lock: File,
+    lock: File,
     pid: u32,
     next: AtomicU64,
 }
@@ -54,15 +54,7 @@ impl Owner {
             return Ok(o.clone());
         }
         sweep(dir);
-        let id = format!("{:032x}", super::file::random()?);
-        let pending = dir.join(format!("{PENDING_PREFIX}{id}{PENDING_SUFFIX}"));
-        let lock = create_new(&pending)?;
-        let published = flock(&lock, libc::LOCK_EX | libc::LOCK_NB)
-            .and_then(|()| std::fs::rename(&pending, dir.join(owner_name(&id))));
-        if let Err(e) = published {
-            let _ = std::fs::remove_file(&pending);
-            return Err(e);
-        }
+        let (id, lock) = publish(dir)?;
         static AT_EXIT: Once = Once::new();
         AT_EXIT.call_once(|| {
             // SAFETY: registers a handler without arguments; it never waits for a lock and
@@ -72,7 +64,7 @@ impl Owner {
         let owner = Arc::new(Owner {
             dir: dir.to_owned(),
             id,
-            _lock: lock,
+            lock,
             pid: std::process::id(),
             next: AtomicU64::new(0),
         });
@@ -81,13 +73,18 @@ impl Owner {
     }
 
     /// Whether this process published the owner (a fork child did not).
+
     pub fn is_ours(&self) -> bool {
         self.pid == std::process::id()
     }
 
-    /// A new backup file of `len` bytes, all allocated on disk; returns its path. Nothing
-    /// stays behind on failure.
-    pub fn create(&self, len: u64) -> io::Result<PathBuf> {
+    /// A new backup file of `len` bytes, all allocated on disk; returns its path and
+    /// identity. Nothing stays behind on failure. Touches the owner file, so that cleaners
+    /// of old files in the directory see it in use.
+    pub fn create(&self, len: u64) -> io::Result<(PathBuf, Identity)> {
+        // SAFETY: a plain system call on the owner file's open descriptor; NULL times mean
+        // now.
+        unsafe { libc::futimens(self.lock.as_raw_fd(), std::ptr::null()) };
         loop {
             let n = self.next.fetch_add(1, Ordering::Relaxed);
             let path = self
@@ -109,18 +106,67 @@ impl Owner {
                     return Err(io::Error::from_raw_os_error(rc));
                 }
             }
-            return Ok(path);
+            let id = identity(&file).inspect_err(|_| {
+                let _ = std::fs::remove_file(&path);
+            })?;
+            return Ok((path, id));
         }
     }
 }
 
-/// Opens the backup file at `path` for one move (never through a symbolic link).
-pub(crate) fn open(path: &Path) -> io::Result<File> {
-    OpenOptions::new()
+/// A file's identity (`st_dev`, `st_ino`): a backup file is reopened by path for each move,
+/// and must still be the file this process created.
+pub(crate) type Identity = (u64, u64);
+
+fn identity(file: &File) -> io::Result<Identity> {
+    let m = file.metadata()?;
+    Ok((
+        std::os::unix::fs::MetadataExt::dev(&m),
+        std::os::unix::fs::MetadataExt::ino(&m),
+    ))
+}
+
+/// Opens the backup file at `path` for one move (never through a symbolic link); an error
+/// when the file there is no longer the one created as `id` (another user who can write
+/// the directory swapped it).
+pub(crate) fn open(path: &Path, id: Identity) -> io::Result<File> {
+    let file = OpenOptions::new()
         .read(true)
         .write(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
+        .open(path)?;
+    if identity(&file)? != id {
+        return Err(io::Error::other(
+            "the backup file was replaced by another file since it was written (someone \
+             else can write the backup directory: use a directory only you can write)",
+        ));
+    }
+    Ok(file)
+}
+
+/// Publishes a new owner in `dir`: a pending file made and locked, then renamed to its
+/// owner name. A concurrent sweep of another process may take a pending file for abandoned
+/// between its creation and its lock and remove it: that try is made again with a new id.
+fn publish(dir: &Path) -> io::Result<(String, File)> {
+    let mut tries = 0;
+    loop {
+        let id = format!("{:032x}", super::file::random()?);
+        let pending = dir.join(format!("{PENDING_PREFIX}{id}{PENDING_SUFFIX}"));
+        let lock = create_new(&pending)?;
+        let published = flock(&lock, libc::LOCK_EX | libc::LOCK_NB)
+            .and_then(|()| std::fs::rename(&pending, dir.join(owner_name(&id))));
+        match published {
+            Ok(()) => return Ok((id, lock)),
+            Err(e) => {
+                let _ = std::fs::remove_file(&pending);
+                tries += 1;
+                let raced = matches!(e.raw_os_error(), Some(libc::ENOENT | libc::EWOULDBLOCK));
+                if !raced || tries >= 8 {
+                    return Err(e);
+                }
+            }
+        }
+    }
 }
 
 fn create_new(path: &Path) -> io::Result<File> {
@@ -187,9 +233,10 @@ fn abandoned(path: &Path) -> bool {
         && flock(&file, libc::LOCK_EX | libc::LOCK_NB).is_ok()
 }
 
-/// Removes the files of owners in `dir` that are gone (their owner file unlocked, or
-/// missing) and that this user may remove. Best effort: whatever cannot be read or removed
-/// is left as it is.
+/// Removes the files of owners in `dir` that a lock proves gone (their owner file unlocked)
+/// and that this user may remove. A backup whose owner file is missing is left alone: a
+/// cleaner of old files may have removed a live owner's file, and its owner removes its
+/// backups itself at exit. Best effort: whatever cannot be read or removed is left as it is.
 pub(crate) fn sweep(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
@@ -211,10 +258,7 @@ pub(crate) fn sweep(dir: &Path) {
         let Some((id, false)) = parse(name) else {
             continue;
         };
-        // A backup without an owner file lost its owner at exit (the owner file goes
-        // last); the owner file is looked for again now, in case it was published while
-        // the directory was being read.
-        if gone.iter().any(|g| g == id) || !dir.join(owner_name(id)).exists() {
+        if gone.iter().any(|g| g == id) {
             let _ = std::fs::remove_file(dir.join(name));
         }
     }
@@ -256,6 +300,33 @@ extern "C" fn remove_at_exit() {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_backup_whose_owner_file_is_gone_is_left_alone() {
+        let dir = std::env::temp_dir().join(format!("gpu-pager-ownerless-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A live owner's backup whose owner file a cleaner of old files removed.
+        let backup = dir.join(format!("gpu-pager-{}-0.backup", "a".repeat(32)));
+        std::fs::write(&backup, b"still needed").unwrap();
+        super::sweep(&dir);
+        assert!(backup.exists(), "a backup no lock proves dead was removed");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_backup_file_replaced_behind_the_owner_is_refused() {
+        let dir = std::env::temp_dir().join(format!("gpu-pager-swapped-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let owner = super::Owner::in_dir(&dir).unwrap();
+        let (path, id) = owner.create(4096).unwrap();
+        assert!(super::open(&path, id).is_ok());
+        let other = dir.join("other");
+        std::fs::write(&other, [9u8; 4096]).unwrap();
+        std::fs::rename(&other, &path).unwrap();
+        let e = super::open(&path, id).unwrap_err().to_string();
+        assert!(e.contains("replaced by another file"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn a_fifo_named_like_an_owner_file_does_not_hang_the_sweep() {
         let dir = std::env::temp_dir().join(format!("gpu-pager-fifo-{}", std::process::id()));

@@ -73,7 +73,6 @@ impl Owner {
     }
 
     /// Whether this process published the owner (a fork child did not).
-
     pub fn is_ours(&self) -> bool {
         self.pid == std::process::id()
     }

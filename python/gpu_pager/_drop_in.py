@@ -44,6 +44,12 @@ OFF = ("", "0", "off", "false", "no", "none")
 ``gpu_pager_drop_in.pth`` checks the same ones before importing anything)."""
 
 
+def _short(text: str, most: int) -> str:
+    """``text``, cut to ``most`` characters with ``...`` where it is longer (values from the
+    environment are echoed in messages, and may be long)."""
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
 def _named(asked: str) -> set[str]:
     """The names in a value of ``$GPU_PAGER_DROP_IN`` (comma-separated, blanks ignored;
     none for a value in :data:`OFF`)."""
@@ -104,8 +110,10 @@ def install(names: str | None = None) -> list[str]:
         chosen = set(NAMES)
     unknown = chosen - set(NAMES)
     if unknown:
+        names_shown = ", ".join(_short(n, 40) for n in sorted(unknown)[:5])
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         raise ValueError(
-            f"{ENV}={asked!r}: unknown drop-in {sorted(unknown)}; known: "
+            f"{ENV}={_short(asked, 80)!r}: unknown drop-in {names_shown}{more}; known: "
             f"{', '.join(sorted(NAMES))} (or all)"
         )
     done = []
@@ -125,7 +133,8 @@ def vllm_plugins_problem() -> str | None:
     if allowed is None or "gpu_pager" in allowed.split(","):
         return None
     return (
-        f"{ENV} names vllm, but VLLM_PLUGINS={allowed!r} does not name gpu_pager, so vLLM "
+        f"{ENV} names vllm, but VLLM_PLUGINS={_short(allowed, 80)!r} does not name gpu_pager, "
+        "so vLLM "
         "keeps its own allocator: add gpu_pager to VLLM_PLUGINS"
     )
 

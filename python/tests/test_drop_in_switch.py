@@ -108,6 +108,14 @@ def test_a_bad_value_and_a_vllm_problem_share_one_line() -> None:
     assert "unknown drop-in" in done.stderr and "VLLM_PLUGINS" in done.stderr
 
 
+def test_a_long_value_is_not_echoed_whole() -> None:
+    """A 100 kB value costs one short line on stderr, not the value twice."""
+    done = run_python(PROGRAM, GPU_PAGER_DROP_IN="x" * 100_000, VLLM_PLUGINS="y" * 100_000)
+    _check_unstopped(done)
+    assert "unknown drop-in" in done.stderr
+    assert len(done.stderr) < 1000, len(done.stderr)
+
+
 def test_find_spec_sees_torch_memory_saver_s_files() -> None:
     code = """
         import importlib.util

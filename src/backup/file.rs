@@ -319,7 +319,16 @@ impl FileIo {
         }
         let dir = std::path::absolute(dir)
             .map_err(|e| file_error("finding the backup directory", dir, e))?;
-        *locked(&self.target) = Target::open(dir, files)?;
+        let mut target = locked(&self.target);
+        if target.dir.as_deref() == Some(dir.as_path())
+            && target.files == files
+            && target.open.as_ref().is_some_and(Dest::is_ours)
+        {
+            // The same directory again: keep its spool (a new one would be one more open
+            // descriptor per call).
+            return Ok(());
+        }
+        *target = Target::open(dir, files)?;
         Ok(())
     }
 
@@ -911,6 +920,24 @@ mod tests {
             spool.file.metadata().unwrap().len(),
             0,
             "its extent goes with it"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_same_directory_again_keeps_its_spool() {
+        let dir = std::env::temp_dir().join(format!("gpu-pager-same-dir-{}", std::process::id()));
+        let io = Arc::new(FileIo::new(4096));
+        io.set_dir(&dir, BackupFiles::Unnamed).unwrap();
+        let spool = |io: &FileIo| match locked(&io.target).open.clone() {
+            Some(Dest::Spool(s)) => s,
+            other => panic!("no spool: {other:?}"),
+        };
+        let first = spool(&io);
+        io.set_dir(&dir, BackupFiles::Unnamed).unwrap();
+        assert!(
+            Arc::ptr_eq(&first, &spool(&io)),
+            "a second spool was opened"
         );
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -117,6 +117,16 @@ impl Audit {
     }
 }
 
+/// A tag as one line of text: control characters (a newline would split a table's row or
+/// a log line) escaped as Rust writes them (`\n`).
+fn shown(tag: &str) -> std::borrow::Cow<'_, str> {
+    if tag.chars().any(char::is_control) {
+        std::borrow::Cow::Owned(tag.escape_debug().to_string())
+    } else {
+        std::borrow::Cow::Borrowed(tag)
+    }
+}
+
 /// Bytes as GiB with two decimals.
 fn gib(bytes: usize) -> String {
     format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
@@ -134,7 +144,7 @@ impl std::fmt::Display for Audit {
             writeln!(
                 f,
                 "{:<24} {:<9} {:<15} {:>12} {:>12} {:>12}",
-                r.tag,
+                shown(&r.tag),
                 format!("{:?}", r.state).to_lowercase(),
                 format!("{:?}", r.policy).to_lowercase(),
                 gib(r.mapped_bytes),
@@ -275,7 +285,7 @@ impl Pager {
             .largest_resident()
             .into_iter()
             .take(3)
-            .map(|r| format!("`{}` {}", r.tag, gib(r.mapped_bytes)))
+            .map(|r| format!("`{}` {}", shown(&r.tag), gib(r.mapped_bytes)))
             .collect();
         let resident = if resident.is_empty() {
             "none".to_owned()

@@ -178,3 +178,17 @@ fn the_warning_never_waits_for_a_region() {
     assert_eq!(p.info("nowait-inner").unwrap().state, State::Released);
     drop(hog);
 }
+
+/// A tag with a newline stays on its own row of the audit's table (escaped), as it does
+/// in the release's warning.
+#[test]
+fn a_tag_with_a_newline_keeps_the_table_s_rows() {
+    let (_, p) = setup(usize::MAX);
+    p.region("two\nlines", 4 * MIB, Policy::Discard).unwrap();
+    let table = p.audit().unwrap().to_string();
+    assert!(table.contains("two\\nlines"), "{table}");
+    assert!(
+        !table.lines().any(|l| l.starts_with("lines")),
+        "the tag split a row: {table}"
+    );
+}

@@ -27,7 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def runs(engines: str) -> list[tuple[str, str, str]]:
-    """(script, release dir, switch) for every release found, oldest first."""
+    """(script, release dir, switch) for every release found: gpu_pager's switches first,
+    newest release first, then the releases' own allocators (``stock``)."""
     out = []
     for d in sorted(os.listdir(engines), key=lambda d: (d.split("-")[0], rel.minor(os.path.join(engines, d)))):
         path = os.path.join(engines, d)
@@ -36,7 +37,8 @@ def runs(engines: str) -> list[tuple[str, str, str]]:
             out += [("vllm_checks.py", path, s) for s in switches]
         elif d.startswith("sglang-"):
             out += [("sglang_checks.py", path, s) for s in ("preload", "torch")]
-    return out
+    out.reverse()
+    return sorted(out, key=lambda r: r[2] == "stock")
 
 
 def main() -> None:
@@ -47,6 +49,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=240)
     args = ap.parse_args()
     rows: list[dict] = []
+    if args.out:
+        open(args.out, "w").close()
     for script, path, switch in runs(args.engines):
         key = f"{os.path.basename(path)} {switch}"
         if args.only and not any(o in key for o in args.only):
@@ -64,6 +68,9 @@ def main() -> None:
             err, rc = f"timed out after {args.timeout:.0f} s", -1
         got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         rows += got
+        if args.out:  # as they come, so that a run cut short still leaves its rows
+            with open(args.out, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in got)
         if rc != 0 or not got or not all(r["ok"] for r in got):
             sys.stderr.write(err[-4000:])
             if rc != 0:
@@ -71,10 +78,6 @@ def main() -> None:
                              "ok": False, "detail": f"exit {rc}: {err.strip().splitlines()[-1:] }"})
         print(f"engines: {key}: {sum(r['ok'] for r in got)}/{len(got)} in "
               f"{time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
     table(rows)
     failed = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")

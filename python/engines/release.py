@@ -5,11 +5,15 @@ scheduler taken from its source by name, so that the release's own code makes th
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shutil
 import sys
 import tempfile
 import textwrap
+import time
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
@@ -82,3 +86,18 @@ def build_functions(sources: dict[str, str], namespace: dict[str, Any]) -> None:
     """Defines ``sources`` (the release's module-level functions) in ``namespace``."""
     code = "from __future__ import annotations\n\n" + "\n\n".join(sources.values())
     exec(compile(code, "<release functions>", "exec"), namespace)
+
+
+def run_checks(release: str, switch: str, checks: list[tuple[str, Callable[[], str]]]) -> None:
+    """Runs each check in turn and prints its JSON row (a failed check is a row with its
+    exception, not the end of the run; its traceback goes to stderr)."""
+    for check, run in checks:
+        t = time.perf_counter()
+        try:
+            detail, ok = run(), True
+        except Exception as e:  # noqa: BLE001
+            detail, ok = f"{type(e).__name__}: {e}", False
+            traceback.print_exc()
+        row = {"release": release, "switch": switch, "check": check, "ok": ok, "detail": detail,
+               "seconds": round(time.perf_counter() - t, 3)}
+        print(json.dumps(row), flush=True)

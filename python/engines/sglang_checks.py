@@ -20,13 +20,11 @@ retry succeeds; torch_memory_saver exits the process there).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from functools import partial
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -37,10 +35,6 @@ import release as rel  # noqa: E402
 MIB = 1 << 20
 SCHEDULER_METHODS = ("release_memory_occupation", "resume_memory_occupation")
 STATE_FUNCTIONS = ("_export_static_state", "_import_static_state")
-
-
-def say(**fields: Any) -> None:
-    print(json.dumps(fields), flush=True)
 
 
 def main() -> None:
@@ -243,15 +237,7 @@ def child(release: str, mode: str) -> None:
         ("staged", staged),
         ("oom", oom),
     ]
-    for check, run in checks:
-        t = time.perf_counter()
-        try:
-            detail, ok = run(), True
-        except Exception as e:  # noqa: BLE001 (a failed check is a row, not the end)
-            detail, ok = f"{type(e).__name__}: {e}", False
-            traceback.print_exc()
-        say(release=name, switch=mode, check=check, ok=ok, detail=detail,
-            seconds=round(time.perf_counter() - t, 3))
+    rel.run_checks(name, mode, checks)
     dist.destroy_process_group()
 
 

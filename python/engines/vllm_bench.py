@@ -45,7 +45,6 @@ def link(torch: Any, nbytes: int = 2 * GIB) -> tuple[float, float]:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     d2h = min(timed(torch, lambda: host.copy_(dev, non_blocking=True)) for _ in range(3))
     h2d = min(timed(torch, lambda: dev.copy_(host, non_blocking=True)) for _ in range(3))
-    del dev, host
     return nbytes / d2h, nbytes / h2d
 
 
@@ -177,7 +176,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "weights_bytes": nbytes,
         "tensors": args.tensors,
-        "kv_bytes": int(args.kv_gib * GIB),
+        "kv_bytes": kv.numel(),
         "link_d2h_gbs": d2h / 1e9,
         "link_h2d_gbs": h2d / 1e9,
         "first_sleep_s": first_sleep,

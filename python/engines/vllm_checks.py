@@ -22,12 +22,10 @@ recommitted by vLLM beside it).
 from __future__ import annotations
 
 import fnmatch
-import json
 import logging
 import os
 import sys
 import time
-import traceback
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -133,19 +131,7 @@ def main() -> None:
         checks.append(("oom", lambda: engine.oom(worker)))
     if engine.extensible is not None:
         checks.append(("extensible-kv", lambda: engine.extensible_kv(worker)))
-    for check, run in checks:
-        t = time.perf_counter()
-        try:
-            detail, ok = run(), True
-        except Exception as e:  # noqa: BLE001 (a failed check is a row, not the end)
-            detail, ok = f"{type(e).__name__}: {e}", False
-            traceback.print_exc()
-        say(release=name, switch=switch, check=check, ok=ok, detail=detail,
-            seconds=round(time.perf_counter() - t, 3))
-
-
-def say(**fields: Any) -> None:
-    print(json.dumps(fields), flush=True)
+    rel.run_checks(name, switch, checks)
 
 
 class Engine:

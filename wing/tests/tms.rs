@@ -537,19 +537,10 @@ fn an_explicit_disk_directory_wins_over_the_environment() {
     let base = std::env::temp_dir().join(format!("gpu-pager-tms-dirs-{}", std::process::id()));
     let from_env = base.join("from-env");
     let Some(dirs) = std::env::var_os(CHILD) else {
-        // Under the tests' emulator, if one is set.
-        let out = gpu_pager_faults::driver_stub::command(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "an_explicit_disk_directory_wins_over_the_environment",
-            ])
-            .env(CHILD, &base)
-            .env(gpu_pager::BACKUP_DIR_ENV, &from_env)
-            .output()
-            .unwrap();
-        let log = String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success() && log.contains("1 passed"), "{log}");
+        in_a_child(
+            "an_explicit_disk_directory_wins_over_the_environment",
+            &[(CHILD, base.clone()), (gpu_pager::BACKUP_DIR_ENV, from_env)],
+        );
         std::fs::remove_dir_all(&base).ok();
         return;
     };
@@ -585,19 +576,14 @@ fn tms_disk_backup_dir_wins_over_the_pager_s_variable() {
     const CHILD: &str = "GPU_PAGER_TMS_ENV_DIR_CHILD";
     let base = std::env::temp_dir().join(format!("gpu-pager-tms-env-dirs-{}", std::process::id()));
     let Some(dirs) = std::env::var_os(CHILD) else {
-        let out = gpu_pager_faults::driver_stub::command(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "tms_disk_backup_dir_wins_over_the_pager_s_variable",
-            ])
-            .env(CHILD, &base)
-            .env(gpu_pager::BACKUP_DIR_ENV, base.join("pager"))
-            .env("TMS_DISK_BACKUP_DIR", base.join("tms"))
-            .output()
-            .unwrap();
-        let log = String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success() && log.contains("1 passed"), "{log}");
+        in_a_child(
+            "tms_disk_backup_dir_wins_over_the_pager_s_variable",
+            &[
+                (CHILD, base.clone()),
+                (gpu_pager::BACKUP_DIR_ENV, base.join("pager")),
+                ("TMS_DISK_BACKUP_DIR", base.join("tms")),
+            ],
+        );
         std::fs::remove_dir_all(&base).ok();
         return;
     };
@@ -621,4 +607,18 @@ fn tms_disk_backup_dir_wins_over_the_pager_s_variable() {
         assert_eq!(read(p, 4096), vec![5; 4096]);
         gpu_pager_tms_set_disk_backup(false);
     });
+}
+
+/// Runs test `name` of this binary alone in a child process with `env` set (under the
+/// tests' emulator, if one is set); panics unless it passed.
+fn in_a_child(name: &str, env: &[(&str, PathBuf)]) {
+    let mut cmd = gpu_pager_faults::driver_stub::command(std::env::current_exe().unwrap());
+    cmd.args(["--exact", name]);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    let log =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && log.contains("1 passed"), "{log}");
 }

@@ -39,7 +39,12 @@ STATE_FUNCTIONS = ("_export_static_state", "_import_static_state")
 
 def main() -> None:
     release, mode = sys.argv[1], sys.argv[2]
+    # As a user switches SGLang: the variable (for the children, whose start-up reads it)
+    # and, since this process started without it, the switch itself.
     os.environ["GPU_PAGER_DROP_IN"] = "torch_memory_saver"
+    from gpu_pager import _drop_in
+
+    _drop_in.install()
     if mode == "preload" and "--child" not in sys.argv:
         # SGLang's engine starts its scheduler processes inside configure_subprocess().
         rel.import_root(release, "sglang")

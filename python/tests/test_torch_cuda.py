@@ -251,7 +251,7 @@ def test_vllm_0_34_discardable_leaves_out_only_the_rewritten_tensors() -> None:
         torch.cuda.synchronize()
         free = torch.cuda.mem_get_info()[0]
         a.sleep(("weights", "runtime", "cudagraph"), {t.untyped_storage().data_ptr() for t in rewritten})
-        assert torch.cuda.mem_get_info()[0] - free >= 80 << 20, "the weights were not freed"
+        assert torch.cuda.mem_get_info()[0] - free >= 70 << 20, "the weights were not freed"
         a.wake_up(None)
         for t, k in zip(kept, keep):
             assert torch.equal(t.cpu(), k), "a tensor outside discardable was not kept"

@@ -53,6 +53,7 @@ impl Owner {
         if let Some(o) = owners.iter().find(|o| o.dir == dir && o.is_ours()) {
             return Ok(o.clone());
         }
+        shared_without_sticky_bit(dir)?;
         sweep(dir);
         let (id, lock) = publish(dir)?;
         static AT_EXIT: Once = Once::new();
@@ -143,6 +144,24 @@ pub(crate) fn open(path: &Path, id: Identity) -> io::Result<File> {
     Ok(file)
 }
 
+/// An error when others can write `dir` and its sticky bit is off: another user could
+/// remove or replace this process's named backups there.
+fn shared_without_sticky_bit(dir: &Path) -> io::Result<()> {
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(dir)?.permissions());
+    if mode & 0o002 != 0 && mode & 0o1000 == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "every user can write the backup directory (mode {:o}) and its sticky bit is \
+                 off, so another user could replace the backups: use a directory only you can \
+                 write, or one with the sticky bit (chmod +t, as /tmp has)",
+                mode & 0o7777
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Publishes a new owner in `dir`: a pending file made and locked, then renamed to its
 /// owner name. A concurrent sweep of another process may take a pending file for abandoned
 /// between its creation and its lock and remove it: that try is made again with a new id.
@@ -152,6 +171,12 @@ fn publish(dir: &Path) -> io::Result<(String, File)> {
         let id = format!("{:032x}", super::file::random()?);
         let pending = dir.join(format!("{PENDING_PREFIX}{id}{PENDING_SUFFIX}"));
         let lock = create_new(&pending)?;
+        #[cfg(test)]
+        tests::BEFORE_LOCK.with(|hook| {
+            if let Some(hook) = hook.borrow().as_ref() {
+                hook(dir);
+            }
+        });
         let published = flock(&lock, libc::LOCK_EX | libc::LOCK_NB)
             .and_then(|()| std::fs::rename(&pending, dir.join(owner_name(&id))));
         match published {
@@ -299,6 +324,51 @@ extern "C" fn remove_at_exit() {
 
 #[cfg(test)]
 mod tests {
+    /// A hook that looks at a directory.
+    type DirHook = Box<dyn Fn(&std::path::Path)>;
+
+    thread_local! {
+        /// Runs in `publish` between making the pending file and locking it.
+        pub(super) static BEFORE_LOCK: std::cell::RefCell<Option<DirHook>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    #[test]
+    fn a_sweep_between_a_pending_file_and_its_lock_is_outlived() {
+        let dir = std::env::temp_dir().join(format!("gpu-pager-publish-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Another process's sweep, at the worst moment: it takes the pending file for
+        // abandoned and removes it. Once only.
+        let swept = std::rc::Rc::new(std::cell::Cell::new(false));
+        let once = swept.clone();
+        BEFORE_LOCK.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move |d| {
+                if !once.replace(true) {
+                    super::sweep(d);
+                }
+            }))
+        });
+        let published = super::publish(&dir);
+        BEFORE_LOCK.with(|h| h.borrow_mut().take());
+        assert!(swept.get(), "the sweep ran");
+        let (id, _lock) = published.expect("a raced publish is tried again");
+        assert!(dir.join(super::owner_name(&id)).exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_directory_all_can_write_without_the_sticky_bit_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("gpu-pager-shared-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = super::Owner::in_dir(&dir).unwrap_err().to_string();
+        assert!(e.contains("sticky bit"), "{e}");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        assert!(super::Owner::in_dir(&dir).is_ok(), "sticky, as /tmp");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn a_backup_whose_owner_file_is_gone_is_left_alone() {
         let dir = std::env::temp_dir().join(format!("gpu-pager-ownerless-{}", std::process::id()));

@@ -4,7 +4,7 @@ in one process per release and allocator; the link's speed measured in the same 
 Prints one JSON line.
 
     python vllm_bench.py RELEASE_DIR stock|gpu_pager [--weights-gib 16] [--tensors 300]
-                         [--kv-gib 16] [--cycles 3]
+                         [--kv-gib 16] [--cycles 2]
     python vllm_bench.py --all ENGINES_DIR [same options]   every vLLM release there, each
                          allocator in a process of its own, then a table (JSON rows in
                          $OUT/engines-bench.jsonl where OUT is set)
@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--weights-gib", type=float, default=16)
     ap.add_argument("--tensors", type=int, default=300)
     ap.add_argument("--kv-gib", type=float, default=16)
-    ap.add_argument("--cycles", type=int, default=3)
+    ap.add_argument("--cycles", type=int, default=2)
     args = ap.parse_args()
     if args.impl == "stock":
         os.environ.pop("GPU_PAGER_DROP_IN", None)

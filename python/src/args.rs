@@ -130,15 +130,12 @@ pub(crate) fn policy(obj: &Bound<'_, PyAny>) -> PyResult<gpu_pager::Policy> {
 
 /// A backup medium by name: `"pinned"`, `"host"` or `"file"`.
 pub(crate) fn medium(name: &str) -> PyResult<gpu_pager::Medium> {
-    match name {
-        "pinned" => Ok(gpu_pager::Medium::Pinned),
-        "host" => Ok(gpu_pager::Medium::Host),
-        "file" => Ok(gpu_pager::Medium::File),
-        other => Err(PyValueError::new_err(format!(
-            "unknown backup medium {other:?}: use \"pinned\" (kept across cycles), \"host\" \
+    gpu_pager::Medium::from_name(name).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "unknown backup medium {name:?}: use \"pinned\" (kept across cycles), \"host\" \
              (given back after each resume) or \"file\" (in the backup directory)"
-        ))),
-    }
+        ))
+    })
 }
 
 /// A copy route by name: `"engine"`, `"kernel"` or `"fastest"`.
@@ -155,14 +152,14 @@ pub(crate) fn route(name: &str, what: &str) -> PyResult<gpu_pager::CopyRoute> {
 /// A region kind by name: `"fixed"` or `"growing"` (elastic regions are the Rust KV
 /// cache's, which Python does not offer).
 pub(crate) fn region_kind(name: &str) -> PyResult<gpu_pager::RegionKind> {
-    match name {
-        "fixed" => Ok(gpu_pager::RegionKind::Fixed),
-        "growing" => Ok(gpu_pager::RegionKind::Growing),
-        other => Err(PyValueError::new_err(format!(
-            "unknown region kind {other:?}: use \"fixed\" (all its bytes mapped while \
-             resident) or \"growing\" (memory mapped only under its buffers)"
-        ))),
-    }
+    gpu_pager::RegionKind::from_name(name)
+        .filter(|k| *k != gpu_pager::RegionKind::Elastic)
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "unknown region kind {name:?}: use \"fixed\" (all its bytes mapped while \
+                 resident) or \"growing\" (memory mapped only under its buffers)"
+            ))
+        })
 }
 
 /// A CUDA stream: an int (`CUstream`, 0 is the legacy default stream) or an object with

@@ -34,13 +34,28 @@ pub enum Medium {
 }
 // What each medium means for the pager (its rules) and its store live in `crate::backup`.
 
-impl std::fmt::Display for Medium {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
+impl Medium {
+    /// Every medium.
+    pub const ALL: [Medium; 3] = [Medium::Pinned, Medium::Host, Medium::File];
+
+    /// The medium's short name, as the bindings spell it: `"pinned"`, `"host"` or `"file"`.
+    pub fn name(self) -> &'static str {
+        match self {
             Medium::Pinned => "pinned",
             Medium::Host => "host",
             Medium::File => "file",
-        })
+        }
+    }
+
+    /// The medium with this short name ([`Medium::name`]), if any.
+    pub fn from_name(name: &str) -> Option<Medium> {
+        Self::ALL.into_iter().find(|m| m.name() == name)
+    }
+}
+
+impl std::fmt::Display for Medium {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -71,13 +86,29 @@ pub enum RegionKind {
     Growing,
 }
 
-impl std::fmt::Display for RegionKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
+impl RegionKind {
+    /// Every kind.
+    pub const ALL: [RegionKind; 3] = [RegionKind::Fixed, RegionKind::Elastic, RegionKind::Growing];
+
+    /// The kind's short name, as the bindings spell it: `"fixed"`, `"elastic"` or
+    /// `"growing"`.
+    pub fn name(self) -> &'static str {
+        match self {
             RegionKind::Fixed => "fixed",
             RegionKind::Elastic => "elastic",
             RegionKind::Growing => "growing",
-        })
+        }
+    }
+
+    /// The kind with this short name ([`RegionKind::name`]), if any.
+    pub fn from_name(name: &str) -> Option<RegionKind> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
+    }
+}
+
+impl std::fmt::Display for RegionKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -175,4 +206,23 @@ pub struct RegionStats {
     pub last_release: Option<RegionReport>,
     /// The last resume that changed this region.
     pub last_resume: Option<RegionReport>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_unknown_ones_are_none() {
+        for m in Medium::ALL {
+            assert_eq!(Medium::from_name(m.name()), Some(m));
+            assert_eq!(m.to_string(), m.name());
+        }
+        for k in RegionKind::ALL {
+            assert_eq!(RegionKind::from_name(k.name()), Some(k));
+            assert_eq!(k.to_string(), k.name());
+        }
+        assert_eq!(Medium::from_name("disk"), None);
+        assert_eq!(RegionKind::from_name("Fixed"), None);
+    }
 }

@@ -192,9 +192,14 @@ typedef struct gpu_pager_device_info {
 } gpu_pager_device_info;
 
 // A device's pager settings (`gpu_pager_configure`, `gpu_pager_get_config`). Start from
-// `gpu_pager_config_default()` and change the fields you choose: a field added in a later
-// version then keeps its default.
+// `gpu_pager_config_default()` and change the fields you choose. Versioned as NCCL's
+// `ncclConfig_t` is: `size` says how much of it the caller's header knows, and fields are
+// only ever added at the end, so a program built against an older header keeps working
+// with a newer library (the fields it does not know keep their defaults).
 typedef struct gpu_pager_config {
+  // `sizeof(gpu_pager_config)` as the caller was built with: set by
+  // `gpu_pager_config_default()`; keep it.
+  uint64_t size;
   // Physical chunk size in bytes (default 512 MiB); rounded up to the granularity and to
   // a power of two. Mapping costs per chunk; a region's last chunk wastes at most one
   // chunk's rounding.
@@ -349,15 +354,20 @@ struct gpu_pager_config gpu_pager_config_default(void);
 // the same settings are accepted and others fail with `GPU_PAGER_ERROR_INVALID_ARGUMENT`,
 // changing nothing. An unknown route fails the same way.
 //
+// `config->size` must be what `gpu_pager_config_default()` set (`sizeof(gpu_pager_config)`
+// of the caller's header).
+//
 // # Safety
-// `config` is NULL (an error) or valid for a read of a `gpu_pager_config`.
+// `config` is NULL (an error) or valid for a read of `config->size` bytes.
 gpu_pager_code gpu_pager_configure(int device, const struct gpu_pager_config *config);
 
 // Opens device `device`'s pager and writes its settings into `*out`, sizes as the pager
-// rounded them.
+// rounded them: as many fields as `out->size` holds (initialize `*out` with
+// `gpu_pager_config_default()` first).
 //
 // # Safety
-// `out` is NULL (an error) or valid for a write of a `gpu_pager_config`.
+// `out` is NULL (an error) or valid for a read of its size and a write of `out->size`
+// bytes.
 gpu_pager_code gpu_pager_get_config(int device, struct gpu_pager_config *out);
 
 // Creates region `tag` of `bytes` (rounded up to the granularity) on device `device`,

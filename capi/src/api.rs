@@ -132,8 +132,11 @@ pub extern "C" fn gpu_pager_config_default() -> gpu_pager_config {
 /// the same settings are accepted and others fail with `GPU_PAGER_ERROR_INVALID_ARGUMENT`,
 /// changing nothing. An unknown route fails the same way.
 ///
+/// `config->size` must be what `gpu_pager_config_default()` set (`sizeof(gpu_pager_config)`
+/// of the caller's header).
+///
 /// # Safety
-/// `config` is NULL (an error) or valid for a read of a `gpu_pager_config`.
+/// `config` is NULL (an error) or valid for a read of `config->size` bytes.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpu_pager_configure(
     device: c_int,
@@ -146,8 +149,20 @@ pub unsafe extern "C" fn gpu_pager_configure(
                     .to_owned(),
             ));
         }
-        // SAFETY: non-NULL (checked) and valid for a read (the contract); plain data.
-        let c = unsafe { config.read() };
+        // SAFETY: non-NULL (checked) and valid for a read of the caller's
+        // gpu_pager_config, whose first field (offset 0) is its size (the contract).
+        let size = unsafe { config.cast::<u64>().read() };
+        let n = config_size(size, "config")?;
+        let mut c = gpu_pager_config::from(PagerConfig::default());
+        // SAFETY: the caller's struct holds `n` bytes (its own size, checked to be at most
+        // ours), and `c` is a distinct local of at least `n` bytes; plain data.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                config.cast::<u8>(),
+                std::ptr::from_mut(&mut c).cast::<u8>(),
+                n,
+            )
+        };
         let route = |n: u32, field: &str| {
             gpu_pager_copy_route::from_number(n).ok_or_else(|| {
                 untagged(format!(
@@ -181,10 +196,12 @@ pub unsafe extern "C" fn gpu_pager_configure(
 }
 
 /// Opens device `device`'s pager and writes its settings into `*out`, sizes as the pager
-/// rounded them.
+/// rounded them: as many fields as `out->size` holds (initialize `*out` with
+/// `gpu_pager_config_default()` first).
 ///
 /// # Safety
-/// `out` is NULL (an error) or valid for a write of a `gpu_pager_config`.
+/// `out` is NULL (an error) or valid for a read of its size and a write of `out->size`
+/// bytes.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpu_pager_get_config(
     device: c_int,
@@ -192,12 +209,45 @@ pub unsafe extern "C" fn gpu_pager_get_config(
 ) -> gpu_pager_code {
     call("gpu_pager_get_config", || {
         required(out, "out")?;
-        let value = gpu_pager_config::from(pager(device)?.config());
-        // SAFETY: `out` is non-NULL (checked) and valid for a write (the contract).
-        unsafe { write_out(out, value) };
+        // SAFETY: non-NULL (checked) and valid for a read of its size field, at offset 0
+        // (the contract: initialized with gpu_pager_config_default()).
+        let size = unsafe { out.cast::<u64>().read() };
+        let n = config_size(size, "out")?;
+        let mut value = gpu_pager_config::from(pager(device)?.config());
+        value.size = size;
+        // SAFETY: the caller's struct holds `n` bytes (its size, at most ours); plain data.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                std::ptr::from_ref(&value).cast::<u8>(),
+                out.cast::<u8>(),
+                n,
+            )
+        };
         Ok(())
     })
 }
+
+/// The bytes of a caller's `gpu_pager_config` of `size` (its `size` field) that this
+/// library reads or writes: an error unless it is a size some version of the header had.
+fn config_size(size: u64, what: &str) -> Result<usize> {
+    let ours = std::mem::size_of::<gpu_pager_config>();
+    match usize::try_from(size) {
+        Ok(n) if (FIRST_CONFIG_SIZE..=ours).contains(&n) => Ok(n),
+        _ if size > ours as u64 => Err(untagged(format!(
+            "{what}.size = {size} is larger than this library's gpu_pager_config ({ours} \
+             bytes): the program was built with a newer gpu_pager.h than the library it \
+             runs with; update the library"
+        ))),
+        _ => Err(untagged(format!(
+            "{what}.size = {size} is not a gpu_pager_config's size: start from \
+             gpu_pager_config_default() (it sets size)"
+        ))),
+    }
+}
+
+/// The size of the first `gpu_pager_config` that had a size field (its fields up to
+/// `resident_warning_bytes`): a caller's struct is at least this large.
+const FIRST_CONFIG_SIZE: usize = 40;
 
 /// Creates region `tag` of `bytes` (rounded up to the granularity) on device `device`,
 /// resident, at a device address that never changes while it exists; stores that address
@@ -802,6 +852,36 @@ pub extern "C" fn gpu_pager_take_deferred_errors(device: c_int) -> *const c_char
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_first_config_size_stays_the_first_fields_size() {
+        let first = std::mem::offset_of!(gpu_pager_config, resident_warning_bytes)
+            + std::mem::size_of::<u64>();
+        assert_eq!(
+            FIRST_CONFIG_SIZE, first,
+            "fields are only ever added at the end"
+        );
+        assert!(std::mem::size_of::<gpu_pager_config>() >= FIRST_CONFIG_SIZE);
+        assert_eq!(std::mem::offset_of!(gpu_pager_config, size), 0);
+    }
+
+    #[test]
+    fn a_config_of_an_unknown_size_is_refused_in_words() {
+        let mut c = gpu_pager_config_default();
+        for (size, words) in [
+            (0, "start from gpu_pager_config_default()"),
+            (39, "start from gpu_pager_config_default()"),
+            (4096, "built with a newer gpu_pager.h"),
+        ] {
+            c.size = size;
+            // SAFETY: a valid config (its size field is what is tested).
+            let code = unsafe { gpu_pager_configure(0, &c) };
+            assert_eq!(code, gpu_pager_code::GPU_PAGER_ERROR_INVALID_ARGUMENT);
+            // SAFETY: this thread's NUL-terminated message.
+            let msg = unsafe { std::ffi::CStr::from_ptr(gpu_pager_last_error()) };
+            assert!(msg.to_string_lossy().contains(words), "{size}: {msg:?}");
+        }
+    }
 
     #[test]
     fn every_code_has_its_name() {

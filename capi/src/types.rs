@@ -200,11 +200,16 @@ impl gpu_pager_copy_route {
 }
 
 /// A device's pager settings (`gpu_pager_configure`, `gpu_pager_get_config`). Start from
-/// `gpu_pager_config_default()` and change the fields you choose: a field added in a later
-/// version then keeps its default.
+/// `gpu_pager_config_default()` and change the fields you choose. Versioned as NCCL's
+/// `ncclConfig_t` is: `size` says how much of it the caller's header knows, and fields are
+/// only ever added at the end, so a program built against an older header keeps working
+/// with a newer library (the fields it does not know keep their defaults).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct gpu_pager_config {
+    /// `sizeof(gpu_pager_config)` as the caller was built with: set by
+    /// `gpu_pager_config_default()`; keep it.
+    pub size: u64,
     /// Physical chunk size in bytes (default 512 MiB); rounded up to the granularity and to
     /// a power of two. Mapping costs per chunk; a region's last chunk wastes at most one
     /// chunk's rounding.
@@ -241,6 +246,7 @@ pub const GPU_PAGER_POISON: u32 = 0x7FFF_7FFF;
 impl From<PagerConfig> for gpu_pager_config {
     fn from(c: PagerConfig) -> Self {
         gpu_pager_config {
+            size: std::mem::size_of::<gpu_pager_config>() as u64,
             chunk_bytes: c.chunk_bytes as u64,
             skip_unchanged: c.skip_unchanged,
             verify_restore: c.verify_restore,

@@ -297,8 +297,15 @@ static void companions(int dev) {
 static void configure(int dev) {
     EXPECT(gpu_pager_configure(dev, NULL), GPU_PAGER_ERROR_INVALID_ARGUMENT, "config is NULL");
     gpu_pager_config bad = gpu_pager_config_default();
+    if (bad.size != sizeof(gpu_pager_config)) {
+        fprintf(stderr, "gpu_pager_config_default() does not set size\n");
+        failures++;
+    }
     bad.restore_route = 7;
     EXPECT(gpu_pager_configure(dev, &bad), GPU_PAGER_ERROR_INVALID_ARGUMENT, "restore_route = 7");
+    bad = gpu_pager_config_default();
+    bad.size = 0; /* not initialized from the default */
+    EXPECT(gpu_pager_configure(dev, &bad), GPU_PAGER_ERROR_INVALID_ARGUMENT, "config.size = 0");
     gpu_pager_config c = gpu_pager_config_default();
     if (c.chunk_bytes != 512 * MIB || !c.skip_unchanged || c.verify_restore ||
         c.save_route != GPU_PAGER_ROUTE_ENGINE || c.restore_route != GPU_PAGER_ROUTE_FASTEST) {
@@ -314,7 +321,7 @@ static void configure(int dev) {
     c.poison_discards = true;
     c.save_route = GPU_PAGER_ROUTE_FASTEST;
     CHECK(gpu_pager_configure(dev, &c));
-    gpu_pager_config got;
+    gpu_pager_config got = gpu_pager_config_default();
     CHECK(gpu_pager_get_config(dev, &got)); /* opens the pager */
     if (got.chunk_bytes != 4 * MIB || !got.verify_restore || !got.skip_unchanged || !got.poison_discards ||
         got.save_route != GPU_PAGER_ROUTE_FASTEST || got.restore_route != GPU_PAGER_ROUTE_FASTEST) {

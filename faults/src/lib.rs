@@ -42,8 +42,9 @@ pub mod spool;
 pub use hog::Hog;
 
 use gpu_pager::backend::{
-    Backend, BackendError, BackendResult, DeferredErrors, DeviceInfo, DeviceRange, Direction,
-    Fence, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
+    Backend, BackendError, BackendResult, DeferredErrors, DeviceInfo, DeviceProcess, DeviceRange,
+    Direction, Fence, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream,
+    Reservation,
 };
 
 /// A call that can be made to fail.
@@ -454,8 +455,26 @@ impl Backend for FaultyBackend {
         self.inner.mem_info()
     }
 
+    fn processes(&self) -> Option<Vec<DeviceProcess>> {
+        self.inner.processes()
+    }
+
     fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>> {
         self.inner.reserve(bytes)
+    }
+
+    /// Pins, then copies, through this wrapper's own (faulty) `alloc_pinned` and
+    /// `copy_to_host`.
+    ///
+    /// # Safety
+    /// As [`Backend::alloc_pinned_from_device`].
+    unsafe fn alloc_pinned_from_device(
+        &self,
+        bytes: usize,
+        src: u64,
+    ) -> BackendResult<Box<dyn HostBuffer>> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { gpu_pager::backend::pin_then_copy(self, bytes, src) }
     }
 
     /// # Safety

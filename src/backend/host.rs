@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{
     Backend, BackendError, BackendKind, BackendResult, DeferredErrors, DeviceInfo, DeviceProcess,
-    Direction, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, Reservation, check_copy,
-    check_map, kv_invalid,
+    DeviceRange, Direction, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, Reservation,
+    check_copy, check_map, kv_invalid,
 };
 use crate::kernels::kv::{KvOp, reference as kv_reference};
 use crate::kernels::{self, reference};
@@ -420,6 +420,30 @@ impl Backend for HostBackend {
             pid: std::process::id(),
             bytes: Some(self.used_bytes()),
         }])
+    }
+
+    /// Nothing to collect: host memory has no scrubber.
+    fn set_reclaim_scrubbed(&self, _on: bool) {}
+
+    fn alloc_pinned_many(&self, sizes: &[usize]) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
+        super::pin_each(self, sizes)
+    }
+
+    unsafe fn alloc_pinned_from_device(
+        &self,
+        bytes: usize,
+        src: u64,
+    ) -> BackendResult<Box<dyn HostBuffer>> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { super::pin_then_copy(self, bytes, src) }
+    }
+
+    unsafe fn alloc_pinned_many_from_device(
+        &self,
+        ranges: &[DeviceRange],
+    ) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { super::pin_many_then_copy(self, ranges) }
     }
 
     fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>> {

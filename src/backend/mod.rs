@@ -447,6 +447,11 @@ pub(crate) fn one_each(
 
 /// The primitives the pager needs. Implementations are thread-safe; the pager serialises
 /// moves of one region itself.
+///
+/// Every method is required (none has a default), so that a wrapper that forwards to an
+/// inner backend cannot leave out a method added later without the compiler saying so; the
+/// helpers [`pin_each`], [`pin_then_copy`] and [`pin_many_then_copy`] are what a backend
+/// without a faster way answers.
 pub trait Backend: Send + Sync + fmt::Debug {
     /// Describes the device.
     fn info(&self) -> &DeviceInfo;
@@ -460,9 +465,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// The processes using the device now, with their device memory, where the backend can
     /// see them (NVML on a GPU); `None` where it cannot.
-    fn processes(&self) -> Option<Vec<DeviceProcess>> {
-        None
-    }
+    fn processes(&self) -> Option<Vec<DeviceProcess>>;
 
     /// Whether a release of device memory makes the backend collect the driver's scrubbed
     /// pages ahead, on a helper thread, so that the next allocation does not pay for them
@@ -470,7 +473,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// default): the driver zeroes freed memory and hands it back to its allocator only
     /// at an allocation, which then waits for that bookkeeping (about 20 ms per 64 GiB on
     /// an H100). A backend without a scrubber ignores it.
-    fn set_reclaim_scrubbed(&self, _on: bool) {}
+    fn set_reclaim_scrubbed(&self, on: bool);
 
     /// Reserves `bytes` (a multiple of the granularity) of virtual address space, mapped to
     /// nothing. Accessing it faults until something is mapped.
@@ -514,12 +517,9 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// own, in any order. All or nothing: on error nothing allocated by this call stays
     /// allocated. No sizes: no buffers.
     ///
-    /// The default calls [`Backend::alloc_pinned`] once per size; the CUDA backend pins the
-    /// batch at once ([`cuda::CudaBackend::pin_many`]).
-    fn alloc_pinned_many(&self, sizes: &[usize]) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
-        // Collecting into a `Result` stops at the first error and drops what it collected.
-        sizes.iter().map(|&n| self.alloc_pinned(n)).collect()
-    }
+    /// [`pin_each`] calls [`Backend::alloc_pinned`] once per size; the CUDA backend pins
+    /// the batch at once ([`cuda::CudaBackend::pin_many`]).
+    fn alloc_pinned_many(&self, sizes: &[usize]) -> BackendResult<Vec<Box<dyn HostBuffer>>>;
 
     /// Copies `src` (any host memory) to device address `dst` with the copy engine and waits
     /// for the copy to finish.
@@ -537,8 +537,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
     unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> BackendResult<()>;
 
     /// Allocates `bytes` of pinned host memory as [`Backend::alloc_pinned`] does, filled with
-    /// a copy of device memory at `src`: a region's first backup in one step. The default
-    /// pins, then copies; the CUDA backend overlaps the two
+    /// a copy of device memory at `src`: a region's first backup in one step.
+    /// [`pin_then_copy`] pins, then copies; the CUDA backend overlaps the two
     /// ([`cuda::CudaBackend::pin_from_device`], registering in pieces: see
     /// [`HostBuffer::piece_bytes`]). Nothing is left allocated on error.
     ///
@@ -549,18 +549,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
         &self,
         bytes: usize,
         src: u64,
-    ) -> BackendResult<Box<dyn HostBuffer>> {
-        let mut buf = self.alloc_pinned(bytes)?;
-        // SAFETY: `src .. src + bytes` is mapped device memory of this backend (the
-        // caller's contract) and the buffer holds `bytes` bytes.
-        unsafe { self.copy_to_host(buf.as_mut_slice(), src) }?;
-        Ok(buf)
-    }
+    ) -> BackendResult<Box<dyn HostBuffer>>;
 
     /// Allocates one pinned buffer per entry of `ranges` (of its `bytes`, as
     /// [`Backend::alloc_pinned_many`] does: independent buffers, each droppable on its own),
     /// each filled with a copy of its device range: the missing backups of a growing region's
-    /// buffers in one step. The default pins the batch, then copies each buffer; the CUDA
+    /// buffers in one step. [`pin_many_then_copy`] pins the batch, then copies each buffer; the CUDA
     /// backend overlaps the two ([`cuda::CudaBackend::pin_many_from_device`]). All or
     /// nothing: on error nothing allocated by this call stays allocated. No ranges: no
     /// buffers.
@@ -571,18 +565,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     unsafe fn alloc_pinned_many_from_device(
         &self,
         ranges: &[DeviceRange],
-    ) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
-        let sizes: Vec<usize> = ranges.iter().map(|r| r.bytes).collect();
-        let bufs = self.alloc_pinned_many(&sizes)?;
-        let mut bufs = one_each("alloc_pinned_many", bufs, ranges.len())?;
-        // On error, dropping `bufs` frees every buffer.
-        for (buf, r) in bufs.iter_mut().zip(ranges) {
-            // SAFETY: `r.src .. r.src + r.bytes` is mapped device memory of this backend (the
-            // caller's contract) and the buffer holds `r.bytes` bytes.
-            unsafe { self.copy_to_host(buf.as_mut_slice(), r.src) }?;
-        }
-        Ok(bufs)
-    }
+    ) -> BackendResult<Vec<Box<dyn HostBuffer>>>;
 
     /// Enqueues `copy` with `mover` on the backend's own stream for that mover and the copy's
     /// direction (four streams: copy engine and copy kernel, each way, so that copies of
@@ -768,6 +751,51 @@ pub fn auto(ordinal: usize) -> BackendResult<(Arc<dyn Backend>, Option<String>)>
     }
     let config = host::HostConfig::from_env()?;
     Ok((Arc::new(host::HostBackend::new(config)), Some(why)))
+}
+
+/// [`Backend::alloc_pinned_many`] by one [`Backend::alloc_pinned`] per size, for a backend
+/// that cannot pin a batch faster.
+pub fn pin_each(b: &dyn Backend, sizes: &[usize]) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
+    // Collecting into a `Result` stops at the first error and drops what it collected.
+    sizes.iter().map(|&n| b.alloc_pinned(n)).collect()
+}
+
+/// [`Backend::alloc_pinned_from_device`] by pinning, then copying, for a backend that cannot
+/// overlap the two.
+///
+/// # Safety
+/// As [`Backend::alloc_pinned_from_device`].
+pub unsafe fn pin_then_copy(
+    b: &dyn Backend,
+    bytes: usize,
+    src: u64,
+) -> BackendResult<Box<dyn HostBuffer>> {
+    let mut buf = b.alloc_pinned(bytes)?;
+    // SAFETY: `src .. src + bytes` is mapped device memory of this backend (the caller's
+    // contract) and the buffer holds `bytes` bytes.
+    unsafe { b.copy_to_host(buf.as_mut_slice(), src) }?;
+    Ok(buf)
+}
+
+/// [`Backend::alloc_pinned_many_from_device`] by pinning the batch, then copying each
+/// buffer, for a backend that cannot overlap the two.
+///
+/// # Safety
+/// As [`Backend::alloc_pinned_many_from_device`].
+pub unsafe fn pin_many_then_copy(
+    b: &dyn Backend,
+    ranges: &[DeviceRange],
+) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
+    let sizes: Vec<usize> = ranges.iter().map(|r| r.bytes).collect();
+    let bufs = b.alloc_pinned_many(&sizes)?;
+    let mut bufs = one_each("alloc_pinned_many", bufs, ranges.len())?;
+    // On error, dropping `bufs` frees every buffer.
+    for (buf, r) in bufs.iter_mut().zip(ranges) {
+        // SAFETY: `r.src .. r.src + r.bytes` is mapped device memory of this backend (the
+        // caller's contract) and the buffer holds `r.bytes` bytes.
+        unsafe { b.copy_to_host(buf.as_mut_slice(), r.src) }?;
+    }
+    Ok(bufs)
 }
 
 #[cfg(test)]

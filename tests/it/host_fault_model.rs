@@ -312,3 +312,16 @@ fn check(
     }
     Ok(())
 }
+
+/// The fault injector forwards every backend method it does not fault: the audit through it
+/// still names the processes on the device (it answered none while the trait had defaults).
+#[test]
+fn the_faulty_backend_forwards_the_process_list() {
+    let host = Arc::new(HostBackend::new(HostConfig {
+        capacity: 8 << 20,
+        granularity: 64 << 10,
+    }));
+    let faulty = FaultyBackend::new(host.clone(), FaultPlan::none());
+    assert_eq!(faulty.processes(), host.processes());
+    assert!(faulty.processes().is_some());
+}

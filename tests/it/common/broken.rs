@@ -2,8 +2,8 @@
 
 use gpu_pager::backend::host::HostBackend;
 use gpu_pager::backend::{
-    Backend, BackendResult, DeferredErrors, DeviceInfo, DeviceRange, Direction, Fence, HostBuffer,
-    KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
+    Backend, BackendResult, DeferredErrors, DeviceInfo, DeviceProcess, DeviceRange, Direction,
+    Fence, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
 };
 use gpu_pager_faults::Hog;
 use std::sync::Arc;
@@ -74,8 +74,22 @@ impl Backend for Broken {
     fn mem_info(&self) -> BackendResult<MemInfo> {
         self.inner.mem_info()
     }
+    fn processes(&self) -> Option<Vec<DeviceProcess>> {
+        self.inner.processes()
+    }
+    fn set_reclaim_scrubbed(&self, on: bool) {
+        self.inner.set_reclaim_scrubbed(on)
+    }
     fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>> {
         self.inner.reserve(bytes)
+    }
+    unsafe fn alloc_pinned_from_device(
+        &self,
+        bytes: usize,
+        src: u64,
+    ) -> BackendResult<Box<dyn HostBuffer>> {
+        // SAFETY: the caller's contract, passed on; through this wrapper's own copies.
+        unsafe { gpu_pager::backend::pin_then_copy(self, bytes, src) }
     }
     unsafe fn map(
         &self,

@@ -404,7 +404,7 @@ impl Pager {
         if report
             .regions
             .iter()
-            .any(|r| r.outcome == crate::Outcome::Done)
+            .any(|r| r.outcome == crate::report::Outcome::Done)
         {
             self.warn_if_resident(tags);
         }

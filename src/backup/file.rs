@@ -1,4 +1,4 @@
-//! File backups ([`crate::Medium::File`]): a `Preserve` region's contents in a file on the
+//! File backups ([`super::Medium::File`]): a `Preserve` region's contents in a file on the
 //! host's disk, for hosts whose memory cannot hold every GPU's weights.
 //!
 //! Bytes move between the device and the file through the pager's one pinned staging buffer
@@ -172,7 +172,7 @@ fn open_unnamed(dir: &Path) -> io::Result<File> {
         other => return other,
     }
     for _ in 0..16 {
-        let path = dir.join(format!(".gpu-pager-{:032x}", random()?));
+        let path = dir.join(format!(".gpu-pager-{:032x}", named::random()?));
         let file = match OpenOptions::new()
             .read(true)
             .write(true)
@@ -188,17 +188,6 @@ fn open_unnamed(dir: &Path) -> io::Result<File> {
         return Ok(file);
     }
     Err(io::Error::from_raw_os_error(libc::EEXIST))
-}
-
-/// 128 random bits from the kernel.
-pub(crate) fn random() -> io::Result<u128> {
-    let mut bytes = [0u8; 16];
-    // SAFETY: writes at most `bytes.len()` bytes into `bytes`.
-    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
-    if n != bytes.len() as isize {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(u128::from_ne_bytes(bytes))
 }
 
 /// Where a pager's new file backups go: the directory, how they are named there, and what

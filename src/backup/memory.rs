@@ -1,4 +1,4 @@
-//! Backups in pinned host memory ([`crate::Medium::Pinned`] and [`crate::Medium::Host`]):
+//! Backups in pinned host memory ([`super::Medium::Pinned`] and [`super::Medium::Host`]):
 //! saves and restores are copies over the link through the pager's pump, which overlaps
 //! them with each other and with the release's other work.
 

@@ -1,5 +1,5 @@
 //! The backup of a `Preserve` region: pinned host memory (kept across cycles, or given back
-//! after each resume) or a file ([`file`](mod@file)), chosen per region ([`crate::Medium`]).
+//! after each resume) or a file ([`file`](mod@file)), chosen per region ([`Medium`]).
 //!
 //! Pinning is slow (a large fraction of a second per GiB), so the buffer is allocated once —
 //! at the first release that has something to save, or when the region is created with
@@ -28,7 +28,6 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::Medium;
 use crate::backend::{Backend, BackendError, BackendResult, HostBuffer};
 use crate::kernels;
 use crate::pump::{Pump, Sink};
@@ -39,6 +38,50 @@ mod named;
 
 use file::FileIo;
 use memory::MemoryStore;
+
+/// Where a `Preserve` region's contents go while it is released (its backup medium).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Medium {
+    /// Pinned host memory, pinned once and kept across cycles: the fastest, and a release
+    /// of unchanged contents copies nothing; holds host memory for the region's life.
+    #[default]
+    Pinned,
+    /// Pinned host memory that each resume gives back to the system (the process's memory
+    /// use drops), pinned again at the next release, for hosts that need their memory
+    /// between rollouts (torch_memory_saver's "mmap" backend). A resume may keep it
+    /// ([`crate::ResumeOptions::keep_host_backups`]).
+    Host,
+    /// A file in the pager's backup directory ([`crate::Pager::set_backup_dir`]), streamed
+    /// through a bounded pinned staging buffer, for hosts whose memory cannot hold every
+    /// GPU's weights (torch_memory_saver's disk backup). The file is allocated on disk when
+    /// the backup is made, so a full disk fails the release before anything is unmapped.
+    File,
+}
+
+impl Medium {
+    /// Every medium.
+    pub const ALL: [Medium; 3] = [Medium::Pinned, Medium::Host, Medium::File];
+
+    /// The medium's short name, as the bindings spell it: `"pinned"`, `"host"` or `"file"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Medium::Pinned => "pinned",
+            Medium::Host => "host",
+            Medium::File => "file",
+        }
+    }
+
+    /// The medium with this short name ([`Medium::name`]), if any.
+    pub fn from_name(name: &str) -> Option<Medium> {
+        Self::ALL.into_iter().find(|m| m.name() == name)
+    }
+}
+
+impl std::fmt::Display for Medium {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// Where a backup's bytes are: one implementation per backup medium ([`Medium`]). A new
 /// medium is a store in a file of its own, its variant of [`Medium`] with its arms in the

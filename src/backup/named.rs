@@ -168,7 +168,7 @@ fn shared_without_sticky_bit(dir: &Path) -> io::Result<()> {
 fn publish(dir: &Path) -> io::Result<(String, File)> {
     let mut tries = 0;
     loop {
-        let id = format!("{:032x}", super::file::random()?);
+        let id = format!("{:032x}", random()?);
         let pending = dir.join(format!("{PENDING_PREFIX}{id}{PENDING_SUFFIX}"));
         let lock = create_new(&pending)?;
         #[cfg(test)]
@@ -210,6 +210,18 @@ fn flock(file: &File, op: libc::c_int) -> io::Result<()> {
     } else {
         Err(io::Error::last_os_error())
     }
+}
+
+/// 128 random bits from the kernel (the ids of owners, and the names of the spool's
+/// fallback files).
+pub(crate) fn random() -> io::Result<u128> {
+    let mut bytes = [0u8; 16];
+    // SAFETY: writes at most `bytes.len()` bytes into `bytes`.
+    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if n != bytes.len() as isize {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(u128::from_ne_bytes(bytes))
 }
 
 fn owner_name(id: &str) -> String {

@@ -1,6 +1,7 @@
 //! What a region is and says of itself: its policy, backup medium, state and kind, the
 //! options it is created with, its description and statistics.
 
+pub use crate::backup::Medium;
 use crate::report::RegionReport;
 
 /// What happens to a region's contents across a release.
@@ -12,51 +13,6 @@ pub enum Policy {
     Discard,
     /// Dropped on release; the memory comes back zero-filled.
     DiscardZeroed,
-}
-
-/// Where a `Preserve` region's contents go while it is released (its backup medium).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub enum Medium {
-    /// Pinned host memory, pinned once and kept across cycles: the fastest, and a release
-    /// of unchanged contents copies nothing; holds host memory for the region's life.
-    #[default]
-    Pinned,
-    /// Pinned host memory that each resume gives back to the system (the process's memory
-    /// use drops), pinned again at the next release, for hosts that need their memory
-    /// between rollouts (torch_memory_saver's "mmap" backend). A resume may keep it
-    /// ([`crate::ResumeOptions::keep_host_backups`]).
-    Host,
-    /// A file in the pager's backup directory ([`crate::Pager::set_backup_dir`]), streamed
-    /// through a bounded pinned staging buffer, for hosts whose memory cannot hold every
-    /// GPU's weights (torch_memory_saver's disk backup). The file is allocated on disk when
-    /// the backup is made, so a full disk fails the release before anything is unmapped.
-    File,
-}
-// What each medium means for the pager (its rules) and its store live in `crate::backup`.
-
-impl Medium {
-    /// Every medium.
-    pub const ALL: [Medium; 3] = [Medium::Pinned, Medium::Host, Medium::File];
-
-    /// The medium's short name, as the bindings spell it: `"pinned"`, `"host"` or `"file"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Medium::Pinned => "pinned",
-            Medium::Host => "host",
-            Medium::File => "file",
-        }
-    }
-
-    /// The medium with this short name ([`Medium::name`]), if any.
-    pub fn from_name(name: &str) -> Option<Medium> {
-        Self::ALL.into_iter().find(|m| m.name() == name)
-    }
-}
-
-impl std::fmt::Display for Medium {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
 }
 
 /// Whether a region's physical memory is mapped.

@@ -1,8 +1,7 @@
-//! Review items with a wrong answer, each with the test that showed it: a growing region's
-//! buffer has one length (item 10), the host backend keeps no descriptor per mapped chunk
-//! (item 11), an address is handed out only for a live buffer (item 12), a removed region's
-//! buffer is stale (item 16), a growing region is not called elastic (item 17), reversed
-//! ranges are named as such (item 18), `Debug` of an error carries its message (item 20).
+//! Buffers and errors at their edges: a growing region's buffer has one length, the host
+//! backend keeps no descriptor per mapped chunk, an address is handed out only for a live
+//! buffer, a removed region's buffer is stale, a growing region is not called elastic,
+//! reversed ranges are named as such, and `Debug` of an error carries its message.
 
 use crate::common;
 
@@ -98,7 +97,7 @@ fn an_address_is_only_handed_out_for_a_live_buffer() {
     assert!(matches!(pager.address(&b), Err(Error::StaleBuffer { .. })));
 }
 
-/// Review item 16: a buffer of a removed region is stale (as the docs say), not an unknown
+/// A buffer of a removed region is stale (as the docs say), not an unknown
 /// tag to create.
 #[test]
 fn a_buffer_of_a_removed_region_is_stale() {
@@ -116,7 +115,7 @@ fn a_buffer_of_a_removed_region_is_stale() {
     }
 }
 
-/// Review item 17: a growing region is not an elastic region (which a Preserve region may
+/// A growing region is not an elastic region (which a Preserve region may
 /// not be), in its info or in the stats' words; a fixed region of 0 bytes is refused with
 /// the kind that grows named.
 #[test]
@@ -146,7 +145,7 @@ fn a_growing_region_is_not_reported_elastic() {
     assert!(e.to_string().contains("create it growing"), "{e}");
 }
 
-/// Review item 18: a reversed range is an invalid argument that says so, not "0 bytes at
+/// A reversed range is an invalid argument that says so, not "0 bytes at
 /// offset 10".
 #[test]
 fn a_reversed_range_is_named_reversed() {
@@ -159,7 +158,7 @@ fn a_reversed_range_is_named_reversed() {
     assert!(e.to_string().contains("10..5 is reversed"), "{e}");
 }
 
-/// Review item 20: `fn main() -> Result<(), Error>` prints `Debug`; it carries the message
+/// `fn main() -> Result<(), Error>` prints `Debug`; it carries the message
 /// (the tag and the fix), not only the fields.
 #[test]
 fn debug_of_an_error_carries_its_message() {
@@ -174,7 +173,7 @@ fn debug_of_an_error_carries_its_message() {
     assert!(debug.contains("resume `weights` first"), "{debug}");
 }
 
-/// Review item 18: the conflict's words agree in number ("they differ in policy", not "the
+/// The conflict's words agree in number ("they differ in policy", not "the
 /// policy differ").
 #[test]
 fn a_tag_conflict_says_what_differs_in_plain_words() {

@@ -1,5 +1,4 @@
-"""Review items about the Python binding's arguments and errors, each with the test that
-showed the wrong answer (item numbers of the second review)."""
+"""The Python binding's arguments and errors at their edges."""
 
 from __future__ import annotations
 

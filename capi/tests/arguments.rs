@@ -1,7 +1,7 @@
-//! The C ABI's review items with the tests that showed them: a length is checked against
-//! the buffer before any slice is formed (item 8), and `gpu_pager_alloc` hands out the
-//! address of the buffer it made (item 12), and a copy of zero bytes is checked and copies
-//! nothing, as in the other bindings (item 19).
+//! The C ABI's arguments: a length is checked against the buffer before any slice is
+//! formed, `gpu_pager_alloc` hands out the address of the buffer it made, a copy of zero
+//! bytes is checked and copies nothing (as in the other bindings), and a backup directory
+//! may be any bytes.
 
 use std::ffi::{CStr, c_char};
 
@@ -86,7 +86,7 @@ fn alloc_returns_its_own_buffer_s_address() {
     assert!(p >= base && p < base + (4 << 20));
 }
 
-/// The promise of item 3, reworded: an address names the buffer there now; a second free of
+/// An address names the buffer there now; a second free of
 /// it before it is reused is an error that frees nothing.
 #[test]
 fn an_address_names_the_buffer_there_now() {
@@ -118,7 +118,7 @@ fn an_address_names_the_buffer_there_now() {
     );
 }
 
-/// Review item 19: a copy of zero bytes copies nothing after the same checks of the address,
+/// A copy of zero bytes copies nothing after the same checks of the address,
 /// as in Rust and Python (it was refused here alone).
 #[test]
 fn zero_byte_copies_check_the_address_and_copy_nothing() {

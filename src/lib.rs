@@ -42,6 +42,7 @@ pub mod kernels;
 pub mod kv;
 mod map_ahead;
 mod mapped;
+mod names;
 mod pager;
 mod pump;
 mod ranges;

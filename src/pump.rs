@@ -115,25 +115,13 @@ pub enum CopyRoute {
     Fastest,
 }
 
+crate::names::short_names!(CopyRoute, "route", {
+    Engine => "engine",
+    Kernel => "kernel",
+    Fastest => "fastest",
+});
+
 impl CopyRoute {
-    /// Every route.
-    pub const ALL: [CopyRoute; 3] = [CopyRoute::Engine, CopyRoute::Kernel, CopyRoute::Fastest];
-
-    /// The route's short name, as the bindings spell it: `"engine"`, `"kernel"` or
-    /// `"fastest"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            CopyRoute::Engine => "engine",
-            CopyRoute::Kernel => "kernel",
-            CopyRoute::Fastest => "fastest",
-        }
-    }
-
-    /// The route with this short name ([`CopyRoute::name`]), if any.
-    pub fn from_name(name: &str) -> Option<CopyRoute> {
-        Self::ALL.into_iter().find(|r| r.name() == name)
-    }
-
     /// Whether `mover` may take units on this route.
     pub fn allows(self, mover: Mover) -> bool {
         match self {

@@ -58,24 +58,11 @@ pub enum Medium {
     File,
 }
 
-impl Medium {
-    /// Every medium.
-    pub const ALL: [Medium; 3] = [Medium::Pinned, Medium::Host, Medium::File];
-
-    /// The medium's short name, as the bindings spell it: `"pinned"`, `"host"` or `"file"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Medium::Pinned => "pinned",
-            Medium::Host => "host",
-            Medium::File => "file",
-        }
-    }
-
-    /// The medium with this short name ([`Medium::name`]), if any.
-    pub fn from_name(name: &str) -> Option<Medium> {
-        Self::ALL.into_iter().find(|m| m.name() == name)
-    }
-}
+crate::names::short_names!(Medium, "medium", {
+    Pinned => "pinned",
+    Host => "host",
+    File => "file",
+});
 
 impl std::fmt::Display for Medium {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

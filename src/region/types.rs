@@ -42,25 +42,11 @@ pub enum RegionKind {
     Growing,
 }
 
-impl RegionKind {
-    /// Every kind.
-    pub const ALL: [RegionKind; 3] = [RegionKind::Fixed, RegionKind::Elastic, RegionKind::Growing];
-
-    /// The kind's short name, as the bindings spell it: `"fixed"`, `"elastic"` or
-    /// `"growing"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            RegionKind::Fixed => "fixed",
-            RegionKind::Elastic => "elastic",
-            RegionKind::Growing => "growing",
-        }
-    }
-
-    /// The kind with this short name ([`RegionKind::name`]), if any.
-    pub fn from_name(name: &str) -> Option<RegionKind> {
-        Self::ALL.into_iter().find(|k| k.name() == name)
-    }
-}
+crate::names::short_names!(RegionKind, "kind", {
+    Fixed => "fixed",
+    Elastic => "elastic",
+    Growing => "growing",
+});
 
 impl std::fmt::Display for RegionKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

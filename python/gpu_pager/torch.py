@@ -301,12 +301,21 @@ def _give_back(index: int) -> None:
             r.unused = _unused_bytes(r.pool)
 
 
+def _capturing() -> bool:
+    """Whether this thread's current stream is capturing a CUDA graph."""
+    return bool(_torch().cuda.is_current_stream_capturing())
+
+
 def _trim_pools(pools: dict[Any, Any], keys: Iterable[Any], index: int) -> int:
     """Retires each pool ``pools[key]`` of ``keys`` on device ``index`` that holds a segment
     with nothing allocated in it, except the pools of CUDA graphs, and lets torch free what
-    retired pools no longer use. Returns the bytes of the unused segments found. ``trim``
-    calls this with this module's pools, the drop-ins (``gpu_pager.compat._pools``) with
-    their own."""
+    retired pools no longer use. Returns the bytes of the unused segments found (none
+    while the stream captures a CUDA graph: nothing is trimmed then). ``trim`` calls this
+    with this module's pools, the drop-ins (``gpu_pager.compat._pools``) with their own."""
+    if _capturing():
+        # Retiring and giving back synchronize the device, which a capture forbids; the
+        # next call outside the capture trims.
+        return 0
     found = 0
     with _lock:
         for key in [k for k in keys if k in pools and k not in _graphs]:

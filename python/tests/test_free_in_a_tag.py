@@ -174,3 +174,24 @@ def test_the_torch_memory_saver_drop_in_s_disable_in_torch_mode_never_aborts() -
                               aborts=torch_standin.ABORTS)))
     """)
     assert out == dict(after_region=8 * MIB, backup=8 * MIB, aborts=[])
+
+
+def test_use_entered_during_a_graph_capture_does_not_synchronize() -> None:
+    """A capture forbids synchronizing: ``use`` entered while the stream captures (a graph
+    captured into a tag) leaves trimming for later instead of failing the capture; the
+    next entry outside the capture gives the freed memory back."""
+    out = run("""
+        with gpt.use("cap"):
+            xs = [torch.empty(64 * MIB)]
+        with gpt.use("cap"):
+            y = torch.empty(64 * MIB)
+        xs.clear()
+        torch_standin.CAPTURING[0] = True
+        with gpt.use("cap"):
+            during = held("cap")
+        torch_standin.CAPTURING[0] = False
+        with gpt.use("cap"):
+            pass
+        print(json.dumps(dict(during=during, after=held("cap"))))
+    """)
+    assert out == dict(during=128 * MIB, after=64 * MIB)

@@ -181,6 +181,15 @@ def _device(index: int) -> Iterator[None]:
     yield
 
 
+CAPTURING = [False]
+"""Whether the stand-in's current stream is capturing a CUDA graph (tests set it)."""
+
+
+def _synchronize(device: Any = None) -> None:
+    if CAPTURING[0]:
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+
 def install() -> types.ModuleType:
     """Puts the stand-in in ``sys.modules["torch"]``."""
     torch = types.ModuleType("torch")
@@ -205,7 +214,8 @@ def install() -> types.ModuleType:
         MemPool=MemPool,
         use_mem_pool=use_mem_pool,
         empty_cache=empty_cache,
-        synchronize=lambda device=None: None,
+        synchronize=_synchronize,
+        is_current_stream_capturing=lambda: CAPTURING[0],
         current_device=lambda: 0,
         device=_device,
     )

@@ -347,10 +347,7 @@ impl Pager {
     /// A region's description. Its `base` is valid to record (e.g. in a CUDA graph) at any
     /// time; it is backed by memory only while the region is resident.
     pub fn info(&self, tag: &str) -> Result<RegionInfo> {
-        if let Some(info) = self.with_held(|r| r.tag == tag, Region::info) {
-            return Ok(info);
-        }
-        Ok(lock(&self.slot(tag)?).info())
+        self.on_region(tag, || self.slot(tag), |a| Ok(a.region().info()))
     }
 
     /// Keeps `tags` resident until the lease drops: releasing any of them fails with
@@ -546,10 +543,7 @@ impl Pager {
 
     /// Statistics of one region.
     pub fn region_stats(&self, tag: &str) -> Result<RegionStats> {
-        if let Some(stats) = self.with_held(|r| r.tag == tag, Region::stats) {
-            return Ok(stats);
-        }
-        Ok(lock(&self.slot(tag)?).stats())
+        self.on_region(tag, || self.slot(tag), |a| Ok(a.region().stats()))
     }
 
     /// Statistics of every region.

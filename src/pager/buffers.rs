@@ -126,50 +126,18 @@ impl Pager {
         op: &'static str,
         f: impl FnOnce(&Region, u64) -> Result<T>,
     ) -> Result<T> {
-        // From a companion of the region's move: the region this thread holds, whose
-        // memory is mapped while its companions run (before the unmap, after the map).
-        let mut f = Some(f);
-        let held = self.with_held(
-            |r| r.tag == *buf.tag,
-            |r| {
-                let range = buffer_range(r, buf, offset, len)?;
-                if !r.is_backed(&range) {
-                    r.require_resident(op)?;
-                    return Err(Error::NotBacked {
-                        tag: buf.tag.to_string(),
-                        offset: range.start,
-                        len,
-                    });
+        self.on_region(
+            &buf.tag,
+            || self.slot_of(buf),
+            |a| {
+                let range = usable_range(a.region(), buf, offset, len, op, a.moving())?;
+                a.settle()?;
+                if len == 0 {
+                    return Ok(T::default());
                 }
-                r.wait_pending()?;
-                match f.take() {
-                    Some(f) if len > 0 => f(r, r.base() + range.start as u64),
-                    _ => Ok(T::default()),
-                }
+                f(a.region(), a.region().base() + range.start as u64)
             },
-        );
-        if let Some(done) = held {
-            return done;
-        }
-        let Some(f) = f else {
-            return Ok(T::default());
-        };
-        let slot = self.slot_of(buf)?;
-        let mut r = lock(&slot);
-        let range = buffer_range(&r, buf, offset, len)?;
-        r.require_resident(op)?;
-        if r.on_demand() && !r.is_backed(&range) {
-            return Err(Error::NotBacked {
-                tag: buf.tag.to_string(),
-                offset: range.start,
-                len,
-            });
-        }
-        r.settle()?;
-        if len == 0 {
-            return Ok(T::default());
-        }
-        f(&r, r.base() + range.start as u64)
+        )
     }
 
     /// The device address of a buffer. `NotResident` while its region is released;
@@ -184,22 +152,17 @@ impl Pager {
     /// freed, or of a region removed (even if a region of the same tag was made again: its
     /// addresses belong to that one).
     pub fn address(&self, buf: &Buffer) -> Result<u64> {
-        let held = self.with_held(
-            |r| r.tag == *buf.tag,
-            |r| match r.is_live(buf.offset, buf.id) {
-                true => Ok(r.base() + buf.offset as u64),
-                false => Err(stale(buf)),
+        self.on_region(
+            &buf.tag,
+            || self.slot_of(buf),
+            |a| {
+                let r = a.region();
+                if !r.is_live(buf.offset, buf.id) {
+                    return Err(stale(buf));
+                }
+                Ok(r.base() + buf.offset as u64)
             },
-        );
-        if let Some(found) = held {
-            return found;
-        }
-        let slot = self.slot_of(buf)?;
-        let r = lock(&slot);
-        if !r.is_live(buf.offset, buf.id) {
-            return Err(stale(buf));
-        }
-        Ok(r.base() + buf.offset as u64)
+        )
     }
 
     /// Copies `data` from the host into `buf` at `offset` and waits for it.
@@ -281,6 +244,33 @@ pub(super) fn stale(buf: &Buffer) -> Error {
         id: buf.id,
         offset: buf.offset,
     }
+}
+
+/// The bytes `buf + offset .. + len` of region `r` that an access (`op`) may touch: the
+/// buffer live, the range inside it, and the memory there: the region resident and, mapped
+/// on demand, the range backed; or, while the region moves (`moving`: its companions run,
+/// its state not yet flipped), the range mapped.
+fn usable_range(
+    r: &Region,
+    buf: &Buffer,
+    offset: usize,
+    len: usize,
+    op: &'static str,
+    moving: bool,
+) -> Result<Range<usize>> {
+    let range = buffer_range(r, buf, offset, len)?;
+    let backed = r.is_backed(&range);
+    if !(moving && backed) {
+        r.require_resident(op)?;
+        if (moving || r.on_demand()) && !backed {
+            return Err(Error::NotBacked {
+                tag: buf.tag.to_string(),
+                offset: range.start,
+                len,
+            });
+        }
+    }
+    Ok(range)
 }
 
 /// The live buffer of region `r` whose bytes include device address `ptr`, and `ptr`'s

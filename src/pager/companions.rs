@@ -40,6 +40,36 @@ impl Drop for Held {
     }
 }
 
+/// A region as [`Pager::on_region`] lends it: held by this thread while its companions run
+/// (its memory mapped, its state not yet flipped), or locked for the call.
+pub(super) enum Access<'a> {
+    Held(&'a Region),
+    Locked(std::sync::MutexGuard<'a, Region>),
+}
+
+impl Access<'_> {
+    pub(super) fn region(&self) -> &Region {
+        match self {
+            Access::Held(r) => r,
+            Access::Locked(g) => g,
+        }
+    }
+
+    /// Whether the region is in the middle of a move (its companions run).
+    pub(super) fn moving(&self) -> bool {
+        matches!(self, Access::Held(_))
+    }
+
+    /// Waits for a restore enqueued on the caller's stream (a locked region also forgets
+    /// its fence; a held one is not changed).
+    pub(super) fn settle(&mut self) -> Result<()> {
+        match self {
+            Access::Held(r) => r.wait_pending(),
+            Access::Locked(g) => g.settle(),
+        }
+    }
+}
+
 /// Whether this thread is running a companion (of any pager).
 fn in_companion() -> bool {
     HELD.with(|h| !h.borrow().is_empty())
@@ -221,6 +251,17 @@ impl Pager {
         pick: impl Fn(&Region) -> bool,
         f: impl FnOnce(&Region) -> T,
     ) -> Option<T> {
+        self.with_held_or(pick, (), |r, ()| f(r)).ok()
+    }
+
+    /// [`Pager::with_held`] that hands `arg` to `f`, or back when this thread holds no such
+    /// region.
+    fn with_held_or<A, T>(
+        &self,
+        pick: impl Fn(&Region) -> bool,
+        arg: A,
+        f: impl FnOnce(&Region, A) -> T,
+    ) -> std::result::Result<T, A> {
         let me = std::ptr::from_ref(self) as usize;
         let region = HELD.with(|h| {
             h.borrow()
@@ -234,9 +275,29 @@ impl Pager {
                 .map(|&(_, r)| unsafe { &*r })
                 .find(|r| pick(r))
                 .map(std::ptr::from_ref)
-        })?;
-        // SAFETY: as above: the region stays held and unmutated until this call returns.
-        Some(f(unsafe { &*region }))
+        });
+        match region {
+            // SAFETY: as above: the region stays held and unmutated until this call returns.
+            Some(region) => Ok(f(unsafe { &*region }, arg)),
+            None => Err(arg),
+        }
+    }
+
+    /// Runs `f` on region `tag`: the one this thread holds in a companion call of its move
+    /// if it does, else the region behind `slot()` locked for the call.
+    pub(super) fn on_region<T>(
+        &self,
+        tag: &str,
+        slot: impl FnOnce() -> Result<super::Slot>,
+        f: impl FnOnce(&mut Access<'_>) -> Result<T>,
+    ) -> Result<T> {
+        match self.with_held_or(|r| r.tag == tag, f, |r, f| f(&mut Access::Held(r))) {
+            Ok(done) => done,
+            Err(f) => {
+                let slot = slot()?;
+                f(&mut Access::Locked(super::lock(&slot)))
+            }
+        }
     }
 
     /// An error when this thread holds region `tag` locked in a companion call of this

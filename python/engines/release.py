@@ -25,7 +25,7 @@ def version(release: str) -> str:
         return f.read().strip()
 
 
-def minor(release: str) -> tuple[int, ...]:
+def version_numbers(release: str) -> tuple[int, ...]:
     """The release's version as numbers, for comparisons (``(0, 34, 0)``)."""
     return tuple(int(x) for x in version(release).split("."))
 

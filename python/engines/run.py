@@ -30,10 +30,10 @@ def runs(engines: str) -> list[tuple[str, str, str]]:
     """(script, release dir, switch) for every release found: gpu_pager's switches first,
     newest release first, then the releases' own allocators (``stock``)."""
     out = []
-    for d in sorted(os.listdir(engines), key=lambda d: (d.split("-")[0], rel.minor(os.path.join(engines, d)))):
+    for d in sorted(os.listdir(engines), key=lambda d: (d.split("-")[0], rel.version_numbers(os.path.join(engines, d)))):
         path = os.path.join(engines, d)
         if d.startswith("vllm-"):
-            switches = ["stock", "drop-in"] + (["backend"] if rel.minor(path) >= (0, 29) else [])
+            switches = ["stock", "drop-in"] + (["backend"] if rel.version_numbers(path) >= (0, 29) else [])
             out += [("vllm_checks.py", path, s) for s in switches]
         elif d.startswith("sglang-"):
             out += [("sglang_checks.py", path, s) for s in ("preload", "torch")]

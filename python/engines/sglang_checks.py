@@ -107,7 +107,7 @@ def child(release: str, mode: str) -> None:
     kv_bytes = kv.numel() * kv.element_size()
     x = torch.randn(8, hidden, dtype=torch.bfloat16, device="cuda")
     graph = torch.cuda.CUDAGraph()
-    backup = {"enable_cpu_backup": True} if rel.minor(release) >= (0, 5, 23) else {}
+    backup = {"enable_cpu_backup": True} if rel.version_numbers(release) >= (0, 5, 23) else {}
     graph_ctx = partial(adapter.cuda_graph, tag=c.GPU_MEMORY_TYPE_CUDA_GRAPH, **backup)
     stream = torch.cuda.Stream()
     with torch.no_grad():

@@ -66,7 +66,7 @@ def every(engines: str, options: list[str]) -> None:
     import subprocess
 
     results = []
-    for d in sorted(os.listdir(engines), key=lambda d: rel.minor(os.path.join(engines, d)) if d.startswith("vllm-") else ()):
+    for d in sorted(os.listdir(engines), key=lambda d: rel.version_numbers(os.path.join(engines, d)) if d.startswith("vllm-") else ()):
         if not d.startswith("vllm-"):
             continue
         for impl in ("stock", "gpu_pager"):
@@ -126,7 +126,7 @@ def main() -> None:
     load_general_plugins()
     a = get_mem_allocator_instance()
     assert type(a).__module__.startswith("gpu_pager") == (args.impl == "gpu_pager"), type(a)
-    v = rel.minor(args.release)
+    v = rel.version_numbers(args.release)
     d2h, h2d = link(torch)
 
     each = int(args.weights_gib * GIB) // args.tensors // 2

@@ -49,7 +49,7 @@ WORKER_METHODS = (
 def main() -> None:
     release, switch = sys.argv[1], sys.argv[2]
     name = os.path.basename(os.path.normpath(release))
-    v = rel.minor(release)
+    v = rel.version_numbers(release)
     if switch == "stock":
         os.environ.pop("GPU_PAGER_DROP_IN", None)
     else:

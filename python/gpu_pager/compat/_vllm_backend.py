@@ -20,9 +20,6 @@ from gpu_pager.compat.vllm import (
 # so the registry's module has it.
 SleepModeBackend: Any = _vllm_module(".sleep_mode_backend").SleepModeBackend
 
-_WEIGHTS_KEPT = ("weights", "runtime", "cudagraph")
-"""What vLLM's own backend offloads at a level-1 sleep (0.33 and later; the allocator keeps
-``runtime`` and the graph tags at every level anyway), and at every sleep of vLLM 0.34."""
 
 
 class GpuPagerBackend(SleepModeBackend):  # type: ignore[misc,unused-ignore]
@@ -63,7 +60,7 @@ class GpuPagerBackend(SleepModeBackend):  # type: ignore[misc,unused-ignore]
                     f"collection of storage addresses, not {discardable!r}"
                 )
             self._state = "SUSPENDED"
-            allocator.sleep(_WEIGHTS_KEPT, discardable)
+            allocator.sleep(("weights",), discardable)
             return
         level = 1 if discardable == () else discardable
         if isinstance(level, bool) or level not in (1, 2):
@@ -71,7 +68,7 @@ class GpuPagerBackend(SleepModeBackend):  # type: ignore[misc,unused-ignore]
                 f"gpu_pager's backend on this vLLM takes suspend(level), 1 or 2, not {level!r}"
             )
         self._state = "SUSPENDED"
-        allocator.sleep(_WEIGHTS_KEPT if level == 1 else ())
+        allocator.sleep(("weights",) if level == 1 else ())
 
     def resume(self, tags: list[str] | None = None) -> None:
         """vLLM's wake-up of ``tags`` (default: all; see ``CuMemAllocator.wake_up``)."""

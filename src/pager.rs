@@ -25,7 +25,7 @@ mod overwritten;
 
 use config::round_chunk;
 
-pub use audit::{Audit, AuditRegion, RESIDENT_WARNING_BYTES};
+pub use audit::{Audit, AuditRegion, RESIDENT_EVENT, RESIDENT_WARNING_BYTES};
 pub use buffers::Buffer;
 use buffers::stale;
 pub use companions::{Companion, CompanionError};

@@ -32,8 +32,34 @@ pub type gpu_pager_log_callback = Option<
     ),
 >;
 
-/// One record, as a binding takes it: level (1 error … 5 trace), target, message.
-pub type LogRecord = (u32, String, String);
+/// One record, as a binding takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogRecord {
+    /// 1 error … 5 trace.
+    pub level: u32,
+    /// `"gpu_pager"`.
+    pub target: String,
+    /// The sentence.
+    pub message: String,
+    /// The record's data as name and value (the release warning's `event`, `device`,
+    /// `outside_bytes`), for a binding to pass on as data; empty for most records.
+    pub fields: Vec<(String, String)>,
+}
+
+/// Collects a record's key-values as text.
+#[derive(Default)]
+struct Fields(Vec<(String, String)>);
+
+impl<'kvs> log::kv::VisitSource<'kvs> for Fields {
+    fn visit_pair(
+        &mut self,
+        key: log::kv::Key<'kvs>,
+        value: log::kv::Value<'kvs>,
+    ) -> Result<(), log::kv::Error> {
+        self.0.push((key.to_string(), value.to_string()));
+        Ok(())
+    }
+}
 
 struct Sink {
     callback: gpu_pager_log_callback,
@@ -86,7 +112,15 @@ impl log::Log for Forward {
             if q.len() == QUEUED_RECORDS {
                 q.pop_front();
             }
-            q.push_back((level, record.target().to_owned(), message));
+            let mut fields = Fields::default();
+            // A visitor that only collects cannot fail.
+            let _ = record.key_values().visit(&mut fields);
+            q.push_back(LogRecord {
+                level,
+                target: record.target().to_owned(),
+                message,
+                fields: fields.0,
+            });
         }
     }
 
@@ -186,9 +220,21 @@ mod tests {
         log::warn!(target: "gpu_pager", "one record");
         log::info!(target: "gpu_pager", "below the level");
         assert_eq!(SEEN.load(Ordering::Relaxed), 1);
+        log::warn!(target: "gpu_pager", event = "e", device = 3usize; "with data");
         let taken = take_records();
-        assert!(taken.contains(&(2, "gpu_pager".to_owned(), "one record".to_owned())));
-        assert!(!taken.iter().any(|r| r.2 == "below the level"));
+        assert!(taken.iter().any(|r| r.level == 2
+            && r.target == "gpu_pager"
+            && r.message == "one record"
+            && r.fields.is_empty()));
+        assert!(!taken.iter().any(|r| r.message == "below the level"));
+        let with_data = taken.iter().find(|r| r.message == "with data").unwrap();
+        assert_eq!(
+            with_data.fields,
+            [
+                ("event".to_owned(), "e".to_owned()),
+                ("device".to_owned(), "3".to_owned())
+            ]
+        );
         for _ in 0..QUEUED_RECORDS + 10 {
             log::error!("flood");
         }

@@ -7,7 +7,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt, PyString};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyDict, PyInt, PyString};
 
 use crate::errors;
 use crate::types::Policy;
@@ -29,7 +29,9 @@ where
 }
 
 /// Hands the log records gpu-pager kept since the last call (any thread's) to Python's
-/// `logging`, logger `"gpu_pager"`, on this thread with the GIL held. A failure of `logging`
+/// `logging`, logger `"gpu_pager"`, on this thread with the GIL held; a record's data (the
+/// release warning's `event`, `device`, `outside_bytes`) is the `gpu_pager` attribute of
+/// the `logging` record, a dict of str. A failure of `logging`
 /// itself is dropped: a log record must not fail the call.
 pub(crate) fn forward_logs(py: Python<'_>) {
     let records = gpu_pager_capi::take_records();
@@ -42,16 +44,27 @@ pub(crate) fn forward_logs(py: Python<'_>) {
     else {
         return;
     };
-    for (level, _target, message) in records {
+    for record in records {
         // log's levels (1 error … 5 trace) as logging's (40 … 5).
-        let py_level = match level {
+        let py_level = match record.level {
             1 => 40,
             2 => 30,
             3 => 20,
             4 => 10,
             _ => 5,
         };
-        let _ = logger.call_method1("log", (py_level, message));
+        // The record's data, as `record.gpu_pager` (a dict of str), for filters.
+        let extra = PyDict::new(py);
+        if !record.fields.is_empty() {
+            let fields = PyDict::new(py);
+            for (k, v) in &record.fields {
+                let _ = fields.set_item(k, v);
+            }
+            let _ = extra.set_item("gpu_pager", fields);
+        }
+        let kwargs = PyDict::new(py);
+        let _ = kwargs.set_item("extra", extra);
+        let _ = logger.call_method("log", (py_level, record.message), Some(&kwargs));
     }
 }
 

@@ -6,6 +6,10 @@
 use super::*;
 use crate::backend::{DeviceProcess, MemInfo};
 
+/// The `event` field of the log record that warns of device memory still in use after a
+/// release (with the fields `device` and `outside_bytes`).
+pub const RESIDENT_EVENT: &str = "resident_after_release";
+
 /// The default of [`PagerConfig::resident_warning_bytes`]: 4 GiB, above a CUDA context and
 /// a test's small workload, below what an engine that forgot a buffer holds.
 pub const RESIDENT_WARNING_BYTES: usize = 4 << 30;
@@ -292,13 +296,17 @@ impl Pager {
         } else {
             resident.join(", ")
         };
+        let device = self.backend.info().ordinal.unwrap_or(0);
+        // The fields carry the warning as data, for a binding that adds what it knows
+        // (Python's torch module names torch's largest holders) without reading the text.
         log::warn!(
             target: "gpu_pager",
+            event = RESIDENT_EVENT, device = device, outside_bytes = outside;
             "gpu-pager: device {}: after releasing {tags:?}, {} of {whose} device memory is \
              still in use outside every region (more than {}: another allocator, the CUDA \
              context{others}); regions left resident: {resident}; Pager::audit / \
              gpu_pager.torch.audit() shows all of it",
-            self.backend.info().ordinal.unwrap_or(0),
+            device,
             gib(outside),
             gib(limit),
         );

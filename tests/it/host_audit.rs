@@ -17,9 +17,23 @@ impl log::Log for Captured {
     fn enabled(&self, m: &log::Metadata<'_>) -> bool {
         m.level() <= log::Level::Warn
     }
+    /// Keeps the message, then ` |` and the record's fields as ` key=value`.
     fn log(&self, r: &log::Record<'_>) {
+        struct Fields(String);
+        impl<'k> log::kv::VisitSource<'k> for Fields {
+            fn visit_pair(
+                &mut self,
+                k: log::kv::Key<'k>,
+                v: log::kv::Value<'k>,
+            ) -> Result<(), log::kv::Error> {
+                self.0 += &format!(" {k}={v}");
+                Ok(())
+            }
+        }
         if self.enabled(r.metadata()) {
-            self.0.lock().unwrap().push(r.args().to_string());
+            let mut fields = Fields(format!("{} |", r.args()));
+            r.key_values().visit(&mut fields).unwrap();
+            self.0.lock().unwrap().push(fields.0);
         }
     }
     fn flush(&self) {}
@@ -125,6 +139,16 @@ fn a_release_warns_when_much_stays_outside_the_regions_and_is_quiet_otherwise() 
     );
     assert!(
         w[0].contains("regions left resident: `warn-kept` 0.01 GiB"),
+        "{}",
+        w[0]
+    );
+    // The same as data, for bindings (Python's torch module adds torch's holders by it).
+    assert!(
+        w[0].ends_with(&format!(
+            " | event={} device=0 outside_bytes={}",
+            gpu_pager::RESIDENT_EVENT,
+            10 * MIB
+        )),
         "{}",
         w[0]
     );

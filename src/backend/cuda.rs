@@ -321,6 +321,9 @@ impl CudaBackend {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| driver_err("cuDeviceGetAttribute", e))?;
         let pci_bus_id = pci_bus_id(device);
+        if pci_bus_id.is_some() {
+            nvml::load_in_background();
+        }
         let new_stream = || {
             ctx.new_stream()
                 .map(|s| InScope::new(s, &dev))

@@ -1,6 +1,7 @@
 //! The processes on a device, through NVML (`libnvidia-ml.so.1`, which every NVIDIA driver
-//! installs), loaded the first time an audit, or a release's warning check over its
-//! threshold, asks: a pager that never does never loads it. A machine without it, or a
+//! installs), for the audit and the release's warning. NVML's first initialisation takes
+//! tens of milliseconds, so the CUDA backend starts it on a helper thread when it is
+//! created, instead of inside the first release that warns. A machine without it, or a
 //! device NVML cannot find, answers `None`.
 
 use std::sync::OnceLock;
@@ -14,6 +15,19 @@ use super::super::DeviceProcess;
 fn nvml() -> Option<&'static Nvml> {
     static NVML: OnceLock<Option<Nvml>> = OnceLock::new();
     NVML.get_or_init(|| Nvml::init().ok()).as_ref()
+}
+
+/// Initialises NVML on a helper thread (once per process; a failure to start the thread
+/// leaves it to the first caller).
+pub(super) fn load_in_background() {
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    STARTED.call_once(|| {
+        let _ = std::thread::Builder::new()
+            .name("gpu-pager-nvml".into())
+            .spawn(|| {
+                nvml();
+            });
+    });
 }
 
 /// The compute processes on the device at `pci_bus_id` (CUDA's `cuDeviceGetPCIBusId` form,

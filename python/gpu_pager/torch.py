@@ -71,7 +71,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -143,6 +143,9 @@ class _Retired:
     # Its unused bytes after the last give-back (what torch could not free then: a context
     # or a graph still held the pool); a give-back is due again only when this grows.
     unused: int = 0
+    # The free room of its segments that tensors still hold part of, after the last
+    # give-back: mapped, and never used again, since nothing allocates to a retired pool.
+    stranded: int = 0
 
 
 _old: list[_Retired] = []
@@ -258,13 +261,17 @@ def pool(tag: str, device: Any = None) -> Any:
         return p
 
 
-def _segments(pool: Any) -> list[tuple[int, bool]]:
-    """Each segment of ``pool``: its bytes, and whether a tensor (or a pending free) still
-    holds a block of it."""
+def _segments(pool: Any) -> list[tuple[int, int]]:
+    """Each segment of ``pool``: its bytes, and the bytes of its blocks that a tensor (or a
+    pending free) still holds."""
     return [
         (
             int(seg.get("total_size", 0)),
-            any(b.get("state", "active_allocated") != "inactive" for b in seg.get("blocks", [])),
+            sum(
+                int(b.get("size", 0))
+                for b in seg.get("blocks", [])
+                if b.get("state", "active_allocated") != "inactive"
+            ),
         )
         for seg in pool.snapshot(include_traces=False)
     ]
@@ -274,6 +281,16 @@ def _unused_bytes(pool: Any) -> int:
     """Bytes of the segments of ``pool`` with nothing allocated in them (torch frees those
     of a retired pool at ``empty_cache``)."""
     return sum(size for size, used in _segments(pool) if not used)
+
+
+def _unused_and_stranded(pool: Any) -> tuple[int, int]:
+    """The unused bytes of ``pool`` (``_unused_bytes``) and the free room of its segments
+    that tensors hold part of: what retiring the pool would strand."""
+    segments = _segments(pool)
+    return (
+        sum(size for size, used in segments if not used),
+        sum(size - used for size, used in segments if used),
+    )
 
 
 def _retire(p: Any, key: Any, index: int) -> None:
@@ -298,7 +315,7 @@ def _give_back(index: int) -> None:
     with _lock:
         _old[:] = [r for r in _old if r.pool.snapshot(include_traces=False)]
         for r in _old:
-            r.unused = _unused_bytes(r.pool)
+            r.unused, r.stranded = _unused_and_stranded(r.pool)
 
 
 def _capturing() -> bool:
@@ -309,9 +326,13 @@ def _capturing() -> bool:
 def _trim_pools(pools: dict[Any, Any], keys: Iterable[Any], index: int) -> int:
     """Retires each pool ``pools[key]`` of ``keys`` on device ``index`` that holds a segment
     with nothing allocated in it, except the pools of CUDA graphs, and lets torch free what
-    retired pools no longer use. Returns the bytes of the unused segments found (none
-    while the stream captures a CUDA graph: nothing is trimmed then). ``trim`` calls this
-    with this module's pools, the drop-ins (``gpu_pager.compat._pools``) with their own."""
+    retired pools no longer use. A retired pool's partly used segments keep their free
+    room mapped until their tensors die, so a pool is retired only when it frees more than
+    that room and the room its key's earlier retired pools still strand: a tag that keeps
+    a tensor at each step and frees another maps a bounded excess, not a segment more per
+    step. Returns the bytes given back (none while the stream captures a CUDA graph:
+    nothing is trimmed then). ``trim`` calls this with this module's pools, the drop-ins
+    (``gpu_pager.compat._pools``) with their own."""
     if _capturing():
         # Retiring and giving back synchronize the device, which a capture forbids; the
         # next call outside the capture trims.
@@ -319,8 +340,9 @@ def _trim_pools(pools: dict[Any, Any], keys: Iterable[Any], index: int) -> int:
     found = 0
     with _lock:
         for key in [k for k in keys if k in pools and k not in _graphs]:
-            unused = _unused_bytes(pools[key])
-            if unused:
+            unused, stranded = _unused_and_stranded(pools[key])
+            earlier = sum(r.stranded for r in _old if r.key == key and r.index == index)
+            if unused > stranded + earlier:
                 found += unused
                 _retire(pools.pop(key), key, index)
         # Tensors died in a retired pool since the last give-back.
@@ -334,7 +356,7 @@ def trim(tags: str | Iterable[str] | None = None, device: Any = None) -> int:
     """Gives the device memory of segments with nothing allocated in them back from the
     pools of ``tags`` (default: every tag) on ``device``: what tensors freed inside the
     tags held. ``use`` and ``release`` do this by themselves; graph pools keep theirs.
-    Returns the bytes found unused."""
+    Returns the bytes given back."""
     index = _index(device)
     wanted = None if tags is None else set(_tags(tags))
     keys = [k for k in list(_pools) if k[1] == index and (wanted is None or k[0] in wanted)]
@@ -546,17 +568,43 @@ def _tags(tags: str | Iterable[str]) -> list[str]:
 
 
 def release(
-    tags: str | Iterable[str], device: Any = None, drop: str | Iterable[str] | None = None
+    tags: str | Iterable[str],
+    device: Any = None,
+    drop: str | Iterable[str] | None = None,
+    *,
+    meanwhile: Callable[[], object] | None = None,
 ) -> Report:
     """Waits for torch's work on ``device`` and releases ``tags`` (see ``Pager.release``);
     those also in ``drop`` lose their contents for this cycle (they come back zeroed).
     Tensors in them keep their addresses; touching them with a kernel before ``resume``
-    faults (see the module docs); ``read``/``write`` raise ``NotResidentError``."""
+    faults (see the module docs); ``read``/``write`` raise ``NotResidentError``.
+    ``meanwhile``: Python work to run on a helper thread while the pager moves the memory,
+    which it does without the GIL (a ``gc.collect()`` that need not come first costs no
+    time then); the call returns once both are done."""
     torch = _torch()
     index = _index(device)
     trim(tags, index)
     torch.cuda.synchronize(index)
-    return Pager.for_device(index).release(_tags(tags), None if drop is None else _tags(drop))
+    pager, names = Pager.for_device(index), _tags(tags)
+    dropped = None if drop is None else _tags(drop)
+    if meanwhile is None:
+        return pager.release(names, dropped)
+    work = meanwhile
+    go = threading.Event()
+
+    def helper_work() -> None:
+        # Waits for the signal given just before the pager's call, which lets the GIL go:
+        # started at once, the work would hold the GIL that this thread still needs.
+        go.wait()
+        work()
+
+    helper = threading.Thread(target=helper_work, name="gpu_pager meanwhile", daemon=True)
+    helper.start()
+    try:
+        go.set()
+        return pager.release(names, dropped)
+    finally:
+        helper.join()
 
 
 def resume(tags: str | Iterable[str], device: Any = None) -> Report:
@@ -828,7 +876,8 @@ def audit(device: Any = None) -> TorchAudit:
     return TorchAudit(report, outside, discarded)
 
 
-_RESIDENT_WARNING = re.compile(r"gpu-pager: device (\d+): after releasing ")
+# The ``event`` field of the core's warning of memory still in use after a release.
+_RESIDENT_EVENT = "resident_after_release"
 
 
 class _NameTorchHolders(logging.Filter):
@@ -837,10 +886,12 @@ class _NameTorchHolders(logging.Filter):
     bytes outside its regions; in a torch process, torch knows who holds them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        match = _RESIDENT_WARNING.match(record.getMessage())
-        if record.levelno != logging.WARNING or match is None or _torch_if_imported() is None:
+        fields = getattr(record, "gpu_pager", None)
+        if not isinstance(fields, dict) or fields.get("event") != _RESIDENT_EVENT:
             return True
-        index = int(match.group(1))
+        if _torch_if_imported() is None:
+            return True
+        index = int(fields["device"])
         try:
             outside, _ = _scan(index, Pager.for_device(index))
         except Exception:  # naming the holders must never turn a warning into an error

@@ -489,3 +489,23 @@ def test_parameters_are_written_through_the_pager(tag: str) -> None:
         lin = torch.nn.Linear(64, 64, device="cuda")
     gpt.write(lin.weight, torch.ones(64, 64))  # a leaf that requires grad
     assert float(gpt.read(lin.weight).sum()) == 64 * 64
+
+
+def test_partly_used_segments_do_not_make_a_tag_grow_step_after_step(
+    pager: gpu_pager.Pager, tag: str
+) -> None:
+    """Each step inside ``use`` keeps one 4 MiB tensor (torch splits a 20 MiB segment for
+    it and for a 4 MiB tensor freed in the same step) and frees a 64 MiB one (a whole
+    segment with nothing left in it, which ``use`` gives back at its exit). The free room
+    of the split segments must serve the later steps: the tag maps about what lives in it,
+    not a new 20 MiB segment per step."""
+    kept = []
+    for _ in range(40):
+        with gpt.use(tag):
+            scratch = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
+            kept.append(torch.empty(4 * MIB, dtype=torch.uint8, device="cuda"))
+            big = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+            del scratch, big
+    live = sum(t.nbytes for t in kept)
+    mapped = pager.region_stats(tag).resident_bytes
+    assert mapped <= live + 40 * MIB, f"the tag maps {mapped / MIB:.0f} MiB for {live / MIB:.0f} MiB of tensors"

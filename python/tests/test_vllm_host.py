@@ -239,10 +239,12 @@ RECORDED = """
         fail = False
         def pager(self, device):
             return real
-        def release(self, tags, device, drop):
+        def release(self, tags, device, drop, meanwhile=None):
             if self.fail:
                 raise RuntimeError("release failed")
             real.release(tags, drop or None)
+            if meanwhile is not None:
+                meanwhile()
             log.append(("release", *tags) + (("drop", *drop) if drop else ()))
         def resume(self, tags, device):
             log.append(("resume", *tags))

@@ -369,12 +369,14 @@ class CuMemAllocator:
             kept_weights = "weights" in awake and "weights" not in drop
             unsaved = self._leave_out(discardable) if kept_weights else []
             try:
-                self._unmap(awake, drop=drop)
+                # vLLM collects garbage after the unmap so that its empty_cache gives back
+                # what dead tensors held outside the tags; a collection takes tens of
+                # milliseconds in an engine's process, so it runs while the pager copies.
+                self._unmap(awake, drop=drop, meanwhile=gc.collect)
             except BaseException:
                 self._save_again(unsaved)
                 raise
             self._unsaved += unsaved
-            gc.collect()
             import torch
 
             torch.cuda.empty_cache()
@@ -426,10 +428,11 @@ class CuMemAllocator:
         if awake:
             self._unmap(awake, drop=awake)
 
-    def _unmap(self, tags: list[str], drop: list[str]) -> None:
-        """Releases ``tags`` (those in ``drop`` without a backup); the pager runs their vLLM
-        hooks (the companions) and undoes them if the release fails."""
-        _gpt().release(tags, self._device, drop=drop)
+    def _unmap(self, tags: list[str], drop: list[str], meanwhile: Callable[[], object] | None = None) -> None:
+        """Releases ``tags`` (those in ``drop`` without a backup), running ``meanwhile``
+        alongside; the pager runs their vLLM hooks (the companions) and undoes them if the
+        release fails."""
+        _gpt().release(tags, self._device, drop=drop, meanwhile=meanwhile)
         for t in tags:
             self._kept[t] = t not in drop
 

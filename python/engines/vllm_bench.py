@@ -5,14 +5,17 @@ Prints one JSON line.
 
     python vllm_bench.py RELEASE_DIR stock|gpu_pager [--weights-gib 16] [--tensors 300]
                          [--kv-gib 16] [--cycles 2]
-    python vllm_bench.py --all ENGINES_DIR [same options]   every vLLM release there, each
-                         allocator in a process of its own, then a table (JSON rows in
+    python vllm_bench.py --all ENGINES_DIR [--only vllm-0.34.0] [--skip-fp8] [same options]
+                         every vLLM release there (or those named), each allocator in a
+                         process of its own, then the tables (JSON rows in
                          $OUT/engines-bench.jsonl where OUT is set)
+    ... --fp8            the fp8 rows instead of the others
 
 Rows: the first level-1 sleep (host backups made), then per cycle, with every weight changed
 before it: level-1 sleep, wake-up of everything; a selective wake (weights, then the KV
 cache); a level-2 sleep and its wake; the KV cache's discard and wake-up. Medians over the
-cycles after the first.
+cycles after the first. The fp8 rows (``--fp8``): bf16 weights quantized to fp8 inside the
+weights pool and the bf16 freed, then level-1 sleeps and wakes of what is left.
 """
 
 from __future__ import annotations
@@ -61,43 +64,168 @@ ROWS = (
 )
 
 
-def every(engines: str, options: list[str]) -> None:
-    """Runs each vLLM release of ``engines`` with each allocator; prints the table."""
+def _child(release: str, impl: str, options: list[str]) -> dict[str, Any]:
+    """One release and allocator in a process of its own; its JSON line, or its error."""
     import subprocess
 
-    results = []
-    for d in sorted(os.listdir(engines), key=lambda d: rel.version_numbers(os.path.join(engines, d)) if d.startswith("vllm-") else ()):
-        if not d.startswith("vllm-"):
+    name = os.path.basename(release)
+    print(f"vllm_bench: {name} {impl} {' '.join(options)} ...", file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, __file__, release, impl, *options],
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        sys.stderr.write(done.stderr[-3000:])
+        return {"release": name, "impl": impl, "error": done.stderr.strip().splitlines()[-1:]}
+    return dict(json.loads(lines[-1]))
+
+
+def _table(results: list[dict[str, Any]], rows: tuple[tuple[str, str], ...], ratios: tuple[str, str]) -> None:
+    print("| release | allocator | link D2H/H2D GB/s | " + " | ".join(n for _, n in rows)
+          + " | sleep / link | wake / link |")
+    print("|---|---|---|" + "---|" * (len(rows) + 2))
+    for r in results:
+        if "error" in r:
+            print(f"| {r['release']} | {r['impl']} | error: {r['error']} |")
             continue
-        for impl in ("stock", "gpu_pager"):
-            print(f"vllm_bench: {d} {impl} ...", file=sys.stderr, flush=True)
-            done = subprocess.run([sys.executable, __file__, os.path.join(engines, d), impl, *options],
-                                  capture_output=True, text=True, timeout=300)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            if done.returncode != 0 or not lines:
-                sys.stderr.write(done.stderr[-3000:])
-                results.append({"release": d, "impl": impl, "error": done.stderr.strip().splitlines()[-1:]})
-                continue
-            results.append(json.loads(lines[-1]))
+        cells = [f"{r[k] * 1e3:.1f}" if k in r else "-" for k, _ in rows]
+        print(f"| {r['release']} | {r['impl']} | {r['link_d2h_gbs']:.1f}/{r['link_h2d_gbs']:.1f} | "
+              + " | ".join(cells) + f" | {r[ratios[0]]:.2f} | {r[ratios[1]]:.2f} |")
+
+
+def every(engines: str, options: list[str]) -> None:
+    """Runs each vLLM release of ``engines`` (or those named by ``--only NAME``, repeatable)
+    with each allocator, the main rows and then the fp8 rows (``--skip-fp8``: not those);
+    prints the tables and, for the drop-in, where its sleep's time goes."""
+    only = [options[i + 1] for i, o in enumerate(options) if o == "--only"]
+    skip_fp8 = "--skip-fp8" in options
+    rest = [o for i, o in enumerate(options)
+            if o not in ("--only", "--skip-fp8") and (i == 0 or options[i - 1] != "--only")]
+    releases = sorted((d for d in os.listdir(engines) if d.startswith("vllm-") and (not only or d in only)),
+                      key=lambda d: rel.version_numbers(os.path.join(engines, d)))
+    results = [_child(os.path.join(engines, d), impl, rest) for d in releases for impl in ("stock", "gpu_pager")]
+    fp8 = [] if skip_fp8 else [_child(os.path.join(engines, d), impl, [*rest, "--fp8"])
+                               for d in releases for impl in ("stock", "gpu_pager")]
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "engines-bench.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in results)
+            f.writelines(json.dumps(r) + "\n" for r in results + fp8)
     ok = [r for r in results if "error" not in r]
     if ok:
         r0 = ok[0]
         print(f"{r0['device']}; {r0['weights_bytes'] / GIB:.1f} GiB of weights in {r0['tensors']} tensors, "
               f"changed every cycle; KV {r0['kv_bytes'] / GIB:.0f} GiB; ms (median of the cycles)")
-    print("| release | allocator | link D2H/H2D GB/s | " + " | ".join(n for _, n in ROWS) + " | sleep / link | wake / link |")
-    print("|---|---|---|" + "---|" * (len(ROWS) + 2))
-    for r in results:
-        if "error" in r:
-            print(f"| {r['release']} | {r['impl']} | error: {r['error']} |")
-            continue
-        cells = [f"{r[k] * 1e3:.1f}" if k in r else "-" for k, _ in ROWS]
-        print(f"| {r['release']} | {r['impl']} | {r['link_d2h_gbs']:.1f}/{r['link_h2d_gbs']:.1f} | "
-              + " | ".join(cells) + f" | {r['sleep_x_link']:.2f} | {r['wake_x_link']:.2f} |")
-    if any("error" in r for r in results):
+    _table(results, ROWS, ("sleep_x_link", "wake_x_link"))
+    for r in ok:
+        if "sleep_parts_s" in r:
+            parts = ", ".join(f"{k} {x * 1e3:.1f}" for k, x in r["sleep_parts_s"].items())
+            print(f"{r['release']} drop-in sleep, ms: {parts}")
+    if fp8:
+        print("\nfp8 online quantization: bf16 built in the weights pool, quantized, the bf16 freed")
+        _table(fp8, (("fp8_sleep_s", "sleep"), ("fp8_wake_s", "wake")), ("fp8_sleep_x_link", "fp8_wake_x_link"))
+        for r in fp8:
+            if "error" not in r:
+                print(f"{r['release']} {r['impl']}: live {r['fp8_live_bytes'] / GIB:.2f} GiB, "
+                      f"device holds {r['fp8_held_bytes'] / GIB:.2f} GiB after the context")
+    if any("error" in r for r in results + fp8):
         raise SystemExit(1)
+
+
+def _level1(a: Any, v: tuple[int, ...]) -> Any:
+    """The release's level-1 sleep as its worker and default backend call the allocator."""
+    if v >= (0, 34):
+        return lambda: a.sleep(("weights", "runtime", "cudagraph"), ())
+    if v >= (0, 33):
+        return lambda: a.sleep(offload_tags=("weights", "runtime", "cudagraph"))
+    return lambda: a.sleep(offload_tags=("weights",))
+
+
+def fp8_run(torch: Any, a: Any, args: Any, v: tuple[int, ...], d2h: float, h2d: float) -> dict[str, Any]:
+    """fp8 online quantization as vLLM does it: bf16 weights built inside
+    ``use_memory_pool("weights")``, quantized to fp8 and the bf16 tensors freed inside the
+    context; then level-1 sleeps and wakes with the fp8 bytes changed before each. The link
+    is measured for the live (fp8) bytes; the fp8 bytes are checked bit-exact after every wake."""
+    per = int(args.weights_gib * GIB) // args.tensors // 2
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # what the link's measure left in torch's cache
+    free0 = torch.cuda.mem_get_info()[0]
+    with a.use_memory_pool(tag="weights"):
+        bf16 = [torch.randn(per, dtype=torch.bfloat16, device="cuda") for _ in range(args.tensors)]
+        fp8 = [w.to(torch.float8_e4m3fn) for w in bf16]
+        del bf16
+    torch.cuda.synchronize()
+    held = free0 - torch.cuda.mem_get_info()[0]
+    live = sum(w.nbytes for w in fp8)
+    level1 = _level1(a, v)
+    sleeps: list[float] = []
+    wakes: list[float] = []
+    for cycle in range(args.cycles + 1):
+        for w in fp8:
+            w.view(torch.uint8).add_(1)
+        expect = [w.view(torch.uint8).sum(dtype=torch.int64).item() for w in fp8]
+        expect_first = fp8[0].view(torch.uint8).cpu()
+        s = timed(torch, level1)
+        w_ = timed(torch, lambda: a.wake_up(None))
+        got = [w.view(torch.uint8).sum(dtype=torch.int64).item() for w in fp8]
+        if got != expect or not torch.equal(fp8[0].view(torch.uint8).cpu(), expect_first):
+            raise SystemExit(f"fp8 weights changed by the sleep of cycle {cycle}")
+        if cycle:
+            sleeps.append(s)
+            wakes.append(w_)
+    out = {
+        "release": os.path.basename(os.path.normpath(args.release)),
+        "impl": args.impl,
+        "device": torch.cuda.get_device_name(),
+        "fp8_live_bytes": live,
+        "fp8_held_bytes": held,
+        "link_d2h_gbs": d2h / 1e9,
+        "link_h2d_gbs": h2d / 1e9,
+        "fp8_sleep_s": statistics.median(sleeps),
+        "fp8_wake_s": statistics.median(wakes),
+    }
+    out["fp8_sleep_x_link"] = out["fp8_sleep_s"] / (live / d2h)
+    out["fp8_wake_x_link"] = out["fp8_wake_s"] / (live / h2d)
+    return out
+
+
+def _parts(torch: Any) -> dict[str, float]:
+    """Wraps the calls the drop-in's sleep is made of so that each one's seconds add up in
+    the returned dict (cleared by the caller before the call it looks at): torch pool trims,
+    the pager's release and its steps, ``gc.collect`` and ``torch.cuda.empty_cache``."""
+    import gc
+
+    import gpu_pager.torch as gpt
+
+    parts: dict[str, float] = {}
+
+    def wrap(owner: Any, name: str, key: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed_call(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                result = inner(*a, **k)
+            finally:
+                parts[key] = parts.get(key, 0.0) + time.perf_counter() - t
+            if key == "release" and result is not None:
+                for region in result.regions:
+                    steps = region.steps
+                    for step in ("pin", "copy", "map", "unmap", "fill", "hash"):
+                        parts[f"release.{step}"] = parts.get(f"release.{step}", 0.0) + getattr(steps, step)
+                    parts[f"release.unmap[{region.tag}]"] = steps.unmap
+                parts["release.sync"] = parts.get("release.sync", 0.0) + result.sync_seconds
+                parts["release.pager"] = parts.get("release.pager", 0.0) + result.seconds
+            return result
+
+        setattr(owner, name, timed_call)
+
+    wrap(gpt, "trim", "trim")
+    wrap(gpt, "release", "release")
+    from gpu_pager.compat import vllm as drop_in
+
+    wrap(drop_in.CuMemAllocator, "_before_unmap", "companions")
+    wrap(drop_in.CuMemAllocator, "_leave_out", "leave_out")
+    wrap(gc, "collect", "gc.collect")
+    wrap(torch.cuda, "empty_cache", "empty_cache")
+    return parts
 
 
 def main() -> None:
@@ -111,6 +239,7 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=300)
     ap.add_argument("--kv-gib", type=float, default=16)
     ap.add_argument("--cycles", type=int, default=2)
+    ap.add_argument("--fp8", action="store_true", help="the fp8 online-quantization rows instead")
     args = ap.parse_args()
     if args.impl == "stock":
         os.environ.pop("GPU_PAGER_DROP_IN", None)
@@ -129,6 +258,9 @@ def main() -> None:
     v = rel.version_numbers(args.release)
     d2h, h2d = link(torch)
 
+    if args.fp8:
+        print(json.dumps(fp8_run(torch, a, args, v, d2h, h2d)), flush=True)
+        return
     each = int(args.weights_gib * GIB) // args.tensors // 2
     with a.use_memory_pool(tag="weights"):
         weights = [torch.randn(each, dtype=torch.bfloat16, device="cuda") for _ in range(args.tensors)]
@@ -137,14 +269,12 @@ def main() -> None:
     nbytes = sum(w.numel() * 2 for w in weights)
 
     # As the release's worker and default backend call the allocator.
+    level1 = _level1(a, v)
     if v >= (0, 34):
-        level1 = lambda: a.sleep(("weights", "runtime", "cudagraph"), ())  # noqa: E731
         level2 = lambda: a.sleep(("weights", "runtime", "cudagraph"), {w.untyped_storage().data_ptr() for w in weights})  # noqa: E731
     elif v >= (0, 33):
-        level1 = lambda: a.sleep(offload_tags=("weights", "runtime", "cudagraph"))  # noqa: E731
         level2 = lambda: a.sleep(offload_tags=("runtime", "cudagraph"))  # noqa: E731
     else:
-        level1 = lambda: a.sleep(offload_tags=("weights",))  # noqa: E731
         level2 = lambda: a.sleep(offload_tags=())  # noqa: E731
 
     def change() -> None:
@@ -154,12 +284,17 @@ def main() -> None:
 
     rows: dict[str, list[float]] = {k: [] for k in (
         "sleep", "wake", "wake_weights", "wake_kv", "sleep_level2", "wake_level2", "kv_discard", "kv_wake")}
+    parts = _parts(torch) if args.impl == "gpu_pager" else None
+    sleep_parts: dict[str, float] | None = None
     change()
     first_sleep = timed(torch, level1)
     first_wake = timed(torch, lambda: a.wake_up(None))
     for _ in range(args.cycles):
         change()
+        if parts is not None:
+            parts.clear()
         rows["sleep"].append(timed(torch, level1))
+        sleep_parts = dict(parts) if parts is not None else None
         rows["wake"].append(timed(torch, lambda: a.wake_up(None)))
         change()
         level1()
@@ -183,6 +318,8 @@ def main() -> None:
         "first_wake_s": first_wake,
         **{f"{k}_s": statistics.median(x) for k, x in rows.items() if x},
     }
+    if sleep_parts is not None:
+        out["sleep_parts_s"] = sleep_parts
     out["sleep_x_link"] = out["sleep_s"] / (nbytes / d2h)
     out["wake_x_link"] = out["wake_s"] / (nbytes / h2d)
     print(json.dumps(out), flush=True)

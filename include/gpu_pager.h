@@ -361,6 +361,18 @@ struct gpu_pager_config gpu_pager_config_default(void);
 // `config` is NULL (an error) or valid for a read of `config->size` bytes.
 gpu_pager_code gpu_pager_configure(int device, const struct gpu_pager_config *config);
 
+// Chooses device `device`'s settings by name, as `gpu_pager_configure` does: `settings` is
+// `name=value` pairs separated by commas or spaces, e.g. `"chunk_bytes=64M,
+// skip_unchanged=false, save_route=kernel"`, the names as `gpu_pager_config`'s fields and
+// every setting added after it; sizes take `K`/`M`/`G`/`T` suffixes, switches
+// `true`/`false`, routes `engine`/`kernel`/`fastest`. Settings left out keep their
+// defaults. An unknown name or a bad value fails with `GPU_PAGER_ERROR_INVALID_ARGUMENT`
+// naming it, changing nothing.
+//
+// # Safety
+// `settings` is NULL (an error) or a NUL-terminated string alive for the call.
+gpu_pager_code gpu_pager_configure_text(int device, const char *settings);
+
 // Opens device `device`'s pager and writes its settings into `*out`, sizes as the pager
 // rounded them: as many fields as `out->size` holds (initialize `*out` with
 // `gpu_pager_config_default()` first).

@@ -60,7 +60,8 @@ pub use pager::Tuning;
 pub use pager::{
     Audit, AuditRegion, Buffer, Companion, CompanionError, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES,
     Lease, MAX_TAG_BYTES, POISON, POISON_DISCARDS_ENV, Pager, PagerConfig, RECLAIM_SCRUBBED_ENV,
-    RESIDENT_EVENT, RESIDENT_WARNING_BYTES, ReleaseOptions, ResumeOptions, Stats,
+    RESIDENT_EVENT, RESIDENT_WARNING_BYTES, ReleaseOptions, ResumeOptions, SETTINGS, Setting,
+    SettingKind, SettingType, SettingValue, Stats,
 };
 pub use pump::{CopyRoute, PumpStats};
 pub use region::{Medium, Policy, RegionInfo, RegionKind, RegionOptions, RegionStats, State};

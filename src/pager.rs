@@ -22,6 +22,7 @@ mod config;
 mod create;
 mod moves;
 mod overwritten;
+mod settings;
 
 use config::round_chunk;
 
@@ -30,9 +31,10 @@ pub use buffers::Buffer;
 use buffers::stale;
 pub use companions::{Companion, CompanionError};
 pub use config::{
-    DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, MAX_TAG_BYTES, POISON, POISON_DISCARDS_ENV, PagerConfig,
+    DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, MAX_TAG_BYTES, POISON, POISON_DISCARDS_ENV,
     RECLAIM_SCRUBBED_ENV, ReleaseOptions, ResumeOptions, Tuning,
 };
+pub use settings::{PagerConfig, SETTINGS, Setting, SettingKind, SettingType, SettingValue};
 
 /// Statistics of the whole pager.
 #[derive(Debug, Clone, PartialEq, Eq)]

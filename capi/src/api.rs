@@ -195,6 +195,28 @@ pub unsafe extern "C" fn gpu_pager_configure(
     })
 }
 
+/// Chooses device `device`'s settings by name, as `gpu_pager_configure` does: `settings` is
+/// `name=value` pairs separated by commas or spaces, e.g. `"chunk_bytes=64M,
+/// skip_unchanged=false, save_route=kernel"`, the names as `gpu_pager_config`'s fields and
+/// every setting added after it; sizes take `K`/`M`/`G`/`T` suffixes, switches
+/// `true`/`false`, routes `engine`/`kernel`/`fastest`. Settings left out keep their
+/// defaults. An unknown name or a bad value fails with `GPU_PAGER_ERROR_INVALID_ARGUMENT`
+/// naming it, changing nothing.
+///
+/// # Safety
+/// `settings` is NULL (an error) or a NUL-terminated string alive for the call.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpu_pager_configure_text(
+    device: c_int,
+    settings: *const c_char,
+) -> gpu_pager_code {
+    call("gpu_pager_configure_text", || {
+        // SAFETY: NULL or NUL-terminated and alive for the call (the contract).
+        let text = unsafe { boundary::text(settings, "settings") }?;
+        Pager::configure(boundary::device(device)?, PagerConfig::parse(text)?)
+    })
+}
+
 /// Opens device `device`'s pager and writes its settings into `*out`, sizes as the pager
 /// rounded them: as many fields as `out->size` holds (initialize `*out` with
 /// `gpu_pager_config_default()` first).

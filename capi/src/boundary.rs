@@ -133,6 +133,22 @@ pub unsafe fn tag<'a>(p: *const c_char, what: &str) -> Result<&'a str> {
     })
 }
 
+/// Text from C other than a tag (settings): non-NULL, NUL-terminated, UTF-8.
+///
+/// # Safety
+/// As for [`tag`].
+pub unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<&'a str> {
+    if p.is_null() {
+        return Err(untagged(format!(
+            "{what} is NULL; pass a NUL-terminated UTF-8 string"
+        )));
+    }
+    // SAFETY: non-NULL and, by this function's contract, NUL-terminated and alive for 'a.
+    let s = unsafe { CStr::from_ptr(p) };
+    s.to_str()
+        .map_err(|_| untagged(format!("{what} is not UTF-8")))
+}
+
 /// A filesystem path from C: non-NULL and NUL-terminated, of any bytes (Linux paths need
 /// not be UTF-8).
 ///

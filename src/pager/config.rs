@@ -4,7 +4,9 @@
 
 use crate::backend::Mover;
 use crate::backup::file;
-use crate::pump::{self, CopyRoute, PumpConfig};
+use crate::pump::{self, PumpConfig};
+
+use super::settings::PagerConfig;
 
 /// Default physical chunk size: 512 MiB. Mapping costs per handle, so large chunks map
 /// fast, and a region's last chunk wastes at most one chunk's rounding.
@@ -29,49 +31,6 @@ pub const POISON_DISCARDS_ENV: &str = "GPU_PAGER_POISON_DISCARDS";
 /// registry ([`crate::Pager::for_device`]): `1`, `true` or `yes` turns it on, `0`, `false`
 /// or `no` off; unset or anything else leaves the configured setting.
 pub const RECLAIM_SCRUBBED_ENV: &str = "GPU_PAGER_RECLAIM_SCRUBBED";
-
-/// Pager settings: what a user of the pager chooses. C sets them with
-/// `gpu_pager_configure`, Python with `gpu_pager.configure`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PagerConfig {
-    /// Physical chunk size in bytes; rounded up to the backend's granularity and to a power
-    /// of two. A region smaller than a chunk is one chunk of its own (rounded) size.
-    /// [`crate::RegionOptions::chunk_bytes`] overrides it per region. `Discard` and
-    /// `DiscardZeroed` regions that are not elastic map in larger chunks (see
-    /// [`Tuning::discard_chunk_bytes`]).
-    pub chunk_bytes: usize,
-    /// On release, hash `Preserve` contents and copy only the hash chunks that changed since
-    /// the last backup or restore (default on).
-    pub skip_unchanged: bool,
-    /// After each restore, hash the device contents and compare with the backup's hashes;
-    /// a mismatch fails the resume with [`crate::Error::Corrupted`] (default off: it costs
-    /// one hash pass over the contents on every resume). Not applied by
-    /// [`crate::Pager::resume_on`].
-    pub verify_restore: bool,
-    /// Which movers copy `Preserve` contents to the backup on release (default
-    /// [`CopyRoute::Engine`]: it leaves the SMs to the application).
-    pub save_route: CopyRoute,
-    /// Which movers restore `Preserve` contents on resume (default [`CopyRoute::Fastest`]:
-    /// right after a trainer's free the copy kernel outruns the copy engine).
-    pub restore_route: CopyRoute,
-    /// Memory that comes back without its contents (a `Discard` region, a tag dropped at
-    /// its release) is filled with [`POISON`] on resume, a NaN read as bf16, fp16 or fp32,
-    /// so that a kernel that reads what it did not write since the wake-up computes NaN at
-    /// once instead of reusing stale bytes (default off: one device fill per resume of such
-    /// memory). `DiscardZeroed` regions still come back zeroed, as they promise. The
-    /// environment variable [`POISON_DISCARDS_ENV`] turns it on for the process's pagers.
-    pub poison_discards: bool,
-    /// A release that moved something logs one warning when this process holds more than
-    /// this many bytes of device memory outside every region after it (default
-    /// [`super::RESIDENT_WARNING_BYTES`]; `usize::MAX`: never). Regions left resident do
-    /// not count. Where NVML does not report this process (no NVML, a container's own PID
-    /// namespace), the device's whole use outside the regions counts, other processes
-    /// included.
-    pub resident_warning_bytes: usize,
-    /// Knobs whose defaults are measured, moved only by tests and benchmarks.
-    #[doc(hidden)]
-    pub tuning: Tuning,
-}
 
 /// Tuning knobs: each default is the measured best, and changing one trades speed, memory or
 /// the number of driver calls; tests and benchmarks move them to reach edge cases. Not part
@@ -132,21 +91,6 @@ pub struct Tuning {
     pub reclaim_scrubbed: bool,
 }
 
-impl Default for PagerConfig {
-    fn default() -> Self {
-        PagerConfig {
-            chunk_bytes: DEFAULT_CHUNK_BYTES,
-            skip_unchanged: true,
-            verify_restore: false,
-            save_route: CopyRoute::Engine,
-            restore_route: CopyRoute::Fastest,
-            poison_discards: false,
-            resident_warning_bytes: super::RESIDENT_WARNING_BYTES,
-            tuning: Tuning::default(),
-        }
-    }
-}
-
 impl Default for Tuning {
     fn default() -> Self {
         Tuning {
@@ -161,26 +105,6 @@ impl Default for Tuning {
             file_chunk_bytes: 64 << 20,
             reclaim_scrubbed: true,
         }
-    }
-}
-
-/// The settings as the bindings name them (the tuning is left out), e.g.
-/// `chunk_bytes=536870912, skip_unchanged=true, verify_restore=false, save_route=engine,
-/// restore_route=fastest`.
-impl std::fmt::Display for PagerConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "chunk_bytes={}, skip_unchanged={}, verify_restore={}, save_route={}, \
-             restore_route={}, poison_discards={}, resident_warning_bytes={}",
-            self.chunk_bytes,
-            self.skip_unchanged,
-            self.verify_restore,
-            self.save_route.name(),
-            self.restore_route.name(),
-            self.poison_discards,
-            self.resident_warning_bytes
-        )
     }
 }
 

@@ -321,6 +321,14 @@ static void configure(int dev) {
     c.poison_discards = true;
     c.save_route = GPU_PAGER_ROUTE_FASTEST;
     CHECK(gpu_pager_configure(dev, &c));
+    /* The same by name (a later call replaces an earlier one); bad text changes nothing. */
+    EXPECT(gpu_pager_configure_text(dev, "chunk_bytes=3M, sideways=1"),
+           GPU_PAGER_ERROR_INVALID_ARGUMENT, "no setting is named \"sideways\"");
+    EXPECT(gpu_pager_configure_text(dev, "verify_restore=maybe"), GPU_PAGER_ERROR_INVALID_ARGUMENT,
+           "is not a switch");
+    EXPECT(gpu_pager_configure_text(dev, NULL), GPU_PAGER_ERROR_INVALID_ARGUMENT, "settings is NULL");
+    CHECK(gpu_pager_configure_text(dev, "chunk_bytes=3M verify_restore=true poison_discards=1 "
+                                        "save_route=fastest"));
     gpu_pager_config got = gpu_pager_config_default();
     CHECK(gpu_pager_get_config(dev, &got)); /* opens the pager */
     if (got.chunk_bytes != 4 * MIB || !got.verify_restore || !got.skip_unchanged || !got.poison_discards ||

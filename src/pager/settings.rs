@@ -1,0 +1,477 @@
+//! The pager's settings as one table. [`settings!`] makes [`PagerConfig`] (its fields, their
+//! defaults and docs) and [`SETTINGS`], through which every binding names, reads, sets,
+//! prints and documents them: Python's `configure(**settings)` and `Config`, C's
+//! `gpu_pager_configure_setting`, the settings' `Display`. A new setting is one line of the
+//! table (and its tests).
+
+use std::fmt;
+
+use super::config::Tuning;
+use crate::pump::CopyRoute;
+use crate::{Error, Result};
+
+/// How a setting's values are spelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettingKind {
+    /// A byte count: a number, or with a `K`, `M`, `G` or `T` suffix (powers of 1024), or
+    /// `max` (the largest).
+    Bytes,
+    /// On or off: `true`/`false`, `1`/`0`, `yes`/`no`.
+    Switch,
+    /// A copy route's name: `engine`, `kernel` or `fastest`.
+    Route,
+}
+
+impl SettingKind {
+    /// The kind's name as the bindings' docs say it.
+    pub fn name(self) -> &'static str {
+        match self {
+            SettingKind::Bytes => "bytes",
+            SettingKind::Switch => "switch",
+            SettingKind::Route => "route",
+        }
+    }
+}
+
+/// One setting's value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettingValue {
+    /// Of a [`SettingKind::Bytes`] setting.
+    Bytes(usize),
+    /// Of a [`SettingKind::Switch`] setting.
+    Switch(bool),
+    /// Of a [`SettingKind::Route`] setting.
+    Route(CopyRoute),
+}
+
+impl SettingValue {
+    /// The value's kind.
+    pub fn kind(self) -> SettingKind {
+        match self {
+            SettingValue::Bytes(_) => SettingKind::Bytes,
+            SettingValue::Switch(_) => SettingKind::Switch,
+            SettingValue::Route(_) => SettingKind::Route,
+        }
+    }
+
+    /// Reads `text` as a value of `kind` (as [`SettingKind`] spells them); the error says
+    /// what was expected.
+    pub fn parse(kind: SettingKind, text: &str) -> std::result::Result<SettingValue, String> {
+        let t = text.trim();
+        let bad = |what: &str| format!("{t:?} is not {what}");
+        match kind {
+            SettingKind::Bytes => parse_bytes(t)
+                .map(SettingValue::Bytes)
+                .ok_or_else(|| bad("a byte count (e.g. 536870912, 512M, 4G or max)")),
+            SettingKind::Switch => match t.to_ascii_lowercase().as_str() {
+                "1" | "true" | "yes" | "on" => Ok(SettingValue::Switch(true)),
+                "0" | "false" | "no" | "off" => Ok(SettingValue::Switch(false)),
+                _ => Err(bad("a switch (true or false)")),
+            },
+            SettingKind::Route => {
+                CopyRoute::from_name(t)
+                    .map(SettingValue::Route)
+                    .ok_or_else(|| {
+                        let names: Vec<&str> = CopyRoute::ALL.iter().map(|r| r.name()).collect();
+                        bad(&format!("a copy route ({})", names.join(", ")))
+                    })
+            }
+        }
+    }
+}
+
+/// A byte count as text: digits with an optional `K`/`M`/`G`/`T` suffix (`B` or `iB` after
+/// it allowed), or `max`.
+fn parse_bytes(t: &str) -> Option<usize> {
+    if t.eq_ignore_ascii_case("max") {
+        return Some(usize::MAX);
+    }
+    let upper = t.to_ascii_uppercase();
+    let s = upper
+        .strip_suffix("IB")
+        .or_else(|| upper.strip_suffix('B'))
+        .unwrap_or(&upper);
+    let (digits, shift) = match s.char_indices().last() {
+        Some((i, 'K')) => (&s[..i], 10),
+        Some((i, 'M')) => (&s[..i], 20),
+        Some((i, 'G')) => (&s[..i], 30),
+        Some((i, 'T')) => (&s[..i], 40),
+        _ => (s, 0),
+    };
+    let n: usize = digits.trim().parse().ok()?;
+    n.checked_mul(1usize.checked_shl(shift)?)
+}
+
+/// As the bindings print it: a number, `true`/`false`, a route's name.
+impl fmt::Display for SettingValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SettingValue::Bytes(n) => write!(f, "{n}"),
+            SettingValue::Switch(b) => write!(f, "{b}"),
+            SettingValue::Route(r) => f.write_str(r.name()),
+        }
+    }
+}
+
+/// The Rust types a setting can have.
+pub trait SettingType: Copy {
+    /// The kind of setting of this type.
+    const KIND: SettingKind;
+    /// `self` as a value.
+    fn value(self) -> SettingValue;
+    /// The value as this type, if it is of its kind.
+    fn from_value(v: SettingValue) -> Option<Self>;
+}
+
+impl SettingType for usize {
+    const KIND: SettingKind = SettingKind::Bytes;
+    fn value(self) -> SettingValue {
+        SettingValue::Bytes(self)
+    }
+    fn from_value(v: SettingValue) -> Option<Self> {
+        match v {
+            SettingValue::Bytes(n) => Some(n),
+            _ => None,
+        }
+    }
+}
+
+impl SettingType for bool {
+    const KIND: SettingKind = SettingKind::Switch;
+    fn value(self) -> SettingValue {
+        SettingValue::Switch(self)
+    }
+    fn from_value(v: SettingValue) -> Option<Self> {
+        match v {
+            SettingValue::Switch(b) => Some(b),
+            _ => None,
+        }
+    }
+}
+
+impl SettingType for CopyRoute {
+    const KIND: SettingKind = SettingKind::Route;
+    fn value(self) -> SettingValue {
+        SettingValue::Route(self)
+    }
+    fn from_value(v: SettingValue) -> Option<Self> {
+        match v {
+            SettingValue::Route(r) => Some(r),
+            _ => None,
+        }
+    }
+}
+
+/// One row of [`SETTINGS`].
+#[derive(Clone, Copy)]
+pub struct Setting {
+    /// The name every binding uses (the [`PagerConfig`] field's).
+    pub name: &'static str,
+    /// How its values are spelled.
+    pub kind: SettingKind,
+    /// Its default.
+    pub default: fn() -> SettingValue,
+    doc: &'static str,
+    get: fn(&PagerConfig) -> SettingValue,
+    set: fn(&mut PagerConfig, SettingValue) -> bool,
+}
+
+impl fmt::Debug for Setting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Setting")
+            .field("name", &self.name)
+            .field("kind", &self.kind)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Setting {
+    /// The setting named `name`, if any.
+    pub fn named(name: &str) -> Option<&'static Setting> {
+        SETTINGS.iter().find(|s| s.name == name)
+    }
+
+    /// The setting named `name`, or [`Error::InvalidArgument`] naming every setting.
+    pub fn find(name: &str) -> Result<&'static Setting> {
+        Self::named(name).ok_or_else(|| Error::InvalidArgument {
+            tag: None,
+            reason: format!(
+                "no setting is named {name:?}; the settings: {}",
+                SETTINGS
+                    .iter()
+                    .map(|s| s.name)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        })
+    }
+
+    /// Its docs, one paragraph in words every binding's user reads alike.
+    pub fn doc(&self) -> String {
+        self.doc
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// Its value in `config`.
+    pub fn get(&self, config: &PagerConfig) -> SettingValue {
+        (self.get)(config)
+    }
+
+    /// Sets it in `config`; a value of another kind is [`Error::InvalidArgument`].
+    pub fn set(&self, config: &mut PagerConfig, value: SettingValue) -> Result<()> {
+        if (self.set)(config, value) {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument {
+            tag: None,
+            reason: format!(
+                "setting {} takes a {} value, not a {} one",
+                self.name,
+                self.kind.name(),
+                value.kind().name()
+            ),
+        })
+    }
+
+    /// Sets it in `config` from text ([`SettingValue::parse`]).
+    pub fn set_text(&self, config: &mut PagerConfig, text: &str) -> Result<()> {
+        let value = SettingValue::parse(self.kind, text).map_err(|e| Error::InvalidArgument {
+            tag: None,
+            reason: format!("setting {}: {e}", self.name),
+        })?;
+        self.set(config, value)
+    }
+}
+
+/// The table: each setting's docs, name, type and default. Makes [`PagerConfig`] with a
+/// hidden `tuning` field after the settings, its `Default`, and [`SETTINGS`].
+macro_rules! settings {
+    ($(#[doc = $sdoc:literal])* pub struct PagerConfig;
+     $( $(#[doc = $doc:literal])+ $name:ident: $ty:ty = $default:expr; )+) => {
+        $(#[doc = $sdoc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub struct PagerConfig {
+            $( $(#[doc = $doc])+ pub $name: $ty, )+
+            /// Knobs whose defaults are measured, moved only by tests and benchmarks.
+            #[doc(hidden)]
+            pub tuning: Tuning,
+        }
+
+        impl Default for PagerConfig {
+            fn default() -> Self {
+                PagerConfig { $( $name: $default, )+ tuning: Tuning::default() }
+            }
+        }
+
+        /// Every setting of [`PagerConfig`], in the order of its fields.
+        pub const SETTINGS: &[Setting] = &[ $(
+            Setting {
+                name: stringify!($name),
+                kind: <$ty as SettingType>::KIND,
+                default: || SettingType::value($default),
+                doc: concat!($($doc, "\n"),+),
+                get: |c| SettingType::value(c.$name),
+                set: |c, v| match <$ty as SettingType>::from_value(v) {
+                    Some(x) => {
+                        c.$name = x;
+                        true
+                    }
+                    None => false,
+                },
+            },
+        )+ ];
+    };
+}
+
+settings! {
+    /// Pager settings: what a user of the pager chooses, one field per row of [`SETTINGS`].
+    /// C sets them with `gpu_pager_configure` (or by name, `gpu_pager_configure_setting`),
+    /// Python with `gpu_pager.configure`.
+    pub struct PagerConfig;
+
+    /// Physical chunk size in bytes (default 512 MiB), rounded up to the device's
+    /// granularity and to a power of two. Mapping costs per chunk; a region's last chunk
+    /// wastes at most one chunk's rounding. A region's own chunk size overrides it.
+    chunk_bytes: usize = super::DEFAULT_CHUNK_BYTES;
+    /// A release copies only the parts of a preserve region that changed since its last
+    /// backup or restore (default on).
+    skip_unchanged: bool = true;
+    /// After each restore, compare the device contents with the backup's hashes; a mismatch
+    /// fails the resume as corrupted (default off: one hash pass per resume).
+    verify_restore: bool = false;
+    /// Who copies contents to the backup on release: `engine` (the default: it leaves the
+    /// SMs to the application), `kernel` or `fastest`.
+    save_route: CopyRoute = CopyRoute::Engine;
+    /// Who restores contents on resume: `engine`, `kernel` or `fastest` (the default: right
+    /// after a trainer's free the copy kernel can outrun the copy engine).
+    restore_route: CopyRoute = CopyRoute::Fastest;
+    /// Memory that comes back without its contents (a discard region, a tag dropped at its
+    /// release) is filled with the poison pattern on resume, a NaN read as bf16, fp16 or
+    /// fp32, so that reading it before writing it shows at once (default off; the
+    /// environment variable `GPU_PAGER_POISON_DISCARDS=1` turns it on too).
+    poison_discards: bool = false;
+    /// A release that moved something logs one warning when this process holds more than
+    /// this many bytes of device memory outside every region after it (the device's whole
+    /// use outside the regions where NVML does not report this process); the audit shows
+    /// all of it (default 4 GiB; the largest value: never).
+    resident_warning_bytes: usize = super::RESIDENT_WARNING_BYTES;
+}
+
+impl PagerConfig {
+    /// The defaults with the settings of `text` applied: `name=value` pairs separated by
+    /// commas, semicolons or white space (`"chunk_bytes=64M, skip_unchanged=false"`), each
+    /// value as its kind spells it ([`SettingValue::parse`]); the empty text is the
+    /// defaults. An unknown name or a bad value is [`Error::InvalidArgument`] naming it.
+    pub fn parse(text: &str) -> Result<PagerConfig> {
+        let mut config = PagerConfig::default();
+        for pair in text
+            .split(|c: char| c == ',' || c == ';' || c.is_whitespace())
+            .filter(|p| !p.is_empty())
+        {
+            let Some((name, value)) = pair.split_once('=') else {
+                return Err(Error::InvalidArgument {
+                    tag: None,
+                    reason: format!("{pair:?} is not name=value, e.g. chunk_bytes=64M"),
+                });
+            };
+            Setting::find(name.trim())?.set_text(&mut config, value)?;
+        }
+        Ok(config)
+    }
+}
+
+/// The settings as the bindings name them (the tuning is left out), e.g.
+/// `chunk_bytes=536870912, skip_unchanged=true, ...`.
+impl fmt::Display for PagerConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, s) in SETTINGS.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}{}={}", s.name, s.get(self))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_setting_reads_back_what_it_is_set_to_and_defaults_agree() {
+        let defaults = PagerConfig::default();
+        for s in SETTINGS {
+            assert_eq!(s.get(&defaults), (s.default)(), "{}", s.name);
+            assert_eq!(s.get(&defaults).kind(), s.kind, "{}", s.name);
+            assert!(!s.doc().is_empty() && !s.doc().contains("  "), "{}", s.name);
+            let mut c = defaults;
+            let other = match s.kind {
+                SettingKind::Bytes => SettingValue::Bytes(12345),
+                SettingKind::Switch => {
+                    SettingValue::Switch(!matches!(s.get(&c), SettingValue::Switch(true)))
+                }
+                SettingKind::Route => SettingValue::Route(CopyRoute::Kernel),
+            };
+            s.set(&mut c, other).unwrap();
+            assert_eq!(s.get(&c), other, "{}", s.name);
+            // Only this field changed.
+            for t in SETTINGS.iter().filter(|t| t.name != s.name) {
+                assert_eq!(t.get(&c), t.get(&defaults), "{} moved {}", s.name, t.name);
+            }
+            assert_eq!(c.tuning, defaults.tuning);
+        }
+    }
+
+    #[test]
+    fn values_of_another_kind_and_unknown_names_are_refused_with_the_choices() {
+        let mut c = PagerConfig::default();
+        let e = Setting::find("chunk_bytes")
+            .unwrap()
+            .set(&mut c, SettingValue::Switch(true))
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("takes a bytes value, not a switch one"),
+            "{e}"
+        );
+        let e = Setting::find("chunk_size").unwrap_err();
+        assert!(
+            e.to_string().contains("no setting is named \"chunk_size\""),
+            "{e}"
+        );
+        assert!(e.to_string().contains("chunk_bytes, skip_unchanged"), "{e}");
+        assert_eq!(c, PagerConfig::default(), "nothing changed");
+    }
+
+    #[test]
+    fn text_values_parse_as_each_kind_spells_them() {
+        use SettingValue::*;
+        let p = SettingValue::parse;
+        assert_eq!(p(SettingKind::Bytes, "512M"), Ok(Bytes(512 << 20)));
+        assert_eq!(p(SettingKind::Bytes, " 4GiB "), Ok(Bytes(4 << 30)));
+        assert_eq!(p(SettingKind::Bytes, "1024"), Ok(Bytes(1024)));
+        assert_eq!(p(SettingKind::Bytes, "max"), Ok(Bytes(usize::MAX)));
+        assert!(p(SettingKind::Bytes, "-1").is_err());
+        assert!(p(SettingKind::Bytes, "99999999999T").is_err(), "overflow");
+        assert_eq!(p(SettingKind::Switch, "Yes"), Ok(Switch(true)));
+        assert_eq!(p(SettingKind::Switch, "0"), Ok(Switch(false)));
+        assert!(
+            p(SettingKind::Switch, "2")
+                .unwrap_err()
+                .contains("a switch")
+        );
+        assert_eq!(
+            p(SettingKind::Route, "kernel"),
+            Ok(Route(CopyRoute::Kernel))
+        );
+        let e = p(SettingKind::Route, "dma").unwrap_err();
+        assert!(e.contains("engine, kernel, fastest"), "{e}");
+        let mut c = PagerConfig::default();
+        Setting::find("save_route")
+            .unwrap()
+            .set_text(&mut c, "fastest")
+            .unwrap();
+        assert_eq!(c.save_route, CopyRoute::Fastest);
+    }
+
+    #[test]
+    fn settings_as_text_read_back_and_bad_text_names_the_fault() {
+        let c = PagerConfig::parse("chunk_bytes=64M, skip_unchanged=false;save_route=kernel\n")
+            .unwrap();
+        assert_eq!(
+            (c.chunk_bytes, c.skip_unchanged, c.save_route),
+            (64 << 20, false, CopyRoute::Kernel)
+        );
+        assert_eq!(PagerConfig::parse("").unwrap(), PagerConfig::default());
+        // What Display prints reads back as the same settings.
+        assert_eq!(PagerConfig::parse(&c.to_string()).unwrap(), c);
+        let e = PagerConfig::parse("chunk_bytes").unwrap_err().to_string();
+        assert!(e.contains("is not name=value"), "{e}");
+        let e = PagerConfig::parse("verify_restore=maybe")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("setting verify_restore: \"maybe\" is not a switch"),
+            "{e}"
+        );
+        let e = PagerConfig::parse("chunks=1").unwrap_err().to_string();
+        assert!(e.contains("no setting is named \"chunks\""), "{e}");
+    }
+
+    #[test]
+    fn the_settings_print_as_name_equals_value() {
+        let shown = PagerConfig::default().to_string();
+        assert!(
+            shown.starts_with("chunk_bytes=536870912, skip_unchanged=true"),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("save_route=engine, restore_route=fastest"),
+            "{shown}"
+        );
+        assert_eq!(shown.matches('=').count(), SETTINGS.len());
+    }
+}

@@ -41,6 +41,7 @@ __all__ = [
     "_tms_set_margin",
     "_tms_backup_view",
     "configure",
+    "settings",
     "Config",
     "Audit",
     "AuditRegion",
@@ -85,6 +86,7 @@ __version__: str
 def error_codes() -> list[tuple[int, str]]:
     """Every error code as ``(number, name)``; the class of ``name`` is ``<name>Error``."""
 
+# <settings:configure>
 def configure(
     device: int = 0,
     *,
@@ -96,11 +98,39 @@ def configure(
     poison_discards: bool | None = None,
     resident_warning_bytes: int | None = None,
 ) -> None:
-    """Chooses device ``device``'s pager settings before its first use; arguments left out
-    keep their defaults. Once the pager exists, other settings are ``InvalidArgumentError``.
-    ``poison_discards`` fills memory that comes back without its contents with ``POISON``;
-    a release logs a warning when this process holds more than ``resident_warning_bytes``
-    (default 4 GiB; ``2**64 - 1``: never) of device memory outside every region after it."""
+    """Chooses the settings of device ``device``'s pager (default 0) before its first use
+    (before ``Pager.for_device`` or anything else opens it), one keyword per setting; a
+    setting left out, or ``None``, keeps its default. A byte count is an int, a switch a
+    bool, a route ``"engine"``, ``"kernel"`` or ``"fastest"``; anything else is
+    ``TypeError`` or ``ValueError``, an unknown keyword ``TypeError`` naming the
+    settings. Until the pager exists a later call replaces the settings; afterwards the
+    same settings are accepted and others are ``InvalidArgumentError``, changing nothing.
+    The settings: ``chunk_bytes`` (bytes, default ``536870912``): Physical chunk size in
+    bytes (default 512 MiB), rounded up to the device's granularity and to a power of
+    two. Mapping costs per chunk; a region's last chunk wastes at most one chunk's
+    rounding. A region's own chunk size overrides it. ``skip_unchanged`` (switch, default
+    ``True``): A release copies only the parts of a preserve region that changed since
+    its last backup or restore (default on). ``verify_restore`` (switch, default
+    ``False``): After each restore, compare the device contents with the backup's hashes;
+    a mismatch fails the resume as corrupted (default off: one hash pass per resume).
+    ``save_route`` (route, default ``'engine'``): Who copies contents to the backup on
+    release: `engine` (the default: it leaves the SMs to the application), `kernel` or
+    `fastest`. ``restore_route`` (route, default ``'fastest'``): Who restores contents on
+    resume: `engine`, `kernel` or `fastest` (the default: right after a trainer's free
+    the copy kernel can outrun the copy engine). ``poison_discards`` (switch, default
+    ``False``): Memory that comes back without its contents (a discard region, a tag
+    dropped at its release) is filled with the poison pattern on resume, a NaN read as
+    bf16, fp16 or fp32, so that reading it before writing it shows at once (default off;
+    the environment variable `GPU_PAGER_POISON_DISCARDS=1` turns it on too).
+    ``resident_warning_bytes`` (bytes, default ``4294967296``): A release that moved
+    something logs one warning when this process holds more than this many bytes of
+    device memory outside every region after it (the device's whole use outside the
+    regions where NVML does not report this process); the audit shows all of it (default
+    4 GiB; the largest value: never)."""
+# </settings:configure>
+
+def settings() -> list[tuple[str, Literal["bytes", "switch", "route"], int | bool | str, str]]:
+    """Every setting ``configure`` takes, in order: ``(name, kind, default, doc)``."""
 
 def _torch_hook_state(device: int) -> tuple[str | None, str | None]:
     """``(tag, last_error)``: the calling thread's tag for torch segments on ``device``
@@ -176,31 +206,52 @@ class State:
     def __hash__(self) -> int: ...
 
 @final
+# <settings:Config>
 class Config:
-    """A pager's settings (``Pager.config``), sizes as the pager rounded them."""
+    """A pager's settings (``Pager.config``; chosen with ``gpu_pager.configure`` before the
+    device's first use), sizes as the pager rounded them: one attribute per setting
+    (``gpu_pager.settings()`` lists them with their docs)."""
 
     @property
     def chunk_bytes(self) -> int:
-        """Physical chunk size in bytes."""
+        """Physical chunk size in bytes (default 512 MiB), rounded up to the device's
+        granularity and to a power of two. Mapping costs per chunk; a region's last chunk
+        wastes at most one chunk's rounding. A region's own chunk size overrides it."""
+
     @property
     def skip_unchanged(self) -> bool:
-        """Whether a release copies only what changed since the last backup or restore."""
+        """A release copies only the parts of a preserve region that changed since its last
+        backup or restore (default on)."""
+
     @property
     def verify_restore(self) -> bool:
-        """Whether each restore is checked against the backup's hashes."""
+        """After each restore, compare the device contents with the backup's hashes; a
+        mismatch fails the resume as corrupted (default off: one hash pass per resume)."""
+
     @property
     def save_route(self) -> _RouteName:
-        """Who copies contents to the backup on release."""
+        """Who copies contents to the backup on release: `engine` (the default: it leaves
+        the SMs to the application), `kernel` or `fastest`."""
+
     @property
     def restore_route(self) -> _RouteName:
-        """Who restores contents on resume."""
+        """Who restores contents on resume: `engine`, `kernel` or `fastest` (the default:
+        right after a trainer's free the copy kernel can outrun the copy engine)."""
+
     @property
     def poison_discards(self) -> bool:
-        """Whether memory that comes back without its contents is filled with ``POISON``."""
+        """Memory that comes back without its contents (a discard region, a tag dropped at
+        its release) is filled with the poison pattern on resume, a NaN read as bf16,
+        fp16 or fp32, so that reading it before writing it shows at once (default off;
+        the environment variable `GPU_PAGER_POISON_DISCARDS=1` turns it on too)."""
+
     @property
     def resident_warning_bytes(self) -> int:
-        """A release logs a warning when more than this many bytes stay in use outside every
-        region after it."""
+        """A release that moved something logs one warning when this process holds more than
+        this many bytes of device memory outside every region after it (the device's
+        whole use outside the regions where NVML does not report this process); the audit
+        shows all of it (default 4 GiB; the largest value: never)."""
+# </settings:Config>
 
 @final
 class AuditRegion:

@@ -162,6 +162,33 @@ pub(crate) fn route(name: &str, what: &str) -> PyResult<gpu_pager::CopyRoute> {
     })
 }
 
+/// A value for `setting` from a Python object: an int for a byte count, a bool for a
+/// switch, a route's name for a route.
+pub(crate) fn setting(
+    obj: &Bound<'_, PyAny>,
+    setting: &gpu_pager::Setting,
+) -> PyResult<gpu_pager::SettingValue> {
+    let name = setting.name;
+    Ok(match setting.kind {
+        gpu_pager::SettingKind::Bytes => gpu_pager::SettingValue::Bytes(size(obj, name)?),
+        gpu_pager::SettingKind::Switch => match obj.cast::<PyBool>() {
+            Ok(b) => gpu_pager::SettingValue::Switch(b.is_true()),
+            Err(_) => {
+                return Err(PyTypeError::new_err(format!(
+                    "{name} must be a bool, not {}",
+                    type_name(obj)
+                )));
+            }
+        },
+        gpu_pager::SettingKind::Route => {
+            let text = obj.cast::<PyString>().map_err(|_| {
+                PyTypeError::new_err(format!("{name} must be a str, not {}", type_name(obj)))
+            })?;
+            gpu_pager::SettingValue::Route(route(&text.to_cow()?, name)?)
+        }
+    })
+}
+
 /// A region kind by name: `"fixed"` or `"growing"` (elastic regions are the Rust KV
 /// cache's, which Python does not offer).
 pub(crate) fn region_kind(name: &str) -> PyResult<gpu_pager::RegionKind> {

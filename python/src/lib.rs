@@ -45,6 +45,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<types::Policy>()?;
     m.add_class::<types::State>()?;
     m.add_function(wrap_pyfunction!(pager::configure, m)?)?;
+    m.add_function(wrap_pyfunction!(pager::settings, m)?)?;
     m.add_class::<types::Config>()?;
     m.add_class::<types::Audit>()?;
     m.add_class::<types::AuditRegion>()?;

@@ -4,10 +4,12 @@
 use std::sync::{Arc, Mutex};
 
 use gpu_pager::RegionOptions;
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::args::{self, as_strs, run};
+use crate::errors;
 use crate::types::{Buffer, RegionInfo, RegionStats, Report, Stats};
 
 /// The process's pager for one device: tagged regions of device memory at stable
@@ -77,58 +79,66 @@ impl PyPager {
     }
 }
 
-/// Chooses the settings of device ``device``'s pager before its first use (before
-/// ``Pager.for_device`` or anything else opens it); arguments left out keep their defaults.
+/// Chooses the settings of device ``device``'s pager (default 0) before its first use
+/// (before ``Pager.for_device`` or anything else opens it), one keyword per setting; a
+/// setting left out, or ``None``, keeps its default. A byte count is an int, a switch a
+/// bool, a route ``"engine"``, ``"kernel"`` or ``"fastest"``; anything else is
+/// ``TypeError`` or ``ValueError``, an unknown keyword ``TypeError`` naming the settings.
 /// Until the pager exists a later call replaces the settings; afterwards the same settings
 /// are accepted and others are ``InvalidArgumentError``, changing nothing.
-///
-/// ``chunk_bytes``: physical chunk size (default 512 MiB). ``skip_unchanged``: a release
-/// copies only what changed since the last backup or restore (default ``True``).
-/// ``verify_restore``: check each restore against the backup's hashes (default ``False``).
-/// ``save_route`` / ``restore_route``: ``"engine"``, ``"kernel"`` or ``"fastest"`` (defaults
-/// ``"engine"``, which leaves the SMs to the application, and ``"fastest"``).
-/// ``poison_discards``: memory that comes back without its contents (a ``"discard"`` region,
-/// a tag dropped at its release) is filled with ``POISON``, a NaN as bf16, fp16 and fp32, so
-/// that reading it before writing it shows at once (default ``False``; the environment
-/// variable ``GPU_PAGER_POISON_DISCARDS=1`` turns it on too). ``resident_warning_bytes``: a
-/// release that moved something logs one warning (logger ``"gpu_pager"``) when this process
-/// holds more than this many bytes of device memory outside every region after it (the
-/// device's whole use outside the regions where NVML does not report this process), naming
-/// the holders (default 4 GiB; ``2**64 - 1``: never).
 #[pyfunction]
-#[pyo3(signature = (device = None, *, chunk_bytes = None, skip_unchanged = None,
-    verify_restore = None, save_route = None, restore_route = None, poison_discards = None,
-    resident_warning_bytes = None),
-    text_signature = "(device=0, *, chunk_bytes=None, skip_unchanged=None, verify_restore=None, save_route=None, restore_route=None, poison_discards=None, resident_warning_bytes=None)")]
-#[allow(clippy::too_many_arguments)] // Python's keyword arguments, one parameter each
+#[pyo3(signature = (device = None, **settings), text_signature = "(device=0, **settings)")]
 pub(crate) fn configure(
     py: Python<'_>,
     device: Option<&Bound<'_, PyAny>>,
-    chunk_bytes: Option<&Bound<'_, PyAny>>,
-    skip_unchanged: Option<bool>,
-    verify_restore: Option<bool>,
-    save_route: Option<&str>,
-    restore_route: Option<&str>,
-    poison_discards: Option<bool>,
-    resident_warning_bytes: Option<&Bound<'_, PyAny>>,
+    settings: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<()> {
     let device = device.map_or(Ok(0), |d| args::size(d, "device"))?;
-    let d = gpu_pager::PagerConfig::default();
-    let config = gpu_pager::PagerConfig {
-        chunk_bytes: chunk_bytes.map_or(Ok(d.chunk_bytes), |c| args::size(c, "chunk_bytes"))?,
-        skip_unchanged: skip_unchanged.unwrap_or(d.skip_unchanged),
-        verify_restore: verify_restore.unwrap_or(d.verify_restore),
-        save_route: save_route.map_or(Ok(d.save_route), |r| args::route(r, "save_route"))?,
-        restore_route: restore_route
-            .map_or(Ok(d.restore_route), |r| args::route(r, "restore_route"))?,
-        poison_discards: poison_discards.unwrap_or(d.poison_discards),
-        resident_warning_bytes: resident_warning_bytes
-            .map_or(Ok(d.resident_warning_bytes), |b| {
-                args::size(b, "resident_warning_bytes")
-            })?,
-        ..d
-    };
+    let mut config = gpu_pager::PagerConfig::default();
+    for (key, value) in settings.into_iter().flat_map(|kw| kw.iter()) {
+        let name: String = key.extract()?;
+        let Some(setting) = gpu_pager::Setting::named(&name) else {
+            return Err(PyTypeError::new_err(format!(
+                "configure() got an unexpected keyword argument {name:?}; the settings: {}",
+                gpu_pager::SETTINGS
+                    .iter()
+                    .map(|s| s.name)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        };
+        if value.is_none() {
+            continue;
+        }
+        let value = args::setting(&value, setting)?;
+        setting
+            .set(&mut config, value)
+            .map_err(|e| errors::to_py(py, &e))?;
+    }
     run(py, || gpu_pager::Pager::configure(device, config))
+}
+
+/// One setting as `settings()` lists it: name, kind, default, doc.
+type SettingRow = (&'static str, &'static str, Py<PyAny>, String);
+
+/// Every setting ``configure`` takes, in order: ``(name, kind, default, doc)``, the kind
+/// ``"bytes"`` (an int), ``"switch"`` (a bool) or ``"route"`` (``"engine"``, ``"kernel"``
+/// or ``"fastest"``).
+#[pyfunction]
+pub(crate) fn settings(
+    py: Python<'_>,
+) -> PyResult<Vec<(&'static str, &'static str, Py<PyAny>, String)>> {
+    gpu_pager::SETTINGS
+        .iter()
+        .map(|s| {
+            Ok((
+                s.name,
+                s.kind.name(),
+                crate::types::setting_to_py(py, (s.default)())?.unbind(),
+                s.doc(),
+            ))
+        })
+        .collect()
 }
 
 #[pymethods]
@@ -155,7 +165,7 @@ impl PyPager {
     /// The pager's settings (see ``gpu_pager.configure``), sizes as the pager rounded them.
     #[getter]
     fn config(&self) -> crate::types::Config {
-        self.inner.config().into()
+        crate::types::Config(self.inner.config())
     }
 
     /// ``"cuda"`` on a GPU, ``"host"`` on host memory standing in for one.

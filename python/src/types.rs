@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
+use pyo3::exceptions::PyAttributeError;
 use pyo3::prelude::*;
+use pyo3::types::PyBool;
 
 /// What happens to a region's contents across a release. Wherever a policy is taken, its
 /// name (``"preserve"``, ``"discard"``, ``"discard_zeroed"``) is accepted too.
@@ -111,65 +113,55 @@ impl State {
 }
 
 /// A pager's settings (``Pager.config``; chosen with ``gpu_pager.configure`` before the
-/// device's first use), sizes as the pager rounded them.
-#[pyclass(module = "gpu_pager", frozen, get_all)]
+/// device's first use), sizes as the pager rounded them: one attribute per setting
+/// (``gpu_pager.settings()`` lists them with their docs).
+#[pyclass(module = "gpu_pager", frozen)]
 #[derive(Debug, Clone)]
-pub struct Config {
-    /// Physical chunk size in bytes: mapping costs per chunk, and a region's last chunk
-    /// wastes at most one chunk's rounding.
-    pub chunk_bytes: usize,
-    /// Whether a release copies only the parts of a ``PRESERVE`` region that changed since
-    /// its last backup or restore.
-    pub skip_unchanged: bool,
-    /// Whether each restore is checked against the backup's hashes (a mismatch is
-    /// ``CorruptedError``).
-    pub verify_restore: bool,
-    /// Who copies contents to the backup on release: ``"engine"``, ``"kernel"`` or
-    /// ``"fastest"``.
-    pub save_route: &'static str,
-    /// Who restores contents on resume: ``"engine"``, ``"kernel"`` or ``"fastest"``.
-    pub restore_route: &'static str,
-    /// Whether memory that comes back without its contents is filled with a NaN pattern
-    /// (``gpu_pager.POISON``) instead of zeros or stale bytes.
-    pub poison_discards: bool,
-    /// A release logs a warning when this process holds more than this many bytes of device
-    /// memory outside every region after it.
-    pub resident_warning_bytes: usize,
+pub struct Config(pub gpu_pager::PagerConfig);
+
+/// A setting's value as Python holds it: an int, a bool, or a route's name.
+pub(crate) fn setting_to_py<'py>(
+    py: Python<'py>,
+    value: gpu_pager::SettingValue,
+) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match value {
+        gpu_pager::SettingValue::Bytes(n) => n.into_pyobject(py)?.into_any(),
+        gpu_pager::SettingValue::Switch(b) => PyBool::new(py, b).to_owned().into_any(),
+        gpu_pager::SettingValue::Route(r) => r.name().into_pyobject(py)?.into_any(),
+    })
 }
 
-/// `True` or `False`, as Python writes a bool.
-fn py_bool(b: bool) -> &'static str {
-    if b { "True" } else { "False" }
-}
-
-impl From<gpu_pager::PagerConfig> for Config {
-    fn from(c: gpu_pager::PagerConfig) -> Self {
-        Config {
-            chunk_bytes: c.chunk_bytes,
-            skip_unchanged: c.skip_unchanged,
-            verify_restore: c.verify_restore,
-            save_route: c.save_route.name(),
-            restore_route: c.restore_route.name(),
-            poison_discards: c.poison_discards,
-            resident_warning_bytes: c.resident_warning_bytes,
-        }
+/// A setting's value as Python's repr writes it.
+fn setting_repr(value: gpu_pager::SettingValue) -> String {
+    match value {
+        gpu_pager::SettingValue::Switch(true) => "True".to_owned(),
+        gpu_pager::SettingValue::Switch(false) => "False".to_owned(),
+        gpu_pager::SettingValue::Route(r) => format!("{:?}", r.name()),
+        v => v.to_string(),
     }
 }
 
 #[pymethods]
 impl Config {
+    fn __getattr__<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+        match gpu_pager::Setting::named(name) {
+            Some(s) => setting_to_py(py, s.get(&self.0)),
+            None => Err(PyAttributeError::new_err(format!(
+                "'Config' object has no attribute {name:?}"
+            ))),
+        }
+    }
+
+    fn __dir__(&self) -> Vec<&'static str> {
+        gpu_pager::SETTINGS.iter().map(|s| s.name).collect()
+    }
+
     fn __repr__(&self) -> String {
-        format!(
-            "Config(chunk_bytes={}, skip_unchanged={}, verify_restore={}, save_route={:?}, \
-             restore_route={:?}, poison_discards={}, resident_warning_bytes={})",
-            self.chunk_bytes,
-            py_bool(self.skip_unchanged),
-            py_bool(self.verify_restore),
-            self.save_route,
-            self.restore_route,
-            py_bool(self.poison_discards),
-            self.resident_warning_bytes
-        )
+        let fields: Vec<String> = gpu_pager::SETTINGS
+            .iter()
+            .map(|s| format!("{}={}", s.name, setting_repr(s.get(&self.0))))
+            .collect();
+        format!("Config({})", fields.join(", "))
     }
 }
 

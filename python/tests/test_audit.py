@@ -140,3 +140,32 @@ def test_the_release_warning_names_torch_s_holders_and_resident_regions_stay_qui
     assert "torch holds 0.01 GiB of it outside every tag" in warning, warning
     assert "the largest: 0.01 GiB at /srv/engine/deepseek.py:42 in make_buffer" in warning, warning
     assert lines[3].startswith("copied: ") and "torch holds" not in lines[3], lines
+
+
+MEANWHILE = """
+    import threading
+    import torch_standin
+    torch_standin.install()
+    import gpu_pager, gpu_pager.torch as gpt
+    p = gpu_pager.Pager.for_device(0)
+    p.region("mw", "preserve", 4 << 20)
+    ran = []
+    work = lambda: ran.append(threading.current_thread() is not threading.main_thread())
+    print(gpt.release("mw", meanwhile=work).region("mw").outcome, ran)
+    try:
+        gpt.release("no-such-tag", meanwhile=work)
+    except gpu_pager.UnknownTagError:
+        print("refused", ran)
+"""
+
+
+def test_release_runs_meanwhile_on_a_helper_thread_and_waits_for_it() -> None:
+    """``gpu_pager.torch.release(meanwhile=...)`` (the vLLM drop-in's garbage collection
+    during the copies): the work runs once, off the calling thread, and is done when the
+    call returns, also when the release fails."""
+    done = run_python(
+        textwrap.dedent(MEANWHILE),
+        PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["done [True]", "refused [True, True]"], done.stdout

@@ -93,3 +93,56 @@ def test_every_public_name_has_a_docstring() -> None:
                     continue
                 if callable(member) or inspect.isdatadescriptor(member):
                     assert inspect.getdoc(member), f"{name}.{attr}"
+
+
+# The stubs' settings blocks are generated from the settings table (gpu_pager.settings()):
+# a new setting is a row of the table; GPU_PAGER_FIX_STUBS=1 rewrites the blocks.
+SOURCE_STUBS = os.path.join(os.path.dirname(CONFIG), "gpu_pager", "_native.pyi")
+_TYPES = {"bytes": "int", "switch": "bool", "route": "_RouteName"}
+
+
+def _docstring(text: str, indent: str) -> list[str]:
+    """``text`` as a stub docstring at ``indent``, wrapped at 92 columns."""
+    import textwrap
+
+    body = textwrap.fill(" ".join(text.split()), 92 - len(indent) - 3).splitlines()
+    lines = [f'{indent}"""{body[0]}'] + [indent + line for line in body[1:]]
+    lines[-1] += '"""'
+    return lines
+
+
+def _settings_blocks() -> dict[str, list[str]]:
+    rows = gpu_pager.settings()
+    shown = {True: "True", False: "False"}
+    listed = " ".join(
+        f"``{name}`` ({kind}, default ``{shown.get(default, repr(default)) if isinstance(default, bool) else repr(default)}``): {doc}"
+        for name, kind, default, doc in rows
+    )
+    configure = (
+        ["def configure(", "    device: int = 0,", "    *,"]
+        + [f"    {name}: {_TYPES[kind]} | None = None," for name, kind, _, _ in rows]
+        + [") -> None:"]
+        + _docstring(f"{inspect.getdoc(gpu_pager.configure)} The settings: {listed}", "    ")
+    )
+    config = ["class Config:"] + _docstring(inspect.getdoc(gpu_pager.Config) or "", "    ")
+    for name, kind, _, doc in rows:
+        config += ["", "    @property", f"    def {name}(self) -> {_TYPES[kind]}:"] + _docstring(doc, "        ")
+    return {"configure": configure, "Config": config}
+
+
+def test_the_stubs_settings_blocks_are_the_settings_table() -> None:
+    with open(SOURCE_STUBS, encoding="utf-8") as f:
+        text = f.read()
+    lines = text.splitlines()
+    stale = []
+    for name, want in _settings_blocks().items():
+        begin, end = f"# <settings:{name}>", f"# </settings:{name}>"
+        a, b = lines.index(begin), lines.index(end)
+        if lines[a + 1 : b] != want:
+            stale.append(name)
+            lines[a + 1 : b] = want
+    if stale and os.environ.get("GPU_PAGER_FIX_STUBS") == "1":
+        with open(SOURCE_STUBS, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        return
+    assert not stale, f"{stale} differ from the settings table: run with GPU_PAGER_FIX_STUBS=1"

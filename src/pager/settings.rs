@@ -123,44 +123,25 @@ pub trait SettingType: Copy {
     fn from_value(v: SettingValue) -> Option<Self>;
 }
 
-impl SettingType for usize {
-    const KIND: SettingKind = SettingKind::Bytes;
-    fn value(self) -> SettingValue {
-        SettingValue::Bytes(self)
-    }
-    fn from_value(v: SettingValue) -> Option<Self> {
-        match v {
-            SettingValue::Bytes(n) => Some(n),
-            _ => None,
+/// `SettingType` for `$ty`, the type of the `SettingKind::$kind` and `SettingValue::$kind`.
+macro_rules! setting_type {
+    ($($ty:ty => $kind:ident),+) => {$(
+        impl SettingType for $ty {
+            const KIND: SettingKind = SettingKind::$kind;
+            fn value(self) -> SettingValue {
+                SettingValue::$kind(self)
+            }
+            fn from_value(v: SettingValue) -> Option<Self> {
+                match v {
+                    SettingValue::$kind(x) => Some(x),
+                    _ => None,
+                }
+            }
         }
-    }
+    )+};
 }
 
-impl SettingType for bool {
-    const KIND: SettingKind = SettingKind::Switch;
-    fn value(self) -> SettingValue {
-        SettingValue::Switch(self)
-    }
-    fn from_value(v: SettingValue) -> Option<Self> {
-        match v {
-            SettingValue::Switch(b) => Some(b),
-            _ => None,
-        }
-    }
-}
-
-impl SettingType for CopyRoute {
-    const KIND: SettingKind = SettingKind::Route;
-    fn value(self) -> SettingValue {
-        SettingValue::Route(self)
-    }
-    fn from_value(v: SettingValue) -> Option<Self> {
-        match v {
-            SettingValue::Route(r) => Some(r),
-            _ => None,
-        }
-    }
-}
+setting_type!(usize => Bytes, bool => Switch, CopyRoute => Route);
 
 /// One row of [`SETTINGS`].
 #[derive(Clone, Copy)]

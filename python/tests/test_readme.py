@@ -43,3 +43,42 @@ def test_readme_python_example_runs(index: int) -> None:
         pytest.skip("README example needs torch and a CUDA GPU")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+BENCHMARKS = os.path.join(os.path.dirname(README), "BENCHMARKS.md")
+
+
+def _rows(text: str) -> list[list[str]]:
+    """Every table row of a markdown text, as its cells."""
+    return [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("|") and not line.startswith("|---")
+    ]
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n#", start + len(heading))
+    return text[start : end if end >= 0 else len(text)]
+
+
+def test_the_readme_speed_table_is_the_benchmarks_figures() -> None:
+    """Each row of the README's speed table carries the figures BENCHMARKS.md has for it:
+    the weights rows from the side-by-side table (its "× link" columns), the KV rows from
+    the KV table (median / bare, gpu-pager's default and torch_memory_saver)."""
+    with open(README, encoding="utf-8") as f:
+        readme = f.read()
+    with open(BENCHMARKS, encoding="utf-8") as f:
+        bench = f.read()
+    speed = _rows(_section(readme, "## Speed"))[1:]
+    side = {r[0]: (r[2], r[4]) for r in _rows(_section(bench, "### Weights and KV cache through"))}
+    kv = {(r[0], r[1]): r[-1] for r in _rows(_section(bench, "### 64 GiB of KV cache"))}
+    assert len(speed) >= 6, speed
+    for op, _, ours, peer in speed:
+        if op in side:
+            want = side[op]
+        else:
+            step = op.split()[0]
+            want = (kv[(step, "gpu-pager, scrubbed pages collected (the default)")], kv[(step, "torch_memory_saver")])
+        assert (ours, peer) == (f"{want[0]} ×", f"{want[1]} ×"), op

@@ -5,6 +5,7 @@
 mod common;
 
 mod buffer_at;
+mod design_tree;
 mod error_codes;
 mod gpu_backend;
 mod gpu_growing;

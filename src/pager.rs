@@ -1,4 +1,21 @@
 //! The pager: regions by tag, release and resume of tag sets, buffers, leases and stats.
+//!
+//! Where each kind of call lives (the public ones are `Pager` methods; the work behind a
+//! move is in free functions that this file calls by path):
+//!
+//! | calls | file |
+//! |---|---|
+//! | `new`, `with_config`, `release`, `resume`, `resume_on`, `lease`, `info`, `stats`, `back`/`trim` of elastic regions | this file |
+//! | `for_device`, `configure` (one pager per device and process) | `registry.rs` |
+//! | the settings table (`PagerConfig`, `SETTINGS`) | `pager/settings.rs` |
+//! | tuning, release and resume options | `pager/config.rs` |
+//! | `region`, `region_with`, `region_exclusive`, `remove` | `pager/create.rs` |
+//! | `alloc`, `free`, `read`, `write`, `fill`, `hash`, `buffer_at`, `buffer_containing` | `pager/buffers.rs` |
+//! | a move's steps: `moves::release`, `moves::resume` | `pager/moves.rs` |
+//! | `add_companion`, `remove_companion`; `companions::run` | `pager/companions.rs` |
+//! | `audit`; `audit::warn_if_resident` after a release | `pager/audit.rs` |
+//! | `read_backup`, `backup_ptr` | `pager/backup_read.rs` |
+//! | `set_overwritten`, `mark_overwritten`, `overwritten` | `pager/overwritten.rs` |
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -398,14 +415,14 @@ impl Pager {
         }
         let slots = self.slots(tags)?;
         let mut regions: Vec<_> = slots.iter().map(lock).collect();
-        let report = self.release_locked(tags, &mut regions, options)?;
+        let report = moves::release(self, tags, &mut regions, options)?;
         drop(regions);
         if report
             .regions
             .iter()
             .any(|r| r.outcome == crate::report::Outcome::Done)
         {
-            self.warn_if_resident(tags);
+            audit::warn_if_resident(self, tags);
         }
         Ok(report)
     }
@@ -425,7 +442,7 @@ impl Pager {
     pub fn resume_with(&self, tags: &[&str], options: ResumeOptions) -> Result<Report> {
         let slots = self.slots(tags)?;
         let mut regions: Vec<_> = slots.iter().map(lock).collect();
-        self.resume_locked(tags, &mut regions, None, options)
+        moves::resume(self, tags, &mut regions, None, options)
     }
 
     /// [`Pager::resume`] and [`Pager::lease`] in one step: no other thread can release the
@@ -433,7 +450,7 @@ impl Pager {
     pub fn resume_and_lease(&self, tags: &[&str]) -> Result<(Report, Lease)> {
         let slots = self.slots(tags)?;
         let mut regions: Vec<_> = slots.iter().map(lock).collect();
-        let report = self.resume_locked(tags, &mut regions, None, ResumeOptions::default())?;
+        let report = moves::resume(self, tags, &mut regions, None, ResumeOptions::default())?;
         // Still under the regions' locks: no release can come in between.
         for r in &mut regions {
             r.lease();
@@ -451,7 +468,13 @@ impl Pager {
     pub fn resume_on(&self, tags: &[&str], stream: RawStream) -> Result<Report> {
         let slots = self.slots(tags)?;
         let mut regions: Vec<_> = slots.iter().map(lock).collect();
-        self.resume_locked(tags, &mut regions, Some(stream), ResumeOptions::default())
+        moves::resume(
+            self,
+            tags,
+            &mut regions,
+            Some(stream),
+            ResumeOptions::default(),
+        )
     }
 
     /// Maps physical memory under the chunks of the elastic region `tag` that share a byte

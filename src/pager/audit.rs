@@ -244,73 +244,73 @@ impl Pager {
             processes: None,
         })
     }
+}
 
-    /// After a release of `tags` that moved something: one warning when this process holds
-    /// more than [`PagerConfig::resident_warning_bytes`] of device memory outside every
-    /// region (the device's whole use outside the regions where NVML does not report this
-    /// process). Regions left resident do not count: a release in stages keeps them on
-    /// purpose, and the audit lists them. Never fails the release: an audit that cannot be
-    /// had is skipped.
-    pub(super) fn warn_if_resident(&self, tags: &[&str]) {
-        let limit = self.config.resident_warning_bytes;
-        if limit == usize::MAX {
-            return;
-        }
-        // One driver query per release; the regions are listed, and NVML asked, only when
-        // the device's use outside them is above the limit.
-        let Ok(mem) = self.backend.mem_info() else {
-            return;
-        };
-        if mem.total.saturating_sub(mem.free) <= limit {
-            return;
-        }
-        // Never waits for a region or the map: the warning is advice, and this runs after
-        // a release that may itself run in another tag's companion (whose region this
-        // thread holds), beside moves of other tags on other threads.
-        let Some(mut audit) = self.audit_regions_now(mem) else {
-            return;
-        };
-        if audit.outside_bytes() <= limit {
-            return;
-        }
-        audit.processes = self.backend.processes();
-        let (outside, whose, others) = match audit.this_process_bytes() {
-            Some(mine) => (
-                mine.saturating_sub(audit.mapped_bytes()),
-                "this process's",
-                "",
-            ),
-            None => (audit.outside_bytes(), "the device's", ", other processes"),
-        };
-        if outside <= limit {
-            return;
-        }
-        let resident: Vec<String> = audit
-            .largest_resident()
-            .into_iter()
-            .take(3)
-            .map(|r| format!("`{}` {}", shown(&r.tag), gib(r.mapped_bytes)))
-            .collect();
-        let resident = if resident.is_empty() {
-            "none".to_owned()
-        } else {
-            resident.join(", ")
-        };
-        let device = self.backend.info().ordinal.unwrap_or(0);
-        // The fields carry the warning as data, for a binding that adds what it knows
-        // (Python's torch module names torch's largest holders) without reading the text.
-        log::warn!(
-            target: "gpu_pager",
-            event = RESIDENT_EVENT, device = device, outside_bytes = outside;
-            "gpu-pager: device {}: after releasing {tags:?}, {} of {whose} device memory is \
-             still in use outside every region (more than {}: another allocator, the CUDA \
-             context{others}); regions left resident: {resident}; Pager::audit / \
-             gpu_pager.torch.audit() shows all of it",
-            device,
-            gib(outside),
-            gib(limit),
-        );
+/// After a release of `tags` that moved something: one warning when this process holds
+/// more than [`PagerConfig::resident_warning_bytes`] of device memory outside every
+/// region (the device's whole use outside the regions where NVML does not report this
+/// process). Regions left resident do not count: a release in stages keeps them on
+/// purpose, and the audit lists them. Never fails the release: an audit that cannot be
+/// had is skipped.
+pub(super) fn warn_if_resident(pager: &Pager, tags: &[&str]) {
+    let limit = pager.config.resident_warning_bytes;
+    if limit == usize::MAX {
+        return;
     }
+    // One driver query per release; the regions are listed, and NVML asked, only when
+    // the device's use outside them is above the limit.
+    let Ok(mem) = pager.backend.mem_info() else {
+        return;
+    };
+    if mem.total.saturating_sub(mem.free) <= limit {
+        return;
+    }
+    // Never waits for a region or the map: the warning is advice, and this runs after
+    // a release that may itself run in another tag's companion (whose region this
+    // thread holds), beside moves of other tags on other threads.
+    let Some(mut audit) = pager.audit_regions_now(mem) else {
+        return;
+    };
+    if audit.outside_bytes() <= limit {
+        return;
+    }
+    audit.processes = pager.backend.processes();
+    let (outside, whose, others) = match audit.this_process_bytes() {
+        Some(mine) => (
+            mine.saturating_sub(audit.mapped_bytes()),
+            "this process's",
+            "",
+        ),
+        None => (audit.outside_bytes(), "the device's", ", other processes"),
+    };
+    if outside <= limit {
+        return;
+    }
+    let resident: Vec<String> = audit
+        .largest_resident()
+        .into_iter()
+        .take(3)
+        .map(|r| format!("`{}` {}", shown(&r.tag), gib(r.mapped_bytes)))
+        .collect();
+    let resident = if resident.is_empty() {
+        "none".to_owned()
+    } else {
+        resident.join(", ")
+    };
+    let device = pager.backend.info().ordinal.unwrap_or(0);
+    // The fields carry the warning as data, for a binding that adds what it knows
+    // (Python's torch module names torch's largest holders) without reading the text.
+    log::warn!(
+        target: "gpu_pager",
+        event = RESIDENT_EVENT, device = device, outside_bytes = outside;
+        "gpu-pager: device {}: after releasing {tags:?}, {} of {whose} device memory is \
+         still in use outside every region (more than {}: another allocator, the CUDA \
+         context{others}); regions left resident: {resident}; Pager::audit / \
+         gpu_pager.torch.audit() shows all of it",
+        device,
+        gib(outside),
+        gib(limit),
+    );
 }
 
 #[cfg(test)]

@@ -316,71 +316,66 @@ impl Pager {
         }
         Ok(())
     }
+}
 
-    /// Runs `phase` for the companions of `tags` (the regions that move, in tag order),
-    /// with `held` (every region the move holds locked) recorded for this thread's queries.
-    /// On a failure the ones that ran are undone in reverse order and the error names the
-    /// companion; an undo that fails too is a deferred error.
-    pub(super) fn run_companions(
-        &self,
-        phase: Phase,
-        tags: &[&str],
-        held: &[&Region],
-    ) -> Result<()> {
-        let list: Vec<Arc<Entry>> = {
-            let list = self.companions.read().unwrap_or_else(|p| p.into_inner());
-            list.iter()
-                .filter(|e| tags.contains(&e.tag.as_str()))
-                .cloned()
-                .collect()
+/// Runs `phase` for the companions of `tags` (the regions that move, in tag order),
+/// with `held` (every region the move holds locked) recorded for this thread's queries.
+/// On a failure the ones that ran are undone in reverse order and the error names the
+/// companion; an undo that fails too is a deferred error.
+pub(super) fn run(pager: &Pager, phase: Phase, tags: &[&str], held: &[&Region]) -> Result<()> {
+    let list: Vec<Arc<Entry>> = {
+        let list = pager.companions.read().unwrap_or_else(|p| p.into_inner());
+        list.iter()
+            .filter(|e| tags.contains(&e.tag.as_str()))
+            .cloned()
+            .collect()
+    };
+    if list.is_empty() {
+        return Ok(());
+    }
+    let me = std::ptr::from_ref(pager) as usize;
+    HELD.with(|h| {
+        h.borrow_mut()
+            .extend(held.iter().map(|r| (me, std::ptr::from_ref::<Region>(r))))
+    });
+    let _held = Held(held.len());
+    let mut ran: Vec<(&str, &Entry)> = Vec::new();
+    for &tag in tags {
+        let mine: Vec<&Entry> = list.iter().filter(|e| e.tag == tag).map(|e| &**e).collect();
+        let ordered: Box<dyn Iterator<Item = &&Entry>> = match phase {
+            Phase::Resume => Box::new(mine.iter()),
+            Phase::Release => Box::new(mine.iter().rev()),
         };
-        if list.is_empty() {
-            return Ok(());
-        }
-        let me = std::ptr::from_ref(self) as usize;
-        HELD.with(|h| {
-            h.borrow_mut()
-                .extend(held.iter().map(|r| (me, std::ptr::from_ref::<Region>(r))))
-        });
-        let _held = Held(held.len());
-        let mut ran: Vec<(&str, &Entry)> = Vec::new();
-        for &tag in tags {
-            let mine: Vec<&Entry> = list.iter().filter(|e| e.tag == tag).map(|e| &**e).collect();
-            let ordered: Box<dyn Iterator<Item = &&Entry>> = match phase {
-                Phase::Resume => Box::new(mine.iter()),
-                Phase::Release => Box::new(mine.iter().rev()),
-            };
-            for &e in ordered {
-                match e.run(phase, tag) {
-                    None => continue,
-                    Some(Ok(())) => ran.push((tag, e)),
-                    Some(Err(reason)) => {
-                        self.undo_companions(phase, &ran);
-                        return Err(Error::Companion {
-                            tag: tag.to_owned(),
-                            companion: e.companion.name().to_owned(),
-                            phase: phase.name(),
-                            reason,
-                        });
-                    }
+        for &e in ordered {
+            match e.run(phase, tag) {
+                None => continue,
+                Some(Ok(())) => ran.push((tag, e)),
+                Some(Err(reason)) => {
+                    undo(pager, phase, &ran);
+                    return Err(Error::Companion {
+                        tag: tag.to_owned(),
+                        companion: e.companion.name().to_owned(),
+                        phase: phase.name(),
+                        reason,
+                    });
                 }
             }
         }
-        Ok(())
     }
+    Ok(())
+}
 
-    /// Undoes the `phase` calls in `ran`, newest first.
-    fn undo_companions(&self, phase: Phase, ran: &[(&str, &Entry)]) {
-        let undo = phase.opposite();
-        for (tag, e) in ran.iter().rev() {
-            if let Some(Err(reason)) = e.run(undo, tag) {
-                self.backend.deferred_errors().record(format!(
-                    "companion `{}` of region `{tag}` failed to undo its {} after another \
-                     companion failed: {reason}",
-                    e.companion.name(),
-                    phase.name()
-                ));
-            }
+/// Undoes the `phase` calls in `ran`, newest first.
+fn undo(pager: &Pager, phase: Phase, ran: &[(&str, &Entry)]) {
+    let undo = phase.opposite();
+    for (tag, e) in ran.iter().rev() {
+        if let Some(Err(reason)) = e.run(undo, tag) {
+            pager.backend.deferred_errors().record(format!(
+                "companion `{}` of region `{tag}` failed to undo its {} after another \
+                 companion failed: {reason}",
+                e.companion.name(),
+                phase.name()
+            ));
         }
     }
 }

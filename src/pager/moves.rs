@@ -5,7 +5,7 @@
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::companions::Phase;
+use super::companions::{self, Phase};
 use super::{Pager, ReleaseOptions, ResumeOptions};
 use crate::backend::{Backend, Fence, RawStream};
 use crate::backup::Saved;
@@ -31,272 +31,280 @@ struct Part {
     copied: usize,
 }
 
-impl Pager {
-    /// The release of `regions` (the locked regions of `tags`): checks the leases, waits for
-    /// device work, pins the backups, saves the contents, then unmaps.
-    pub(super) fn release_locked(
-        &self,
-        tags: &[&str],
-        regions: &mut Locked<'_>,
-        options: &ReleaseOptions,
-    ) -> Result<Report> {
-        let start = Instant::now();
-        if let Some(r) = regions.iter().find(|r| r.is_resident() && r.leases() > 0) {
-            return Err(Error::Busy {
-                tag: r.tag.clone(),
-                leases: r.leases(),
-            });
+/// The release of `regions` (the locked regions of `tags`): checks the leases, waits for
+/// device work, pins the backups, saves the contents, then unmaps.
+pub(super) fn release(
+    pager: &Pager,
+    tags: &[&str],
+    regions: &mut Locked<'_>,
+    options: &ReleaseOptions,
+) -> Result<Report> {
+    let start = Instant::now();
+    if let Some(r) = regions.iter().find(|r| r.is_resident() && r.leases() > 0) {
+        return Err(Error::Busy {
+            tag: r.tag.clone(),
+            leases: r.leases(),
+        });
+    }
+    let t = Instant::now();
+    pager
+        .backend
+        .synchronize()
+        .map_err(|e| Error::backend_of(tags, "waiting for device work", e))?;
+    let sync = t.elapsed();
+    let mut parts: Vec<Part> = regions
+        .iter()
+        .map(|r| {
+            let moves = r.is_resident();
+            let dropped = moves && options.drop.iter().any(|d| *d == r.tag);
+            Part {
+                moves,
+                dropped,
+                contents: moves && r.policy == Policy::Preserve && !dropped,
+                ..Part::default()
+            }
+        })
+        .collect();
+    pin_backups(pager, regions, &mut parts)?;
+    let copies = save_contents(pager, tags, regions, &mut parts)?;
+    companions::run(
+        pager,
+        Phase::Release,
+        &moving(regions, &parts),
+        &held(regions),
+    )?;
+    let out = regions
+        .iter_mut()
+        .zip(&mut parts)
+        .map(|(r, p)| unmap(r, p))
+        .collect();
+    Ok(report(Move::Release, sync, out, start, copies, regions))
+}
+
+/// Pins the backup of every region whose contents are saved (with `first_save_overlap`
+/// a first backup is filled from the device in the same pass): all before any copy, so
+/// that a failure leaves every region resident.
+fn pin_backups(pager: &Pager, regions: &mut Locked<'_>, parts: &mut [Part]) -> Result<()> {
+    let backend = pager.backend.as_ref();
+    let gap = pager.config.tuning.copy_gap_bytes;
+    let fill = pager.config.skip_unchanged && pager.config.tuning.first_save_overlap;
+    for (r, p) in regions.iter_mut().zip(parts) {
+        if !p.contents {
+            continue;
         }
-        let t = Instant::now();
-        self.backend
-            .synchronize()
-            .map_err(|e| Error::backend_of(tags, "waiting for device work", e))?;
-        let sync = t.elapsed();
-        let mut parts: Vec<Part> = regions
-            .iter()
-            .map(|r| {
-                let moves = r.is_resident();
-                let dropped = moves && options.drop.iter().any(|d| *d == r.tag);
-                Part {
-                    moves,
-                    dropped,
-                    contents: moves && r.policy == Policy::Preserve && !dropped,
-                    ..Part::default()
+        if fill {
+            let (pin, hash, copied) =
+                r.first_backup_from_device(backend, gap, pager.config.tuning.hash_chunk_bytes)?;
+            (p.steps.pin, p.steps.hash, p.copied) = (pin, hash, copied);
+        }
+        p.steps.pin += r.ensure_backup(backend, gap)?;
+    }
+    Ok(())
+}
+
+/// Copies the contents of every saved region to its backup through one pump, each
+/// region (each buffer of a growing one) hashed while the copies of the ones before it
+/// run; commits the saves once all succeeded.
+fn save_contents(
+    pager: &Pager,
+    tags: &[&str],
+    regions: &mut Locked<'_>,
+    parts: &mut [Part],
+) -> Result<PumpStats> {
+    if !parts.iter().any(|p| p.contents) {
+        return Ok(PumpStats::default());
+    }
+    let backend = pager.backend.as_ref();
+    let c = &pager.config;
+    let t = Instant::now();
+    let mut saved = vec![Saved::default(); parts.len()];
+    let ((), pumped) = pump::scope(
+        backend,
+        pager.pump_config(c.save_route),
+        &pager.traffic,
+        |p| {
+            for ((r, part), s) in regions.iter_mut().zip(parts.iter()).zip(&mut saved) {
+                if part.contents {
+                    *s = r.save(
+                        backend,
+                        c.skip_unchanged,
+                        c.tuning.hash_chunk_bytes,
+                        c.tuning.copy_gap_bytes,
+                        p,
+                    )?;
                 }
-            })
-            .collect();
-        self.pin_backups(regions, &mut parts)?;
-        let copies = self.save_contents(tags, regions, &mut parts)?;
-        self.run_companions(Phase::Release, &moving(regions, &parts), &held(regions))?;
-        let out = regions
-            .iter_mut()
-            .zip(&mut parts)
-            .map(|(r, p)| unmap(r, p))
-            .collect();
-        Ok(report(Move::Release, sync, out, start, copies, regions))
-    }
-
-    /// Pins the backup of every region whose contents are saved (with `first_save_overlap`
-    /// a first backup is filled from the device in the same pass): all before any copy, so
-    /// that a failure leaves every region resident.
-    fn pin_backups(&self, regions: &mut Locked<'_>, parts: &mut [Part]) -> Result<()> {
-        let backend = self.backend.as_ref();
-        let gap = self.config.tuning.copy_gap_bytes;
-        let fill = self.config.skip_unchanged && self.config.tuning.first_save_overlap;
-        for (r, p) in regions.iter_mut().zip(parts) {
-            if !p.contents {
-                continue;
             }
-            if fill {
-                let (pin, hash, copied) =
-                    r.first_backup_from_device(backend, gap, self.config.tuning.hash_chunk_bytes)?;
-                (p.steps.pin, p.steps.hash, p.copied) = (pin, hash, copied);
-            }
-            p.steps.pin += r.ensure_backup(backend, gap)?;
+            Ok(())
+        },
+        |e| Error::backend_of(tags, "copying contents to the host backup", e),
+    )?;
+    // The copy time: the call's copying less its hashing, by each region's share.
+    let hashing: Duration = saved.iter().map(|s| s.hash).sum();
+    let bytes: Vec<usize> = saved.iter().map(|s| s.copied).collect();
+    charge(parts, &bytes, t.elapsed().saturating_sub(hashing));
+    for ((r, p), s) in regions.iter_mut().zip(parts.iter_mut()).zip(&saved) {
+        p.steps.hash += s.hash;
+        p.copied += s.copied;
+        if p.contents {
+            r.commit_saves();
         }
-        Ok(())
     }
+    Ok(pumped)
+}
 
-    /// Copies the contents of every saved region to its backup through one pump, each
-    /// region (each buffer of a growing one) hashed while the copies of the ones before it
-    /// run; commits the saves once all succeeded.
-    fn save_contents(
-        &self,
-        tags: &[&str],
-        regions: &mut Locked<'_>,
-        parts: &mut [Part],
-    ) -> Result<PumpStats> {
-        if !parts.iter().any(|p| p.contents) {
-            return Ok(PumpStats::default());
+/// The resume of `regions` (the locked regions of `tags`), on `stream` if given: maps
+/// and restores, fills or verifies, then marks them resident; on any failure every
+/// region the call mapped is unmapped again.
+pub(super) fn resume(
+    pager: &Pager,
+    tags: &[&str],
+    regions: &mut Locked<'_>,
+    stream: Option<RawStream>,
+    options: ResumeOptions,
+) -> Result<Report> {
+    let start = Instant::now();
+    let mut parts: Vec<Part> = regions
+        .iter()
+        .map(|r| {
+            let moves = !r.is_resident();
+            Part {
+                moves,
+                contents: moves && r.policy == Policy::Preserve,
+                ..Part::default()
+            }
+        })
+        .collect();
+    let backend = pager.backend.as_ref();
+    let mut copies = PumpStats::default();
+    // With `resume_on`, pager access waits for this fence before touching the contents.
+    let mut fence: Option<Arc<dyn Fence>> = None;
+    let done = map_and_restore(pager, tags, regions, &mut parts, stream)
+        .map(|pumped| copies = pumped)
+        .and_then(|()| fill_or_verify(pager, regions, &mut parts, stream.is_some()))
+        .and_then(|()| match stream {
+            Some(s) => backend
+                .fence(s)
+                .map(|f| fence = Some(Arc::from(f)))
+                .map_err(|e| Error::backend_of(tags, "recording the restore's fence", e)),
+            None => Ok(()),
+        })
+        .and_then(|()| {
+            companions::run(
+                pager,
+                Phase::Resume,
+                &moving(regions, &parts),
+                &held(regions),
+            )
+        });
+    if let Err(e) = done {
+        undo_resume(backend, tags, regions, &parts);
+        return Err(e);
+    }
+    let give_back = !options.keep_host_backups
+        && regions
+            .iter()
+            .zip(&parts)
+            .any(|(r, p)| p.moves && r.medium.gives_back_after_resume());
+    if give_back {
+        fence = settle(backend, tags, fence);
+    }
+    let out = regions
+        .iter_mut()
+        .zip(&parts)
+        .map(|(r, p)| {
+            if !p.moves {
+                return already(&r.tag);
+            }
+            r.set_resident(fence.clone());
+            if give_back && fence.is_none() {
+                r.give_back_host_backups();
+            }
+            let bytes = r.mapped_bytes();
+            done_report(r, p, bytes)
+        })
+        .collect();
+    Ok(report(
+        Move::Resume,
+        Duration::ZERO,
+        out,
+        start,
+        copies,
+        regions,
+    ))
+}
+
+/// Maps every moved region and restores the contents of the `Preserve` ones: the ones
+/// without contents first (cheap, and an out-of-memory shows before any copy starts),
+/// then the rest through one pump fed while they map, or on the caller's `stream`.
+fn map_and_restore(
+    pager: &Pager,
+    tags: &[&str],
+    regions: &mut Locked<'_>,
+    parts: &mut [Part],
+    stream: Option<RawStream>,
+) -> Result<PumpStats> {
+    let backend = pager.backend.as_ref();
+    for (r, p) in regions.iter_mut().zip(parts.iter_mut()) {
+        if p.moves && !p.contents {
+            p.steps.map = r.map_all(backend, "resume")?;
         }
-        let backend = self.backend.as_ref();
-        let c = &self.config;
-        let t = Instant::now();
-        let mut saved = vec![Saved::default(); parts.len()];
+    }
+    if !parts.iter().any(|p| p.contents) {
+        return Ok(PumpStats::default());
+    }
+    let overlap = pager.config.tuning.overlap_restore;
+    let Some(stream) = stream else {
         let ((), pumped) = pump::scope(
             backend,
-            self.pump_config(c.save_route),
-            &self.traffic,
-            |p| {
-                for ((r, part), s) in regions.iter_mut().zip(parts.iter()).zip(&mut saved) {
-                    if part.contents {
-                        *s = r.save(
-                            backend,
-                            c.skip_unchanged,
-                            c.tuning.hash_chunk_bytes,
-                            c.tuning.copy_gap_bytes,
-                            p,
-                        )?;
-                    }
-                }
-                Ok(())
-            },
-            |e| Error::backend_of(tags, "copying contents to the host backup", e),
+            pager.pump_config(pager.config.restore_route),
+            &pager.traffic,
+            |p| restore_all(&mut *regions, parts, backend, &mut Sink::Pump(p), overlap),
+            |e| Error::backend_of(tags, "restoring contents from the backup", e),
         )?;
-        // The copy time: the call's copying less its hashing, by each region's share.
-        let hashing: Duration = saved.iter().map(|s| s.hash).sum();
-        let bytes: Vec<usize> = saved.iter().map(|s| s.copied).collect();
-        charge(parts, &bytes, t.elapsed().saturating_sub(hashing));
-        for ((r, p), s) in regions.iter_mut().zip(parts.iter_mut()).zip(&saved) {
-            p.steps.hash += s.hash;
-            p.copied += s.copied;
-            if p.contents {
-                r.commit_saves();
-            }
-        }
-        Ok(pumped)
-    }
+        // The wait at the end is copy time not hidden behind mapping: charged to the
+        // restored regions by their share of the bytes.
+        let bytes: Vec<usize> = parts.iter().map(|p| p.copied).collect();
+        charge(parts, &bytes, pumped.waited);
+        return Ok(pumped);
+    };
+    let sink = &mut Sink::Stream {
+        backend,
+        stream,
+        mover: pager.config.tuning.stream_mover,
+    };
+    restore_all(regions, parts, backend, sink, overlap)?;
+    Ok(PumpStats::default())
+}
 
-    /// The resume of `regions` (the locked regions of `tags`), on `stream` if given: maps
-    /// and restores, fills or verifies, then marks them resident; on any failure every
-    /// region the call mapped is unmapped again.
-    pub(super) fn resume_locked(
-        &self,
-        tags: &[&str],
-        regions: &mut Locked<'_>,
-        stream: Option<RawStream>,
-        options: ResumeOptions,
-    ) -> Result<Report> {
-        let start = Instant::now();
-        let mut parts: Vec<Part> = regions
-            .iter()
-            .map(|r| {
-                let moves = !r.is_resident();
-                Part {
-                    moves,
-                    contents: moves && r.policy == Policy::Preserve,
-                    ..Part::default()
-                }
-            })
-            .collect();
-        let backend = self.backend.as_ref();
-        let mut copies = PumpStats::default();
-        // With `resume_on`, pager access waits for this fence before touching the contents.
-        let mut fence: Option<Arc<dyn Fence>> = None;
-        let done = self
-            .map_and_restore(tags, regions, &mut parts, stream)
-            .map(|pumped| copies = pumped)
-            .and_then(|()| self.fill_or_verify(regions, &mut parts, stream.is_some()))
-            .and_then(|()| match stream {
-                Some(s) => backend
-                    .fence(s)
-                    .map(|f| fence = Some(Arc::from(f)))
-                    .map_err(|e| Error::backend_of(tags, "recording the restore's fence", e)),
-                None => Ok(()),
-            })
-            .and_then(|()| {
-                self.run_companions(Phase::Resume, &moving(regions, &parts), &held(regions))
-            });
-        if let Err(e) = done {
-            undo_resume(backend, tags, regions, &parts);
-            return Err(e);
+/// Zero-fills what comes back zeroed (`DiscardZeroed`, or contents dropped at the
+/// release), poisons what comes back without contents with `poison_discards`, and, with
+/// `verify_restore` and no caller's stream, checks restored contents.
+fn fill_or_verify(
+    pager: &Pager,
+    regions: &mut Locked<'_>,
+    parts: &mut [Part],
+    on_stream: bool,
+) -> Result<()> {
+    let backend = pager.backend.as_ref();
+    let verify = pager.config.verify_restore && !on_stream;
+    for (r, p) in regions.iter_mut().zip(parts.iter_mut()) {
+        if !p.moves {
+            continue;
         }
-        let give_back = !options.keep_host_backups
-            && regions
-                .iter()
-                .zip(&parts)
-                .any(|(r, p)| p.moves && r.medium.gives_back_after_resume());
-        if give_back {
-            fence = settle(backend, tags, fence);
+        let poison = pager.config.poison_discards
+            && (r.policy == Policy::Discard
+                || (r.zero_on_resume() && r.policy == Policy::Preserve));
+        if poison {
+            p.steps.fill = r.fill(backend, super::POISON)?;
+        } else if r.zero_on_resume() || r.policy == Policy::DiscardZeroed {
+            p.steps.fill = r.zero(backend)?;
+        } else if r.policy == Policy::Preserve && verify {
+            let t = Instant::now();
+            r.verify(backend, pager.config.tuning.hash_chunk_bytes)?;
+            p.steps.hash = t.elapsed();
         }
-        let out = regions
-            .iter_mut()
-            .zip(&parts)
-            .map(|(r, p)| {
-                if !p.moves {
-                    return already(&r.tag);
-                }
-                r.set_resident(fence.clone());
-                if give_back && fence.is_none() {
-                    r.give_back_host_backups();
-                }
-                let bytes = r.mapped_bytes();
-                done_report(r, p, bytes)
-            })
-            .collect();
-        Ok(report(
-            Move::Resume,
-            Duration::ZERO,
-            out,
-            start,
-            copies,
-            regions,
-        ))
     }
-
-    /// Maps every moved region and restores the contents of the `Preserve` ones: the ones
-    /// without contents first (cheap, and an out-of-memory shows before any copy starts),
-    /// then the rest through one pump fed while they map, or on the caller's `stream`.
-    fn map_and_restore(
-        &self,
-        tags: &[&str],
-        regions: &mut Locked<'_>,
-        parts: &mut [Part],
-        stream: Option<RawStream>,
-    ) -> Result<PumpStats> {
-        let backend = self.backend.as_ref();
-        for (r, p) in regions.iter_mut().zip(parts.iter_mut()) {
-            if p.moves && !p.contents {
-                p.steps.map = r.map_all(backend, "resume")?;
-            }
-        }
-        if !parts.iter().any(|p| p.contents) {
-            return Ok(PumpStats::default());
-        }
-        let overlap = self.config.tuning.overlap_restore;
-        let Some(stream) = stream else {
-            let ((), pumped) = pump::scope(
-                backend,
-                self.pump_config(self.config.restore_route),
-                &self.traffic,
-                |p| restore_all(&mut *regions, parts, backend, &mut Sink::Pump(p), overlap),
-                |e| Error::backend_of(tags, "restoring contents from the backup", e),
-            )?;
-            // The wait at the end is copy time not hidden behind mapping: charged to the
-            // restored regions by their share of the bytes.
-            let bytes: Vec<usize> = parts.iter().map(|p| p.copied).collect();
-            charge(parts, &bytes, pumped.waited);
-            return Ok(pumped);
-        };
-        let sink = &mut Sink::Stream {
-            backend,
-            stream,
-            mover: self.config.tuning.stream_mover,
-        };
-        restore_all(regions, parts, backend, sink, overlap)?;
-        Ok(PumpStats::default())
-    }
-
-    /// Zero-fills what comes back zeroed (`DiscardZeroed`, or contents dropped at the
-    /// release), poisons what comes back without contents with `poison_discards`, and, with
-    /// `verify_restore` and no caller's stream, checks restored contents.
-    fn fill_or_verify(
-        &self,
-        regions: &mut Locked<'_>,
-        parts: &mut [Part],
-        on_stream: bool,
-    ) -> Result<()> {
-        let backend = self.backend.as_ref();
-        let verify = self.config.verify_restore && !on_stream;
-        for (r, p) in regions.iter_mut().zip(parts.iter_mut()) {
-            if !p.moves {
-                continue;
-            }
-            let poison = self.config.poison_discards
-                && (r.policy == Policy::Discard
-                    || (r.zero_on_resume() && r.policy == Policy::Preserve));
-            if poison {
-                p.steps.fill = r.fill(backend, super::POISON)?;
-            } else if r.zero_on_resume() || r.policy == Policy::DiscardZeroed {
-                p.steps.fill = r.zero(backend)?;
-            } else if r.policy == Policy::Preserve && verify {
-                let t = Instant::now();
-                r.verify(backend, self.config.tuning.hash_chunk_bytes)?;
-                p.steps.hash = t.elapsed();
-            }
-        }
-        Ok(())
-    }
+    Ok(())
 }
 
 /// Maps and restores each region whose contents are restored, into `sink`.

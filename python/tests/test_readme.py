@@ -1,6 +1,7 @@
-"""README.md's Python examples run as written (like its Rust examples, which are doctests).
-A block whose first line is ``# needs: torch and a CUDA GPU`` runs only where torch sees
-a GPU, and is skipped elsewhere with that reason."""
+"""README.md's and docs/PYTHON.md's Python examples run as written (like the Rust examples of
+README.md and docs/GUIDE.md, which are doctests). A block whose first line is
+``# needs: torch and a CUDA GPU`` runs only where torch sees a GPU, and is skipped elsewhere
+with that reason."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import sys
 
 import pytest
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+README = os.path.join(ROOT, "README.md")
+PYTHON_DOC = os.path.join(ROOT, "docs", "PYTHON.md")
 NEEDS_CUDA = "# needs: torch and a CUDA GPU"
 
 
-def _blocks() -> list[str]:
-    with open(README, encoding="utf-8") as f:
+def _blocks(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
         text = f.read()
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
@@ -29,23 +32,26 @@ def _cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def test_readme_has_python_examples() -> None:
-    blocks = _blocks()
-    assert blocks, "README.md has no Python example"
+def test_the_docs_have_python_examples() -> None:
+    assert _blocks(README), "README.md has no Python example"
+    blocks = _blocks(README) + _blocks(PYTHON_DOC)
     assert any(b.startswith(NEEDS_CUDA) for b in blocks), "no torch example"
     assert any(not b.startswith(NEEDS_CUDA) for b in blocks), "no example that runs anywhere"
 
 
-@pytest.mark.parametrize("index", range(len(_blocks())))
-def test_readme_python_example_runs(index: int) -> None:
-    code = _blocks()[index]
+EXAMPLES = [(os.path.basename(p), i) for p in (README, PYTHON_DOC) for i in range(len(_blocks(p)))]
+
+
+@pytest.mark.parametrize("doc,index", EXAMPLES)
+def test_python_example_runs(doc: str, index: int) -> None:
+    code = _blocks(README if doc == "README.md" else PYTHON_DOC)[index]
     if code.startswith(NEEDS_CUDA) and not _cuda():
-        pytest.skip("README example needs torch and a CUDA GPU")
+        pytest.skip(f"{doc} example needs torch and a CUDA GPU")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
 
 
-BENCHMARKS = os.path.join(os.path.dirname(README), "BENCHMARKS.md")
+BENCHMARKS = os.path.join(ROOT, "BENCHMARKS.md")
 
 
 def _rows(text: str) -> list[list[str]]:

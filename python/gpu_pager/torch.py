@@ -65,21 +65,41 @@ older one.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import os
-import re
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from gpu_pager import _native
-from gpu_pager._native import Audit, Buffer, Lease, Pager, Policy, RegionInfo, Report
+from gpu_pager._audit import DiscardedAllocation, OutsideSegment, TorchAudit, audit
+from gpu_pager._native import Buffer, Lease, Pager, Policy, RegionInfo, Report
+from gpu_pager._pools import (
+    FREE_SYMBOL,
+    MALLOC_SYMBOL,
+    TORCH_FLOOR,
+    USE_TAG_SYMBOL,
+    allocator,
+    check_torch_version,
+    current_tag,
+    empty_cache,
+    graph_pool,
+    last_error,
+    library_path,
+    pool,
+    trim,
+    use_tag,
+)
+from gpu_pager._pools import _tags
+from gpu_pager._pools import device_index as _index
+from gpu_pager._pools import ensure_region as _ensure_region
+from gpu_pager._pools import expandable_segments_off as _expandable_segments_off
+from gpu_pager._pools import give_back as _give_back
+from gpu_pager._pools import load_torch as _torch
+from gpu_pager._pools import pools as _pools
+from gpu_pager._pools import tagged as _tagged
 
 if TYPE_CHECKING:
-    from gpu_pager._native import _MediumName, _PolicyName
+    from gpu_pager._native import _PolicyName
 
 __all__ = [
     "TORCH_FLOOR",
@@ -116,283 +136,6 @@ __all__ = [
     "DiscardedAllocation",
 ]
 
-MALLOC_SYMBOL = "gpu_pager_torch_malloc"
-"""The alloc function torch's pluggable allocator calls: ``void* (size_t, int, cudaStream_t)``."""
-FREE_SYMBOL = "gpu_pager_torch_free"
-"""The free function: ``void (void*, size_t, int, cudaStream_t)``."""
-USE_TAG_SYMBOL = "gpu_pager_use_tag"
-"""Sets the calling thread's tag for new segments: ``int (int device, const char* tag)``."""
-
-_lock = threading.Lock()
-_allocator: Any = None
-# One pool per (tag, device) (a pool bound to one device silently bypasses the allocator on
-# another), until it is retired (see the module docs).
-_pools: dict[tuple[str, int], Any] = {}
-
-
-@dataclasses.dataclass
-class _Retired:
-    """A pool that was retired, while segments may remain in it. torch aborts when a pool
-    object is destroyed in some states (while any thread allocates to a pool, or after its
-    use count was given back), so no pool object is ever destroyed: each is kept to the end
-    of the process (_keep_forever) and only its memory goes back."""
-
-    key: Any
-    index: int
-    pool: Any
-    # Its unused bytes after the last give-back (what torch could not free then: a context
-    # or a graph still held the pool); a give-back is due again only when this grows.
-    unused: int = 0
-    # The free room of its segments that tensors still hold part of, after the last
-    # give-back: mapped, and never used again, since nothing allocates to a retired pool.
-    stranded: int = 0
-
-
-_old: list[_Retired] = []
-# Keys of pools that CUDA graphs were captured into: never retired by trim.
-_graphs: set[Any] = set()
-
-
-TORCH_FLOOR = (2, 8)
-"""The oldest torch (major, minor) this module and the drop-ins run on: 2.8 is the first with
-``torch._C._cuda_beginAllocateCurrentThreadToPool``, which routes one thread's allocations to
-a tag's pool. SGLang, vLLM and verl pin 2.8 or newer; tested on 2.11."""
-
-_torch_checked = False
-
-
-def check_torch_version(version: str) -> None:
-    """Raises ``ImportError`` unless ``version`` (a ``torch.__version__`` such as
-    ``"2.9.1+cu128"``) is ``TORCH_FLOOR`` or newer."""
-    found = re.match(r"(\d+)\.(\d+)", version)
-    if found is None or (int(found[1]), int(found[2])) < TORCH_FLOOR:
-        floor = ".".join(map(str, TORCH_FLOOR))
-        raise ImportError(
-            f"gpu_pager.torch needs torch {floor} or newer, and this process has torch "
-            f"{version}: upgrade torch (pip install 'torch>={floor}')"
-        )
-
-
-def _torch() -> Any:
-    """torch, imported on first use and checked against ``TORCH_FLOOR`` once."""
-    global _torch_checked
-    import torch
-
-    if not _torch_checked:
-        check_torch_version(str(torch.__version__))
-        _torch_checked = True
-    return torch
-
-
-def _keep_forever(obj: Any) -> None:
-    """Takes a reference that is never given back, so that ``obj`` outlives interpreter
-    shutdown. torch's ``MemPool`` keeps a raw pointer to its allocator, and destroying a
-    pool frees its cached segments through that allocator: if the allocator (or a pool)
-    were collected at exit in the wrong order, torch would abort with "Trying to free a
-    pointer not allocated here". Kept alive, neither is destroyed; the process's exit
-    returns the memory."""
-    _native._keep_forever(obj)
-
-
-def library_path() -> str:
-    """The path of the shared object that exports the allocator functions: the extension
-    module itself, so that torch and Python share one pager per device."""
-    path = _native.__file__
-    assert path is not None
-    return path
-
-
-def use_tag(device: int, tag: str | None) -> None:
-    """Sets (``None``: clears) the region that new torch segments on ``device`` come from,
-    for the calling thread. The region must exist (``UnknownTagError``). ``use()`` does
-    this for you."""
-    _native._use_tag(device, tag)
-
-
-def current_tag(device: int) -> str | None:
-    """The calling thread's tag for new segments on ``device``, or ``None``."""
-    return _native._torch_hook_state(device)[0]
-
-
-def last_error() -> str | None:
-    """Why the calling thread's last failed C call (a torch allocation or free included)
-    failed, if one did. torch raises a bare ``torch.OutOfMemoryError`` when our allocation
-    returns nothing; this says why."""
-    return _native._torch_hook_state(0)[1]
-
-
-def allocator() -> Any:
-    """The process's ``torch.cuda.memory.CUDAPluggableAllocator`` over gpu_pager."""
-    global _allocator
-    torch = _torch()
-    with _lock:
-        if _allocator is None:
-            _allocator = torch.cuda.memory.CUDAPluggableAllocator(
-                library_path(), MALLOC_SYMBOL, FREE_SYMBOL
-            )
-            _keep_forever(_allocator)
-        return _allocator
-
-
-def _index(device: Any) -> int:
-    torch = _torch()
-    if device is None:
-        return int(torch.cuda.current_device())
-    if isinstance(device, int):
-        return device
-    index = torch.device(device).index
-    return int(torch.cuda.current_device()) if index is None else int(index)
-
-
-def pool(tag: str, device: Any = None) -> Any:
-    """The ``torch.cuda.MemPool`` of ``tag`` on ``device`` (default: the current one),
-    created on first use and kept for the whole process. Its ``.id`` is what ``graph``
-    captures into."""
-    torch = _torch()
-    index = _index(device)
-    alloc = allocator()
-    with _lock:
-        p = _pools.get((tag, index))
-        if p is None:
-            with torch.cuda.device(index):  # a pool belongs to the device current at creation
-                p = torch.cuda.MemPool(allocator=alloc.allocator())
-            _keep_forever(p)
-            _pools[(tag, index)] = p
-        return p
-
-
-def _segments(pool: Any) -> list[tuple[int, int]]:
-    """Each segment of ``pool``: its bytes, and the bytes of its blocks that a tensor (or a
-    pending free) still holds."""
-    return [
-        (
-            int(seg.get("total_size", 0)),
-            sum(
-                int(b.get("size", 0))
-                for b in seg.get("blocks", [])
-                if b.get("state", "active_allocated") != "inactive"
-            ),
-        )
-        for seg in pool.snapshot(include_traces=False)
-    ]
-
-
-def _unused_bytes(pool: Any) -> int:
-    """Bytes of the segments of ``pool`` with nothing allocated in them (torch frees those
-    of a retired pool at ``empty_cache``)."""
-    return sum(size for size, used in _segments(pool) if not used)
-
-
-def _unused_and_stranded(pool: Any) -> tuple[int, int]:
-    """The unused bytes of ``pool`` (``_unused_bytes``) and the free room of its segments
-    that tensors hold part of: what retiring the pool would strand."""
-    segments = _segments(pool)
-    return (
-        sum(size for size, used in segments if not used),
-        sum(size - used for size, used in segments if used),
-    )
-
-
-def _retire(p: Any, key: Any, index: int) -> None:
-    """Retires pool ``p`` (of ``key``, on device ``index``, already taken out of its pools,
-    so that the key's next allocations start a new pool): gives back the reference the pool
-    object holds on torch's pool, so that torch frees its unused segments at
-    ``empty_cache`` once no thread allocates to it (a CUDA graph captured into it keeps it
-    until the graph is reset). The object itself is kept to the end of the process."""
-    torch = _torch()
-    _keep_forever(p)
-    torch._C._cuda_releasePool(index, p.id)
-    _old.append(_Retired(key, index, p))
-
-
-def _give_back(index: int) -> None:
-    """Waits for the device's work, then lets torch free the unused segments of retired
-    pools (and its own cache, as ``torch.cuda.empty_cache()`` does); forgets the retired
-    pools that have no segment left, and notes what the others still hold unused."""
-    torch = _torch()
-    torch.cuda.synchronize(index)
-    torch.cuda.empty_cache()
-    with _lock:
-        _old[:] = [r for r in _old if r.pool.snapshot(include_traces=False)]
-        for r in _old:
-            r.unused, r.stranded = _unused_and_stranded(r.pool)
-
-
-def _capturing() -> bool:
-    """Whether this thread's current stream is capturing a CUDA graph."""
-    return bool(_torch().cuda.is_current_stream_capturing())
-
-
-def _trim_pools(pools: dict[Any, Any], keys: Iterable[Any], index: int) -> int:
-    """Retires each pool ``pools[key]`` of ``keys`` on device ``index`` that holds a segment
-    with nothing allocated in it, except the pools of CUDA graphs, and lets torch free what
-    retired pools no longer use. A retired pool's partly used segments keep their free
-    room mapped until their tensors die, so a pool is retired only when it frees more than
-    that room and the room its key's earlier retired pools still strand: a tag that keeps
-    a tensor at each step and frees another maps a bounded excess, not a segment more per
-    step. Returns the bytes given back (none while the stream captures a CUDA graph:
-    nothing is trimmed then). ``trim`` calls this with this module's pools, the drop-ins
-    (``gpu_pager.compat._pools``) with their own."""
-    if _capturing():
-        # Retiring and giving back synchronize the device, which a capture forbids; the
-        # next call outside the capture trims.
-        return 0
-    found = 0
-    with _lock:
-        for key in [k for k in keys if k in pools and k not in _graphs]:
-            unused, stranded = _unused_and_stranded(pools[key])
-            earlier = sum(r.stranded for r in _old if r.key == key and r.index == index)
-            if unused > stranded + earlier:
-                found += unused
-                _retire(pools.pop(key), key, index)
-        # Tensors died in a retired pool since the last give-back.
-        grown = any(r.index == index and _unused_bytes(r.pool) > r.unused for r in _old)
-    if found or grown:
-        _give_back(index)
-    return found
-
-
-def trim(tags: str | Iterable[str] | None = None, device: Any = None) -> int:
-    """Gives the device memory of segments with nothing allocated in them back from the
-    pools of ``tags`` (default: every tag) on ``device``: what tensors freed inside the
-    tags held. ``use`` and ``release`` do this by themselves; graph pools keep theirs.
-    Returns the bytes given back."""
-    index = _index(device)
-    wanted = None if tags is None else set(_tags(tags))
-    keys = [k for k in list(_pools) if k[1] == index and (wanted is None or k[0] in wanted)]
-    return _trim_pools(_pools, keys, index)
-
-
-def graph_pool(tag: str, device: Any = None) -> Any:
-    """``pool(tag, device)``, marked as a pool CUDA graphs are captured into: ``trim``
-    leaves it alone, since its free blocks may hold state that a replay reads."""
-    p = pool(tag, device)
-    _keep_for_graphs((tag, _index(device)))
-    return p
-
-
-def _keep_for_graphs(key: Any) -> None:
-    """Marks the pool of ``key`` (in this module's pools or a drop-in's) as one that CUDA
-    graphs are captured into: ``_trim_pools`` never retires it."""
-    with _lock:
-        _graphs.add(key)
-
-
-def empty_cache(tags: str | Iterable[str] | None = None, device: Any = None) -> None:
-    """Gives the torch segments of ``tags`` (default: every tag) on ``device`` back: retires
-    the tags' pools, graph pools included (a new one starts at the next ``use``), and
-    empties torch's cache. Unused segments go back now; those of tensors still alive, when
-    they die and a later ``empty_cache`` (or ``use``, or ``release``) runs. A CUDA graph
-    captured into a tag keeps the pool's memory while the graph lives."""
-    index = _index(device)
-    wanted = None if tags is None else set(_tags(tags))
-    with _lock:
-        for key in [k for k in _pools if k[1] == index and (wanted is None or k[0] in wanted)]:
-            _graphs.discard(key)
-            _retire(_pools.pop(key), key, index)
-    _give_back(index)
-
-
 _threads = threading.local()
 
 
@@ -417,59 +160,6 @@ def _innermost_pool(index: int) -> Any:
 def pager(device: Any = None) -> Pager:
     """The pager of ``device`` (default: torch's current device)."""
     return Pager.for_device(_index(device))
-
-
-def _ensure_region(
-    p: Pager,
-    tag: str,
-    policy: Policy | _PolicyName,
-    bytes: int | None,
-    prepin: bool,
-    medium: _MediumName = "pinned",
-) -> RegionInfo:
-    """Creates region ``tag`` (backed up in ``medium``), or returns it if it exists with
-    ``policy``: without ``bytes`` an existing region is taken at its size and medium, so
-    that ``use(tag)`` can be entered again."""
-    if bytes is None and tag in p.tags():
-        info = p.info(tag)
-        medium = info.medium
-        if info.kind != "growing":
-            bytes = info.size
-    return p.region(tag, policy, bytes, prepin, medium)
-
-
-@contextmanager
-def _expandable_segments_off() -> Iterator[None]:
-    # A MemPool with a pluggable allocator does not work with expandable segments
-    # (pytorch#147851); vLLM turns them off for the pool's context, and so do we.
-    torch = _torch()
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    on = "expandable_segments:True" in conf
-    if on:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
-    try:
-        yield
-    finally:
-        if on:
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-
-
-@contextmanager
-def _tagged(index: int, tag: str) -> Iterator[None]:
-    """This thread's torch segments on device ``index`` come from ``tag`` inside; a torch
-    out-of-memory error gets our reason as a note."""
-    torch = _torch()
-    previous = current_tag(index)
-    use_tag(index, tag)
-    try:
-        yield
-    except torch.OutOfMemoryError as e:
-        why = last_error()
-        if why and hasattr(e, "add_note"):
-            e.add_note(f"gpu_pager: {why}")
-        raise
-    finally:
-        use_tag(index, previous)
 
 
 @contextmanager
@@ -561,10 +251,6 @@ def graph(
             cuda_graph, pool=mem.id, stream=stream, capture_error_mode=capture_error_mode
         ) as g:
             yield g
-
-
-def _tags(tags: str | Iterable[str]) -> list[str]:
-    return [tags] if isinstance(tags, str) else list(tags)
 
 
 def release(
@@ -721,199 +407,3 @@ def read_backup(tensor: Any) -> Any | None:
         return None
     out = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     return out.view(tensor.dtype).reshape(tensor.shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class OutsideSegment:
-    """A segment torch holds outside every tag: device memory the pager's releases leave
-    where it is."""
-
-    address: int
-    """Its first device address."""
-    bytes: int
-    """Its size."""
-    pool: tuple[int, int]
-    """torch's id of its pool (``(0, 0)``: the default pool)."""
-    site: str | None
-    """Where its first live block was allocated (``file:line in function``), when torch
-    records memory history (``torch.cuda.memory._record_memory_history()``), else ``None``."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DiscardedAllocation:
-    """A live tensor allocation inside a ``discard`` tag: its contents are dropped at every
-    release. Anything here that is not KV cache (metadata that outlives the step it was made
-    for) comes back as garbage, or as NaN with poisoned discards."""
-
-    tag: str
-    """The discard tag."""
-    bytes: int
-    """The block's size."""
-    site: str | None
-    """Where it was allocated, when torch records memory history, else ``None``."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TorchAudit:
-    """Where a device's memory is, in a torch process (``audit()``): the pager's audit
-    (each tag, the device's use) and torch's segments outside every tag, largest first.
-    ``str()`` is a table."""
-
-    pager: Audit
-    """The pager's audit: each region, the device's totals."""
-    outside_tags: list[OutsideSegment]
-    """torch's segments outside every region, largest first."""
-    discarded: list[DiscardedAllocation] = dataclasses.field(default_factory=list)
-    """The live allocations inside ``discard`` tags, by tag, largest first: the place to look
-    for state that must survive a sleep but was allocated under a discarded tag."""
-
-    @property
-    def torch_outside_bytes(self) -> int:
-        """Bytes torch holds outside every tag."""
-        return sum(s.bytes for s in self.outside_tags)
-
-    @property
-    def other_bytes(self) -> int:
-        """Device memory in use outside the tags and outside torch: the CUDA context,
-        libraries and other allocators of this process, and other processes."""
-        return max(0, self.pager.outside_bytes - self.torch_outside_bytes)
-
-    def __str__(self) -> str:
-        gib = 1 << 30
-        lines = [str(self.pager), f"torch outside every tag: {self.torch_outside_bytes / gib:.2f} GiB "
-                 f"in {len(self.outside_tags)} segments"]
-        for seg in self.outside_tags[:8]:
-            where = seg.site or "site unknown (torch.cuda.memory._record_memory_history())"
-            lines.append(f"  {seg.bytes / gib:8.2f} GiB at {seg.address:#x}, pool {seg.pool}: {where}")
-        lines.append(f"the rest (CUDA context, other allocators and processes): "
-                     f"{self.other_bytes / gib:.2f} GiB")
-        mine = self.pager.this_process_bytes
-        if mine is not None:
-            own_rest = max(0, mine - self.pager.mapped_bytes - self.torch_outside_bytes)
-            lines.append(f"  of it in this process (CUDA context, libraries, other "
-                         f"allocators): {own_rest / gib:.2f} GiB")
-        if self.discarded:
-            lines.append(f"live allocations in discard tags (dropped at every release): "
-                         f"{len(self.discarded)}")
-            for a in self.discarded[:8]:
-                lines.append(f"  {a.tag}: {a.bytes} bytes, {a.site or 'site unknown'}")
-        return "\n".join(lines)
-
-
-def _live_blocks(segment: dict[str, Any]) -> list[dict[str, Any]]:
-    """The segment's blocks in use."""
-    return [b for b in segment.get("blocks", []) if str(b.get("state", "")).startswith("active")]
-
-
-def _is_caller_frame(filename: str) -> bool:
-    """A Python frame of the caller's: a ``.py`` file outside torch, or code without a file
-    (``<string>``, ``<stdin>``); not torch's own frames, nor the C++ frames torch records
-    with them."""
-    if "/torch/" in filename:
-        return False
-    return filename.endswith(".py") or (filename.startswith("<") and filename.endswith(">"))
-
-
-def _block_site(block: dict[str, Any]) -> str | None:
-    """The block's first allocation frame in the caller's Python code, if torch recorded
-    it."""
-    for frame in block.get("frames", []) or []:
-        filename = str(frame.get("filename", ""))
-        if _is_caller_frame(filename):
-            return f"{filename}:{frame.get('line')} in {frame.get('name')}"
-    return None
-
-
-def _site(segment: dict[str, Any]) -> str | None:
-    """Where the segment's first live block was allocated, if recorded."""
-    for block in _live_blocks(segment):
-        site = _block_site(block)
-        if site is not None:
-            return site
-    return None
-
-
-def _scan(index: int, p: Pager) -> tuple[list[OutsideSegment], list[DiscardedAllocation]]:
-    """torch's segments on device ``index`` outside every region of ``p`` (largest first),
-    and the live allocations inside its ``discard`` regions (by tag, largest first)."""
-    torch = _torch()
-    spans = [
-        (r.info.base, r.info.base + r.info.size, r.info.tag, r.info.policy)
-        for r in p.stats().regions
-    ]
-    outside: list[OutsideSegment] = []
-    discarded: list[DiscardedAllocation] = []
-    for seg in torch.cuda.memory_snapshot():
-        if int(seg.get("device", index)) != index:
-            continue
-        address, size = int(seg["address"]), int(seg["total_size"])
-        region = next((sp for sp in spans if sp[0] <= address < sp[1]), None)
-        if region is None:
-            pool = seg.get("segment_pool_id", (0, 0))
-            outside.append(
-                OutsideSegment(address, size, (int(pool[0]), int(pool[1])), _site(seg))
-            )
-        elif region[3] != Policy.PRESERVE:
-            discarded.extend(
-                DiscardedAllocation(region[2], int(b.get("size", 0)), _block_site(b))
-                for b in _live_blocks(seg)
-            )
-    outside.sort(key=lambda s: (-s.bytes, s.address))
-    discarded.sort(key=lambda a: (a.tag, -a.bytes))
-    return outside, discarded
-
-
-def audit(device: Any = None) -> TorchAudit:
-    """Where ``device``'s memory is (default: torch's current device): each tag's mapped,
-    reserved and backed-up bytes and state, torch's segments outside every tag (with the
-    allocation site when torch records memory history), the rest the driver reports in use,
-    and the live allocations inside ``discard`` tags. After a ``release``, what is still on
-    the GPU and who holds it; before one, what a discard would lose."""
-    index = _index(device)
-    p = Pager.for_device(index)
-    report = p.audit()
-    outside, discarded = _scan(index, p)
-    return TorchAudit(report, outside, discarded)
-
-
-# The ``event`` field of the core's warning of memory still in use after a release.
-_RESIDENT_EVENT = "resident_after_release"
-
-
-class _NameTorchHolders(logging.Filter):
-    """Adds torch's largest segments outside every tag, with their allocation sites, to the
-    pager's warning that much memory stays in use after a release: the pager sees only the
-    bytes outside its regions; in a torch process, torch knows who holds them."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        fields = getattr(record, "gpu_pager", None)
-        if not isinstance(fields, dict) or fields.get("event") != _RESIDENT_EVENT:
-            return True
-        if _torch_if_imported() is None:
-            return True
-        index = int(fields["device"])
-        try:
-            outside, _ = _scan(index, Pager.for_device(index))
-        except Exception:  # naming the holders must never turn a warning into an error
-            return True
-        if outside:
-            gib = 1 << 30
-            largest = "; ".join(
-                f"{s.bytes / gib:.2f} GiB at {s.site or 'an unrecorded site'}"
-                for s in outside[:3]
-            )
-            record.msg = (
-                f"{record.getMessage()}. torch holds "
-                f"{sum(s.bytes for s in outside) / gib:.2f} GiB of it outside every tag, "
-                f"the largest: {largest}"
-            )
-            record.args = ()
-        return True
-
-
-def _torch_if_imported() -> Any:
-    """torch, if this process imported it (a warning never imports it)."""
-    return sys.modules.get("torch")
-
-
-logging.getLogger("gpu_pager").addFilter(_NameTorchHolders())

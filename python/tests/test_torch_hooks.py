@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 import gpu_pager
+import gpu_pager._pools
 import gpu_pager.torch as gpt
 
 MIB = 1 << 20
@@ -113,18 +114,18 @@ def test_use_tag_is_per_thread(pager: gpu_pager.Pager, tag: str) -> None:
 
 
 def test_region_entered_again_without_bytes(pager: gpu_pager.Pager, tag: str) -> None:
-    first = gpt._ensure_region(pager, tag, "preserve", 4 * MIB, False)
-    again = gpt._ensure_region(pager, tag, "preserve", None, False)
+    first = gpu_pager._pools.ensure_region(pager, tag, "preserve", 4 * MIB, False)
+    again = gpu_pager._pools.ensure_region(pager, tag, "preserve", None, False)
     assert again.id == first.id
     with pytest.raises(gpu_pager.TagConflictError):
-        gpt._ensure_region(pager, tag, "discard", None, False)
+        gpu_pager._pools.ensure_region(pager, tag, "discard", None, False)
 
 
 def test_region_entered_again_keeps_its_medium(pager: gpu_pager.Pager, tag: str) -> None:
     """A tag created with host-memory backups (vLLM's release-host-memory switch) is taken
     as it is when entered again, not refused for asking pinned ones."""
     first = pager.region(tag, "preserve", medium="host")
-    again = gpt._ensure_region(pager, tag, "preserve", None, False)
+    again = gpu_pager._pools.ensure_region(pager, tag, "preserve", None, False)
     assert (again.id, again.medium) == (first.id, "host")
 
 

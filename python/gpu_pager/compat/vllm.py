@@ -206,7 +206,7 @@ def _gpt() -> Any:
 
 
 def _compat_pools() -> Any:
-    from gpu_pager.compat import _pools
+    from gpu_pager import _pools
 
     return _pools
 
@@ -253,7 +253,7 @@ class CuMemAllocator:
                 f"tag {tag!r} is asleep: wake it up (wake_up([{tag!r}])) before allocating in it"
             )
         medium = "host" if release_host_memory() else "pinned"
-        gpt._ensure_region(gpt.pager(self._device), tag, "preserve", None, False, medium)
+        _compat_pools().ensure_region(gpt.pager(self._device), tag, "preserve", None, False, medium)
         self._add_tag(tag)
         pool = gpt.graph_pool(tag, self._device) if tag in GRAPH_TAGS else gpt.pool(tag, self._device)
         pools = self.allocator_and_pools.setdefault(tag, [])
@@ -306,7 +306,7 @@ class CuMemAllocator:
         pool = self._ensure(tag)
         # The capture itself routes the graph's allocations to the pool; this thread's
         # tag says which region they land in.
-        with _gpt()._tagged(self._device, tag):
+        with _compat_pools().tagged(self._device, tag):
             yield pool.id
 
     def _pager(self) -> Any:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from gpu_pager import _native
-from gpu_pager.compat import _pools
+from gpu_pager import _pools
 from gpu_pager.compat.torch_memory_saver.binary_wrapper import BinaryWrapper
 from gpu_pager.compat.torch_memory_saver.hooks.mode_preload import (
     is_preloaded,
@@ -35,9 +35,7 @@ if TYPE_CHECKING:
 
 def _torch() -> Any:
     """torch, checked against gpu_pager.torch's floor."""
-    from gpu_pager.torch import _torch as checked
-
-    return checked()
+    return _pools.load_torch()
 
 
 class TorchMemorySaver:
@@ -242,13 +240,11 @@ class _TorchMemorySaverImpl:
         _check_one_core(self._binary_wrapper.cdll)
         allocator = None
         if hook_mode == "torch":
-            import gpu_pager.torch as gpt
-
             allocator = _torch().cuda.memory.CUDAPluggableAllocator(
-                gpt.library_path(), "gpu_pager_tms_torch_malloc", gpt.FREE_SYMBOL
+                _pools.library_path(), "gpu_pager_tms_torch_malloc", _pools.FREE_SYMBOL
             )
             # torch keeps a raw pointer to the allocator in its pools: never collect it.
-            gpt._keep_forever(allocator)
+            _pools.keep_forever(allocator)
             allocator = allocator.allocator()
         self._mem_pools: dict[Any, Any] = _Pools(allocator)
         # At exit the pools are left alone (their memory goes with the process): destroying
@@ -448,7 +444,5 @@ def _check_one_core(cdll: Any) -> None:
 
 
 def _keep_pools(pools: dict[Any, Any]) -> None:
-    import gpu_pager.torch as gpt
-
     for pool in pools.values():
-        gpt._keep_forever(pool)
+        _pools.keep_forever(pool)

@@ -23,7 +23,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crate::backend::{Backend, BackendKind, RawStream};
-use crate::backup::file::{BackupFiles, FileIo};
+use crate::backup::Media;
+use crate::backup::file::BackupFiles;
 use crate::error::{Error, Result, nearest_tag};
 use crate::pump::{self, CopyRoute, PumpConfig};
 use crate::region::{
@@ -145,7 +146,7 @@ pub struct Pager {
     backend: Arc<dyn Backend>,
     config: PagerConfig,
     /// The backup directory and staging buffer of file backups.
-    files: Arc<FileIo>,
+    media: Arc<Media>,
     /// The process that made the pager: every call in another one (a fork) fails.
     pid: u32,
     regions: RwLock<BTreeMap<String, Slot>>,
@@ -228,7 +229,7 @@ impl Pager {
         let config = config.effective(backend.info().granularity);
         backend.set_reclaim_scrubbed(config.tuning.reclaim_scrubbed);
         Pager {
-            files: Arc::new(FileIo::new(config.tuning.file_chunk_bytes)),
+            media: Arc::new(Media::new(config.tuning.file_chunk_bytes)),
             backend,
             config,
             pid: std::process::id(),
@@ -267,7 +268,8 @@ impl Pager {
         files: BackupFiles,
     ) -> Result<()> {
         let dir = dir.as_ref();
-        self.files
+        self.media
+            .files
             .set_dir(dir, files)
             .map_err(|e| Error::InvalidArgument {
                 tag: None,
@@ -277,12 +279,12 @@ impl Pager {
 
     /// The directory new [`Medium::File`] backups go to, if one is set.
     pub fn backup_dir(&self) -> Option<std::path::PathBuf> {
-        self.files.dir()
+        self.media.files.dir()
     }
 
     /// How new [`Medium::File`] backups are named in their directory.
     pub fn backup_files(&self) -> BackupFiles {
-        self.files.files()
+        self.media.files.files()
     }
 
     /// The backend.

@@ -22,8 +22,7 @@ use std::collections::BTreeMap;
 use crate::backend::{
     Backend, BackendError, BackendResult, DeferredErrors, DeviceRange, Fence, Reservation,
 };
-use crate::backup::file::FileIo;
-use crate::backup::{Backup, Saved};
+use crate::backup::{Backup, Media, Saved};
 use crate::error::{Error, Result};
 use crate::map_ahead;
 use crate::mapped::{Mapped, pieces};
@@ -44,8 +43,8 @@ pub(crate) struct Region {
     pub policy: Policy,
     /// Backup medium (Preserve regions).
     pub medium: Medium,
-    /// The pager's file I/O, for [`Medium::File`].
-    files: Option<Arc<FileIo>>,
+    /// The pager's media context, lent whole (the file medium's I/O).
+    media: Arc<Media>,
     pub chunk_bytes: usize,
     pub kind: RegionKind,
     /// Pin each buffer's backup when it is allocated (growing `Preserve` with `prepin`).
@@ -125,7 +124,7 @@ impl Region {
         shape: Shape,
         policy: Policy,
         options: RegionOptions,
-        files: &Arc<FileIo>,
+        media: &Arc<Media>,
     ) -> Result<Region> {
         if options.kind == RegionKind::Elastic && policy == Policy::Preserve {
             return Err(Error::InvalidArgument {
@@ -144,7 +143,7 @@ impl Region {
             tag: tag.to_owned(),
             policy,
             medium: options.medium,
-            files: options.medium.uses_files().then(|| files.clone()),
+            media: media.clone(),
             chunk_bytes: shape.chunk_bytes,
             kind: options.kind,
             prepin: options.prepin

@@ -25,150 +25,21 @@
 //! adversaries.
 
 use std::ops::Range;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BackendError, BackendResult, HostBuffer};
+use crate::backend::{Backend, BackendError, HostBuffer};
 use crate::kernels;
 use crate::pump::{Pump, Sink};
 
 pub(crate) mod file;
+mod medium;
 mod memory;
 mod named;
 
-use file::FileIo;
+pub(crate) use medium::Media;
+pub use medium::Medium;
+use medium::Store;
 use memory::MemoryStore;
-
-/// Where a `Preserve` region's contents go while it is released (its backup medium).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub enum Medium {
-    /// Pinned host memory, pinned once and kept across cycles: the fastest, and a release
-    /// of unchanged contents copies nothing; holds host memory for the region's life.
-    #[default]
-    Pinned,
-    /// Pinned host memory that each resume gives back to the system (the process's memory
-    /// use drops), pinned again at the next release, for hosts that need their memory
-    /// between rollouts (torch_memory_saver's "mmap" backend). A resume may keep it
-    /// ([`crate::ResumeOptions::keep_host_backups`]).
-    Host,
-    /// A file in the pager's backup directory ([`crate::Pager::set_backup_dir`]), streamed
-    /// through a bounded pinned staging buffer, for hosts whose memory cannot hold every
-    /// GPU's weights (torch_memory_saver's disk backup). The file is allocated on disk when
-    /// the backup is made, so a full disk fails the release before anything is unmapped.
-    File,
-}
-
-crate::names::short_names!(Medium, "medium", {
-    Pinned => "pinned",
-    Host => "host",
-    File => "file",
-});
-
-impl std::fmt::Display for Medium {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// Where a backup's bytes are: one implementation per backup medium ([`Medium`]). A new
-/// medium is a store in a file of its own, its variant of [`Medium`] with its arms in the
-/// `impl Medium` below, and its name in the bindings.
-trait Store: std::fmt::Debug + Send + Sync {
-    /// Bytes the store holds room for.
-    fn len(&self) -> usize;
-
-    /// The bytes, where they are in host memory (read in place, and lent to readers by
-    /// address); `None` for a store that must be read through [`Store::read`].
-    fn host(&self) -> Option<&[u8]>;
-
-    /// Copies the store's bytes `range` into `out` (of `range.len()` bytes).
-    fn read(&self, range: Range<usize>, out: &mut [u8]) -> BackendResult<()>;
-
-    /// Copies device bytes `base + r` into the store at `r` for each of `runs` (sorted,
-    /// disjoint, inside the store): pushed into `pump`, or done before it returns. Returns
-    /// the bytes copied. A failure leaves the store partly written.
-    ///
-    /// # Safety
-    /// Each `base + r` is mapped device memory of `backend` (the pump's), not written until
-    /// the pump's scope returns.
-    unsafe fn save<'h>(
-        &'h mut self,
-        backend: &dyn Backend,
-        base: u64,
-        runs: &[Range<usize>],
-        pump: &mut Pump<'_, 'h>,
-    ) -> BackendResult<usize>;
-
-    /// Copies the store's bytes `r` to device `base + r` for each of `spans` (inside the
-    /// store): pushed into `sink`, or done before it returns. Returns the bytes sent.
-    ///
-    /// # Safety
-    /// As [`Sink::push_to_device`] for each device range `base + r`.
-    unsafe fn restore<'h>(
-        &'h self,
-        backend: &dyn Backend,
-        base: u64,
-        spans: &[Range<usize>],
-        sink: &mut Sink<'_, '_, 'h>,
-    ) -> BackendResult<usize>;
-}
-
-/// What each medium means for the pager: the one place its rules live, next to the stores.
-impl Medium {
-    /// Whether the backup's host memory is given back after each resume (pinned again at
-    /// the next release).
-    pub fn gives_back_after_resume(self) -> bool {
-        match self {
-            Medium::Host => true,
-            Medium::Pinned | Medium::File => false,
-        }
-    }
-
-    /// Whether `prepin` (pinning the backup at creation) makes sense: not for a backup that
-    /// each resume gives back anyway.
-    pub fn can_prepin(self) -> bool {
-        !self.gives_back_after_resume()
-    }
-
-    /// Whether the backup lives in the pager's backup directory (file I/O).
-    pub fn uses_files(self) -> bool {
-        match self {
-            Medium::File => true,
-            Medium::Pinned | Medium::Host => false,
-        }
-    }
-
-    /// Whether the backup is one pinned host buffer ([`Backup::adopt`]): such backups are
-    /// pinned many in one batch, and a first one is pinned and filled from the device in
-    /// one pass ([`Backup::ensure_from_device`]).
-    pub(crate) fn is_pinned_memory(self) -> bool {
-        match self {
-            Medium::Pinned | Medium::Host => true,
-            Medium::File => false,
-        }
-    }
-
-    /// A new store of `size` bytes: pinned on `backend`, or a file of `files` (which
-    /// [`Medium::uses_files`] media are given).
-    fn store(
-        self,
-        backend: &dyn Backend,
-        files: Option<&Arc<FileIo>>,
-        size: usize,
-    ) -> BackendResult<Box<dyn Store>> {
-        Ok(match self {
-            Medium::Pinned | Medium::Host => Box::new(MemoryStore(backend.alloc_pinned(size)?)),
-            Medium::File => Box::new(
-                files
-                    .ok_or_else(|| BackendError::Internal {
-                        op: "backup file",
-                        reason: "a file backup without the pager's file I/O".to_owned(),
-                    })?
-                    .create(size)?,
-            ),
-        })
-    }
-}
 
 /// Default hash-chunk size: 32 MiB. Small enough that a partial weight update copies little,
 /// large enough that each copy runs at link speed.
@@ -277,20 +148,20 @@ impl Backup {
         self.buf.is_some()
     }
 
-    /// Makes the backup's store of `size` bytes for `medium` (pinned on `backend`, or a
-    /// file of `files`) if it has none yet. Returns the time it took.
+    /// Makes the backup's store of `size` bytes for `medium` (pinned on `backend`, or in
+    /// `media`'s files) if it has none yet. Returns the time it took.
     pub fn ensure(
         &mut self,
         medium: Medium,
         backend: &dyn Backend,
-        files: Option<&Arc<FileIo>>,
+        media: &Media,
         size: usize,
     ) -> Result<Duration, BackendError> {
         if self.buf.is_some() {
             return Ok(Duration::ZERO);
         }
         let t = Instant::now();
-        self.buf = Some(medium.store(backend, files, size)?);
+        self.buf = Some(medium.store(backend, media, size)?);
         self.forget();
         Ok(t.elapsed())
     }
@@ -770,7 +641,9 @@ mod tests {
         let data = bytes(len, 1);
         put(&b, base, &data);
         let mut backup = Backup::default();
-        backup.ensure(Medium::Pinned, &b, None, len).unwrap();
+        backup
+            .ensure(Medium::Pinned, &b, &Media::new(1 << 20), len)
+            .unwrap();
         let want = vec![100..5000, G..2 * G + 7, 3 * G + 1..len];
         for skip in [false, true] {
             // SAFETY: mapped, not written meanwhile.
@@ -808,7 +681,9 @@ mod tests {
         let data = bytes(len, 2);
         put(&b, base, &data);
         let mut backup = Backup::default();
-        backup.ensure(Medium::Pinned, &b, None, len).unwrap();
+        backup
+            .ensure(Medium::Pinned, &b, &Media::new(1 << 20), len)
+            .unwrap();
         let all = vec![0..len];
         let hole = G + 100..G + 300;
         let holed = vec![0..hole.start, hole.end..len];
@@ -840,7 +715,9 @@ mod tests {
         put(&b, base, &data);
         for skip in [false, true] {
             let mut backup = Backup::default();
-            backup.ensure(Medium::Pinned, &b, None, len).unwrap();
+            backup
+                .ensure(Medium::Pinned, &b, &Media::new(1 << 20), len)
+                .unwrap();
             let want = vec![3..G + 5, 2 * G..4 * G];
             // SAFETY: mapped, not written meanwhile.
             unsafe { save_with(&mut backup, &b, base, len, &want, skip, 4096) };

@@ -202,7 +202,7 @@ impl Pager {
             .min(size);
         let shape = Shape { size, chunk_bytes };
         let backend = self.backend.as_ref();
-        Region::create(backend, next_id(), tag, shape, policy, options, &self.files)
+        Region::create(backend, next_id(), tag, shape, policy, options, &self.media)
     }
 
     /// Publishes a built region under a short write lock, unless another thread made the

@@ -22,7 +22,7 @@ impl Region {
         self.backups
             .entry(start)
             .or_default()
-            .ensure(self.medium, backend, self.files.as_ref(), len)
+            .ensure(self.medium, backend, &self.media, len)
             .map_err(|e| Error::backend(&self.tag, what, e))
     }
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use gpu_pager_capi::gpu_pager_code;
-use gpu_pager_wing::tms::{
+use gpu_pager_tms::tms::{
     gpu_pager_tms_cuda_free, gpu_pager_tms_cuda_malloc, gpu_pager_tms_set_enabled,
     gpu_pager_tms_set_tag,
 };

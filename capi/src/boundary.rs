@@ -1,6 +1,6 @@
 //! What every exported function goes through: the panic guard, the per-thread last error,
 //! and the checks that turn C arguments (pointers, strings, ordinals) into Rust values or
-//! error values. Public for the drop-in wing (`gpu-pager-wing`), whose C functions follow
+//! error values. Public for the drop-in wing (`gpu-pager-tms`), whose C functions follow
 //! the same conventions and share the per-thread last error with this crate's.
 
 use std::cell::RefCell;

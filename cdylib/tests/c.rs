@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use gpu_pager_faults::c_build::{self, built_library, workspace};
+use gpu_pager_testkit::c_build::{self, built_library, workspace};
 use std::process::Command;
 
 fn shared_library() -> PathBuf {
@@ -37,7 +37,7 @@ fn compile(source: &Path, name: &str) -> PathBuf {
 
 /// Runs a compiled program; returns its stdout. Fails the test on a non-zero exit.
 fn run(exe: &Path, env: &[(&str, &str)]) -> String {
-    let mut cmd = gpu_pager_faults::driver_stub::command(exe);
+    let mut cmd = gpu_pager_testkit::driver_stub::command(exe);
     cmd.env_remove(HOST_CAPACITY_ENV);
     // cargo puts target/<profile> on LD_LIBRARY_PATH, which outranks the program's runpath:
     // a libgpu_pager.so left there by an older `cargo build` would be loaded instead of the
@@ -83,10 +83,10 @@ fn a_driver_below_the_floor_is_an_error_from_c() {
         &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/old_driver.c"),
         "old_driver",
     );
-    let stub = gpu_pager_faults::driver_stub::build();
-    let out = gpu_pager_faults::driver_stub::command(&exe)
+    let stub = gpu_pager_testkit::driver_stub::build();
+    let out = gpu_pager_testkit::driver_stub::command(&exe)
         .env("LD_LIBRARY_PATH", &stub)
-        .env(gpu_pager_faults::driver_stub::VERSION_ENV, "11080")
+        .env(gpu_pager_testkit::driver_stub::VERSION_ENV, "11080")
         .output()
         .expect("the program runs");
     std::fs::remove_dir_all(&stub).ok();

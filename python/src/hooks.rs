@@ -1,6 +1,6 @@
 //! What the torch integration and the drop-ins call below Python, through this module
 //! rather than `ctypes`: the torch hooks' per-thread tag (`gpu_pager.torch`), and the
-//! torch_memory_saver drop-in's model ([`gpu_pager_wing::tms`]). Each failure becomes the
+//! torch_memory_saver drop-in's model ([`gpu_pager_tms::tms`]). Each failure becomes the
 //! exception of its error code, as every other call of the module ([`crate::args::run`]).
 
 use std::path::PathBuf;
@@ -53,56 +53,56 @@ fn keep_forever(obj: Bound<'_, PyAny>) {
 #[pyfunction]
 #[pyo3(name = "_tms_set_tag")]
 fn tms_set_tag(py: Python<'_>, tag: String) -> PyResult<()> {
-    run(py, || gpu_pager_wing::tms::set_tag(&tag))
+    run(py, || gpu_pager_tms::tms::set_tag(&tag))
 }
 
 /// The calling thread's drop-in tag.
 #[pyfunction]
 #[pyo3(name = "_tms_tag")]
 fn tms_tag() -> String {
-    gpu_pager_wing::tms::tag()
+    gpu_pager_tms::tms::tag()
 }
 
 /// Pauses the drop-in's regions of ``tag`` (``None`` or empty: all).
 #[pyfunction]
 #[pyo3(name = "_tms_pause", signature = (tag = None))]
 fn tms_pause(py: Python<'_>, tag: Option<String>) -> PyResult<()> {
-    run(py, || gpu_pager_wing::tms::pause(tag.as_deref()))
+    run(py, || gpu_pager_tms::tms::pause(tag.as_deref()))
 }
 
 /// Resumes the drop-in's regions of ``tag`` (``None`` or empty: all).
 #[pyfunction]
 #[pyo3(name = "_tms_resume", signature = (tag = None))]
 fn tms_resume(py: Python<'_>, tag: Option<String>) -> PyResult<()> {
-    run(py, || gpu_pager_wing::tms::resume(tag.as_deref()))
+    run(py, || gpu_pager_tms::tms::resume(tag.as_deref()))
 }
 
 /// Sets the drop-in's disk backup directory.
 #[pyfunction]
 #[pyo3(name = "_tms_set_disk_dir")]
 fn tms_set_disk_dir(py: Python<'_>, path: PathBuf) -> PyResult<()> {
-    run(py, || gpu_pager_wing::tms::set_disk_dir(&path))
+    run(py, || gpu_pager_tms::tms::set_disk_dir(&path))
 }
 
 /// Whether the drop-in's resumes keep the CPU backups.
 #[pyfunction]
 #[pyo3(name = "_tms_set_retain")]
 fn tms_set_retain(on: bool) {
-    gpu_pager_wing::tms::set_retain(on);
+    gpu_pager_tms::tms::set_retain(on);
 }
 
 /// See ``_tms_set_retain``.
 #[pyfunction]
 #[pyo3(name = "_tms_retain")]
 fn tms_retain() -> bool {
-    gpu_pager_wing::tms::retain()
+    gpu_pager_tms::tms::retain()
 }
 
 /// torch_memory_saver's ``memory_margin_bytes``.
 #[pyfunction]
 #[pyo3(name = "_tms_set_margin")]
 fn tms_set_margin(bytes: u64) {
-    gpu_pager_wing::tms::set_margin(bytes);
+    gpu_pager_tms::tms::set_margin(bytes);
 }
 
 /// A writable ``memoryview`` of the CPU backup of the ``nbytes`` device bytes at ``ptr``
@@ -111,7 +111,7 @@ fn tms_set_margin(bytes: u64) {
 #[pyfunction]
 #[pyo3(name = "_tms_backup_view")]
 fn tms_backup_view(py: Python<'_>, ptr: u64, nbytes: usize) -> PyResult<Option<Py<PyAny>>> {
-    let Some(host) = run(py, || gpu_pager_wing::tms::backup_pointer(ptr, nbytes))? else {
+    let Some(host) = run(py, || gpu_pager_tms::tms::backup_pointer(ptr, nbytes))? else {
         return Ok(None);
     };
     let len = pyo3::ffi::Py_ssize_t::try_from(nbytes)

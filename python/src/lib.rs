@@ -10,7 +10,7 @@
 //! allocator hooks (`gpu_pager_torch_malloc`/`gpu_pager_torch_free`/`gpu_pager_use_tag`)
 //! included: `gpu_pager.torch` hands torch this module's own path, so Python, torch and any
 //! C caller in the process share one copy of the library and one pager per device. It also
-//! carries the drop-in wing's C functions ([`gpu_pager_wing`], `include/gpu_pager_tms.h`)
+//! carries the drop-in wing's C functions ([`gpu_pager_tms`], `include/gpu_pager_tms.h`)
 //! for the preload library. Python reaches both through PyO3 functions (`hooks`), never
 //! through `ctypes`.
 
@@ -20,7 +20,7 @@ use pyo3::prelude::*;
 pub use gpu_pager_capi::*;
 /// The drop-in wing's C functions (`gpu_pager_tms_*`), which the preload library looks up
 /// in this module.
-pub use gpu_pager_wing::tms::{gpu_pager_tms_cuda_free, gpu_pager_tms_cuda_malloc};
+pub use gpu_pager_tms::tms::{gpu_pager_tms_cuda_free, gpu_pager_tms_cuda_malloc};
 
 mod args;
 mod companions;

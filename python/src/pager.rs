@@ -125,9 +125,7 @@ type SettingRow = (&'static str, &'static str, Py<PyAny>, String);
 /// ``"bytes"`` (an int), ``"switch"`` (a bool) or ``"route"`` (``"engine"``, ``"kernel"``
 /// or ``"fastest"``).
 #[pyfunction]
-pub(crate) fn settings(
-    py: Python<'_>,
-) -> PyResult<Vec<(&'static str, &'static str, Py<PyAny>, String)>> {
+pub(crate) fn settings(py: Python<'_>) -> PyResult<Vec<SettingRow>> {
     gpu_pager::SETTINGS
         .iter()
         .map(|s| {

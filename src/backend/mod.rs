@@ -3,7 +3,7 @@
 //! [`cuda::CudaBackend`] drives CUDA virtual memory management (VMM) through the driver API;
 //! [`host::HostBackend`] provides the same primitives on host memory (memfd + mmap) so that
 //! every pager path, out-of-memory included, runs without a GPU. (The workspace's
-//! `gpu-pager-faults` crate wraps either and injects failures, to test the pager's error
+//! `gpu-pager-testkit` crate wraps either and injects failures, to test the pager's error
 //! paths.)
 //!
 //! The handles are RAII: a [`Mapping`] unmaps and then releases its physical memory when

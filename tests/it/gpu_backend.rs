@@ -13,7 +13,7 @@ use cudarc::driver::sys;
 use gpu_pager::backend::cuda::CudaBackend;
 use gpu_pager::backend::{Backend, BackendError, Mapping, Reservation};
 use gpu_pager::kernels::reference;
-use gpu_pager_faults::Hog;
+use gpu_pager_testkit::Hog;
 use std::sync::Arc;
 
 const KIB: usize = 1 << 10;

@@ -375,7 +375,7 @@ fn rss_bytes() -> usize {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_every_backup_medium_cycles_bit_exact() {
     use gpu_pager::{BackupFiles, Medium, PagerConfig};
-    use gpu_pager_faults::spool;
+    use gpu_pager_testkit::spool;
     let _lock = gpu_lock();
     let backend = gpu();
     let dir = std::env::temp_dir().join(format!("gpu-pager-media-{}", std::process::id()));

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy};
-use gpu_pager_faults::Hog;
+use gpu_pager_testkit::Hog;
 use proptest::prelude::*;
 
 const KIB: usize = 1 << 10;

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use gpu_pager::backend::Backend;
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Pager, PagerConfig, Policy, State};
-use gpu_pager_faults::Hog;
+use gpu_pager_testkit::Hog;
 
 const MIB: usize = 1 << 20;
 

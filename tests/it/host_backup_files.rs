@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use common::read;
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{BackupFiles, Error, Medium, Pager, PagerConfig, Policy, RegionOptions, State};
-use gpu_pager_faults::spool;
+use gpu_pager_testkit::spool;
 
 const MIB: usize = 1 << 20;
 

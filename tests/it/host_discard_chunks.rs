@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{DEFAULT_CHUNK_BYTES, Pager, PagerConfig, Policy, RegionOptions};
-use gpu_pager_faults::{FaultPlan, FaultyBackend};
+use gpu_pager_testkit::{FaultPlan, FaultyBackend};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;

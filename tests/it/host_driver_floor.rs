@@ -7,7 +7,7 @@
 use crate::common;
 
 use gpu_pager::ErrorCode;
-use gpu_pager_faults::driver_stub;
+use gpu_pager_testkit::driver_stub;
 
 const CHILD: &str = "GPU_PAGER_DRIVER_FLOOR_TEST";
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use gpu_pager::backend::Backend;
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Error, Outcome, Pager, PagerConfig, Policy, RegionOptions, State};
-use gpu_pager_faults::Hog;
+use gpu_pager_testkit::Hog;
 use proptest::prelude::*;
 
 const KIB: usize = 1 << 10;

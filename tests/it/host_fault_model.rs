@@ -13,7 +13,7 @@ use std::sync::Arc;
 use gpu_pager::backend::Backend;
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Buffer, CopyRoute, Pager, PagerConfig, Policy};
-use gpu_pager_faults::{FaultPlan, FaultPoint, FaultyBackend};
+use gpu_pager_testkit::{FaultPlan, FaultPoint, FaultyBackend};
 use proptest::prelude::*;
 
 const KIB: usize = 1 << 10;

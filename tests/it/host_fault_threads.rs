@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::backend::{Backend, RawStream};
 use gpu_pager::{Buffer, Pager, PagerConfig, Policy};
-use gpu_pager_faults::{FaultPlan, FaultyBackend};
+use gpu_pager_testkit::{FaultPlan, FaultyBackend};
 
 const KIB: usize = 1 << 10;
 const STEPS: usize = 1500;

@@ -1,4 +1,4 @@
-//! The fault-injecting backend (`gpu_pager_faults`) itself, and the pager's error paths
+//! The fault-injecting backend (`gpu_pager_testkit`) itself, and the pager's error paths
 //! it opens: armed and planned faults, unmap failures recorded in a drop, copy, pin and map
 //! faults in a release or resume (nothing lost, a retry succeeds).
 
@@ -7,7 +7,7 @@ use std::sync::Arc;
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::backend::{Backend, BackendError, Direction, Mover, RawCopy};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, State};
-use gpu_pager_faults::{FaultPlan, FaultPoint, FaultyBackend};
+use gpu_pager_testkit::{FaultPlan, FaultPoint, FaultyBackend};
 
 use crate::common::Rng;
 

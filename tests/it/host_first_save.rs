@@ -15,7 +15,7 @@ use common::{Rng, assert_intact, entry, read};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::backend::{Backend, BackendError};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, State};
-use gpu_pager_faults::{FaultPlan, FaultPoint, FaultyBackend};
+use gpu_pager_testkit::{FaultPlan, FaultPoint, FaultyBackend};
 
 const MIB: usize = 1 << 20;
 const KIB: usize = 1 << 10;

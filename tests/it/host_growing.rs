@@ -8,7 +8,7 @@ use std::sync::Arc;
 use common::{Rng, read};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Buffer, Error, Pager, Policy, RegionOptions, State};
-use gpu_pager_faults::Hog;
+use gpu_pager_testkit::Hog;
 
 const MIB: usize = 1 << 20;
 const G: usize = 2 * MIB;
@@ -259,7 +259,7 @@ fn a_growing_region_resumes_back_to_back_buffers_in_few_map_calls() {
 }
 
 fn back_to_back(overlap: bool, most: u64) {
-    use gpu_pager_faults::FaultPoint;
+    use gpu_pager_testkit::FaultPoint;
     let config = gpu_pager::PagerConfig {
         tuning: gpu_pager::Tuning {
             overlap_restore: overlap,

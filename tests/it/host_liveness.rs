@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Pager, Policy};
-use gpu_pager_faults::{FaultPlan, FaultyBackend, HoldPoint};
+use gpu_pager_testkit::{FaultPlan, FaultyBackend, HoldPoint};
 
 const MIB: usize = 1 << 20;
 /// How long another tag's call may take while one call is held: far more than it needs.

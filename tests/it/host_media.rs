@@ -9,7 +9,7 @@ use std::sync::Arc;
 use common::{Rng, read};
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::{Error, Medium, Pager, PagerConfig, Policy, RegionOptions, ResumeOptions, State};
-use gpu_pager_faults::spool;
+use gpu_pager_testkit::spool;
 
 const MIB: usize = 1 << 20;
 const G: usize = 2 * MIB;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::backend::{Backend, BackendError, Mover, RawStream};
 use gpu_pager::{Buffer, CopyRoute, Error, Pager, PagerConfig, Policy, Report, State};
-use gpu_pager_faults::{FaultPlan, FaultPoint, FaultyBackend};
+use gpu_pager_testkit::{FaultPlan, FaultPoint, FaultyBackend};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;

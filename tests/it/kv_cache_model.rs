@@ -11,7 +11,7 @@ use gpu_pager::backend::Backend;
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::kv::{Kv, KvCache, KvCacheConfig, KvDtype, KvError, KvLayout, KvOrder, SeqId};
 use gpu_pager::{Buffer, Error, Pager, Policy};
-use gpu_pager_faults::Hog;
+use gpu_pager_testkit::Hog;
 use proptest::prelude::*;
 
 const CHUNK: usize = 4096;

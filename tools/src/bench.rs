@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use gpu_pager::backend::{Backend, BackendError, Direction, Mapping, Reservation};
 use gpu_pager::report::{gbps, ms};
 use gpu_pager::{Buffer, Error, Pager, PagerConfig, Policy, RegionOptions, Result};
-use gpu_pager_faults::Hog;
+use gpu_pager_testkit::Hog;
 
 mod marked;
 

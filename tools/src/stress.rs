@@ -10,7 +10,7 @@
 //!
 //! With [`StressConfig::faults`], the backend is wrapped in a
 //! [`FaultyBackend`] that fails maps, copies and pinning at random, and a thread now and
-//! then takes nearly all free device memory (a [`gpu_pager_faults::Hog`], standing in for a
+//! then takes nearly all free device memory (a [`gpu_pager_testkit::Hog`], standing in for a
 //! trainer) so that a resume fails with `OutOfMemory`, then drops it and resumes again.
 //! Each fault must be recovered: the retry after its cause is gone succeeds and loses
 //! nothing.
@@ -48,7 +48,7 @@ use gpu_pager::backend::{Backend, BackendKind};
 use gpu_pager::kernels::MAX_HASH_CHUNKS;
 use gpu_pager::kv::{KvCache, KvCacheConfig};
 use gpu_pager::{Error, Pager, PagerConfig, Policy, RegionOptions, Result, State};
-use gpu_pager_faults::{FaultCounts, FaultPlan, FaultyBackend};
+use gpu_pager_testkit::{FaultCounts, FaultPlan, FaultyBackend};
 use shared::{Shared, TAGS};
 use worker::{Owned, Worker};
 

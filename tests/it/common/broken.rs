@@ -5,7 +5,7 @@ use gpu_pager::backend::{
     Backend, BackendResult, DeferredErrors, DeviceInfo, DeviceProcess, DeviceRange, Direction,
     Fence, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
 };
-use gpu_pager_faults::Hog;
+use gpu_pager_testkit::Hog;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 

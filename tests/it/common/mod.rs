@@ -176,7 +176,7 @@ pub fn small_chunks() -> gpu_pager::PagerConfig {
 }
 
 /// A host backend of `capacity` bytes in granules of `granularity`, behind a
-/// [`gpu_pager_faults::FaultyBackend`] that plans no fault (to arm faults or count
+/// [`gpu_pager_testkit::FaultyBackend`] that plans no fault (to arm faults or count
 /// calls), and a pager on it with `config`.
 pub fn faulty_host_pager(
     capacity: usize,
@@ -184,11 +184,11 @@ pub fn faulty_host_pager(
     config: gpu_pager::PagerConfig,
 ) -> (
     std::sync::Arc<gpu_pager::backend::host::HostBackend>,
-    std::sync::Arc<gpu_pager_faults::FaultyBackend>,
+    std::sync::Arc<gpu_pager_testkit::FaultyBackend>,
     gpu_pager::Pager,
 ) {
     use gpu_pager::backend::host::{HostBackend, HostConfig};
-    use gpu_pager_faults::{FaultPlan, FaultyBackend};
+    use gpu_pager_testkit::{FaultPlan, FaultyBackend};
     use std::sync::Arc;
     let host = Arc::new(HostBackend::new(HostConfig {
         capacity,
@@ -209,9 +209,9 @@ pub fn host_pager(capacity: usize) -> gpu_pager::Pager {
 }
 
 /// A command that runs this test binary again, for tests that need a process of their own
-/// (under the tests' emulator, if one is set: [`gpu_pager_faults::driver_stub::command`]).
+/// (under the tests' emulator, if one is set: [`gpu_pager_testkit::driver_stub::command`]).
 pub fn this_binary() -> std::process::Command {
-    gpu_pager_faults::driver_stub::command(
+    gpu_pager_testkit::driver_stub::command(
         std::env::current_exe().expect("the test knows its path"),
     )
 }

@@ -19,7 +19,7 @@ use super::shared::{KV, Op, Shared, TAGS};
 use gpu_pager::backend::BackendError;
 use gpu_pager::kernels::reference;
 use gpu_pager::{Buffer, DEFAULT_ALIGN, Error, Move, Outcome, Pager, Policy, Report, Result};
-use gpu_pager_faults::Hog;
+use gpu_pager_testkit::Hog;
 
 /// Attempts of one operation that keeps meeting injected faults.
 const MAX_RETRIES: usize = 64;

@@ -1,5 +1,5 @@
 //! The preload library (`preload/gpu_pager_preload.c`) against the wing's shared library,
-//! `libgpu_pager_wing.so` (the core with the `gpu_pager_tms_*` functions), with a stand-in
+//! `libgpu_pager_tms.so` (the core with the `gpu_pager_tms_*` functions), with a stand-in
 //! CUDA runtime opened after the first call, and forked children while a thread is inside
 //! the drop-in (see `tests/c/preload.c`). The wing's exports are checked against its header
 //! and the product's.
@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use gpu_pager::registry::HOST_CAPACITY_ENV;
-use gpu_pager_faults::c_build::{self, built_library, workspace};
+use gpu_pager_testkit::c_build::{self, built_library, workspace};
 
 fn cc(source: &Path, name: &str, args: &[&OsStr]) -> PathBuf {
     c_build::cc(
@@ -20,7 +20,7 @@ fn cc(source: &Path, name: &str, args: &[&OsStr]) -> PathBuf {
 }
 
 fn wing_library() -> PathBuf {
-    built_library("libgpu_pager_wing.so", "gpu-pager-wing")
+    built_library("libgpu_pager_tms.so", "gpu-pager-tms")
 }
 
 #[test]
@@ -54,7 +54,7 @@ fn the_preload_library_finds_a_late_runtime_and_never_hangs_a_fork_child() {
         "preload",
         &["-ldl".as_ref(), "-lpthread".as_ref()],
     );
-    let mut cmd = gpu_pager_faults::driver_stub::command(&exe);
+    let mut cmd = gpu_pager_testkit::driver_stub::command(&exe);
     let out = cmd
         .args([&preload, &runtime])
         .env("GPU_PAGER_CORE", wing_library())

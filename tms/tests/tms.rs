@@ -9,8 +9,8 @@ use std::ptr::null_mut;
 
 use gpu_pager::{Medium, Pager, Policy, State};
 use gpu_pager_capi::*;
-use gpu_pager_faults::spool;
-use gpu_pager_wing::tms::*;
+use gpu_pager_testkit::spool;
+use gpu_pager_tms::tms::*;
 
 /// The tests share the process's regions, and one pauses all of them: one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -612,7 +612,7 @@ fn tms_disk_backup_dir_wins_over_the_pager_s_variable() {
 /// Runs test `name` of this binary alone in a child process with `env` set (under the
 /// tests' emulator, if one is set); panics unless it passed.
 fn in_a_child(name: &str, env: &[(&str, PathBuf)]) {
-    let mut cmd = gpu_pager_faults::driver_stub::command(std::env::current_exe().unwrap());
+    let mut cmd = gpu_pager_testkit::driver_stub::command(std::env::current_exe().unwrap());
     cmd.args(["--exact", name]);
     for (k, v) in env {
         cmd.env(k, v);

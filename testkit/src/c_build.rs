@@ -5,11 +5,11 @@ use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The workspace root (this crate lies in `faults/`).
+/// The workspace root (this crate lies in `testkit/`).
 pub fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
-        .expect("faults/ has a parent")
+        .expect("testkit/ has a parent")
         .to_path_buf()
 }
 

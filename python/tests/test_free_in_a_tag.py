@@ -195,3 +195,27 @@ def test_use_entered_during_a_graph_capture_does_not_synchronize() -> None:
         print(json.dumps(dict(during=during, after=held("cap"))))
     """)
     assert out == dict(during=128 * MIB, after=64 * MIB)
+
+
+def test_a_tag_that_keeps_a_tensor_each_step_does_not_grow_step_after_step() -> None:
+    """Each step inside ``use`` keeps one 4 MiB tensor (a block of a shared 20 MiB segment,
+    beside a 4 MiB scratch tensor freed in the same step) and frees a 64 MiB one (a whole
+    segment left unused, which ``use`` gives back). Retiring the pool each time would strand
+    the shared segments' free room, a segment more per step; the tag's excess over its
+    live bytes must stop growing instead."""
+    out = run("""
+        kept, excess = [], []
+        for step in range(40):
+            with gpt.use("steps"):
+                scratch = torch.empty(4 * MIB, shared=True)
+                kept.append(torch.empty(4 * MIB, shared=True))
+                big = torch.empty(64 * MIB)
+                del scratch, big
+            excess.append(pager.region_stats("steps").resident_bytes - 4 * MIB * len(kept))
+        print(json.dumps(dict(excess=excess, aborts=torch_standin.ABORTS)))
+    """)
+    excess = out["excess"]
+    assert isinstance(excess, list)
+    assert out["aborts"] == []
+    assert excess[-1] <= excess[19] + 20 * MIB, excess
+    assert max(excess) <= 200 * MIB, excess

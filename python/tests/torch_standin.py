@@ -30,6 +30,12 @@ _routed = [0]  # allocations routed to a pool, on every thread
 class _Segment:
     def __init__(self, address: int, size: int) -> None:
         self.address, self.size, self.active = address, size, False
+        # A shared segment (``empty(..., shared=True)``): the sizes of its live blocks, and
+        # whether each is live; ``active`` then says whether any is.
+        self.blocks: list[list[Any]] | None = None
+
+    def free_room(self) -> int:
+        return self.size - sum(int(size) for size, live in self.blocks or [] if live)
 
 
 class _Pool:
@@ -46,16 +52,21 @@ class _Pool:
 
 
 class Tensor:
-    """Holds one whole segment; its memory returns to the pool's cache when it dies."""
+    """Holds one whole segment, or one block of a shared one; its memory returns to the
+    pool's cache when it dies."""
 
-    def __init__(self, seg: _Segment) -> None:
-        self._seg = seg
+    def __init__(self, seg: _Segment, block: list[Any] | None = None) -> None:
+        self._seg, self._block = seg, block
 
     def data_ptr(self) -> int:
         return self._seg.address
 
     def __del__(self) -> None:
-        self._seg.active = False
+        if self._block is None:
+            self._seg.active = False
+            return
+        self._block[1] = False
+        self._seg.active = any(live for _, live in self._seg.blocks or [])
 
 
 def _stack() -> list[tuple[int, int]]:
@@ -63,11 +74,35 @@ def _stack() -> list[tuple[int, int]]:
     return stack
 
 
-def empty(nbytes: int) -> Tensor:
+SHARED_SEGMENT = 20 << 20
+"""torch's segment for allocations of 1 to 10 MiB, which share it (``empty(shared=True)``)."""
+
+
+def _shared(pool: _Pool, nbytes: int) -> Tensor:
+    """A block of ``nbytes`` in a shared segment of ``pool`` with room for it, or a new one:
+    torch splits such segments, and a segment with one live block is not free."""
+    seg = next((s for s in pool.segments if s.blocks is not None and s.free_room() >= nbytes), None)
+    if seg is None:
+        address = pool.allocator.malloc(SHARED_SEGMENT, 0, None)
+        if not address:
+            raise OutOfMemoryError(f"no memory for {SHARED_SEGMENT} bytes")
+        seg = _Segment(address, SHARED_SEGMENT)
+        seg.blocks = []
+        pool.segments.append(seg)
+    block: list[Any] = [nbytes, True]
+    seg.blocks = [b for b in seg.blocks or [] if b[1]] + [block]
+    seg.active = True
+    return Tensor(seg, block)
+
+
+def empty(nbytes: int, shared: bool = False) -> Tensor:
     """A tensor of ``nbytes`` in the pool this thread's allocations go to (a cached unused
-    segment of the size if there is one), or outside every pool."""
+    segment of the size if there is one), or outside every pool. ``shared``: a block of a
+    20 MiB segment that other blocks share (torch's way for 1 to 10 MiB), inside a pool."""
     size = -(-nbytes // SEGMENT) * SEGMENT
     stack = _stack()
+    if shared and stack:
+        return _shared(_pools[stack[-1]], nbytes)
     if not stack:
         seg = _Segment(0, size)
         seg.active = True
@@ -113,14 +148,13 @@ class MemPool:
         pool = _pools.get(self.id)
         if pool is None:
             return []
-        return [
-            {
-                "address": s.address,
-                "total_size": s.size,
-                "blocks": [{"size": s.size, "state": "active_allocated" if s.active else "inactive"}],
-            }
-            for s in pool.segments
-        ]
+        def blocks(s: _Segment) -> list[dict[str, Any]]:
+            if s.blocks is None:
+                return [{"size": s.size, "state": "active_allocated" if s.active else "inactive"}]
+            live = [{"size": size, "state": "active_allocated"} for size, on in s.blocks if on]
+            return live + [{"size": s.free_room(), "state": "inactive"}] * (s.free_room() > 0)
+
+        return [{"address": s.address, "total_size": s.size, "blocks": blocks(s)} for s in pool.segments]
 
     def __del__(self) -> None:
         if _routed[0] or self.id not in _pools:

@@ -205,7 +205,8 @@ def _gpt() -> Any:
     return gpt
 
 
-def _compat_pools() -> Any:
+def _pool_room() -> Any:
+    """``gpu_pager._pools``: the pool machinery the drop-in shares with ``gpu_pager.torch``."""
     from gpu_pager import _pools
 
     return _pools
@@ -253,7 +254,7 @@ class CuMemAllocator:
                 f"tag {tag!r} is asleep: wake it up (wake_up([{tag!r}])) before allocating in it"
             )
         medium = "host" if release_host_memory() else "pinned"
-        _compat_pools().ensure_region(gpt.pager(self._device), tag, "preserve", None, False, medium)
+        _pool_room().ensure_region(gpt.pager(self._device), tag, "preserve", None, False, medium)
         self._add_tag(tag)
         pool = gpt.graph_pool(tag, self._device) if tag in GRAPH_TAGS else gpt.pool(tag, self._device)
         pools = self.allocator_and_pools.setdefault(tag, [])
@@ -306,7 +307,7 @@ class CuMemAllocator:
         pool = self._ensure(tag)
         # The capture itself routes the graph's allocations to the pool; this thread's
         # tag says which region they land in.
-        with _compat_pools().tagged(self._device, tag):
+        with _pool_room().tagged(self._device, tag):
             yield pool.id
 
     def _pager(self) -> Any:
@@ -391,7 +392,7 @@ class CuMemAllocator:
         p = self._pager()
         marked: list[tuple[Any, int, int]] = []
         try:
-            for pool in _compat_pools().tag_pools(("weights", self._device)):
+            for pool in _pool_room().tag_pools(("weights", self._device)):
                 for seg in pool.snapshot(include_traces=False):
                     for block in seg["blocks"]:
                         address = int(block["address"])
@@ -443,7 +444,7 @@ class CuMemAllocator:
         nothing)."""
         if self._device is None:
             return {}
-        pools = _compat_pools()
+        pools = _pool_room()
         out: dict[int, AllocationData] = {}
         for tag in self._tags:
             for pool in pools.tag_pools((tag, self._device)):

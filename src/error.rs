@@ -379,7 +379,7 @@ impl Error {
             Error::Kv { .. } => ErrorCode::Kv,
             // Host memory that cannot be had is out-of-memory for every binding's user.
             Error::Backend {
-                error: BackendError::HostOutOfMemory { .. },
+                error: BackendError::HostOutOfMemory { .. } | BackendError::HostBudget { .. },
                 ..
             } => ErrorCode::OutOfMemory,
             Error::Backend {

@@ -49,8 +49,8 @@ pub use buffers::Buffer;
 use buffers::stale;
 pub use companions::{Companion, CompanionError};
 pub use config::{
-    DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, MAX_TAG_BYTES, POISON, POISON_DISCARDS_ENV,
-    RECLAIM_SCRUBBED_ENV, ReleaseOptions, ResumeOptions, Tuning,
+    DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, HOST_BUDGET_ENV, MAX_TAG_BYTES, POISON,
+    POISON_DISCARDS_ENV, RECLAIM_SCRUBBED_ENV, ReleaseOptions, ResumeOptions, Tuning,
 };
 pub use settings::{PagerConfig, SETTINGS, Setting, SettingKind, SettingType, SettingValue};
 
@@ -229,7 +229,10 @@ impl Pager {
         let config = config.effective(backend.info().granularity);
         backend.set_reclaim_scrubbed(config.tuning.reclaim_scrubbed);
         Pager {
-            media: Arc::new(Media::new(config.tuning.file_chunk_bytes)),
+            media: Arc::new(Media::new(
+                config.tuning.file_chunk_bytes,
+                config.host_budget_bytes,
+            )),
             backend,
             config,
             pid: std::process::id(),

@@ -97,6 +97,7 @@ def configure(
     restore_route: _RouteName | None = None,
     poison_discards: bool | None = None,
     resident_warning_bytes: int | None = None,
+    host_budget_bytes: int | None = None,
 ) -> None:
     """Chooses the settings of device ``device``'s pager (default 0) before its first use
     (before ``Pager.for_device`` or anything else opens it), one keyword per setting; a
@@ -126,7 +127,13 @@ def configure(
     something logs one warning when this process holds more than this many bytes of
     device memory outside every region after it (the device's whole use outside the
     regions where NVML does not report this process); the audit shows all of it (default
-    4 GiB; the largest value: never)."""
+    4 GiB; the largest value: never). ``host_budget_bytes`` (bytes, default
+    ``18446744073709551615``): The most host memory that the backups in pinned or host
+    memory of every gpu-pager process of this user on the node may hold together (a
+    ledger in `/dev/shm`; a killed process's share comes back). A release whose new
+    backups would pass it fails before anything moves, as out of memory naming the budget
+    and each process's share (default: no budget; the environment variable
+    `GPU_PAGER_HOST_BUDGET`, e.g. `64G`, sets it for the process's pagers)."""
 # </settings:configure>
 
 def settings() -> list[tuple[str, Literal["bytes", "switch", "route"], int | bool | str, str]]:
@@ -251,6 +258,15 @@ class Config:
         this many bytes of device memory outside every region after it (the device's
         whole use outside the regions where NVML does not report this process); the audit
         shows all of it (default 4 GiB; the largest value: never)."""
+
+    @property
+    def host_budget_bytes(self) -> int:
+        """The most host memory that the backups in pinned or host memory of every gpu-pager
+        process of this user on the node may hold together (a ledger in `/dev/shm`; a
+        killed process's share comes back). A release whose new backups would pass it
+        fails before anything moves, as out of memory naming the budget and each
+        process's share (default: no budget; the environment variable
+        `GPU_PAGER_HOST_BUDGET`, e.g. `64G`, sets it for the process's pagers)."""
 # </settings:Config>
 
 @final

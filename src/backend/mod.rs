@@ -104,6 +104,24 @@ pub enum BackendError {
         /// Bytes asked for.
         requested: usize,
     },
+    /// A backup would take this node's gpu-pager processes past their host-memory budget
+    /// ([`crate::PagerConfig::host_budget_bytes`]); nothing was pinned.
+    #[error(
+        "the host-memory budget of this node's gpu-pager processes ({}) would be passed: \
+         {} more asked for, shares now {}; raise host_budget_bytes (GPU_PAGER_HOST_BUDGET), \
+         release fewer regions with backups at once, or back this region up to a file (the \
+         file backup medium)",
+        crate::backup::ledger::gib(*budget), crate::backup::ledger::gib(*requested),
+        crate::backup::ledger::shown(shares)
+    )]
+    HostBudget {
+        /// The budget, in bytes.
+        budget: usize,
+        /// What the backup asked for.
+        requested: usize,
+        /// Each live process's share, largest first: (pid, bytes).
+        shares: Vec<(u32, usize)>,
+    },
     /// A driver call failed.
     #[error("{op} failed: {message}")]
     Driver {

@@ -9,8 +9,9 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::file::FileIo;
+use super::ledger::Share;
 use super::memory::MemoryStore;
-use crate::backend::{Backend, BackendResult};
+use crate::backend::{Backend, BackendError, BackendResult};
 use crate::pump::{Pump, Sink};
 
 /// What the media need beyond the backend, owned by the pager and lent whole to each region
@@ -18,13 +19,33 @@ use crate::pump::{Pump, Sink};
 #[derive(Debug)]
 pub(crate) struct Media {
     pub(crate) files: Arc<FileIo>,
+    /// The node's budget for backups in host memory (`usize::MAX`: none).
+    host_budget: usize,
 }
 
 impl Media {
-    /// The media of a new pager: file I/O staging `file_chunk_bytes` at a time.
-    pub(crate) fn new(file_chunk_bytes: usize) -> Media {
+    /// The media of a new pager: file I/O staging `file_chunk_bytes` at a time, backups in
+    /// host memory within `host_budget` bytes for the node's processes together.
+    pub(crate) fn new(file_chunk_bytes: usize, host_budget: usize) -> Media {
         Media {
             files: Arc::new(FileIo::new(file_chunk_bytes)),
+            host_budget,
+        }
+    }
+
+    /// `bytes` of host memory for backups, within the node's budget.
+    pub(crate) fn reserve(&self, bytes: usize) -> BackendResult<Share> {
+        match Share::reserve(bytes, self.host_budget) {
+            Ok(Ok(share)) => Ok(share),
+            Ok(Err(over)) => Err(BackendError::HostBudget {
+                budget: over.budget,
+                requested: over.requested,
+                shares: over.shares,
+            }),
+            Err(error) => Err(BackendError::Os {
+                op: "opening the host-memory budget's ledger",
+                error,
+            }),
         }
     }
 }
@@ -146,7 +167,10 @@ impl Medium {
         size: usize,
     ) -> BackendResult<Box<dyn Store>> {
         Ok(match self {
-            Medium::Pinned | Medium::Host => Box::new(MemoryStore(backend.alloc_pinned(size)?)),
+            Medium::Pinned | Medium::Host => {
+                let share = media.reserve(size)?;
+                Box::new(MemoryStore(backend.alloc_pinned(size)?, share))
+            }
             Medium::File => Box::new(media.files.create(size)?),
         })
     }

@@ -5,12 +5,17 @@
 use std::ops::Range;
 
 use super::Store;
+use super::ledger::Share;
 use crate::backend::{Backend, BackendError, BackendResult, HostBuffer};
 use crate::pump::{Pinned, PinnedMut, Pump, Sink};
 
-/// One backup's pinned host buffer.
+/// One backup's pinned host buffer, and its share of the node's host budget.
 #[derive(Debug)]
-pub(super) struct MemoryStore(pub(super) Box<dyn HostBuffer>);
+pub(super) struct MemoryStore(
+    pub(super) Box<dyn HostBuffer>,
+    // Held for its drop, which gives the bytes back to the budget.
+    #[allow(dead_code)] pub(super) Share,
+);
 
 impl Store for MemoryStore {
     fn len(&self) -> usize {

@@ -32,10 +32,12 @@ use crate::kernels;
 use crate::pump::{Pump, Sink};
 
 pub(crate) mod file;
+pub(crate) mod ledger;
 mod medium;
 mod memory;
 mod named;
 
+pub(crate) use ledger::Share;
 pub(crate) use medium::Media;
 pub use medium::Medium;
 use medium::Store;
@@ -168,9 +170,9 @@ impl Backup {
 
     /// Takes `buf` (pinned elsewhere, e.g. in a batch with other backups:
     /// [`Backend::alloc_pinned_many`]) as the backup's buffer, in place of any it had; the
-    /// backup then holds nothing.
-    pub fn adopt(&mut self, buf: Box<dyn HostBuffer>) {
-        self.buf = Some(Box::new(MemoryStore(buf)));
+    /// backup then holds nothing. `share` is its part of the node's host budget.
+    pub fn adopt(&mut self, buf: Box<dyn HostBuffer>, share: Share) {
+        self.buf = Some(Box::new(MemoryStore(buf, share)));
         self.forget();
     }
 
@@ -190,6 +192,7 @@ impl Backup {
     pub unsafe fn ensure_from_device(
         &mut self,
         backend: &dyn Backend,
+        media: &Media,
         base: u64,
         size: usize,
         hash_chunk: usize,
@@ -198,10 +201,11 @@ impl Backup {
             return Ok((Duration::ZERO, Duration::ZERO));
         }
         let t = Instant::now();
+        let share = media.reserve(size)?;
         // SAFETY: the caller's contract.
         let buf = unsafe { backend.alloc_pinned_from_device(size, base) }?;
         let pinned = t.elapsed();
-        self.adopt(buf);
+        self.adopt(buf, share);
         // SAFETY: the caller's contract; the buffer holds a copy of the range, unchanged
         // since.
         let hashed = unsafe { self.seed_from_device(backend, base, size, hash_chunk) }?;
@@ -642,7 +646,7 @@ mod tests {
         put(&b, base, &data);
         let mut backup = Backup::default();
         backup
-            .ensure(Medium::Pinned, &b, &Media::new(1 << 20), len)
+            .ensure(Medium::Pinned, &b, &Media::new(1 << 20, usize::MAX), len)
             .unwrap();
         let want = vec![100..5000, G..2 * G + 7, 3 * G + 1..len];
         for skip in [false, true] {
@@ -682,7 +686,7 @@ mod tests {
         put(&b, base, &data);
         let mut backup = Backup::default();
         backup
-            .ensure(Medium::Pinned, &b, &Media::new(1 << 20), len)
+            .ensure(Medium::Pinned, &b, &Media::new(1 << 20, usize::MAX), len)
             .unwrap();
         let all = vec![0..len];
         let hole = G + 100..G + 300;
@@ -716,7 +720,7 @@ mod tests {
         for skip in [false, true] {
             let mut backup = Backup::default();
             backup
-                .ensure(Medium::Pinned, &b, &Media::new(1 << 20), len)
+                .ensure(Medium::Pinned, &b, &Media::new(1 << 20, usize::MAX), len)
                 .unwrap();
             let want = vec![3..G + 5, 2 * G..4 * G];
             // SAFETY: mapped, not written meanwhile.

@@ -27,6 +27,10 @@ pub const POISON: u32 = 0x7FFF_7FFF;
 /// of the registry ([`crate::Pager::for_device`]): `1`, `true` or `yes`.
 pub const POISON_DISCARDS_ENV: &str = "GPU_PAGER_POISON_DISCARDS";
 
+/// The environment variable that sets [`PagerConfig::host_budget_bytes`] for the pagers of
+/// the registry ([`crate::Pager::for_device`]): a byte count such as `64G`.
+pub const HOST_BUDGET_ENV: &str = "GPU_PAGER_HOST_BUDGET";
+
 /// The environment variable that sets [`Tuning::reclaim_scrubbed`] for the pagers of the
 /// registry ([`crate::Pager::for_device`]): `1`, `true` or `yes` turns it on, `0`, `false`
 /// or `no` off; unset or anything else leaves the configured setting.
@@ -115,6 +119,7 @@ impl PagerConfig {
     pub fn with_env(self) -> PagerConfig {
         PagerConfig {
             poison_discards: self.poison_discards || env_switch(POISON_DISCARDS_ENV) == Some(true),
+            host_budget_bytes: env_bytes(HOST_BUDGET_ENV).unwrap_or(self.host_budget_bytes),
             tuning: Tuning {
                 reclaim_scrubbed: env_switch(RECLAIM_SCRUBBED_ENV)
                     .unwrap_or(self.tuning.reclaim_scrubbed),
@@ -179,6 +184,19 @@ pub struct ResumeOptions {
     /// instead of giving it back (default: give it back). Kept, the next release of
     /// unchanged contents copies nothing; it is given back by the first resume without this.
     pub keep_host_backups: bool,
+}
+
+/// A byte-count environment variable (as the settings spell bytes, e.g. `64G`), if set; a
+/// value that does not read as one is logged and left out.
+fn env_bytes(name: &str) -> Option<usize> {
+    let text = std::env::var(name).ok()?;
+    match super::settings::SettingValue::parse(super::settings::SettingKind::Bytes, &text) {
+        Ok(super::settings::SettingValue::Bytes(n)) => Some(n),
+        _ => {
+            log::warn!(target: "gpu_pager", "gpu-pager: {name}={text:?} is not a byte count (e.g. 64G); left out");
+            None
+        }
+    }
 }
 
 /// An on/off environment variable: `Some(true)` for `1`, `true` or `yes`, `Some(false)` for

@@ -105,13 +105,16 @@ impl Region {
             _ => {
                 let t = Instant::now();
                 let sizes: Vec<usize> = missing.iter().map(|&(_, len)| len).collect();
+                let pinning = |e| Error::backend(&self.tag, "pinning the host backups", e);
+                let mut share = self.media.reserve(sizes.iter().sum()).map_err(pinning)?;
                 let bufs = backend
                     .alloc_pinned_many(&sizes)
                     .and_then(|b| one_each("alloc_pinned_many", b, sizes.len()))
-                    .map_err(|e| Error::backend(&self.tag, "pinning the host backups", e))?;
+                    .map_err(pinning)?;
                 let pinning = t.elapsed();
-                for (&(start, _), buf) in missing.iter().zip(bufs) {
-                    self.backups.entry(start).or_default().adopt(buf);
+                for (&(start, len), buf) in missing.iter().zip(bufs) {
+                    let part = share.split(len);
+                    self.backups.entry(start).or_default().adopt(buf, part);
                 }
                 Ok(pinning)
             }
@@ -159,8 +162,9 @@ impl Region {
         // region) is mapped; the pager holds its lock after a synchronize until the release
         // returns, so nothing unmaps or writes it meanwhile (engine kernels launched later
         // are the caller's contract, as for any raw pointer).
-        let (pin, hash) = unsafe { backup.ensure_from_device(backend, base, len, hash_chunk) }
-            .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e))?;
+        let (pin, hash) =
+            unsafe { backup.ensure_from_device(backend, &self.media, base, len, hash_chunk) }
+                .map_err(|e| Error::backend(&self.tag, "pinning the host backup", e))?;
         Ok((pin, hash, len))
     }
 
@@ -190,6 +194,10 @@ impl Region {
             .collect();
         let pinning = |e| Error::backend(&self.tag, "pinning the host backups", e);
         let t = Instant::now();
+        let mut share = self
+            .media
+            .reserve(ranges.iter().map(|r| r.bytes).sum())
+            .map_err(pinning)?;
         // SAFETY: the region is resident, so each live buffer's extent (`missing` names live
         // buffers only) is mapped; the pager holds its lock after a synchronize until the
         // release returns, so nothing unmaps or writes them meanwhile (engine kernels
@@ -199,8 +207,9 @@ impl Region {
             .map_err(pinning)?;
         let pin = t.elapsed();
         // Every buffer is adopted before any is hashed: a failed hash leaves them all pinned.
-        for (&(start, _), buf) in missing.iter().zip(bufs) {
-            self.backups.entry(start).or_default().adopt(buf);
+        for (&(start, len), buf) in missing.iter().zip(bufs) {
+            let part = share.split(len);
+            self.backups.entry(start).or_default().adopt(buf, part);
         }
         let (mut hash, mut copied) = (Duration::ZERO, 0);
         for (&(start, _), r) in missing.iter().zip(&ranges) {

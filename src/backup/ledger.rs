@@ -1,0 +1,350 @@
+//! One host-memory budget for the backups of every gpu-pager process of this user on the
+//! node ([`crate::PagerConfig::host_budget_bytes`]): a ledger in shared memory, a directory
+//! (`/dev/shm/gpu-pager-ledger-<uid>`, or [`LEDGER_DIR_ENV`]) with one file per process
+//! that holds the bytes its backups hold in host memory. Each process keeps its file locked
+//! (`flock`) for its whole life, so the share of a process that died, killed or not, comes
+//! back: the next reader finds its lock free and deletes the file. A reservation takes the
+//! directory's lock file, reads every live share, and writes its own only if the sum stays
+//! within the budget: two processes never both pass it.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The environment variable that puts the ledger in another directory (tests; machines
+/// without `/dev/shm`).
+pub const LEDGER_DIR_ENV: &str = "GPU_PAGER_LEDGER_DIR";
+
+/// A reservation the budget refused: the budget, what was asked, and every process's share
+/// (this one's included) as (pid, bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OverBudget {
+    /// The budget, in bytes.
+    pub budget: usize,
+    /// What this reservation asked for.
+    pub requested: usize,
+    /// Each live process's share, largest first: (pid, bytes).
+    pub shares: Vec<(u32, usize)>,
+}
+
+/// `bytes` as GiB with two decimals.
+pub(crate) fn gib(bytes: usize) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// Shares as `pid 123: 4.00 GiB, pid 456: 0.50 GiB`.
+pub(crate) fn shown(shares: &[(u32, usize)]) -> String {
+    let parts: Vec<String> = shares
+        .iter()
+        .map(|&(p, b)| format!("pid {p}: {}", gib(b)))
+        .collect();
+    parts.join(", ")
+}
+
+/// This process's entry in the ledger.
+#[derive(Debug)]
+pub(crate) struct Ledger {
+    dir: PathBuf,
+    /// Our share's file, locked for the process's life.
+    file: File,
+    name: String,
+    /// Bytes of our share (what our file says).
+    held: Mutex<usize>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn flock(file: &File, op: libc::c_int) -> io::Result<()> {
+    // SAFETY: a plain system call on an open descriptor.
+    if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+fn read_share(file: &mut File) -> io::Result<usize> {
+    let mut bytes = [0u8; 8];
+    file.seek(SeekFrom::Start(0))?;
+    match file.read_exact(&mut bytes) {
+        Ok(()) => Ok(usize::try_from(u64::from_le_bytes(bytes)).unwrap_or(usize::MAX)),
+        // A file whose owner has not written it yet holds nothing.
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(0),
+        Err(e) => Err(e),
+    }
+}
+
+impl Ledger {
+    /// The process's ledger in the default directory (or [`LEDGER_DIR_ENV`]'s), opened once.
+    pub(crate) fn process() -> io::Result<Arc<Ledger>> {
+        static LEDGER: OnceLock<Mutex<Option<Arc<Ledger>>>> = OnceLock::new();
+        let mut slot = locked(LEDGER.get_or_init(|| Mutex::new(None)));
+        if let Some(l) = slot.as_ref() {
+            return Ok(l.clone());
+        }
+        let dir = match std::env::var_os(LEDGER_DIR_ENV) {
+            Some(d) if !d.is_empty() => PathBuf::from(d),
+            // SAFETY: getuid has no preconditions.
+            _ => PathBuf::from(format!("/dev/shm/gpu-pager-ledger-{}", unsafe {
+                libc::getuid()
+            })),
+        };
+        let l = Arc::new(Ledger::open(&dir)?);
+        *slot = Some(l.clone());
+        Ok(l)
+    }
+
+    /// A new entry in the ledger at `dir` (made `0700` if missing; refused if another user
+    /// owns it), locked until it is dropped.
+    pub(crate) fn open(dir: &Path) -> io::Result<Ledger> {
+        match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        // SAFETY: getuid has no preconditions.
+        if std::fs::metadata(dir)?.uid() != unsafe { libc::getuid() } {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "the ledger directory {} belongs to another user",
+                    dir.display()
+                ),
+            ));
+        }
+        let name = format!(
+            "{}-{:032x}.share",
+            std::process::id(),
+            super::named::random()?
+        );
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(dir.join(&name))?;
+        flock(&file, libc::LOCK_EX | libc::LOCK_NB)?;
+        Ok(Ledger {
+            dir: dir.to_owned(),
+            file,
+            name,
+            held: Mutex::new(0),
+        })
+    }
+
+    /// Runs `f` with the ledger's lock held (the directory's `lock` file).
+    fn exclusive<T>(&self, f: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(self.dir.join("lock"))?;
+        flock(&lock, libc::LOCK_EX)?;
+        f()
+        // The lock goes with the descriptor.
+    }
+
+    /// Every live process's share, largest first, this one's included; the files of dead
+    /// processes are deleted on the way. Call with the ledger's lock held.
+    fn shares_locked(&self, mine: usize) -> io::Result<Vec<(u32, usize)>> {
+        let mut out = vec![(std::process::id(), mine)];
+        for entry in std::fs::read_dir(&self.dir)? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name == self.name || !name.ends_with(".share") {
+                continue;
+            }
+            let Ok(mut file) = OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+                .open(entry.path())
+            else {
+                continue;
+            };
+            if !file.metadata()?.is_file() {
+                continue;
+            }
+            if flock(&file, libc::LOCK_SH | libc::LOCK_NB).is_ok() {
+                // Nobody holds it: its process is gone, and so is its share.
+                let _ = std::fs::remove_file(entry.path());
+                continue;
+            }
+            let pid = name
+                .split('-')
+                .next()
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(0);
+            out.push((pid, read_share(&mut file)?));
+        }
+        out.sort_by_key(|s| std::cmp::Reverse(s.1));
+        Ok(out)
+    }
+
+    fn write_mine(&self, bytes: usize) -> io::Result<()> {
+        let mut file = &self.file;
+        file.seek(SeekFrom::Start(0))?;
+        file.write_all(&(bytes as u64).to_le_bytes())
+    }
+
+    /// Adds `bytes` to this process's share if every share together stays within
+    /// `budget`; else changes nothing and says who holds what.
+    pub(crate) fn reserve(
+        &self,
+        bytes: usize,
+        budget: usize,
+    ) -> io::Result<Result<(), OverBudget>> {
+        let mut held = locked(&self.held);
+        self.exclusive(|| {
+            let shares = self.shares_locked(*held)?;
+            let total = shares.iter().fold(0usize, |t, s| t.saturating_add(s.1));
+            if total.saturating_add(bytes) > budget {
+                return Ok(Err(OverBudget {
+                    budget,
+                    requested: bytes,
+                    shares,
+                }));
+            }
+            self.write_mine(*held + bytes)?;
+            *held += bytes;
+            Ok(Ok(()))
+        })
+    }
+
+    /// Takes `bytes` off this process's share.
+    pub(crate) fn give_back(&self, bytes: usize) {
+        let mut held = locked(&self.held);
+        *held = held.saturating_sub(bytes);
+        // A write that fails leaves the share too large until the next one: others see
+        // less room, never more.
+        let _ = self.exclusive(|| self.write_mine(*held));
+    }
+
+    /// Every live process's share, largest first, this one's included.
+    #[cfg(test)]
+    pub(crate) fn shares(&self) -> io::Result<Vec<(u32, usize)>> {
+        let held = locked(&self.held);
+        self.exclusive(|| self.shares_locked(*held))
+    }
+}
+
+impl Drop for Ledger {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.dir.join(&self.name));
+    }
+}
+
+/// Bytes of a process's share held by one backup, given back when it is dropped.
+#[derive(Debug)]
+pub(crate) struct Share {
+    ledger: Option<Arc<Ledger>>,
+    bytes: usize,
+}
+
+impl Share {
+    /// A share of nothing (no budget).
+    pub(crate) fn none() -> Share {
+        Share {
+            ledger: None,
+            bytes: 0,
+        }
+    }
+
+    /// `bytes` of `budget` reserved in the process's ledger; the error says who holds what
+    /// when the budget would be passed.
+    pub(crate) fn reserve(
+        bytes: usize,
+        budget: usize,
+    ) -> io::Result<std::result::Result<Share, OverBudget>> {
+        if budget == usize::MAX {
+            return Ok(Ok(Share::none()));
+        }
+        let ledger = Ledger::process()?;
+        Ok(ledger.reserve(bytes, budget)?.map(|()| Share {
+            ledger: Some(ledger),
+            bytes,
+        }))
+    }
+
+    /// Splits `bytes` off into a share of its own (for one of several buffers reserved
+    /// together).
+    pub(crate) fn split(&mut self, bytes: usize) -> Share {
+        let bytes = bytes.min(self.bytes);
+        self.bytes -= bytes;
+        Share {
+            ledger: self.ledger.clone(),
+            bytes,
+        }
+    }
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        if let Some(l) = &self.ledger
+            && self.bytes > 0
+        {
+            l.give_back(self.bytes);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "gpu-pager-ledger-test-{name}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn shares_add_up_across_entries_and_the_budget_holds() {
+        let d = dir("budget");
+        let (a, b) = (Ledger::open(&d).unwrap(), Ledger::open(&d).unwrap());
+        assert_eq!(a.reserve(600, 1000).unwrap(), Ok(()));
+        let refused = b.reserve(500, 1000).unwrap().unwrap_err();
+        assert_eq!((refused.budget, refused.requested), (1000, 500));
+        assert_eq!(
+            refused.shares.iter().map(|s| s.1).collect::<Vec<_>>(),
+            [600, 0]
+        );
+        assert_eq!(b.reserve(400, 1000).unwrap(), Ok(()));
+        a.give_back(600);
+        assert_eq!(b.reserve(600, 1000).unwrap(), Ok(()));
+        assert_eq!(b.shares().unwrap()[0].1, 1000);
+    }
+
+    #[test]
+    fn a_dead_entry_s_share_comes_back() {
+        let d = dir("dead");
+        let a = Ledger::open(&d).unwrap();
+        let b = Ledger::open(&d).unwrap();
+        assert_eq!(a.reserve(900, 1000).unwrap(), Ok(()));
+        assert!(b.reserve(200, 1000).unwrap().is_err());
+        // What the kernel does when a process dies: its lock goes, its file stays.
+        let name = a.name.clone();
+        drop(close_without_drop(a));
+        assert!(d.join(&name).exists(), "a dead process leaves its file");
+        assert_eq!(b.reserve(200, 1000).unwrap(), Ok(()));
+        assert!(!d.join(&name).exists(), "the next reservation deleted it");
+    }
+
+    /// Drops `l`'s descriptor (releasing its lock) without running its `Drop` (which
+    /// deletes the file, as an exiting process would not when killed).
+    fn close_without_drop(l: Ledger) -> File {
+        let l = std::mem::ManuallyDrop::new(l);
+        // SAFETY: `l` is never used or dropped again; its file is moved out once.
+        unsafe { std::ptr::read(&l.file) }
+    }
+}

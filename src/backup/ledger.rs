@@ -122,14 +122,18 @@ impl Ledger {
             std::process::id(),
             super::named::random()?
         );
+        // Made under another name and locked before it is renamed into place: a reader
+        // that saw it unlocked would take it for a dead process's and delete it.
+        let pending = dir.join(format!("{name}.new"));
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(dir.join(&name))?;
+            .open(&pending)?;
         flock(&file, libc::LOCK_EX | libc::LOCK_NB)?;
+        std::fs::rename(&pending, dir.join(&name))?;
         Ok(Ledger {
             dir: dir.to_owned(),
             file,

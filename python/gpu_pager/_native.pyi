@@ -322,6 +322,11 @@ class Audit:
         """The processes using the device as ``(pid, bytes)``, this one included, as NVML
         reports them; ``None`` where NVML is not there."""
     @property
+    def host_budget(self) -> tuple[int, list[tuple[int, int]]] | None:
+        """The node's host budget for backups (``host_budget_bytes``) and each live gpu-pager
+        process's share of it as ``(pid, bytes)``, largest first, this one included; ``None``
+        without a budget."""
+    @property
     def this_process_bytes(self) -> int | None:
         """Device memory this process holds (``None``: NVML does not report it)."""
     @property

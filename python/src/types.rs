@@ -607,6 +607,13 @@ impl Audit {
             .as_ref()
             .map(|ps| ps.iter().map(|p| (p.pid, p.bytes)).collect())
     }
+    /// The node's host budget for backups (``host_budget_bytes``) and each live gpu-pager
+    /// process's share of it as ``(pid, bytes)``, largest first, this one included;
+    /// ``None`` without a budget.
+    #[getter]
+    fn host_budget(&self) -> Option<(usize, Vec<(u32, usize)>)> {
+        self.inner.host_budget.clone()
+    }
     /// Device memory this process holds, bytes; ``None`` where NVML is not there or does
     /// not report this process (a container with a PID namespace of its own).
     #[getter]

@@ -36,6 +36,10 @@ ASKER = """
         p.release("w")
     except gpu_pager.OutOfMemoryError as e:
         print("refused:", e)
+    audit = p.audit()
+    assert audit.host_budget is not None
+    budget, shares = audit.host_budget
+    print("audit:", budget, shares, "host budget for backups" in str(audit))
     # Nothing moved: the region is resident with its contents.
     assert p.info("w").state == gpu_pager.State.RESIDENT
     assert p.read(b, 0, 4096) == bytes([7]) * 4096
@@ -76,6 +80,9 @@ def test_the_budget_holds_across_processes_and_a_killed_one_gives_its_share_back
         assert "host-memory budget" in refused and "(0.09 GiB)" in refused, refused
         assert f"pid {holder.pid}: 0.06 GiB" in refused, refused
         assert "GPU_PAGER_HOST_BUDGET" in refused, refused
+        audit = asker.stdout.readline().split()
+        assert audit[0] == "audit:" and audit[1] == str(96 * MIB) and audit[-1] == "True", audit
+        assert f"[({holder.pid}, {64 * MIB})," in " ".join(audit), audit
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait(timeout=30)
         out, err = asker.communicate("\n", timeout=60)

@@ -232,7 +232,6 @@ impl Ledger {
     }
 
     /// Every live process's share, largest first, this one's included.
-    #[cfg(test)]
     pub(crate) fn shares(&self) -> io::Result<Vec<(u32, usize)>> {
         let held = locked(&self.held);
         self.exclusive(|| self.shares_locked(*held))

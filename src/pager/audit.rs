@@ -62,6 +62,10 @@ pub struct Audit {
     /// The processes using the device and their device memory, this one included, as the
     /// driver's management library (NVML) reports them; `None` where it is not there.
     pub processes: Option<Vec<DeviceProcess>>,
+    /// The node's host budget for backups ([`crate::PagerConfig::host_budget_bytes`]) and
+    /// each live process's share of it as (pid, bytes), largest first; `None` without a
+    /// budget.
+    pub host_budget: Option<(usize, Vec<(u32, usize)>)>,
 }
 
 impl Audit {
@@ -167,7 +171,7 @@ impl std::fmt::Display for Audit {
             gib(self.outside_bytes())
         )?;
         match &self.processes {
-            None => write!(f, "\nprocesses on the device: unknown (NVML is not there)"),
+            None => write!(f, "\nprocesses on the device: unknown (NVML is not there)")?,
             Some(listed) => {
                 let me = std::process::id();
                 let each: Vec<String> = listed
@@ -181,9 +185,20 @@ impl std::fmt::Display for Audit {
                         )
                     })
                     .collect();
-                write!(f, "\nprocesses on the device: {}", each.join(", "))
+                write!(f, "\nprocesses on the device: {}", each.join(", "))?;
             }
         }
+        if let Some((budget, shares)) = &self.host_budget {
+            let used: usize = shares.iter().map(|s| s.1).sum();
+            write!(
+                f,
+                "\nhost budget for backups on this node: {} used of {} ({})",
+                gib(used),
+                gib(*budget),
+                crate::backup::ledger::shown(shares)
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -200,6 +215,22 @@ impl Pager {
             .map_err(|e| Error::backend_of(&[], "querying device memory", e))?;
         let mut audit = self.audit_regions(mem);
         audit.processes = self.backend.processes();
+        let budget = self.config.host_budget_bytes;
+        if budget != usize::MAX {
+            let shares = crate::backup::ledger::Ledger::process()
+                .and_then(|l| l.shares())
+                .map_err(|error| {
+                    Error::backend_of(
+                        &[],
+                        "reading the host budget's ledger",
+                        crate::backend::BackendError::Os {
+                            op: "reading the ledger",
+                            error,
+                        },
+                    )
+                })?;
+            audit.host_budget = Some((budget, shares));
+        }
         Ok(audit)
     }
 
@@ -217,6 +248,7 @@ impl Pager {
             device_free_bytes: mem.free,
             regions,
             processes: None,
+            host_budget: None,
         }
     }
 
@@ -242,6 +274,7 @@ impl Pager {
             device_free_bytes: mem.free,
             regions,
             processes: None,
+            host_budget: None,
         })
     }
 }
@@ -323,6 +356,7 @@ mod tests {
             device_free_bytes: 60 << 30,
             regions: Vec::new(),
             processes,
+            host_budget: None,
         }
     }
 

@@ -27,7 +27,7 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BackendError, HostBuffer};
+use crate::backend::{Backend, BackendError, BackendResult, DeviceRange, HostBuffer, one_each};
 use crate::kernels;
 use crate::pump::{Pump, Sink};
 
@@ -42,6 +42,57 @@ pub(crate) use medium::Media;
 pub use medium::Medium;
 use medium::Store;
 use memory::MemoryStore;
+
+/// A backup's store in pinned host memory, pinned in a batch with others ([`pin_many`],
+/// [`pin_many_from_device`]) for [`Backup::adopt`]: the batching of the pinned-memory media
+/// ([`Medium::is_pinned_memory`]), with each store's share of the node's host budget.
+#[derive(Debug)]
+pub(crate) struct PinnedBackup(MemoryStore);
+
+/// One pinned store per size of `sizes`, in one batch ([`Backend::alloc_pinned_many`]),
+/// within the node's host budget; all or nothing.
+pub(crate) fn pin_many(
+    backend: &dyn Backend,
+    media: &Media,
+    sizes: &[usize],
+) -> BackendResult<Vec<PinnedBackup>> {
+    let share = media.reserve(sizes.iter().sum())?;
+    let bufs = backend
+        .alloc_pinned_many(sizes)
+        .and_then(|b| one_each("alloc_pinned_many", b, sizes.len()))?;
+    Ok(with_shares(bufs, sizes, share))
+}
+
+/// One pinned store per range of `ranges`, filled with the range's device bytes as the
+/// batch pins ([`Backend::alloc_pinned_many_from_device`]), within the node's host budget;
+/// all or nothing.
+///
+/// # Safety
+/// As [`Backend::alloc_pinned_many_from_device`].
+pub(crate) unsafe fn pin_many_from_device(
+    backend: &dyn Backend,
+    media: &Media,
+    ranges: &[DeviceRange],
+) -> BackendResult<Vec<PinnedBackup>> {
+    let sizes: Vec<usize> = ranges.iter().map(|r| r.bytes).collect();
+    let share = media.reserve(sizes.iter().sum())?;
+    // SAFETY: the caller's contract.
+    let bufs = unsafe { backend.alloc_pinned_many_from_device(ranges) }
+        .and_then(|b| one_each("alloc_pinned_many_from_device", b, ranges.len()))?;
+    Ok(with_shares(bufs, &sizes, share))
+}
+
+/// Each buffer with its part of `share`.
+fn with_shares(
+    bufs: Vec<Box<dyn HostBuffer>>,
+    sizes: &[usize],
+    mut share: Share,
+) -> Vec<PinnedBackup> {
+    bufs.into_iter()
+        .zip(sizes)
+        .map(|(buf, &len)| PinnedBackup(MemoryStore(buf, share.split(len))))
+        .collect()
+}
 
 /// Default hash-chunk size: 32 MiB. Small enough that a partial weight update copies little,
 /// large enough that each copy runs at link speed.
@@ -168,11 +219,11 @@ impl Backup {
         Ok(t.elapsed())
     }
 
-    /// Takes `buf` (pinned elsewhere, e.g. in a batch with other backups:
-    /// [`Backend::alloc_pinned_many`]) as the backup's buffer, in place of any it had; the
-    /// backup then holds nothing. `share` is its part of the node's host budget.
-    pub fn adopt(&mut self, buf: Box<dyn HostBuffer>, share: Share) {
-        self.buf = Some(Box::new(MemoryStore(buf, share)));
+    /// Takes `pinned` (pinned elsewhere, in a batch with other backups: [`pin_many`],
+    /// [`pin_many_from_device`]) as the backup's store, in place of any it had; the backup
+    /// then holds nothing.
+    pub fn adopt(&mut self, pinned: PinnedBackup) {
+        self.buf = Some(Box::new(pinned.0));
         self.forget();
     }
 
@@ -205,7 +256,7 @@ impl Backup {
         // SAFETY: the caller's contract.
         let buf = unsafe { backend.alloc_pinned_from_device(size, base) }?;
         let pinned = t.elapsed();
-        self.adopt(buf, share);
+        self.adopt(PinnedBackup(MemoryStore(buf, share)));
         // SAFETY: the caller's contract; the buffer holds a copy of the range, unchanged
         // since.
         let hashed = unsafe { self.seed_from_device(backend, base, size, hash_chunk) }?;

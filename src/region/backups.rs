@@ -4,7 +4,6 @@
 //! [`Region::map_and_restore`]; the buffers are [`crate::backup`]'s.
 
 use super::*;
-use crate::backend::one_each;
 
 impl Region {
     /// Pins the backup at region offset `start` for `len` bytes (creates its file, for
@@ -105,16 +104,11 @@ impl Region {
             _ => {
                 let t = Instant::now();
                 let sizes: Vec<usize> = missing.iter().map(|&(_, len)| len).collect();
-                let pinning = |e| Error::backend(&self.tag, "pinning the host backups", e);
-                let mut share = self.media.reserve(sizes.iter().sum()).map_err(pinning)?;
-                let bufs = backend
-                    .alloc_pinned_many(&sizes)
-                    .and_then(|b| one_each("alloc_pinned_many", b, sizes.len()))
-                    .map_err(pinning)?;
+                let pinned = crate::backup::pin_many(backend, &self.media, &sizes)
+                    .map_err(|e| Error::backend(&self.tag, "pinning the host backups", e))?;
                 let pinning = t.elapsed();
-                for (&(start, len), buf) in missing.iter().zip(bufs) {
-                    let part = share.split(len);
-                    self.backups.entry(start).or_default().adopt(buf, part);
+                for (&(start, _), p) in missing.iter().zip(pinned) {
+                    self.backups.entry(start).or_default().adopt(p);
                 }
                 Ok(pinning)
             }
@@ -194,22 +188,16 @@ impl Region {
             .collect();
         let pinning = |e| Error::backend(&self.tag, "pinning the host backups", e);
         let t = Instant::now();
-        let mut share = self
-            .media
-            .reserve(ranges.iter().map(|r| r.bytes).sum())
-            .map_err(pinning)?;
         // SAFETY: the region is resident, so each live buffer's extent (`missing` names live
         // buffers only) is mapped; the pager holds its lock after a synchronize until the
         // release returns, so nothing unmaps or writes them meanwhile (engine kernels
         // launched later are the caller's contract, as for any raw pointer).
-        let bufs = unsafe { backend.alloc_pinned_many_from_device(&ranges) }
-            .and_then(|b| one_each("alloc_pinned_many_from_device", b, ranges.len()))
+        let pinned = unsafe { crate::backup::pin_many_from_device(backend, &self.media, &ranges) }
             .map_err(pinning)?;
         let pin = t.elapsed();
         // Every buffer is adopted before any is hashed: a failed hash leaves them all pinned.
-        for (&(start, len), buf) in missing.iter().zip(bufs) {
-            let part = share.split(len);
-            self.backups.entry(start).or_default().adopt(buf, part);
+        for (&(start, _), p) in missing.iter().zip(pinned) {
+            self.backups.entry(start).or_default().adopt(p);
         }
         let (mut hash, mut copied) = (Duration::ZERO, 0);
         for (&(start, _), r) in missing.iter().zip(&ranges) {

@@ -163,6 +163,10 @@ impl Ledger {
         for entry in std::fs::read_dir(&self.dir)? {
             let entry = entry?;
             let name = entry.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".share.new") {
+                forget_abandoned(&entry.path());
+                continue;
+            }
             if name == self.name || !name.ends_with(".share") {
                 continue;
             }
@@ -235,6 +239,28 @@ impl Ledger {
     pub(crate) fn shares(&self) -> io::Result<Vec<(u32, usize)>> {
         let held = locked(&self.held);
         self.exclusive(|| self.shares_locked(*held))
+    }
+}
+
+/// Deletes a share file left under its first name by a process that died between making
+/// it and locking it: one that nobody locks and that is older than a minute (a live
+/// process locks its file at once, and renames it a moment later).
+fn forget_abandoned(path: &Path) {
+    let Ok(file) = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)
+    else {
+        return;
+    };
+    let old = file
+        .metadata()
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok())
+        .is_some_and(|age| age > std::time::Duration::from_secs(60));
+    if old && flock(&file, libc::LOCK_SH | libc::LOCK_NB).is_ok() {
+        let _ = std::fs::remove_file(path);
     }
 }
 
@@ -341,6 +367,25 @@ mod tests {
         assert!(d.join(&name).exists(), "a dead process leaves its file");
         assert_eq!(b.reserve(200, 1000).unwrap(), Ok(()));
         assert!(!d.join(&name).exists(), "the next reservation deleted it");
+    }
+
+    #[test]
+    fn a_share_file_abandoned_before_its_lock_goes_after_a_minute_and_not_before() {
+        let d = dir("abandoned");
+        let l = Ledger::open(&d).unwrap();
+        let fresh = d.join("1-fresh.share.new");
+        let stale = d.join("2-stale.share.new");
+        File::create(&fresh).unwrap();
+        let f = File::create(&stale).unwrap();
+        let hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+        f.set_modified(hour_ago).unwrap();
+        drop(f);
+        l.shares().unwrap();
+        assert!(
+            fresh.exists(),
+            "a file a process may be about to lock stays"
+        );
+        assert!(!stale.exists(), "an abandoned one goes");
     }
 
     /// Drops `l`'s descriptor (releasing its lock) without running its `Drop` (which

@@ -1,5 +1,6 @@
 //! Short names of the core's enums as every binding spells them (`"pinned"`, `"growing"`,
-//! `"fastest"`, ...), in one table per enum.
+//! `"fastest"`, ...), in one table per enum, and how byte counts and switches are spelled
+//! as text (settings, environment variables).
 
 /// `ALL`, `name` and `from_name` for a fieldless enum, from one table of variant and name:
 ///
@@ -29,3 +30,30 @@ macro_rules! short_names {
 }
 
 pub(crate) use short_names;
+
+/// A byte count as text, as every setting and environment variable of the library spells
+/// one: `"1073741824"`, `"512M"`, `"1.5G"`, `"1T"` (binary units; a trailing `B` or `iB`
+/// is accepted), or `max`.
+pub(crate) fn parse_bytes(t: &str) -> Option<usize> {
+    let t = t.trim();
+    if t.eq_ignore_ascii_case("max") {
+        return Some(usize::MAX);
+    }
+    let n = parse_size::Config::new().with_binary().parse_size(t).ok()?;
+    usize::try_from(n).ok()
+}
+
+/// A switch as text: `1`, `true` or `yes` on, `0`, `false` or `no` off (any case, spaces
+/// trimmed).
+pub(crate) fn parse_switch(t: &str) -> Option<bool> {
+    match t.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" => Some(true),
+        "0" | "false" | "no" => Some(false),
+        _ => None,
+    }
+}
+
+/// `bytes` as GiB with two decimals, as messages and tables show sizes.
+pub(crate) fn gib(bytes: usize) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}

@@ -110,11 +110,7 @@ fn check_capacity(asked: &str, capacity: usize, physical: usize) -> BackendResul
 /// Parses `"1073741824"`, `"512M"`, `"1.5G"`, `"1T"` (binary units; a trailing `B` or `iB`
 /// is accepted). `None` for anything else, zero included.
 fn parse_bytes(s: &str) -> Option<usize> {
-    let n = parse_size::Config::new()
-        .with_binary()
-        .parse_size(s.trim())
-        .ok()?;
-    usize::try_from(n).ok().filter(|&b| b > 0)
+    crate::names::parse_bytes(s).filter(|&b| b > 0 && b < usize::MAX)
 }
 
 /// Physical memory of this machine in bytes (32 GiB if the system does not say).

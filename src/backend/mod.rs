@@ -85,6 +85,15 @@ pub struct MemInfo {
     pub total: usize,
 }
 
+/// Processes' shares of the host budget as `pid 123: 4.00 GiB, pid 456: 0.50 GiB`.
+pub(crate) fn shown_shares(shares: &[(u32, usize)]) -> String {
+    let parts: Vec<String> = shares
+        .iter()
+        .map(|&(p, b)| format!("pid {p}: {}", crate::names::gib(b)))
+        .collect();
+    parts.join(", ")
+}
+
 /// A failure inside a backend. The pager turns these into [`crate::Error`] values that
 /// name the region.
 #[derive(Debug, thiserror::Error)]
@@ -111,8 +120,8 @@ pub enum BackendError {
          {} more asked for, shares now {}; raise host_budget_bytes (GPU_PAGER_HOST_BUDGET), \
          release fewer regions with backups at once, or back this region up to a file (the \
          file backup medium)",
-        crate::backup::ledger::gib(*budget), crate::backup::ledger::gib(*requested),
-        crate::backup::ledger::shown(shares)
+        crate::names::gib(*budget), crate::names::gib(*requested),
+        shown_shares(shares)
     )]
     HostBudget {
         /// The budget, in bytes.

@@ -9,10 +9,11 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
+
+use super::named::flock;
 
 /// The environment variable that puts the ledger in another directory (tests; machines
 /// without `/dev/shm`).
@@ -30,20 +31,6 @@ pub struct OverBudget {
     pub shares: Vec<(u32, usize)>,
 }
 
-/// `bytes` as GiB with two decimals.
-pub(crate) fn gib(bytes: usize) -> String {
-    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
-}
-
-/// Shares as `pid 123: 4.00 GiB, pid 456: 0.50 GiB`.
-pub(crate) fn shown(shares: &[(u32, usize)]) -> String {
-    let parts: Vec<String> = shares
-        .iter()
-        .map(|&(p, b)| format!("pid {p}: {}", gib(b)))
-        .collect();
-    parts.join(", ")
-}
-
 /// This process's entry in the ledger.
 #[derive(Debug)]
 pub(crate) struct Ledger {
@@ -57,15 +44,6 @@ pub(crate) struct Ledger {
 
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn flock(file: &File, op: libc::c_int) -> io::Result<()> {
-    // SAFETY: a plain system call on an open descriptor.
-    if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
 }
 
 fn read_share(file: &mut File) -> io::Result<usize> {

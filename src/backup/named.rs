@@ -203,7 +203,7 @@ fn create_new(path: &Path) -> io::Result<File> {
         .open(path)
 }
 
-fn flock(file: &File, op: libc::c_int) -> io::Result<()> {
+pub(super) fn flock(file: &File, op: libc::c_int) -> io::Result<()> {
     // SAFETY: a plain system call on an open descriptor.
     if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
         Ok(())

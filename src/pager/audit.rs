@@ -5,6 +5,7 @@
 
 use super::*;
 use crate::backend::{DeviceProcess, MemInfo};
+use crate::names::gib;
 
 /// The `event` field of the log record that warns of device memory still in use after a
 /// release (with the fields `device` and `outside_bytes`).
@@ -135,11 +136,6 @@ fn shown(tag: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
-/// Bytes as GiB with two decimals.
-fn gib(bytes: usize) -> String {
-    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
-}
-
 /// A table: one line per region, then the device's totals.
 impl std::fmt::Display for Audit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -195,7 +191,7 @@ impl std::fmt::Display for Audit {
                 "\nhost budget for backups on this node: {} used of {} ({})",
                 gib(used),
                 gib(*budget),
-                crate::backup::ledger::shown(shares)
+                crate::backend::shown_shares(shares)
             )?;
         }
         Ok(())

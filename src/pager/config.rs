@@ -190,9 +190,9 @@ pub struct ResumeOptions {
 /// value that does not read as one is logged and left out.
 fn env_bytes(name: &str) -> Option<usize> {
     let text = std::env::var(name).ok()?;
-    match super::settings::SettingValue::parse(super::settings::SettingKind::Bytes, &text) {
-        Ok(super::settings::SettingValue::Bytes(n)) => Some(n),
-        _ => {
+    match crate::names::parse_bytes(&text) {
+        Some(n) => Some(n),
+        None => {
             log::warn!(target: "gpu_pager", "gpu-pager: {name}={text:?} is not a byte count (e.g. 64G); left out");
             None
         }
@@ -202,10 +202,5 @@ fn env_bytes(name: &str) -> Option<usize> {
 /// An on/off environment variable: `Some(true)` for `1`, `true` or `yes`, `Some(false)` for
 /// `0`, `false` or `no` (any case, spaces trimmed), `None` when unset or anything else.
 fn env_switch(name: &str) -> Option<bool> {
-    let v = std::env::var(name).ok()?;
-    match v.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" => Some(true),
-        "0" | "false" | "no" => Some(false),
-        _ => None,
-    }
+    crate::names::parse_switch(&std::env::var(name).ok()?)
 }

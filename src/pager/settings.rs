@@ -7,6 +7,7 @@
 use std::fmt;
 
 use super::config::Tuning;
+use crate::names::{parse_bytes, parse_switch};
 use crate::pump::CopyRoute;
 use crate::{Error, Result};
 
@@ -63,11 +64,9 @@ impl SettingValue {
             SettingKind::Bytes => parse_bytes(t)
                 .map(SettingValue::Bytes)
                 .ok_or_else(|| bad("a byte count (e.g. 536870912, 512M, 4G or max)")),
-            SettingKind::Switch => match t.to_ascii_lowercase().as_str() {
-                "1" | "true" | "yes" | "on" => Ok(SettingValue::Switch(true)),
-                "0" | "false" | "no" | "off" => Ok(SettingValue::Switch(false)),
-                _ => Err(bad("a switch (true or false)")),
-            },
+            SettingKind::Switch => parse_switch(t)
+                .map(SettingValue::Switch)
+                .ok_or_else(|| bad("a switch (true or false)")),
             SettingKind::Route => {
                 CopyRoute::from_name(t)
                     .map(SettingValue::Route)
@@ -78,28 +77,6 @@ impl SettingValue {
             }
         }
     }
-}
-
-/// A byte count as text: digits with an optional `K`/`M`/`G`/`T` suffix (`B` or `iB` after
-/// it allowed), or `max`.
-fn parse_bytes(t: &str) -> Option<usize> {
-    if t.eq_ignore_ascii_case("max") {
-        return Some(usize::MAX);
-    }
-    let upper = t.to_ascii_uppercase();
-    let s = upper
-        .strip_suffix("IB")
-        .or_else(|| upper.strip_suffix('B'))
-        .unwrap_or(&upper);
-    let (digits, shift) = match s.char_indices().last() {
-        Some((i, 'K')) => (&s[..i], 10),
-        Some((i, 'M')) => (&s[..i], 20),
-        Some((i, 'G')) => (&s[..i], 30),
-        Some((i, 'T')) => (&s[..i], 40),
-        _ => (s, 0),
-    };
-    let n: usize = digits.trim().parse().ok()?;
-    n.checked_mul(1usize.checked_shl(shift)?)
 }
 
 /// As the bindings print it: a number, `true`/`false`, a route's name.
@@ -150,8 +127,6 @@ pub struct Setting {
     pub name: &'static str,
     /// How its values are spelled.
     pub kind: SettingKind,
-    /// Its default.
-    pub default: fn() -> SettingValue,
     doc: &'static str,
     get: fn(&PagerConfig) -> SettingValue,
     set: fn(&mut PagerConfig, SettingValue) -> bool,
@@ -185,6 +160,11 @@ impl Setting {
                     .join(", ")
             ),
         })
+    }
+
+    /// Its default.
+    pub fn default(&self) -> SettingValue {
+        self.get(&PagerConfig::default())
     }
 
     /// Its docs, one paragraph in words every binding's user reads alike.
@@ -253,7 +233,6 @@ macro_rules! settings {
             Setting {
                 name: stringify!($name),
                 kind: <$ty as SettingType>::KIND,
-                default: || SettingType::value($default),
                 doc: concat!($($doc, "\n"),+),
                 get: |c| SettingType::value(c.$name),
                 set: |c, v| match <$ty as SettingType>::from_value(v) {
@@ -352,7 +331,7 @@ mod tests {
     fn every_setting_reads_back_what_it_is_set_to_and_defaults_agree() {
         let defaults = PagerConfig::default();
         for s in SETTINGS {
-            assert_eq!(s.get(&defaults), (s.default)(), "{}", s.name);
+            assert_eq!(s.get(&defaults), s.default(), "{}", s.name);
             assert_eq!(s.get(&defaults).kind(), s.kind, "{}", s.name);
             assert!(!s.doc().is_empty() && !s.doc().contains("  "), "{}", s.name);
             let mut c = defaults;

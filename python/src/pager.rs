@@ -132,7 +132,7 @@ pub(crate) fn settings(py: Python<'_>) -> PyResult<Vec<SettingRow>> {
             Ok((
                 s.name,
                 s.kind.name(),
-                crate::types::setting_to_py(py, (s.default)())?.unbind(),
+                crate::types::setting_to_py(py, s.default())?.unbind(),
                 s.doc(),
             ))
         })

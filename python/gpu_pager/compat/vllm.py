@@ -72,7 +72,10 @@ import os
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
+
+# The pool machinery the drop-in shares with gpu_pager.torch (it imports no torch).
+from gpu_pager import _pools
 
 __all__ = [
     "AllocationData",
@@ -205,13 +208,6 @@ def _gpt() -> Any:
     return gpt
 
 
-def _pool_room() -> Any:
-    """``gpu_pager._pools``: the pool machinery the drop-in shares with ``gpu_pager.torch``."""
-    from gpu_pager import _pools
-
-    return _pools
-
-
 class CuMemAllocator:
     """vLLM's ``CuMemAllocator`` on gpu_pager (see the module docs). One per process:
     ``CuMemAllocator.get_instance()``. Each tag is a growing ``PRESERVE`` region of the
@@ -253,8 +249,8 @@ class CuMemAllocator:
             raise RuntimeError(
                 f"tag {tag!r} is asleep: wake it up (wake_up([{tag!r}])) before allocating in it"
             )
-        medium = "host" if release_host_memory() else "pinned"
-        _pool_room().ensure_region(gpt.pager(self._device), tag, "preserve", None, False, medium)
+        medium: Literal["host", "pinned"] = "host" if release_host_memory() else "pinned"
+        _pools.ensure_region(gpt.pager(self._device), tag, "preserve", None, False, medium)
         self._add_tag(tag)
         pool = gpt.graph_pool(tag, self._device) if tag in GRAPH_TAGS else gpt.pool(tag, self._device)
         pools = self.allocator_and_pools.setdefault(tag, [])
@@ -305,9 +301,10 @@ class CuMemAllocator:
     @contextmanager
     def _graph_pool(self, tag: str) -> Iterator[tuple[int, int]]:
         pool = self._ensure(tag)
+        assert self._device is not None  # set by _ensure
         # The capture itself routes the graph's allocations to the pool; this thread's
         # tag says which region they land in.
-        with _pool_room().tagged(self._device, tag):
+        with _pools.tagged(self._device, tag):
             yield pool.id
 
     def _pager(self) -> Any:
@@ -392,7 +389,7 @@ class CuMemAllocator:
         p = self._pager()
         marked: list[tuple[Any, int, int]] = []
         try:
-            for pool in _pool_room().tag_pools(("weights", self._device)):
+            for pool in _pools.tag_pools(("weights", self._device)):
                 for seg in pool.snapshot(include_traces=False):
                     for block in seg["blocks"]:
                         address = int(block["address"])
@@ -444,10 +441,9 @@ class CuMemAllocator:
         nothing)."""
         if self._device is None:
             return {}
-        pools = _pool_room()
         out: dict[int, AllocationData] = {}
         for tag in self._tags:
-            for pool in pools.tag_pools((tag, self._device)):
+            for pool in _pools.tag_pools((tag, self._device)):
                 for seg in pool.snapshot(include_traces=False):
                     address, size = int(seg["address"]), int(seg["total_size"])
                     out[address] = AllocationData(

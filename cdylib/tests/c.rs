@@ -119,25 +119,7 @@ fn readme_c_example() {
 /// exports nothing else (Rust exports an rlib's `#[no_mangle]` functions from a cdylib).
 #[test]
 fn the_library_exports_exactly_the_header_functions() {
-    let header =
-        std::fs::read_to_string(workspace().join("include/gpu_pager.h")).expect("the header");
-    let mut declared: Vec<String> = header
-        .lines()
-        .filter(|l| !l.trim_start().starts_with("//"))
-        .flat_map(|l| {
-            // Identifiers `gpu_pager_*` directly followed by `(`: the declared functions.
-            l.match_indices("gpu_pager_")
-                .filter_map(|(i, _)| {
-                    let name: String = l[i..]
-                        .chars()
-                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                        .collect();
-                    l[i + name.len()..].starts_with('(').then_some(name)
-                })
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    declared.sort();
+    let declared = c_build::declared("gpu_pager.h");
     assert!(declared.len() > 20, "{declared:?}");
     let nm = Command::new("nm")
         .args(["-D", "--defined-only"])

@@ -53,3 +53,27 @@ pub fn built_library(file: &str, package: &str) -> PathBuf {
             )
         })
 }
+
+/// The `gpu_pager_*` functions the header `include/<header>` declares, sorted: identifiers
+/// directly followed by `(`, outside `//` comments.
+pub fn declared(header: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(workspace().join("include").join(header))
+        .expect("the header is there");
+    let mut names: Vec<String> = text
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .flat_map(|l| {
+            l.match_indices("gpu_pager_")
+                .filter_map(|(i, _)| {
+                    let name: String = l[i..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    l[i + name.len()..].starts_with('(').then_some(name)
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    names.sort();
+    names
+}

@@ -71,35 +71,12 @@ fn the_preload_library_finds_a_late_runtime_and_never_hangs_a_fork_child() {
     );
 }
 
-/// The `gpu_pager_*` functions a header declares.
-fn declared(header: &str) -> Vec<String> {
-    let text = std::fs::read_to_string(workspace().join("include").join(header))
-        .expect("the header is there");
-    let mut names: Vec<String> = text
-        .lines()
-        .filter(|l| !l.trim_start().starts_with("//"))
-        .flat_map(|l| {
-            l.match_indices("gpu_pager_")
-                .filter_map(|(i, _)| {
-                    let name: String = l[i..]
-                        .chars()
-                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                        .collect();
-                    l[i + name.len()..].starts_with('(').then_some(name)
-                })
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    names.sort();
-    names
-}
-
 /// The wing's library exports the product's functions and the drop-in's, nothing else;
 /// the product's header declares no `gpu_pager_tms_` function.
 #[test]
 fn the_wing_exports_its_header_and_the_product_declares_none_of_it() {
-    let product = declared("gpu_pager.h");
-    let wing = declared("gpu_pager_tms.h");
+    let product = c_build::declared("gpu_pager.h");
+    let wing = c_build::declared("gpu_pager_tms.h");
     assert!(
         product.iter().all(|f| !f.starts_with("gpu_pager_tms_")),
         "{product:?}"

@@ -7,7 +7,8 @@
 //! its last mapping. Every handle holds the context, which therefore outlives all memory it
 //! created.
 //!
-//! The context, streams, module loading and kernel launches use cudarc's safe layer. The
+//! The context, streams and module loading use cudarc's safe layer; every kernel launch
+//! goes through `launch.rs` (the embedded modules and the one `cuLaunchKernel`). The
 //! backend keeps five non-blocking streams: the copy engine's host→device and device→host
 //! copies, the copy kernel's host→device and device→host copies (so that both movers of
 //! the copy pump, in both directions, run side by side: see the copy pump (`src/pump.rs`)), and the other
@@ -30,9 +31,9 @@ use std::fmt;
 use std::mem::ManuallyDrop;
 #[cfg(feature = "testing")]
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKernelArg, sys};
+use cudarc::driver::{CudaContext, CudaStream, DriverError, sys};
 
 use super::reclaim::{Reclaimer, Schedule};
 use super::{
@@ -40,17 +41,19 @@ use super::{
     DeviceRange, Fence, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream,
     Reservation, check_map,
 };
-use crate::kernels::{self, KernelModule, abi};
+use crate::kernels::{self, abi};
 
 mod context;
 mod copy;
 mod handles;
 mod kv;
+mod launch;
 mod nvml;
 mod pinned;
 use context::{CtxScope, Dev, InScope};
 use handles::{CudaChunk, CudaFence, CudaMapping, CudaReservation};
 pub use kv::RowsKernel;
+use launch::Kernel;
 pub use pinned::FIRST_BACKUP_PIECE_BYTES;
 pub use pinned::{CudaPinned, HUGE_PAGE_BYTES, MIN_TOUCH_BYTES_PER_THREAD};
 
@@ -134,19 +137,6 @@ fn check_chunk_hash_args(src: u64, bytes: usize, chunk_bytes: usize) -> BackendR
     })
 }
 
-/// The kernels of [`KernelModule::Fill`].
-#[derive(Debug)]
-struct FillKernels {
-    fill: CudaFunction,
-}
-
-/// The kernels of [`KernelModule::ChunkHash`].
-#[derive(Debug)]
-struct ChunkHashKernels {
-    partial: CudaFunction,
-    finalize: CudaFunction,
-}
-
 /// Device memory from `cuMemAlloc` for the per-chunk hashes of [`Backend::chunk_hash`] and
 /// the index lists of [`KvKernels::kv`].
 struct DeviceScratch {
@@ -202,10 +192,7 @@ pub struct CudaBackend {
     pci_bus_id: Option<String>,
     /// Streaming multiprocessors, for the copy kernel's grid.
     sms: u32,
-    fill_kernels: InScope<OnceLock<FillKernels>>,
-    chunk_hash_kernels: InScope<OnceLock<ChunkHashKernels>>,
-    kv_functions: InScope<OnceLock<kv::KvFunctions>>,
-    copy_functions: InScope<OnceLock<copy::CopyFunctions>>,
+    loaded: InScope<launch::Loaded>,
     hash_scratch: Mutex<HashScratch>,
     /// Device copies of the index lists of [`KvKernels::kv`] calls.
     kv_scratch: Mutex<Option<DeviceScratch>>,
@@ -351,10 +338,7 @@ impl CudaBackend {
                 compute_capability: Some(compute_capability),
                 ordinal: Some(ordinal),
             },
-            fill_kernels: InScope::new(OnceLock::new(), &dev),
-            chunk_hash_kernels: InScope::new(OnceLock::new(), &dev),
-            kv_functions: InScope::new(OnceLock::new(), &dev),
-            copy_functions: InScope::new(OnceLock::new(), &dev),
+            loaded: InScope::new(launch::Loaded::default(), &dev),
             hash_scratch: Mutex::new(HashScratch::default()),
             kv_scratch: Mutex::new(None),
             #[cfg(feature = "testing")]
@@ -386,70 +370,9 @@ impl CudaBackend {
         &self.kernel_stream
     }
 
-    /// Loads every kernel module that is not loaded yet. [`CudaBackend::new`] does, so a
-    /// backend has them all from the start (no module is loaded at a first wake-up or while
-    /// a stream captures); a no-op then.
-    pub fn preload_kernels(&self) -> BackendResult<()> {
-        let _scope = self.dev.scope()?;
-        self.fill_kernels()?;
-        self.chunk_hash_kernels()?;
-        self.kv_functions()?;
-        self.copy_functions()?;
-        Ok(())
-    }
-
-    /// Whether every kernel module is loaded (from [`CudaBackend::new`] on).
-    pub fn kernels_loaded(&self) -> bool {
-        self.fill_kernels.get().is_some()
-            && self.chunk_hash_kernels.get().is_some()
-            && self.kv_functions.get().is_some()
-            && self.copy_functions.get().is_some()
-    }
-
     /// The device's streaming multiprocessors.
     pub fn sm_count(&self) -> u32 {
         self.sms
-    }
-
-    /// Loads the fatbin of `module` into the context. The caller holds a [`CtxScope`] until
-    /// the module is stored or dropped.
-    fn load_module(&self, module: KernelModule) -> BackendResult<Arc<cudarc::driver::CudaModule>> {
-        self.dev
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(module.fatbin().to_vec()))
-            .map_err(|e| driver_err("cuModuleLoadData", e))
-    }
-
-    /// The fill kernel, loading its module on first use.
-    fn fill_kernels(&self) -> BackendResult<&FillKernels> {
-        if let Some(k) = self.fill_kernels.get() {
-            return Ok(k);
-        }
-        let _scope = self.dev.scope()?;
-        let module = self.load_module(KernelModule::Fill)?;
-        let fill = module
-            .load_function(kernels::FILL)
-            .map_err(|e| driver_err("cuModuleGetFunction", e))?;
-        // Two threads may race to load; the loser's module is unloaded when dropped.
-        Ok(self.fill_kernels.get_or_init(|| FillKernels { fill }))
-    }
-
-    /// The chunk-hash kernels, loading their module on first use.
-    fn chunk_hash_kernels(&self) -> BackendResult<&ChunkHashKernels> {
-        if let Some(k) = self.chunk_hash_kernels.get() {
-            return Ok(k);
-        }
-        let _scope = self.dev.scope()?;
-        let module = self.load_module(KernelModule::ChunkHash)?;
-        let partial = module
-            .load_function(kernels::CHUNK_HASH_PARTIAL)
-            .map_err(|e| driver_err("cuModuleGetFunction", e))?;
-        let finalize = module
-            .load_function(kernels::CHUNK_HASH_FINALIZE)
-            .map_err(|e| driver_err("cuModuleGetFunction", e))?;
-        Ok(self
-            .chunk_hash_kernels
-            .get_or_init(|| ChunkHashKernels { partial, finalize }))
     }
 
     /// Fails unless `stream` belongs to this backend's context.
@@ -483,19 +406,17 @@ impl CudaBackend {
             return Ok(());
         }
         let _scope = self.dev.scope()?;
-        let k = self.fill_kernels()?;
         let params = abi::GpFillParams {
             dst,
             bytes: bytes as u64,
             pattern,
             _pad: 0,
         };
-        let cfg = kernels::fill_geometry(dst, bytes as u64).to_config();
-        let mut launch = stream.launch_builder(&k.fill);
-        launch.arg(&params);
-        // SAFETY: `gp_fill` takes one `GpFillParams` by value, which `params` is; the caller
-        // guarantees the range it writes is mapped device memory.
-        unsafe { launch.launch(cfg) }.map_err(|e| driver_err("cuLaunchKernel", e))?;
+        let geometry = kernels::fill_geometry(dst, bytes as u64);
+        // SAFETY: `gp_fill` takes one `GpFillParams`, which `params` is; the caller
+        // guarantees the range it writes is mapped device memory; the stream is this
+        // context's (checked above).
+        unsafe { self.launch(Kernel::Fill, geometry, &params, stream.cu_stream()) }?;
         Ok(())
     }
 
@@ -538,7 +459,6 @@ impl CudaBackend {
                     reason,
                 })?;
         let _scope = self.dev.scope()?;
-        let k = self.chunk_hash_kernels()?;
         let params = abi::GpChunkHashParams {
             src,
             bytes: bytes as u64,
@@ -549,17 +469,13 @@ impl CudaBackend {
         // the stream is a live stream of this context.
         check(unsafe { sys::cuMemsetD8Async(out, 0, chunks * 8, stream.cu_stream()) })
             .map_err(|e| driver_err("cuMemsetD8Async", e))?;
-        let mut partial = stream.launch_builder(&k.partial);
-        partial.arg(&params);
-        // SAFETY: `gp_chunk_hash_partial` takes one `GpChunkHashParams` by value; the caller
-        // guarantees that the ranges it reads and writes are mapped device memory.
-        unsafe { partial.launch(geometry.to_config()) }
-            .map_err(|e| driver_err("cuLaunchKernel", e))?;
-        let mut finalize = stream.launch_builder(&k.finalize);
-        finalize.arg(&params);
+        let raw = stream.cu_stream();
+        // SAFETY: `gp_chunk_hash_partial` takes one `GpChunkHashParams`, which `params` is;
+        // the caller guarantees that the ranges it reads and writes are mapped device memory.
+        unsafe { self.launch(Kernel::ChunkHashPartial, geometry, &params, raw) }?;
+        let finalize = kernels::chunk_hash_finalize_geometry(chunks);
         // SAFETY: as for the partial kernel; it only touches `out .. out + 8 * chunks`.
-        unsafe { finalize.launch(kernels::chunk_hash_finalize_geometry(chunks).to_config()) }
-            .map_err(|e| driver_err("cuLaunchKernel", e))?;
+        unsafe { self.launch(Kernel::ChunkHashFinalize, finalize, &params, raw) }?;
         Ok(())
     }
 
@@ -894,7 +810,7 @@ impl Backend for CudaBackend {
         let host = self.host_scratch(&mut slot.host, out_bytes)?;
         // Loaded before anything is enqueued: a failure after the kernels were enqueued
         // must first wait for them (they write the scratch).
-        self.copy_functions()?;
+        self.function(Kernel::Copy)?;
         // SAFETY: the source range is forwarded from the caller; `out` is scratch memory of
         // at least `out_bytes`, used by nobody else while the lock is held.
         let hashed =

@@ -153,17 +153,6 @@ pub struct LaunchGeometry {
     pub block: (u32, u32, u32),
 }
 
-impl LaunchGeometry {
-    /// The cudarc launch configuration (no dynamic shared memory).
-    pub fn to_config(self) -> cudarc::driver::LaunchConfig {
-        cudarc::driver::LaunchConfig {
-            grid_dim: self.grid,
-            block_dim: self.block,
-            shared_mem_bytes: 0,
-        }
-    }
-}
-
 /// Alignment of the fill kernel's vector body (`GP_FILL_BODY_ALIGN` in `kernels/fill.cu`):
 /// the bytes before the first such boundary are written one by one.
 const FILL_BODY_ALIGN: u64 = 512;
@@ -377,9 +366,6 @@ mod tests {
         let g = fill_geometry(0, 40 << 30);
         assert_eq!(g.grid, (1 << 21, 1, 1));
         assert_eq!(g.block, (BLOCK_THREADS, 1, 1));
-        let c = g.to_config();
-        assert_eq!(c.grid_dim, g.grid);
-        assert_eq!(c.shared_mem_bytes, 0);
     }
 
     #[test]

@@ -3,36 +3,16 @@
 //! loads or stores the pinned host memory through its device address), on the backend's
 //! stream for that mover and direction or on a caller's stream, with a fence after it.
 
-use cudarc::driver::{CudaFunction, CudaStream, sys};
+use cudarc::driver::{CudaStream, sys};
 
-use super::kv::launch;
+use super::launch::Kernel;
 use super::{CudaBackend, check, driver_err};
 use crate::backend::{
     BackendError, BackendResult, Direction, Fence, Mover, RawCopy, RawStream, check_copy,
 };
-use crate::kernels::{self, KernelModule, abi};
-
-/// The kernel of [`KernelModule::Copy`].
-#[derive(Debug)]
-pub(super) struct CopyFunctions {
-    copy: CudaFunction,
-}
+use crate::kernels::{self, abi};
 
 impl CudaBackend {
-    /// The copy kernel, loading its module on first use.
-    pub(super) fn copy_functions(&self) -> BackendResult<&CopyFunctions> {
-        if let Some(k) = self.copy_functions.get() {
-            return Ok(k);
-        }
-        let _scope = self.dev.scope()?;
-        let module = self.load_module(KernelModule::Copy)?;
-        let copy = module
-            .load_function(kernels::COPY)
-            .map_err(|e| driver_err("cuModuleGetFunction", e))?;
-        // Two threads may race to load; the loser's module is unloaded when dropped.
-        Ok(self.copy_functions.get_or_init(|| CopyFunctions { copy }))
-    }
-
     /// Enqueues the copy kernel over `bytes` bytes from `src` to `dst` on `stream`, without
     /// waiting. Either address may be device memory of this context or pinned host memory's
     /// device address ([`crate::backend::HostBuffer::device_ptr`]); any alignment and size.
@@ -73,7 +53,6 @@ impl CudaBackend {
         src: u64,
         bytes: usize,
     ) -> BackendResult<()> {
-        let k = self.copy_functions()?;
         let params = abi::GpCopyParams {
             dst,
             src,
@@ -82,7 +61,7 @@ impl CudaBackend {
         let geometry = kernels::copy_geometry(dst, src, bytes as u64, self.sms);
         // SAFETY: `gp_copy` takes one `GpCopyParams` by value, which `params` is; the caller
         // guarantees both ranges are mapped and the stream live.
-        unsafe { launch(&k.copy, geometry, &params, stream) }
+        unsafe { self.launch(Kernel::Copy, geometry, &params, stream) }
     }
 
     /// The backend's own stream for `mover` and `direction`.

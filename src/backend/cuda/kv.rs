@@ -1,5 +1,5 @@
-//! The paged KV cache kernels on CUDA: loading `kernels/kv.cu`, uploading a call's index
-//! lists, and launching.
+//! The paged KV cache kernels on CUDA: checking their parameters and uploading a call's
+//! index lists (the launch itself is `launch.rs`'s).
 //!
 //! [`CudaBackend::kv_rows_on`] and [`CudaBackend::kv_move_on`] enqueue one launch from
 //! ready parameter structs (index lists already in device memory), for CUDA graphs and
@@ -9,20 +9,13 @@
 
 use std::borrow::Cow;
 
-use cudarc::driver::{CudaFunction, CudaStream, sys};
+use cudarc::driver::{CudaStream, sys};
 
+use super::launch::Kernel;
 use super::{CudaBackend, check, driver_err};
 use crate::backend::{BackendError, BackendResult, KvKernels, RawStream, kv_invalid};
 use crate::kernels::kv::{Kv, KvOp};
-use crate::kernels::{KernelModule, abi, kv as geometry};
-
-/// The kernels of [`KernelModule::Kv`].
-#[derive(Debug)]
-pub(super) struct KvFunctions {
-    write: CudaFunction,
-    gather: CudaFunction,
-    move_blocks: CudaFunction,
-}
+use crate::kernels::{abi, kv as geometry};
 
 /// Which row kernel [`CudaBackend::kv_rows_on`] launches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,26 +43,6 @@ fn check_vec_bytes(vec_bytes: u32) -> BackendResult<()> {
 }
 
 impl CudaBackend {
-    /// The KV kernels, loading their module on first use.
-    pub(super) fn kv_functions(&self) -> BackendResult<&KvFunctions> {
-        if let Some(k) = self.kv_functions.get() {
-            return Ok(k);
-        }
-        let _scope = self.dev.scope()?;
-        let module = self.load_module(KernelModule::Kv)?;
-        let function = |name| {
-            module
-                .load_function(name)
-                .map_err(|e| driver_err("cuModuleGetFunction", e))
-        };
-        let kernels = KvFunctions {
-            write: function(crate::kernels::kv::WRITE)?,
-            gather: function(crate::kernels::kv::GATHER)?,
-            move_blocks: function(crate::kernels::kv::MOVE_BLOCKS)?,
-        };
-        Ok(self.kv_functions.get_or_init(|| kernels))
-    }
-
     /// Enqueues `gp_kv_write` or `gp_kv_gather` with `params` on `stream` without waiting.
     /// Only enqueues work, so it may be captured into a CUDA graph (load the kernels first
     /// with [`CudaBackend::preload_kernels`]). Only what the kernel itself cannot survive is
@@ -149,17 +122,16 @@ impl CudaBackend {
         if params.tokens == 0 {
             return Ok(());
         }
-        let k = self.kv_functions()?;
         let vecs_per_token =
             u64::from(params.kv_heads) * u64::from(params.row_bytes) / u64::from(params.vec_bytes);
         let geometry = geometry::rows_geometry(u64::from(params.tokens), vecs_per_token);
         let function = match kernel {
-            RowsKernel::Write => &k.write,
-            RowsKernel::Gather => &k.gather,
+            RowsKernel::Write => Kernel::KvWrite,
+            RowsKernel::Gather => Kernel::KvGather,
         };
         // SAFETY: both kernels take one `GpKvRowsParams` by value, which `params` is; the
         // caller guarantees every address it leads to is mapped and the stream is live.
-        unsafe { launch(function, geometry, params, stream) }
+        unsafe { self.launch(function, geometry, params, stream) }
     }
 
     /// [`CudaBackend::kv_move_on`] on a raw stream. The caller holds a
@@ -191,7 +163,6 @@ impl CudaBackend {
         if params.count == 0 || params.block_bytes == 0 {
             return Ok(());
         }
-        let k = self.kv_functions()?;
         let geometry = geometry::move_geometry(
             u64::from(params.count),
             params.block_bytes,
@@ -199,7 +170,7 @@ impl CudaBackend {
         );
         // SAFETY: the kernel takes one `GpKvMoveParams` by value, which `params` is; the
         // caller guarantees every address it leads to is mapped and the stream is live.
-        unsafe { launch(&k.move_blocks, geometry, params, stream) }
+        unsafe { self.launch(Kernel::KvMoveBlocks, geometry, params, stream) }
     }
 
     /// Enqueues `launch` on `stream` with its index list at device address `index`.
@@ -370,41 +341,6 @@ fn plan<'o>(op: &KvOp<'o>) -> BackendResult<(Launch, Cow<'o, [u8]>)> {
             )
         }
     })
-}
-
-/// Launches `function` with one by-value parameter struct on a raw stream.
-///
-/// # Safety
-/// `function` takes exactly one `P` by value; every address `params` leads to is mapped
-/// when the kernel runs; `stream` is a live stream of `function`'s context, bound.
-pub(super) unsafe fn launch<P>(
-    function: &CudaFunction,
-    geometry: crate::kernels::LaunchGeometry,
-    params: &P,
-    stream: sys::CUstream,
-) -> BackendResult<()> {
-    let mut args = [std::ptr::from_ref(params)
-        .cast_mut()
-        .cast::<std::ffi::c_void>()];
-    let (g, b) = (geometry.grid, geometry.block);
-    // SAFETY: the caller's contract; `args` holds one pointer to the parameter struct,
-    // which the driver copies before `cuLaunchKernel` returns.
-    check(unsafe {
-        sys::cuLaunchKernel(
-            function.cu_function(),
-            g.0,
-            g.1,
-            g.2,
-            b.0,
-            b.1,
-            b.2,
-            0,
-            stream,
-            args.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    })
-    .map_err(|e| driver_err("cuLaunchKernel", e))
 }
 
 /// The launch a [`KvOp`] turns into, with its index list's address still 0.

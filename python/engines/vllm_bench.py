@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -115,9 +116,10 @@ def every(engines: str, options: list[str]) -> None:
               f"changed every cycle; KV {r0['kv_bytes'] / GIB:.0f} GiB; ms (median of the cycles)")
     _table(results, ROWS, ("sleep_x_link", "wake_x_link"))
     for r in ok:
-        if "sleep_parts_s" in r:
-            parts = ", ".join(f"{k} {x * 1e3:.1f}" for k, x in r["sleep_parts_s"].items())
-            print(f"{r['release']} drop-in sleep, ms: {parts}")
+        for name in ("sleep", "level2", "discard"):
+            if f"{name}_parts_s" in r:
+                parts = ", ".join(f"{k} {x * 1e3:.1f}" for k, x in r[f"{name}_parts_s"].items())
+                print(f"{r['release']} drop-in {name}, ms: {parts}")
     if fp8:
         print("\nfp8 online quantization: bf16 built in the weights pool, quantized, the bf16 freed")
         _table(fp8, (("fp8_sleep_s", "sleep"), ("fp8_wake_s", "wake")), ("fp8_sleep_x_link", "fp8_wake_x_link"))
@@ -285,25 +287,31 @@ def main() -> None:
     rows: dict[str, list[float]] = {k: [] for k in (
         "sleep", "wake", "wake_weights", "wake_kv", "sleep_level2", "wake_level2", "kv_discard", "kv_wake")}
     parts = _parts(torch) if args.impl == "gpu_pager" else None
-    sleep_parts: dict[str, float] | None = None
+    breakdown: dict[str, dict[str, float]] = {}
+
+    def observed(name: str, call: Callable[[], Any]) -> float:
+        """``timed(call)``, keeping where the drop-in's time went (the last cycle's)."""
+        if parts is not None:
+            parts.clear()
+        seconds = timed(torch, call)
+        if parts is not None:
+            breakdown[name] = dict(parts)
+        return seconds
     change()
     first_sleep = timed(torch, level1)
     first_wake = timed(torch, lambda: a.wake_up(None))
     for _ in range(args.cycles):
         change()
-        if parts is not None:
-            parts.clear()
-        rows["sleep"].append(timed(torch, level1))
-        sleep_parts = dict(parts) if parts is not None else None
+        rows["sleep"].append(observed("sleep", level1))
         rows["wake"].append(timed(torch, lambda: a.wake_up(None)))
         change()
         level1()
         rows["wake_weights"].append(timed(torch, lambda: a.wake_up(["weights"])))
         rows["wake_kv"].append(timed(torch, lambda: a.wake_up(["kv_cache"])))
-        rows["sleep_level2"].append(timed(torch, level2))
+        rows["sleep_level2"].append(observed("level2", level2))
         rows["wake_level2"].append(timed(torch, lambda: a.wake_up(None)))
         if hasattr(a, "discard"):
-            rows["kv_discard"].append(timed(torch, lambda: a.discard(("kv_cache",))))
+            rows["kv_discard"].append(observed("discard", lambda: a.discard(("kv_cache",))))
             rows["kv_wake"].append(timed(torch, lambda: a.wake_up(["kv_cache"])))
     out = {
         "release": os.path.basename(os.path.normpath(args.release)),
@@ -318,8 +326,8 @@ def main() -> None:
         "first_wake_s": first_wake,
         **{f"{k}_s": statistics.median(x) for k, x in rows.items() if x},
     }
-    if sleep_parts is not None:
-        out["sleep_parts_s"] = sleep_parts
+    for name, found in breakdown.items():
+        out[f"{name}_parts_s"] = found
     out["sleep_x_link"] = out["sleep_s"] / (nbytes / d2h)
     out["wake_x_link"] = out["wake_s"] / (nbytes / h2d)
     print(json.dumps(out), flush=True)

@@ -509,3 +509,30 @@ def test_partly_used_segments_do_not_make_a_tag_grow_step_after_step(
         excess.append(pager.region_stats(tag).resident_bytes - sum(t.nbytes for t in kept))
     assert excess[-1] <= excess[19] + 20 * MIB, [e // MIB for e in excess]
     assert max(excess) <= 200 * MIB, [e // MIB for e in excess]
+
+
+def test_use_entered_during_a_real_capture_leaves_the_capture_valid(
+    new_tag: Callable[[], str],
+) -> None:
+    """A tag with a whole free segment (which ``use`` gives back outside a capture) entered
+    while torch captures a CUDA graph: the capture must not be broken by a synchronization,
+    the graph replays, and the next entry outside the capture gives the segment back."""
+    tag, graph_tag = new_tag(), new_tag()
+    pager = gpt.pager()
+    with gpt.use(tag):
+        kept = torch.ones(1 << 20, device="cuda")
+    with gpt.use(tag):
+        big = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+    del big
+    before = pager.region_stats(tag).resident_bytes
+    graph = torch.cuda.CUDAGraph()
+    with gpt.graph(graph, graph_tag):
+        with gpt.use(tag):
+            pass
+        out = kept * 2
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, kept * 2)
+    with gpt.use(tag):
+        pass
+    assert pager.region_stats(tag).resident_bytes <= before - 64 * MIB

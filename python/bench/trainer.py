@@ -38,8 +38,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
-from typing import Any, NoReturn
+from contextlib import contextmanager
+from typing import Any
+
+from side_by_side import exit_child, link
 
 GIB = 1 << 30
 IMPLS = ("drop_in", "gpu_pager", "torch_memory_saver")
@@ -47,30 +49,6 @@ IMPLS = ("drop_in", "gpu_pager", "torch_memory_saver")
 
 def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def link(torch: Any) -> tuple[float, float]:
-    """Pinned host->device and device->host bytes/s: one 4 GiB copy each way, best of 3."""
-    n = 4 * GIB
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    out = []
-    for direction in ("h2d", "d2h"):
-        best = float("inf")
-        for _ in range(3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            if direction == "h2d":
-                dev.copy_(host, non_blocking=True)
-            else:
-                host.copy_(dev, non_blocking=True)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
-        out.append(n / best)
-    del host, dev
-    torch.cuda.empty_cache()
-    return out[0], out[1]
 
 
 class Saver:
@@ -246,17 +224,6 @@ def table(results: list[dict[str, Any]], reference: dict[str, Any]) -> str:
             f"{r['d2h'] / 1e9:.1f}/{r['h2d'] / 1e9:.1f} | {'yes' if exact else 'NO'} |"
         )
     return "\n".join(lines)
-
-
-def exit_child(result: dict[str, Any], path: str | None) -> NoReturn:
-    """Writes ``result`` and exits at once: torch_memory_saver's exit handlers end the
-    interpreter with status 1 in torch hook mode, and the figures are written by then."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def main() -> int:

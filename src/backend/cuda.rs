@@ -465,6 +465,9 @@ impl CudaBackend {
             chunk_bytes: chunk_bytes as u64,
             out,
         };
+        // Loaded before anything is enqueued, so that a failure leaves nothing in flight.
+        self.function(Kernel::ChunkHashPartial)?;
+        self.function(Kernel::ChunkHashFinalize)?;
         // SAFETY: the caller guarantees `out .. out + 8 * chunks` is mapped device memory;
         // the stream is a live stream of this context.
         check(unsafe { sys::cuMemsetD8Async(out, 0, chunks * 8, stream.cu_stream()) })

@@ -268,6 +268,8 @@ def main() -> int:
                 failed = True
             else:
                 results.append(r)
+                # Each row as it comes, so that a run cut short still says what it measured.
+                print(table([r], reference).splitlines()[-1], flush=True)
     if results:
         print(table(results, reference))
     return 1 if failed or any(r["checksum"] != reference["checksum"] for r in results) else 0

@@ -62,8 +62,11 @@ class Saver:
                 from gpu_pager.compat.torch_memory_saver import torch_memory_saver as tms
             else:
                 from torch_memory_saver import torch_memory_saver as tms  # type: ignore[no-redef]
+            # First: torch_memory_saver starts in its default (preload) mode at the first
+            # other attribute it is asked for. No LD_PRELOAD; one allocator path for all three.
+            tms.hook_mode = "torch"
+            if impl == "torch_memory_saver":
                 tms.retain_cpu_backup = True  # keeps its pinned backup: its fast configuration
-            tms.hook_mode = "torch"  # no LD_PRELOAD; one allocator path for all three
             self.tms: Any = tms
         elif impl == "gpu_pager":
             import gpu_pager.torch as gpt

@@ -1,0 +1,191 @@
+"""Does freeing one region's device memory overlap the copies of another, or does the driver
+run it behind them? The question behind a release that unmaps its discarded tags (the KV
+cache) while its preserved tags (the weights) are still copying to the host.
+
+Bare driver calls through ctypes, no gpu_pager: ``--weights-gib`` of weights in ``--tensors``
+allocations (each its own ``cuMemCreate``, mapped into one reservation) are copied to pinned
+host memory with ``cuMemcpyDtoHAsync`` on one stream, and ``--kv-gib`` of KV cache in 2 GiB
+handles is unmapped and released (``cuMemUnmap`` + ``cuMemRelease``):
+
+- ``serial``: the copies, wait, then the KV's unmap, then the weights' unmap (a release today);
+- ``overlap``: the copies enqueued, the KV's unmap at once on the same thread, then the wait;
+- ``overlap_thread``: the KV's unmap on a second thread while this one enqueues and waits.
+
+Prints each mode's median over ``--rounds`` and the parts of ``serial`` (copy alone, each
+unmap alone). On the GPU machine, from the repository root::
+
+    bash .gpu/on-device py python/bench/unmap_overlap.py --weights-gib 16 --kv-gib 16 --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import random
+import statistics
+import threading
+import time
+from typing import Any
+
+GIB = 1 << 30
+MIB = 1 << 20
+GRANULE = 2 * MIB
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class _AllocProp(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", _Location),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", _AllocFlags),
+    ]
+
+
+class _AccessDesc(ctypes.Structure):
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+# (base, total bytes, [(address, bytes, handle)]): one reservation and its mappings.
+Mapped = tuple[int, int, list[tuple[int, int, int]]]
+
+
+class Driver:
+    """The few VMM and copy calls this probe makes, on device 0's primary context (torch's)."""
+
+    def __init__(self) -> None:
+        self.cu = ctypes.CDLL("libcuda.so.1")
+        self.prop = _AllocProp()
+        self.prop.type = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
+        self.prop.location.type = 1  # CU_MEM_LOCATION_TYPE_DEVICE
+        self.access = _AccessDesc()
+        self.access.location.type = 1
+        self.access.flags = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+
+    def check(self, result: int, what: str) -> None:
+        if result != 0:
+            raise RuntimeError(f"{what} failed: CUresult {result}")
+
+    def map(self, sizes: list[int]) -> Mapped:
+        """One reservation with one handle per size mapped back to back, read/write."""
+        total = sum(sizes)
+        base = ctypes.c_uint64()
+        self.check(self.cu.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(total), ctypes.c_size_t(0),
+                                               ctypes.c_uint64(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
+        parts: list[tuple[int, int, int]] = []
+        offset = 0
+        for size in sizes:
+            handle = ctypes.c_ulonglong()
+            at = ctypes.c_uint64(base.value + offset)
+            self.check(self.cu.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(self.prop),
+                                           ctypes.c_ulonglong(0)), "cuMemCreate")
+            self.check(self.cu.cuMemMap(at, ctypes.c_size_t(size), ctypes.c_size_t(0), handle,
+                                        ctypes.c_ulonglong(0)), "cuMemMap")
+            self.check(self.cu.cuMemSetAccess(at, ctypes.c_size_t(size), ctypes.byref(self.access),
+                                              ctypes.c_size_t(1)), "cuMemSetAccess")
+            parts.append((base.value + offset, size, handle.value))
+            offset += size
+        return base.value, total, parts
+
+    def current_context(self) -> int:
+        """This thread's current context (``cuCtxGetCurrent``)."""
+        ctx = ctypes.c_void_p()
+        self.check(self.cu.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        return ctx.value or 0
+
+    def unmap_on_thread(self, mapped: Mapped, context: int) -> None:
+        """``unmap`` on another thread, with ``context`` made current there first."""
+        self.check(self.cu.cuCtxSetCurrent(ctypes.c_void_p(context)), "cuCtxSetCurrent")
+        self.unmap(mapped)
+
+    def unmap(self, mapped: Mapped) -> None:
+        """Unmaps and releases every handle, then frees the reservation."""
+        base, total, parts = mapped
+        for address, size, handle in parts:
+            self.check(self.cu.cuMemUnmap(ctypes.c_uint64(address), ctypes.c_size_t(size)), "cuMemUnmap")
+            self.check(self.cu.cuMemRelease(ctypes.c_ulonglong(handle)), "cuMemRelease")
+        self.check(self.cu.cuMemAddressFree(ctypes.c_uint64(base), ctypes.c_size_t(total)), "cuMemAddressFree")
+
+    def copy_to_host(self, mapped: Mapped, host: int, stream: int) -> None:
+        """Enqueues one device-to-host copy per handle into ``host``, back to back."""
+        offset = 0
+        for address, size, _ in mapped[2]:
+            self.check(self.cu.cuMemcpyDtoHAsync_v2(ctypes.c_void_p(host + offset), ctypes.c_uint64(address),
+                                                    ctypes.c_size_t(size), ctypes.c_void_p(stream)),
+                       "cuMemcpyDtoHAsync")
+            offset += size
+
+
+def weight_sizes(total: int, n: int) -> list[int]:
+    """``n`` sizes of about ``total / n`` each (±50 %), multiples of the 2 MiB granule."""
+    rng = random.Random(7)
+    shares = [rng.uniform(0.5, 1.5) for _ in range(n)]
+    scale = total / sum(shares)
+    return [max(GRANULE, int(s * scale) // GRANULE * GRANULE) for s in shares]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--weights-gib", type=float, default=16)
+    ap.add_argument("--tensors", type=int, default=300)
+    ap.add_argument("--kv-gib", type=int, default=16, help="in 2 GiB handles")
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    import torch
+
+    torch.empty(1, device="cuda")  # device 0's primary context, current on this thread
+    driver = Driver()
+    sizes = weight_sizes(int(args.weights_gib * GIB), args.tensors)
+    host: Any = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
+    stream: Any = torch.cuda.Stream()
+    rows: dict[str, list[float]] = {k: [] for k in (
+        "serial", "overlap", "overlap_thread", "copy alone", "KV unmap alone", "weights unmap alone")}
+    for _ in range(args.rounds):
+        for mode in ("serial", "overlap", "overlap_thread"):
+            weights = driver.map(sizes)
+            kv = driver.map([2 * GIB] * (args.kv_gib // 2))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if mode == "serial":
+                driver.copy_to_host(weights, host.data_ptr(), stream.cuda_stream)
+                stream.synchronize()
+                t1 = time.perf_counter()
+                driver.unmap(kv)
+                t2 = time.perf_counter()
+                driver.unmap(weights)
+                rows["copy alone"].append(t1 - t0)
+                rows["KV unmap alone"].append(t2 - t1)
+                rows["weights unmap alone"].append(time.perf_counter() - t2)
+            elif mode == "overlap":
+                driver.copy_to_host(weights, host.data_ptr(), stream.cuda_stream)
+                driver.unmap(kv)
+                stream.synchronize()
+                driver.unmap(weights)
+            else:
+                helper = threading.Thread(target=driver.unmap_on_thread, args=(kv, driver.current_context()))
+                helper.start()
+                driver.copy_to_host(weights, host.data_ptr(), stream.cuda_stream)
+                stream.synchronize()
+                helper.join()
+                driver.unmap(weights)
+            rows[mode].append(time.perf_counter() - t0)
+    for name, xs in rows.items():
+        print(f"{name}: median {statistics.median(xs) * 1e3:.1f} ms, "
+              f"each {[round(x * 1e3, 1) for x in xs]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -651,6 +651,176 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn kv_kernels(&self) -> &dyn KvKernels;
 }
 
+/// Implements the named [`Backend`] methods of a wrapper by calling the same method of its
+/// field `inner` (itself a [`Backend`]), inside `impl Backend for Wrapper { ... }` beside
+/// the methods the wrapper changes:
+///
+/// ```ignore
+/// impl Backend for Wrapper {
+///     gpu_pager::forward_backend!(inner: info, deferred_errors, mem_info, synchronize);
+///     fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>> { ... }
+///     // ...
+/// }
+/// ```
+///
+/// Every method of the trait is required, so a method neither written nor named here is a
+/// compile error, never a silent default. An unsafe method forwarded keeps its contract:
+/// the wrapper's caller upholds it for the inner backend. `kv_kernels` forwards to the
+/// inner backend's kernels.
+#[macro_export]
+macro_rules! forward_backend {
+    ($inner:ident: $($method:ident),+ $(,)?) => {
+        $( $crate::forward_backend!(@one $inner $method); )+
+    };
+    (@one $i:ident info) => {
+        fn info(&self) -> &$crate::backend::DeviceInfo {
+            self.$i.info()
+        }
+    };
+    (@one $i:ident deferred_errors) => {
+        fn deferred_errors(&self) -> &::std::sync::Arc<$crate::backend::DeferredErrors> {
+            self.$i.deferred_errors()
+        }
+    };
+    (@one $i:ident mem_info) => {
+        fn mem_info(&self) -> $crate::backend::BackendResult<$crate::backend::MemInfo> {
+            self.$i.mem_info()
+        }
+    };
+    (@one $i:ident processes) => {
+        fn processes(&self) -> ::std::option::Option<::std::vec::Vec<$crate::backend::DeviceProcess>> {
+            self.$i.processes()
+        }
+    };
+    (@one $i:ident set_reclaim_scrubbed) => {
+        fn set_reclaim_scrubbed(&self, on: bool) {
+            self.$i.set_reclaim_scrubbed(on)
+        }
+    };
+    (@one $i:ident reserve) => {
+        fn reserve(
+            &self,
+            bytes: usize,
+        ) -> $crate::backend::BackendResult<::std::sync::Arc<dyn $crate::backend::Reservation>> {
+            self.$i.reserve(bytes)
+        }
+    };
+    (@one $i:ident map) => {
+        unsafe fn map(
+            &self,
+            reservation: &::std::sync::Arc<dyn $crate::backend::Reservation>,
+            offset: usize,
+            chunk_sizes: &[usize],
+        ) -> $crate::backend::BackendResult<::std::vec::Vec<::std::boxed::Box<dyn $crate::backend::Mapping>>> {
+            // SAFETY: the caller upholds `map`'s contract, the inner backend's.
+            unsafe { self.$i.map(reservation, offset, chunk_sizes) }
+        }
+    };
+    (@one $i:ident synchronize) => {
+        fn synchronize(&self) -> $crate::backend::BackendResult<()> {
+            self.$i.synchronize()
+        }
+    };
+    (@one $i:ident alloc_pinned) => {
+        fn alloc_pinned(
+            &self,
+            bytes: usize,
+        ) -> $crate::backend::BackendResult<::std::boxed::Box<dyn $crate::backend::HostBuffer>> {
+            self.$i.alloc_pinned(bytes)
+        }
+    };
+    (@one $i:ident alloc_pinned_many) => {
+        fn alloc_pinned_many(
+            &self,
+            sizes: &[usize],
+        ) -> $crate::backend::BackendResult<::std::vec::Vec<::std::boxed::Box<dyn $crate::backend::HostBuffer>>> {
+            self.$i.alloc_pinned_many(sizes)
+        }
+    };
+    (@one $i:ident copy_to_device) => {
+        unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> $crate::backend::BackendResult<()> {
+            // SAFETY: the caller upholds `copy_to_device`'s contract, the inner backend's.
+            unsafe { self.$i.copy_to_device(dst, src) }
+        }
+    };
+    (@one $i:ident copy_to_host) => {
+        unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> $crate::backend::BackendResult<()> {
+            // SAFETY: the caller upholds `copy_to_host`'s contract, the inner backend's.
+            unsafe { self.$i.copy_to_host(dst, src) }
+        }
+    };
+    (@one $i:ident alloc_pinned_from_device) => {
+        unsafe fn alloc_pinned_from_device(
+            &self,
+            bytes: usize,
+            src: u64,
+        ) -> $crate::backend::BackendResult<::std::boxed::Box<dyn $crate::backend::HostBuffer>> {
+            // SAFETY: the caller upholds the contract, the inner backend's.
+            unsafe { self.$i.alloc_pinned_from_device(bytes, src) }
+        }
+    };
+    (@one $i:ident alloc_pinned_many_from_device) => {
+        unsafe fn alloc_pinned_many_from_device(
+            &self,
+            ranges: &[$crate::backend::DeviceRange],
+        ) -> $crate::backend::BackendResult<::std::vec::Vec<::std::boxed::Box<dyn $crate::backend::HostBuffer>>> {
+            // SAFETY: the caller upholds the contract, the inner backend's.
+            unsafe { self.$i.alloc_pinned_many_from_device(ranges) }
+        }
+    };
+    (@one $i:ident copy_unit) => {
+        unsafe fn copy_unit(
+            &self,
+            copy: &$crate::backend::RawCopy,
+            mover: $crate::backend::Mover,
+        ) -> $crate::backend::BackendResult<::std::boxed::Box<dyn $crate::backend::Fence>> {
+            // SAFETY: the caller upholds `copy_unit`'s contract, the inner backend's.
+            unsafe { self.$i.copy_unit(copy, mover) }
+        }
+    };
+    (@one $i:ident copy_on) => {
+        unsafe fn copy_on(
+            &self,
+            copy: &$crate::backend::RawCopy,
+            mover: $crate::backend::Mover,
+            stream: $crate::backend::RawStream,
+        ) -> $crate::backend::BackendResult<()> {
+            // SAFETY: the caller upholds `copy_on`'s contract, the inner backend's.
+            unsafe { self.$i.copy_on(copy, mover, stream) }
+        }
+    };
+    (@one $i:ident fence) => {
+        fn fence(
+            &self,
+            stream: $crate::backend::RawStream,
+        ) -> $crate::backend::BackendResult<::std::boxed::Box<dyn $crate::backend::Fence>> {
+            self.$i.fence(stream)
+        }
+    };
+    (@one $i:ident fill) => {
+        unsafe fn fill(&self, dst: u64, bytes: usize, pattern: u32) -> $crate::backend::BackendResult<()> {
+            // SAFETY: the caller upholds `fill`'s contract, the inner backend's.
+            unsafe { self.$i.fill(dst, bytes, pattern) }
+        }
+    };
+    (@one $i:ident chunk_hash) => {
+        unsafe fn chunk_hash(
+            &self,
+            src: u64,
+            bytes: usize,
+            chunk_bytes: usize,
+        ) -> $crate::backend::BackendResult<::std::vec::Vec<u64>> {
+            // SAFETY: the caller upholds `chunk_hash`'s contract, the inner backend's.
+            unsafe { self.$i.chunk_hash(src, bytes, chunk_bytes) }
+        }
+    };
+    (@one $i:ident kv_kernels) => {
+        fn kv_kernels(&self) -> &dyn $crate::backend::KvKernels {
+            self.$i.kv_kernels()
+        }
+    };
+}
+
 /// The paged-KV-cache kernels of a backend, reached through [`Backend::kv_kernels`].
 ///
 /// They are custom operations on top of the primitives of [`Backend`], kept out of it (as

@@ -42,9 +42,8 @@ pub mod spool;
 pub use hog::Hog;
 
 use gpu_pager::backend::{
-    Backend, BackendError, BackendResult, DeferredErrors, DeviceInfo, DeviceProcess, DeviceRange,
-    Direction, Fence, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream,
-    Reservation,
+    Backend, BackendError, BackendResult, DeferredErrors, DeviceRange, Direction, Fence,
+    HostBuffer, Mapping, Mover, RawCopy, RawStream, Reservation,
 };
 
 /// A call that can be made to fail.
@@ -439,29 +438,10 @@ fn splitmix64(x: u64) -> u64 {
 }
 
 impl Backend for FaultyBackend {
-    fn info(&self) -> &DeviceInfo {
-        self.inner.info()
-    }
-
-    fn deferred_errors(&self) -> &Arc<DeferredErrors> {
-        self.inner.deferred_errors()
-    }
-
-    fn set_reclaim_scrubbed(&self, on: bool) {
-        self.inner.set_reclaim_scrubbed(on)
-    }
-
-    fn mem_info(&self) -> BackendResult<MemInfo> {
-        self.inner.mem_info()
-    }
-
-    fn processes(&self) -> Option<Vec<DeviceProcess>> {
-        self.inner.processes()
-    }
-
-    fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>> {
-        self.inner.reserve(bytes)
-    }
+    // No fault is injected into these; the KV kernels are the wrapped backend's.
+    gpu_pager::forward_backend!(inner:
+        info, deferred_errors, set_reclaim_scrubbed, mem_info, processes, reserve, fence, fill,
+        chunk_hash, kv_kernels);
 
     /// Pins, then copies, through this wrapper's own (faulty) `alloc_pinned` and
     /// `copy_to_host`.
@@ -578,33 +558,5 @@ impl Backend for FaultyBackend {
         self.check(copy_point(copy), "copy_on")?;
         // SAFETY: the caller upholds `copy_on`'s contract, the wrapped backend's.
         unsafe { self.inner.copy_on(copy, mover, stream) }
-    }
-
-    fn fence(&self, stream: RawStream) -> BackendResult<Box<dyn Fence>> {
-        self.inner.fence(stream)
-    }
-
-    /// # Safety
-    /// As [`Backend::fill`].
-    unsafe fn fill(&self, dst: u64, bytes: usize, pattern: u32) -> BackendResult<()> {
-        // SAFETY: the caller upholds `fill`'s contract, the wrapped backend's.
-        unsafe { self.inner.fill(dst, bytes, pattern) }
-    }
-
-    /// # Safety
-    /// As [`Backend::chunk_hash`].
-    unsafe fn chunk_hash(
-        &self,
-        src: u64,
-        bytes: usize,
-        chunk_bytes: usize,
-    ) -> BackendResult<Vec<u64>> {
-        // SAFETY: the caller upholds `chunk_hash`'s contract, the wrapped backend's.
-        unsafe { self.inner.chunk_hash(src, bytes, chunk_bytes) }
-    }
-
-    /// The wrapped backend's: no fault is injected into the KV kernels.
-    fn kv_kernels(&self) -> &dyn KvKernels {
-        self.inner.kv_kernels()
     }
 }

@@ -2,8 +2,8 @@
 
 use gpu_pager::backend::host::HostBackend;
 use gpu_pager::backend::{
-    Backend, BackendResult, DeferredErrors, DeviceInfo, DeviceProcess, DeviceRange, Direction,
-    Fence, HostBuffer, KvKernels, Mapping, MemInfo, Mover, RawCopy, RawStream, Reservation,
+    Backend, BackendResult, Direction, Fence, HostBuffer, KvKernels, Mapping, Mover, RawCopy,
+    RawStream, Reservation,
 };
 use gpu_pager_testkit::Hog;
 use std::sync::Arc;
@@ -65,24 +65,10 @@ impl Broken {
 }
 
 impl Backend for Broken {
-    fn info(&self) -> &DeviceInfo {
-        self.inner.info()
-    }
-    fn deferred_errors(&self) -> &Arc<DeferredErrors> {
-        self.inner.deferred_errors()
-    }
-    fn mem_info(&self) -> BackendResult<MemInfo> {
-        self.inner.mem_info()
-    }
-    fn processes(&self) -> Option<Vec<DeviceProcess>> {
-        self.inner.processes()
-    }
-    fn set_reclaim_scrubbed(&self, on: bool) {
-        self.inner.set_reclaim_scrubbed(on)
-    }
-    fn reserve(&self, bytes: usize) -> BackendResult<Arc<dyn Reservation>> {
-        self.inner.reserve(bytes)
-    }
+    gpu_pager::forward_backend!(inner:
+        info, deferred_errors, mem_info, processes, set_reclaim_scrubbed, reserve, synchronize,
+        alloc_pinned, alloc_pinned_many, alloc_pinned_many_from_device, copy_to_device,
+        copy_to_host, fence, fill, chunk_hash);
     unsafe fn alloc_pinned_from_device(
         &self,
         bytes: usize,
@@ -106,30 +92,6 @@ impl Backend for Broken {
         // SAFETY: forwarded from the caller.
         unsafe { self.inner.map(reservation, offset, sizes) }
     }
-    fn synchronize(&self) -> BackendResult<()> {
-        self.inner.synchronize()
-    }
-    fn alloc_pinned(&self, bytes: usize) -> BackendResult<Box<dyn HostBuffer>> {
-        self.inner.alloc_pinned(bytes)
-    }
-    fn alloc_pinned_many(&self, sizes: &[usize]) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
-        self.inner.alloc_pinned_many(sizes)
-    }
-    unsafe fn alloc_pinned_many_from_device(
-        &self,
-        ranges: &[DeviceRange],
-    ) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.inner.alloc_pinned_many_from_device(ranges) }
-    }
-    unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> BackendResult<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.inner.copy_to_device(dst, src) }
-    }
-    unsafe fn copy_to_host(&self, dst: &mut [u8], src: u64) -> BackendResult<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.inner.copy_to_host(dst, src) }
-    }
     unsafe fn copy_unit(&self, copy: &RawCopy, mover: Mover) -> BackendResult<Box<dyn Fence>> {
         // SAFETY: forwarded from the caller (the host backend copies at once).
         let fence = unsafe { self.inner.copy_unit(copy, mover) }?;
@@ -142,17 +104,6 @@ impl Backend for Broken {
         unsafe { self.inner.copy_on(copy, mover, stream) }?;
         // SAFETY: as above.
         unsafe { self.flip(copy) }
-    }
-    fn fence(&self, stream: RawStream) -> BackendResult<Box<dyn Fence>> {
-        self.inner.fence(stream)
-    }
-    unsafe fn fill(&self, dst: u64, bytes: usize, pattern: u32) -> BackendResult<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.inner.fill(dst, bytes, pattern) }
-    }
-    unsafe fn chunk_hash(&self, src: u64, bytes: usize, chunk: usize) -> BackendResult<Vec<u64>> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.inner.chunk_hash(src, bytes, chunk) }
     }
     fn kv_kernels(&self) -> &dyn KvKernels {
         self

@@ -280,6 +280,15 @@ impl Pager {
             })
     }
 
+    /// `bytes` of host memory counted against the node's host budget while the share
+    /// lives (for pinned memory the pager hands out beside the backups).
+    pub(crate) fn reserve_host(
+        &self,
+        bytes: usize,
+    ) -> crate::backend::BackendResult<crate::backup::Share> {
+        self.media.reserve(bytes)
+    }
+
     /// The directory new [`Medium::File`] backups go to, if one is set.
     pub fn backup_dir(&self) -> Option<std::path::PathBuf> {
         self.media.files.dir()

@@ -129,10 +129,11 @@ def configure(
     regions where NVML does not report this process); the audit shows all of it (default
     4 GiB; the largest value: never). ``host_budget_bytes`` (bytes, default
     ``18446744073709551615``): The most host memory that the backups in pinned or host
-    memory of every gpu-pager process of this user on the node may hold together (a
-    ledger in `/dev/shm`; a killed process's share comes back). A release whose new
-    backups would pass it fails before anything moves, as out of memory naming the budget
-    and each process's share (default: no budget; the environment variable
+    memory, the KV caches' swap space and the file backups' staging buffers of every gpu-
+    pager process of this user on the node may hold together (a ledger in `/dev/shm`; a
+    killed process's share comes back). A release whose new backups would pass it fails
+    before anything moves, as out of memory naming the budget and each process's share,
+    as does swap space over it (default: no budget; the environment variable
     `GPU_PAGER_HOST_BUDGET`, e.g. `64G`, sets it for the process's pagers)."""
 # </settings:configure>
 
@@ -261,11 +262,12 @@ class Config:
 
     @property
     def host_budget_bytes(self) -> int:
-        """The most host memory that the backups in pinned or host memory of every gpu-pager
-        process of this user on the node may hold together (a ledger in `/dev/shm`; a
-        killed process's share comes back). A release whose new backups would pass it
-        fails before anything moves, as out of memory naming the budget and each
-        process's share (default: no budget; the environment variable
+        """The most host memory that the backups in pinned or host memory, the KV caches'
+        swap space and the file backups' staging buffers of every gpu-pager process of
+        this user on the node may hold together (a ledger in `/dev/shm`; a killed
+        process's share comes back). A release whose new backups would pass it fails
+        before anything moves, as out of memory naming the budget and each process's
+        share, as does swap space over it (default: no budget; the environment variable
         `GPU_PAGER_HOST_BUDGET`, e.g. `64G`, sets it for the process's pagers)."""
 # </settings:Config>
 

@@ -29,6 +29,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use super::Store;
+use super::ledger::Share;
 use super::named::{self, Owner};
 use crate::backend::{
     Backend, BackendError, BackendResult, Direction, Fence, HostBuffer, Mover, RawCopy,
@@ -263,15 +264,18 @@ pub(crate) struct FileIo {
     target: Mutex<Target>,
     /// Bytes per half of the staging buffer.
     chunk: usize,
-    staging: Mutex<Option<Box<dyn HostBuffer>>>,
+    /// The node's budget for host memory, which the staging buffer counts against.
+    host_budget: usize,
+    staging: Mutex<Option<(Box<dyn HostBuffer>, Share)>>,
 }
 
 impl FileIo {
     /// File I/O with staging halves of `chunk` bytes (clamped to 4 KiB ..=
     /// [`MAX_FILE_CHUNK_BYTES`]) and the directory from [`BACKUP_DIR_ENV`] if it is set
     /// (made absolute now: a later `chdir` does not move it). The directory is created and
-    /// checked when the first backup is made.
-    pub fn new(chunk: usize) -> FileIo {
+    /// checked when the first backup is made. The staging buffer, pinned at the first
+    /// transfer, counts against `host_budget` (the node's budget for host memory).
+    pub fn new(chunk: usize, host_budget: usize) -> FileIo {
         let dir = std::env::var_os(BACKUP_DIR_ENV)
             .filter(|d| !d.is_empty())
             .and_then(|d| std::path::absolute(d).ok());
@@ -281,6 +285,7 @@ impl FileIo {
                 ..Target::default()
             }),
             chunk: clamp_chunk(chunk),
+            host_budget,
             staging: Mutex::new(None),
         }
     }
@@ -385,10 +390,11 @@ impl FileIo {
     ) -> BackendResult<T> {
         let mut slot = self.staging.lock().unwrap_or_else(PoisonError::into_inner);
         if slot.is_none() {
-            *slot = Some(backend.alloc_pinned(2 * self.chunk)?);
+            let share = Share::within(2 * self.chunk, self.host_budget)?;
+            *slot = Some((backend.alloc_pinned(2 * self.chunk)?, share));
         }
-        match slot.as_deref_mut() {
-            Some(buf) => f(buf),
+        match slot.as_mut() {
+            Some((buf, _)) => f(buf.as_mut()),
             None => Err(BackendError::Internal {
                 op: "file backup",
                 reason: "no staging buffer".to_owned(),
@@ -813,7 +819,7 @@ mod tests {
     fn a_backup_taking_the_freed_tail_is_not_cut_by_the_shrink() {
         let dir =
             std::env::temp_dir().join(format!("gpu-pager-file-shrink-{}", std::process::id()));
-        let io = Arc::new(FileIo::new(4096));
+        let io = Arc::new(FileIo::new(4096, usize::MAX));
         io.set_dir(&dir, BackupFiles::Unnamed).unwrap();
         let b = Arc::new(HostBackend::new(HostConfig {
             capacity: 4 * G,
@@ -863,7 +869,7 @@ mod tests {
     #[test]
     fn bytes_survive_a_round_trip_through_small_chunks() {
         let dir = std::env::temp_dir().join(format!("gpu-pager-file-test-{}", std::process::id()));
-        let io = Arc::new(FileIo::new(4096));
+        let io = Arc::new(FileIo::new(4096, usize::MAX));
         io.set_dir(&dir, BackupFiles::Unnamed).unwrap();
         let b = HostBackend::new(HostConfig {
             capacity: 4 * G,
@@ -916,7 +922,7 @@ mod tests {
     #[test]
     fn the_same_directory_again_keeps_its_spool() {
         let dir = std::env::temp_dir().join(format!("gpu-pager-same-dir-{}", std::process::id()));
-        let io = Arc::new(FileIo::new(4096));
+        let io = Arc::new(FileIo::new(4096, usize::MAX));
         io.set_dir(&dir, BackupFiles::Unnamed).unwrap();
         let spool = |io: &FileIo| match locked(&io.target).open.clone() {
             Some(Dest::Spool(s)) => s,
@@ -936,6 +942,7 @@ mod tests {
         let io = Arc::new(FileIo {
             target: Mutex::new(Target::default()),
             chunk: 4096,
+            host_budget: usize::MAX,
             staging: Mutex::new(None),
         });
         let e = io.create(10).unwrap_err().to_string();
@@ -980,7 +987,7 @@ mod tests {
     #[test]
     fn a_fork_childs_copy_of_a_backup_leaves_the_extent_alone() {
         let dir = std::env::temp_dir().join(format!("gpu-pager-file-fork-{}", std::process::id()));
-        let io = Arc::new(FileIo::new(4096));
+        let io = Arc::new(FileIo::new(4096, usize::MAX));
         io.set_dir(&dir, BackupFiles::Unnamed).unwrap();
         let store = io.create(8192).unwrap();
         let Place::Extent { spool, at } = &store.place else {
@@ -1022,7 +1029,10 @@ mod tests {
 
     #[test]
     fn the_staging_chunk_is_clamped() {
-        assert_eq!(FileIo::new(1).chunk, MIN_FILE_CHUNK_BYTES);
-        assert_eq!(FileIo::new(usize::MAX).chunk, MAX_FILE_CHUNK_BYTES);
+        assert_eq!(FileIo::new(1, usize::MAX).chunk, MIN_FILE_CHUNK_BYTES);
+        assert_eq!(
+            FileIo::new(usize::MAX, usize::MAX).chunk,
+            MAX_FILE_CHUNK_BYTES
+        );
     }
 }

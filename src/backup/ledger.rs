@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::named::flock;
+use crate::backend::{BackendError, BackendResult};
 
 /// The environment variable that puts the ledger in another directory (tests; machines
 /// without `/dev/shm`).
@@ -278,6 +279,24 @@ impl Share {
             ledger: Some(ledger),
             bytes,
         }))
+    }
+
+    /// [`Share::reserve`] with its failures as backend errors: over the budget,
+    /// [`BackendError::HostBudget`] (who holds what); a ledger that cannot be opened,
+    /// [`BackendError::Os`].
+    pub(crate) fn within(bytes: usize, budget: usize) -> BackendResult<Share> {
+        match Share::reserve(bytes, budget) {
+            Ok(Ok(share)) => Ok(share),
+            Ok(Err(over)) => Err(BackendError::HostBudget {
+                budget: over.budget,
+                requested: over.requested,
+                shares: over.shares,
+            }),
+            Err(error) => Err(BackendError::Os {
+                op: "opening the host-memory budget's ledger",
+                error,
+            }),
+        }
     }
 
     /// Splits `bytes` off into a share of its own (for one of several buffers reserved

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use super::file::FileIo;
 use super::ledger::Share;
 use super::memory::MemoryStore;
-use crate::backend::{Backend, BackendError, BackendResult};
+use crate::backend::{Backend, BackendResult};
 use crate::pump::{Pump, Sink};
 
 /// What the media need beyond the backend, owned by the pager and lent whole to each region
@@ -28,25 +28,14 @@ impl Media {
     /// host memory within `host_budget` bytes for the node's processes together.
     pub(crate) fn new(file_chunk_bytes: usize, host_budget: usize) -> Media {
         Media {
-            files: Arc::new(FileIo::new(file_chunk_bytes)),
+            files: Arc::new(FileIo::new(file_chunk_bytes, host_budget)),
             host_budget,
         }
     }
 
     /// `bytes` of host memory for backups, within the node's budget.
     pub(crate) fn reserve(&self, bytes: usize) -> BackendResult<Share> {
-        match Share::reserve(bytes, self.host_budget) {
-            Ok(Ok(share)) => Ok(share),
-            Ok(Err(over)) => Err(BackendError::HostBudget {
-                budget: over.budget,
-                requested: over.requested,
-                shares: over.shares,
-            }),
-            Err(error) => Err(BackendError::Os {
-                op: "opening the host-memory budget's ledger",
-                error,
-            }),
-        }
+        Share::within(bytes, self.host_budget)
     }
 }
 

@@ -570,7 +570,9 @@ impl KvCache {
     }
 
     /// Pinned host memory for swapping up to `blocks` blocks out, from the pager's backend
-    /// (so the device can address it).
+    /// (so the device can address it), counted against the node's host budget
+    /// ([`crate::PagerConfig::host_budget_bytes`]) while it lives: over it, out of memory
+    /// naming the budget and who holds what.
     pub fn alloc_host(&self, blocks: u32) -> Result<SwapSpace> {
         let bytes = usize::try_from(self.layout.bytes_per_block())
             .ok()
@@ -579,12 +581,18 @@ impl KvCache {
                 tag: self.tag.clone(),
                 reason: format!("{blocks} blocks of swap space overflow usize bytes"),
             })?;
+        let pinning = |e| Error::backend(&self.tag, "pinning host memory for swapping", e);
+        let share = self.pager.reserve_host(bytes.max(1)).map_err(pinning)?;
         let buf = self
             .pager
             .backend()
             .alloc_pinned(bytes.max(1))
-            .map_err(|e| Error::backend(&self.tag, "pinning host memory for swapping", e))?;
-        Ok(SwapSpace { buf, blocks })
+            .map_err(pinning)?;
+        Ok(SwapSpace {
+            buf,
+            blocks,
+            _share: share,
+        })
     }
 
     /// Copies `blocks` (live) to `host`, packed in list order, in one zero-copy launch
@@ -731,6 +739,8 @@ impl Drop for KvCache {
 pub struct SwapSpace {
     buf: Box<dyn HostBuffer>,
     blocks: u32,
+    /// This buffer's part of the process's share of the host budget.
+    _share: crate::backup::Share,
 }
 
 impl SwapSpace {

@@ -279,12 +279,13 @@ settings! {
     /// use outside the regions where NVML does not report this process); the audit shows
     /// all of it (default 4 GiB; the largest value: never).
     resident_warning_bytes: usize = super::RESIDENT_WARNING_BYTES;
-    /// The most host memory that the backups in pinned or host memory of every gpu-pager
-    /// process of this user on the node may hold together (a ledger in `/dev/shm`; a
-    /// killed process's share comes back). A release whose new backups would pass it fails
-    /// before anything moves, as out of memory naming the budget and each process's share
-    /// (default: no budget; the environment variable `GPU_PAGER_HOST_BUDGET`, e.g. `64G`,
-    /// sets it for the process's pagers).
+    /// The most host memory that the backups in pinned or host memory, the KV caches' swap
+    /// space and the file backups' staging buffers of every gpu-pager process of this user
+    /// on the node may hold together (a ledger in `/dev/shm`; a killed process's share
+    /// comes back). A release whose new backups would pass it fails before anything moves,
+    /// as out of memory naming the budget and each process's share, as does swap space
+    /// over it (default: no budget; the environment variable `GPU_PAGER_HOST_BUDGET`, e.g.
+    /// `64G`, sets it for the process's pagers).
     host_budget_bytes: usize = usize::MAX;
 }
 

@@ -482,3 +482,101 @@ fn the_file_chunk_is_clamped() {
         gpu_pager::MAX_FILE_CHUNK_BYTES
     );
 }
+
+/// The node's host budget counts all the pinned memory the pager hands out, not only
+/// backups in host memory: the KV cache's swap space and the file medium's staging buffer
+/// too. Over the budget, each is out of memory naming the budget, and nothing is lost; a
+/// share comes back when its holder is dropped. In a process of its own, with a ledger of
+/// its own.
+#[test]
+fn swap_space_and_file_staging_count_against_the_host_budget() {
+    const CHILD: &str = "GPU_PAGER_BUDGET_CHILD";
+    if let Some(dir) = std::env::var_os(CHILD) {
+        let dir = Path::new(&dir);
+        let backend = std::sync::Arc::new(HostBackend::new(HostConfig {
+            capacity: 256 * MIB,
+            granularity: 2 * MIB,
+        }));
+        let mut config = common::small_chunks();
+        config.host_budget_bytes = 6 * MIB;
+        config.tuning.file_chunk_bytes = 2 * MIB; // a staging buffer of 4 MiB
+        let pager = std::sync::Arc::new(Pager::with_config(backend, config));
+        let over_budget = |e: &gpu_pager::Error| {
+            e.code() == gpu_pager::ErrorCode::OutOfMemory && e.to_string().contains("budget")
+        };
+        // 2 MiB per block: 32 layers, K and V, 16 tokens of 8 heads of 128 bf16 values.
+        let layout = gpu_pager::kv::KvLayout::new(
+            32,
+            8,
+            128,
+            16,
+            gpu_pager::kv::KvDtype::Bf16,
+            gpu_pager::kv::KvOrder::Nhd,
+        )
+        .unwrap();
+        let cache = gpu_pager::kv::KvCache::new(
+            pager.clone(),
+            "kv",
+            layout,
+            4,
+            gpu_pager::kv::KvCacheConfig::default(),
+        )
+        .unwrap();
+        let swap = cache.alloc_host(2).unwrap(); // 4 MiB of the 6
+        let e = cache.alloc_host(2).map(|_| ()).unwrap_err();
+        assert!(over_budget(&e), "{e}");
+
+        pager.set_backup_files(dir, BackupFiles::Unnamed).unwrap();
+        pager
+            .region_with(
+                "w",
+                0,
+                Policy::Preserve,
+                file_backed(gpu_pager::RegionKind::Growing),
+            )
+            .unwrap();
+        let b = pager.alloc("w", 2 * MIB).unwrap();
+        pager.write(&b, 0, &vec![7u8; 2 * MIB]).unwrap();
+        let e = pager.release(&["w"]).unwrap_err();
+        assert!(over_budget(&e), "{e}");
+        assert_eq!(read(&pager, &b), vec![7u8; 2 * MIB]);
+
+        drop(swap);
+        pager.release(&["w"]).unwrap();
+        pager.resume(&["w"]).unwrap();
+        assert_eq!(read(&pager, &b), vec![7u8; 2 * MIB]);
+        let e = cache.alloc_host(2).map(|_| ()).unwrap_err();
+        assert!(
+            over_budget(&e),
+            "the staging buffer holds 4 MiB of the 6: {e}"
+        );
+        cache.alloc_host(1).unwrap();
+        return;
+    }
+    let dir = scratch("budget");
+    let out = common::this_binary()
+        .args([
+            "--exact",
+            &common::test_path(
+                module_path!(),
+                "swap_space_and_file_staging_count_against_the_host_budget",
+            ),
+        ])
+        .env(CHILD, &dir)
+        .env("GPU_PAGER_LEDGER_DIR", dir.join("ledger"))
+        .env_remove("GPU_PAGER_HOST_BUDGET")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -36,6 +36,19 @@ fn file_backed(kind: gpu_pager::RegionKind) -> RegionOptions {
     }
 }
 
+/// Region `w` of `pager`: growing, `Preserve`, backed up in `files` in `dir`.
+fn file_region(pager: &Pager, dir: &Path, files: BackupFiles) {
+    pager.set_backup_files(dir, files).unwrap();
+    pager
+        .region_with(
+            "w",
+            0,
+            Policy::Preserve,
+            file_backed(gpu_pager::RegionKind::Growing),
+        )
+        .unwrap();
+}
+
 /// A pager with region `w` of `n` buffers of `len` bytes (buffer `i` filled with `i + 1`)
 /// backed up in unnamed files in `dir`.
 fn filled(dir: &Path, n: usize, len: usize) -> (Pager, Vec<gpu_pager::Buffer>) {
@@ -55,15 +68,7 @@ fn filled_as(
         granularity: 64 << 10,
     }));
     let pager = Pager::with_config(backend, common::small_chunks());
-    pager.set_backup_files(dir, files).unwrap();
-    pager
-        .region_with(
-            "w",
-            0,
-            Policy::Preserve,
-            file_backed(gpu_pager::RegionKind::Growing),
-        )
-        .unwrap();
+    file_region(&pager, dir, files);
     let bufs = (0..n)
         .map(|i| {
             let b = pager.alloc("w", len).unwrap();
@@ -526,15 +531,7 @@ fn swap_space_and_file_staging_count_against_the_host_budget() {
         let e = cache.alloc_host(2).map(|_| ()).unwrap_err();
         assert!(over_budget(&e), "{e}");
 
-        pager.set_backup_files(dir, BackupFiles::Unnamed).unwrap();
-        pager
-            .region_with(
-                "w",
-                0,
-                Policy::Preserve,
-                file_backed(gpu_pager::RegionKind::Growing),
-            )
-            .unwrap();
+        file_region(&pager, dir, BackupFiles::Unnamed);
         let b = pager.alloc("w", 2 * MIB).unwrap();
         pager.write(&b, 0, &vec![7u8; 2 * MIB]).unwrap();
         let e = pager.release(&["w"]).unwrap_err();

@@ -8,7 +8,6 @@
 use std::path::{Path, PathBuf};
 
 use gpu_pager_testkit::c_build::{self, built_library, workspace};
-use std::process::Command;
 
 fn shared_library() -> PathBuf {
     built_library("libgpu_pager.so", "gpu-pager-cdylib")
@@ -121,20 +120,6 @@ fn readme_c_example() {
 fn the_library_exports_exactly_the_header_functions() {
     let declared = c_build::declared("gpu_pager.h");
     assert!(declared.len() > 20, "{declared:?}");
-    let nm = Command::new("nm")
-        .args(["-D", "--defined-only"])
-        .arg(shared_library())
-        .output()
-        .expect("nm (binutils) runs");
-    assert!(nm.status.success(), "nm failed");
-    let mut exported: Vec<String> = String::from_utf8_lossy(&nm.stdout)
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let (_, kind, name) = (f.next()?, f.next()?, f.next()?);
-            (kind == "T").then(|| name.to_owned())
-        })
-        .collect();
-    exported.sort();
+    let exported = c_build::exported(&shared_library());
     assert_eq!(exported, declared);
 }

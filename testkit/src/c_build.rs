@@ -54,6 +54,27 @@ pub fn built_library(file: &str, package: &str) -> PathBuf {
         })
 }
 
+/// The functions `library` (a shared library) defines and exports, sorted, as `nm -D
+/// --defined-only` lists them (text symbols).
+pub fn exported(library: &Path) -> Vec<String> {
+    let nm = Command::new("nm")
+        .args(["-D", "--defined-only"])
+        .arg(library)
+        .output()
+        .expect("nm (binutils) runs");
+    assert!(nm.status.success(), "nm failed");
+    let mut names: Vec<String> = String::from_utf8_lossy(&nm.stdout)
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, kind, name) = (f.next()?, f.next()?, f.next()?);
+            (kind == "T").then(|| name.to_owned())
+        })
+        .collect();
+    names.sort();
+    names
+}
+
 /// The `gpu_pager_*` functions the header `include/<header>` declares, sorted: identifiers
 /// directly followed by `(`, outside `//` comments.
 pub fn declared(header: &str) -> Vec<String> {

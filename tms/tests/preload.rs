@@ -6,7 +6,6 @@
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use gpu_pager::registry::HOST_CAPACITY_ENV;
 use gpu_pager_testkit::c_build::{self, built_library, workspace};
@@ -85,21 +84,7 @@ fn the_wing_exports_its_header_and_the_product_declares_none_of_it() {
         wing.len() >= 19 && wing.iter().all(|f| f.starts_with("gpu_pager_tms_")),
         "{wing:?}"
     );
-    let nm = Command::new("nm")
-        .args(["-D", "--defined-only"])
-        .arg(wing_library())
-        .output()
-        .expect("nm (binutils) runs");
-    assert!(nm.status.success(), "nm failed");
-    let mut exported: Vec<String> = String::from_utf8_lossy(&nm.stdout)
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let (_, kind, name) = (f.next()?, f.next()?, f.next()?);
-            (kind == "T").then(|| name.to_owned())
-        })
-        .collect();
-    exported.sort();
+    let exported = c_build::exported(&wing_library());
     let mut both = [product, wing].concat();
     both.sort();
     assert_eq!(exported, both);

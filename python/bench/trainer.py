@@ -168,7 +168,6 @@ def run_one(impl: str, grads: str, state_bytes: int, steps: int, tokens: int, wi
 
     rows: dict[str, list[float]] = {}
     losses = []
-    free_paused = []
     for i in range(steps):
         losses.append(step(i))
         if impl == "reference":
@@ -176,7 +175,6 @@ def run_one(impl: str, grads: str, state_bytes: int, steps: int, tokens: int, wi
         pause = timed(saver.pause)
         if saver.report is not None:
             _log(f"{impl}/{grads} step {i}: pause {pause * 1e3:.0f} ms; {saver.report}")
-        free_paused.append(torch.cuda.mem_get_info()[0])
         time.sleep(0.5)
         resume = timed(saver.resume)
         if saver.report is not None:
@@ -193,7 +191,7 @@ def run_one(impl: str, grads: str, state_bytes: int, steps: int, tokens: int, wi
         "impl": impl, "grads": grads, "h2d": h2d, "d2h": d2h, "rows": rows,
         "losses": [float.hex(v) for v in losses], "checksum": checksum(),
         "weights_bytes": weights, "moments_bytes": moments, "kept_bytes": kept,
-        "tensors": len(params), "free_paused": free_paused,
+        "tensors": len(params),
     }
 
 

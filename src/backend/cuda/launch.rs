@@ -33,7 +33,7 @@ pub(super) enum Kernel {
 }
 
 impl Kernel {
-    /// Every kernel, in the order of [`Loaded::functions`].
+    /// Every kernel, in the variants' order (the order of [`Loaded::functions`]).
     const ALL: [Kernel; 7] = [
         Kernel::Fill,
         Kernel::ChunkHashPartial,
@@ -65,8 +65,9 @@ impl Kernel {
         }
     }
 
+    /// Its place in [`Kernel::ALL`] (the variants' order).
     fn index(self) -> usize {
-        Kernel::ALL.iter().position(|&k| k == self).unwrap_or(0)
+        self as usize
     }
 }
 
@@ -166,5 +167,17 @@ impl CudaBackend {
             )
         })
         .map_err(|e| driver_err("cuLaunchKernel", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Kernel;
+
+    #[test]
+    fn each_kernel_sits_at_its_index_of_all() {
+        for (i, k) in Kernel::ALL.iter().enumerate() {
+            assert_eq!(k.index(), i, "{k:?}");
+        }
     }
 }

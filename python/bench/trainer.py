@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from side_by_side import exit_child, link
+from side_by_side import exit_child, link, warm_host
 
 GIB = 1 << 30
 IMPLS = ("drop_in", "gpu_pager", "torch_memory_saver")
@@ -227,23 +227,6 @@ def table(results: list[dict[str, Any]], reference: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def warm_host(nbytes: int) -> None:
-    """Writes ``nbytes`` of fresh anonymous memory (huge pages asked for, as the pinned
-    backups do), then gives it back: the host's memory is then backed and free for the
-    children's backups."""
-    import ctypes
-    import mmap
-
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    step = 1 << 30
-    for off in range(0, nbytes, step):
-        ctypes.memset(base + off, 1, min(step, nbytes - off))
-    m.close()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", choices=("reference",) + IMPLS, help="one child run")
@@ -275,7 +258,7 @@ def main() -> int:
         return result
 
     # The first implementation would otherwise pay a fresh machine's first touch of host
-    # memory (BENCHMARKS.md: a first pause of 4.5 s on a machine just started, 0.6 s after).
+    # memory (BENCHMARKS.md, the side-by-side table).
     t = time.perf_counter()
     warm_host(int(sb * 1.1))
     _log(f"touched {sb * 1.1 / GIB:.1f} GiB of host memory in {time.perf_counter() - t:.1f} s")

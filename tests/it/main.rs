@@ -44,4 +44,5 @@ mod kv_block_pool;
 mod kv_cache_model;
 mod kv_kernels;
 mod kv_reference;
+mod layers;
 mod registry;

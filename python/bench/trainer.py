@@ -10,6 +10,9 @@ Implementations, each in its own process, one after the other on one GPU:
   torch_memory_saver (a region with CPU backup around the model's and the optimizer's
   creation and growth, ``pause()``/``resume()`` of every tag);
 - ``gpu_pager``: ``gpu_pager.torch`` (``use``/``release``/``resume``);
+- ``gpu_pager_prepin``: the same with ``use(..., prepin=True)``: each buffer's backup is
+  pinned when torch allocates it, so the first pause pins nothing; the cost moves to the
+  model's creation and the first step (the table's "setup + first step" column);
 - ``torch_memory_saver``: torch_memory_saver 0.0.10 itself, called as the drop-in is.
 
 Each runs twice: gradients kept with the rest (``keep``), and gradients in a tag of their own
@@ -44,7 +47,7 @@ from typing import Any
 from side_by_side import exit_child, link, warm_host
 
 GIB = 1 << 30
-IMPLS = ("drop_in", "gpu_pager", "torch_memory_saver")
+IMPLS = ("drop_in", "gpu_pager", "gpu_pager_prepin", "torch_memory_saver")
 
 
 def _log(msg: str) -> None:
@@ -68,7 +71,7 @@ class Saver:
             if impl == "torch_memory_saver":
                 tms.retain_cpu_backup = True  # keeps its pinned backup: its fast configuration
             self.tms: Any = tms
-        elif impl == "gpu_pager":
+        elif impl in ("gpu_pager", "gpu_pager_prepin"):
             import gpu_pager.torch as gpt
 
             self.gpt: Any = gpt
@@ -78,8 +81,8 @@ class Saver:
         """Where the weights and the optimizer's moments are allocated."""
         if self.impl == "reference":
             yield
-        elif self.impl == "gpu_pager":
-            with self.gpt.use("train"):
+        elif self.impl.startswith("gpu_pager"):
+            with self.gpt.use("train", prepin=self.impl == "gpu_pager_prepin"):
                 yield
         else:
             with self.tms.region("train", enable_cpu_backup=True):
@@ -89,7 +92,7 @@ class Saver:
         """Where the gradients are allocated."""
         if self.impl == "reference" or self.grads == "keep":
             return self.state()
-        if self.impl == "gpu_pager":
+        if self.impl.startswith("gpu_pager"):
             return self.gpt.use("grads", "discard_zeroed")
         return self.tms.region("grads", enable_cpu_backup=False)
 
@@ -97,13 +100,13 @@ class Saver:
         return ["train"] + (["grads"] if self.grads == "discard" else [])
 
     def pause(self) -> None:
-        if self.impl == "gpu_pager":
+        if self.impl.startswith("gpu_pager"):
             self.report = self.gpt.release(self.tags())
         else:
             self.tms.pause()
 
     def resume(self) -> None:
-        if self.impl == "gpu_pager":
+        if self.impl.startswith("gpu_pager"):
             self.report = self.gpt.resume(self.tags())
         else:
             self.tms.resume()
@@ -138,9 +141,10 @@ def run_one(impl: str, grads: str, state_bytes: int, steps: int, tokens: int, wi
         for p in params:
             p.grad = torch.zeros_like(p)
     torch.cuda.synchronize()
+    made = time.perf_counter() - t
     n_params = sum(p.numel() for p in params)
     _log(f"{impl}/{grads}: {blocks} blocks, {len(params)} parameters, {n_params * 4 / GIB:.2f} GiB "
-         f"of fp32 weights, made in {time.perf_counter() - t:.1f} s")
+         f"of fp32 weights, made in {made:.1f} s")
 
     def step(i: int) -> float:
         gen = torch.Generator(device="cuda").manual_seed(1000 + i)
@@ -169,7 +173,11 @@ def run_one(impl: str, grads: str, state_bytes: int, steps: int, tokens: int, wi
     rows: dict[str, list[float]] = {}
     losses = []
     for i in range(steps):
+        t0 = time.perf_counter()
         losses.append(step(i))
+        if i == 0:
+            torch.cuda.synchronize()
+            rows["setup + first step"] = [made + time.perf_counter() - t0]
         if impl == "reference":
             continue
         pause = timed(saver.pause)
@@ -200,11 +208,12 @@ def table(results: list[dict[str, Any]], reference: dict[str, Any]) -> str:
     lines = [
         f"{r0['weights_bytes'] / GIB:.2f} GiB of fp32 weights in {r0['tensors']} tensors, as much in "
         f"gradients, {r0['moments_bytes'] / GIB:.2f} GiB of AdamW moments; "
-        f"{len(reference['losses'])} steps, a pause and a resume after each.",
+        f"{len(reference['losses'])} steps, a pause and a resume after each; the run without pauses: "
+        f"setup + first step {statistics.median(reference['rows'].get('setup + first step', [float('nan')])):.3f} s.",
         "",
         "| implementation | gradients | GiB kept | first pause s (× link) | pause s (× link) | "
-        "resume s (× link) | first resume s | link d2h/h2d GB/s | bit-exact |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "resume s (× link) | first resume s | setup + first step s | link d2h/h2d GB/s | bit-exact |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         d2h_limit = r["kept_bytes"] / r["d2h"]
@@ -222,6 +231,7 @@ def table(results: list[dict[str, Any]], reference: dict[str, Any]) -> str:
             f"| {r['impl']} | {r['grads']} | {r['kept_bytes'] / GIB:.2f} | {cell('first pause', d2h_limit)} | "
             f"{cell('pause', d2h_limit)} | {cell('resume', h2d_limit)} | "
             f"{statistics.median(r['rows'].get('first resume', [float('nan')])):.3f} | "
+            f"{statistics.median(r['rows'].get('setup + first step', [float('nan')])):.3f} | "
             f"{r['d2h'] / 1e9:.1f}/{r['h2d'] / 1e9:.1f} | {'yes' if exact else 'NO'} |"
         )
     return "\n".join(lines)

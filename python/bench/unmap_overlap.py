@@ -12,7 +12,10 @@ handles is unmapped and released (``cuMemUnmap`` + ``cuMemRelease``):
 - ``overlap_thread``: the KV's unmap on a second thread while this one enqueues and waits.
 
 Prints each mode's median over ``--rounds`` and the parts of ``serial`` (copy alone, each
-unmap alone). On the GPU machine, from the repository root::
+unmap alone). Then the other question of a release's unmap: the weights' handles unmapped one
+``cuMemUnmap`` each, or one ``cuMemUnmap`` over the whole span (the driver takes a range that
+covers several mappings laid back to back), each followed by the handles' ``cuMemRelease``
+(timed apart). On the GPU machine, from the repository root::
 
     bash .gpu/on-device py python/bench/unmap_overlap.py --weights-gib 16 --kv-gib 16 --rounds 4
 """
@@ -119,6 +122,23 @@ class Driver:
             self.check(self.cu.cuMemRelease(ctypes.c_ulonglong(handle)), "cuMemRelease")
         self.check(self.cu.cuMemAddressFree(ctypes.c_uint64(base), ctypes.c_size_t(total)), "cuMemAddressFree")
 
+    def unmap_timed(self, mapped: Mapped, one_call: bool) -> tuple[float, float]:
+        """``unmap``, timing the unmapping (one call per handle, or ``one_call`` over the
+        span) and the releases apart: (unmap s, release s)."""
+        base, total, parts = mapped
+        t0 = time.perf_counter()
+        if one_call:
+            self.check(self.cu.cuMemUnmap(ctypes.c_uint64(base), ctypes.c_size_t(total)), "cuMemUnmap (span)")
+        else:
+            for address, size, _ in parts:
+                self.check(self.cu.cuMemUnmap(ctypes.c_uint64(address), ctypes.c_size_t(size)), "cuMemUnmap")
+        t1 = time.perf_counter()
+        for _, _, handle in parts:
+            self.check(self.cu.cuMemRelease(ctypes.c_ulonglong(handle)), "cuMemRelease")
+        t2 = time.perf_counter()
+        self.check(self.cu.cuMemAddressFree(ctypes.c_uint64(base), ctypes.c_size_t(total)), "cuMemAddressFree")
+        return t1 - t0, t2 - t1
+
     def copy_to_host(self, mapped: Mapped, host: int, stream: int) -> None:
         """Enqueues one device-to-host copy per handle into ``host``, back to back."""
         offset = 0
@@ -182,6 +202,13 @@ def main() -> None:
                 helper.join()
                 driver.unmap(weights)
             rows[mode].append(time.perf_counter() - t0)
+        for one_call in (False, True):
+            weights = driver.map(sizes)
+            torch.cuda.synchronize()
+            unmapped, released = driver.unmap_timed(weights, one_call)
+            how = "one call" if one_call else "a call per handle"
+            rows.setdefault(f"weights unmap, {how}", []).append(unmapped)
+            rows.setdefault(f"weights release after unmap, {how}", []).append(released)
     for name, xs in rows.items():
         print(f"{name}: median {statistics.median(xs) * 1e3:.1f} ms, "
               f"each {[round(x * 1e3, 1) for x in xs]}")

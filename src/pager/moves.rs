@@ -342,15 +342,12 @@ fn undo_resume(backend: &dyn Backend, tags: &[&str], regions: &mut Locked<'_>, p
     }
 }
 
-/// Waits for a restore still in flight on the caller's stream before the host backups are
-/// given back: `None` once it is over, the fence again when the wait failed (the backups are
-/// then kept).
-/// The tags of the regions this call moves.
 /// Every region a move holds locked, for its companions' queries.
 fn held<'a>(regions: &'a Locked<'_>) -> Vec<&'a Region> {
     regions.iter().map(|g| &**g).collect()
 }
 
+/// The tags of the regions this call moves.
 fn moving<'a>(regions: &'a Locked<'_>, parts: &[Part]) -> Vec<&'a str> {
     regions
         .iter()
@@ -360,6 +357,9 @@ fn moving<'a>(regions: &'a Locked<'_>, parts: &[Part]) -> Vec<&'a str> {
         .collect()
 }
 
+/// Waits for a restore still in flight on the caller's stream before the host backups are
+/// given back: `None` once it is over, the fence again when the wait failed (the backups are
+/// then kept).
 fn settle(
     backend: &dyn Backend,
     tags: &[&str],

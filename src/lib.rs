@@ -59,9 +59,9 @@ pub use map_ahead::ABSORBED_MAP_ERROR;
 pub use pager::Tuning;
 pub use pager::{
     Audit, AuditRegion, Buffer, Companion, CompanionError, DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES,
-    HOST_BUDGET_ENV, Lease, MAX_TAG_BYTES, POISON, POISON_DISCARDS_ENV, Pager, PagerConfig,
-    RECLAIM_SCRUBBED_ENV, RESIDENT_EVENT, RESIDENT_WARNING_BYTES, ReleaseOptions, ResumeOptions,
-    SETTINGS, Setting, SettingKind, SettingType, SettingValue, Stats,
+    HOST_BUDGET_ENV, Lease, MAX_TAG_BYTES, POISON, POISON_DISCARDS_ENV, PREPIN_ENV, Pager,
+    PagerConfig, RECLAIM_SCRUBBED_ENV, RESIDENT_EVENT, RESIDENT_WARNING_BYTES, ReleaseOptions,
+    ResumeOptions, SETTINGS, Setting, SettingKind, SettingType, SettingValue, Stats,
 };
 pub use pump::{CopyRoute, PumpStats};
 pub use region::{Medium, Policy, RegionInfo, RegionKind, RegionOptions, RegionStats, State};

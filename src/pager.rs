@@ -50,7 +50,7 @@ use buffers::stale;
 pub use companions::{Companion, CompanionError};
 pub use config::{
     DEFAULT_ALIGN, DEFAULT_CHUNK_BYTES, HOST_BUDGET_ENV, MAX_TAG_BYTES, POISON,
-    POISON_DISCARDS_ENV, RECLAIM_SCRUBBED_ENV, ReleaseOptions, ResumeOptions, Tuning,
+    POISON_DISCARDS_ENV, PREPIN_ENV, RECLAIM_SCRUBBED_ENV, ReleaseOptions, ResumeOptions, Tuning,
 };
 pub use settings::{PagerConfig, SETTINGS, Setting, SettingKind, SettingType, SettingValue};
 

@@ -18,6 +18,8 @@ fn settings_apply_to_the_pager_created_after_them_and_stay() {
     unsafe { std::env::set_var(gpu_pager::POISON_DISCARDS_ENV, "1") };
     // SAFETY: as above.
     unsafe { std::env::set_var(gpu_pager::RECLAIM_SCRUBBED_ENV, " No ") };
+    // SAFETY: as above.
+    unsafe { std::env::set_var(gpu_pager::PREPIN_ENV, "yes") };
     // Before first use, a later call replaces an earlier one.
     Pager::configure(0, PagerConfig::default()).unwrap();
     Pager::configure(0, config).unwrap();
@@ -31,6 +33,7 @@ fn settings_apply_to_the_pager_created_after_them_and_stay() {
         "{} turns it on",
         gpu_pager::POISON_DISCARDS_ENV
     );
+    assert!(got.prepin, "{} turns it on", gpu_pager::PREPIN_ENV);
     assert!(
         !got.tuning.reclaim_scrubbed,
         "{} turns it off",

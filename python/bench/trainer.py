@@ -9,6 +9,8 @@ Implementations, each in its own process, one after the other on one GPU:
 - ``drop_in``: gpu_pager's torch_memory_saver drop-in, called as slime calls
   torch_memory_saver (a region with CPU backup around the model's and the optimizer's
   creation and growth, ``pause()``/``resume()`` of every tag);
+- ``drop_in_prepin``: the same with ``GPU_PAGER_PREPIN=1`` (the ``prepin`` setting: every
+  pinned backup is pinned as torch allocates the buffer, so the first pause pins nothing);
 - ``gpu_pager``: ``gpu_pager.torch`` (``use``/``release``/``resume``);
 - ``gpu_pager_prepin``: the same with ``use(..., prepin=True)``: each buffer's backup is
   pinned when torch allocates it, so the first pause pins nothing; the cost moves to the
@@ -47,7 +49,7 @@ from typing import Any
 from side_by_side import exit_child, link, warm_host
 
 GIB = 1 << 30
-IMPLS = ("drop_in", "gpu_pager", "gpu_pager_prepin", "torch_memory_saver")
+IMPLS = ("drop_in", "drop_in_prepin", "gpu_pager", "gpu_pager_prepin", "torch_memory_saver")
 
 
 def _log(msg: str) -> None:
@@ -60,8 +62,10 @@ class Saver:
     def __init__(self, impl: str, grads: str) -> None:
         self.impl, self.grads = impl, grads
         self.report: Any = None
-        if impl in ("drop_in", "torch_memory_saver"):
-            if impl == "drop_in":
+        if impl in ("drop_in", "drop_in_prepin", "torch_memory_saver"):
+            if impl == "drop_in_prepin":
+                os.environ["GPU_PAGER_PREPIN"] = "1"  # read when the pager is created
+            if impl.startswith("drop_in"):
                 from gpu_pager.compat.torch_memory_saver import torch_memory_saver as tms
             else:
                 from torch_memory_saver import torch_memory_saver as tms  # type: ignore[no-redef]

@@ -98,6 +98,7 @@ def configure(
     poison_discards: bool | None = None,
     resident_warning_bytes: int | None = None,
     host_budget_bytes: int | None = None,
+    prepin: bool | None = None,
 ) -> None:
     """Chooses the settings of device ``device``'s pager (default 0) before its first use
     (before ``Pager.for_device`` or anything else opens it), one keyword per setting; a
@@ -134,7 +135,13 @@ def configure(
     killed process's share comes back). A release whose new backups would pass it fails
     before anything moves, as out of memory naming the budget and each process's share,
     as does swap space over it (default: no budget; the environment variable
-    `GPU_PAGER_HOST_BUDGET`, e.g. `64G`, sets it for the process's pagers)."""
+    `GPU_PAGER_HOST_BUDGET`, e.g. `64G`, sets it for the process's pagers). ``prepin``
+    (switch, default ``False``): Every preserve region with a pinned backup is created
+    with `prepin` on: its backup is pinned as the region is created (fixed) or as each
+    buffer is allocated (growing), so that its first release pins nothing and copies at
+    the link. Off (the default), the first release pins while it copies, bound by how
+    fast the host pins (the environment variable `GPU_PAGER_PREPIN=1` turns it on, for
+    engines that cannot pass the option)."""
 # </settings:configure>
 
 def settings() -> list[tuple[str, Literal["bytes", "switch", "route"], int | bool | str, str]]:
@@ -269,6 +276,15 @@ class Config:
         before anything moves, as out of memory naming the budget and each process's
         share, as does swap space over it (default: no budget; the environment variable
         `GPU_PAGER_HOST_BUDGET`, e.g. `64G`, sets it for the process's pagers)."""
+
+    @property
+    def prepin(self) -> bool:
+        """Every preserve region with a pinned backup is created with `prepin` on: its
+        backup is pinned as the region is created (fixed) or as each buffer is allocated
+        (growing), so that its first release pins nothing and copies at the link. Off
+        (the default), the first release pins while it copies, bound by how fast the host
+        pins (the environment variable `GPU_PAGER_PREPIN=1` turns it on, for engines that
+        cannot pass the option)."""
 # </settings:Config>
 
 @final

@@ -92,3 +92,14 @@ def test_the_environment_turns_poison_on() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
+
+
+def test_the_environment_turns_prepin_on() -> None:
+    """``GPU_PAGER_PREPIN=1``: engines that cannot pass ``prepin`` (a drop-in's regions)
+    get every pinned backup pinned ahead."""
+    done = run_python(
+        "import gpu_pager; print(gpu_pager.Pager.for_device(0).config.prepin)",
+        GPU_PAGER_PREPIN="1",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"

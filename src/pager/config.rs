@@ -31,6 +31,10 @@ pub const POISON_DISCARDS_ENV: &str = "GPU_PAGER_POISON_DISCARDS";
 /// the registry ([`crate::Pager::for_device`]): a byte count such as `64G`.
 pub const HOST_BUDGET_ENV: &str = "GPU_PAGER_HOST_BUDGET";
 
+/// The environment variable that turns [`PagerConfig::prepin`] on for the pagers of the
+/// registry ([`crate::Pager::for_device`]): `1`, `true` or `yes`.
+pub const PREPIN_ENV: &str = "GPU_PAGER_PREPIN";
+
 /// The environment variable that sets [`Tuning::reclaim_scrubbed`] for the pagers of the
 /// registry ([`crate::Pager::for_device`]): `1`, `true` or `yes` turns it on, `0`, `false`
 /// or `no` off; unset or anything else leaves the configured setting.
@@ -113,12 +117,15 @@ impl Default for Tuning {
 }
 
 impl PagerConfig {
-    /// These settings with the environment applied: [`POISON_DISCARDS_ENV`] set to `1`,
-    /// `true` or `yes` turns [`PagerConfig::poison_discards`] on; [`RECLAIM_SCRUBBED_ENV`]
-    /// sets [`Tuning::reclaim_scrubbed`].
+    /// These settings with the environment applied: [`POISON_DISCARDS_ENV`] and
+    /// [`PREPIN_ENV`] set to `1`, `true` or `yes` turn [`PagerConfig::poison_discards`] and
+    /// [`PagerConfig::prepin`] on; [`HOST_BUDGET_ENV`] sets
+    /// [`PagerConfig::host_budget_bytes`]; [`RECLAIM_SCRUBBED_ENV`] sets
+    /// [`Tuning::reclaim_scrubbed`].
     pub fn with_env(self) -> PagerConfig {
         PagerConfig {
             poison_discards: self.poison_discards || env_switch(POISON_DISCARDS_ENV) == Some(true),
+            prepin: self.prepin || env_switch(PREPIN_ENV) == Some(true),
             host_budget_bytes: env_bytes(HOST_BUDGET_ENV).unwrap_or(self.host_budget_bytes),
             tuning: Tuning {
                 reclaim_scrubbed: env_switch(RECLAIM_SCRUBBED_ENV)

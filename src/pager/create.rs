@@ -119,6 +119,10 @@ impl Pager {
         check_tag(tag)?;
         let size = self.region_size(tag, bytes, options.kind)?;
         check_options(tag, policy, &options)?;
+        // The setting turns the option on where a region can take it.
+        let prepin = options.prepin
+            || (self.config.prepin && policy == Policy::Preserve && options.medium.can_prepin());
+        let options = RegionOptions { prepin, ..options };
         let want = Wanted {
             policy,
             size,

@@ -287,6 +287,12 @@ settings! {
     /// over it (default: no budget; the environment variable `GPU_PAGER_HOST_BUDGET`, e.g.
     /// `64G`, sets it for the process's pagers).
     host_budget_bytes: usize = usize::MAX;
+    /// Every preserve region with a pinned backup is created with `prepin` on: its backup
+    /// is pinned as the region is created (fixed) or as each buffer is allocated (growing),
+    /// so that its first release pins nothing and copies at the link. Off (the default), the
+    /// first release pins while it copies, bound by how fast the host pins (the environment
+    /// variable `GPU_PAGER_PREPIN=1` turns it on, for engines that cannot pass the option).
+    prepin: bool = false;
 }
 
 impl PagerConfig {

@@ -335,3 +335,63 @@ fn back_to_back(overlap: bool, most: u64) {
     pager.free(&b).unwrap();
     assert_eq!(host.used_bytes(), used - bytes);
 }
+
+/// The `prepin` setting pins a preserve region's backup ahead (a growing region's as each
+/// buffer is allocated, a fixed one's at creation), so the first release pins nothing;
+/// regions that cannot take the option (discard, a host-medium backup) are created as
+/// without it. Off, the first release pins.
+#[test]
+fn the_prepin_setting_pins_backups_ahead_where_a_region_can_take_it() {
+    for on in [true, false] {
+        let backend = Arc::new(HostBackend::new(HostConfig {
+            capacity: 1 << 30,
+            granularity: G,
+        }));
+        let config = gpu_pager::PagerConfig {
+            prepin: on,
+            ..common::small_chunks()
+        };
+        let pager = Pager::with_config(backend, config);
+        pager
+            .region_with("w", 0, Policy::Preserve, RegionOptions::GROWING)
+            .unwrap();
+        pager.region("fixed", 4 * MIB, Policy::Preserve).unwrap();
+        pager
+            .region_with("kv", 0, Policy::Discard, RegionOptions::GROWING)
+            .unwrap();
+        let host_medium = RegionOptions {
+            medium: gpu_pager::Medium::Host,
+            ..RegionOptions::GROWING
+        };
+        pager
+            .region_with("h", 0, Policy::Preserve, host_medium)
+            .unwrap();
+        let b = pager.alloc("w", 3 * MIB + 5).unwrap();
+        let data = Rng::seeded("prepin_setting").bytes(3 * MIB + 5);
+        pager.write(&b, 0, &data).unwrap();
+        let ahead = |tag: &str| pager.region_stats(tag).unwrap().backup_bytes;
+        if on {
+            assert!(
+                ahead("w") >= 3 * MIB + 5,
+                "the buffer's backup pinned at its allocation"
+            );
+            assert!(
+                ahead("fixed") >= 4 * MIB,
+                "the fixed region's backup pinned at creation"
+            );
+        } else {
+            assert_eq!(
+                (ahead("w"), ahead("fixed")),
+                (0, 0),
+                "nothing pinned before a release"
+            );
+        }
+        let report = pager.release(&["w", "fixed"]).unwrap();
+        // (The fixed region, never written, has nothing to save either way.)
+        let w = &report.regions[1];
+        assert_eq!(w.tag, "w");
+        assert_eq!(w.steps.pin.is_zero(), on, "{:?}", w.steps);
+        pager.resume(&["w", "fixed"]).unwrap();
+        assert_eq!(read(&pager, &b), data);
+    }
+}

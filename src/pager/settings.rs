@@ -1,7 +1,7 @@
 //! The pager's settings as one table. [`settings!`] makes [`PagerConfig`] (its fields, their
 //! defaults and docs) and [`SETTINGS`], through which every binding names, reads, sets,
 //! prints and documents them: Python's `configure(**settings)` and `Config`, C's
-//! `gpu_pager_configure_setting`, the settings' `Display`. A new setting is one line of the
+//! `gpu_pager_configure_text`, the settings' `Display`. A new setting is one line of the
 //! table (and its tests).
 
 use std::fmt;
@@ -249,7 +249,7 @@ macro_rules! settings {
 
 settings! {
     /// Pager settings: what a user of the pager chooses, one field per row of [`SETTINGS`].
-    /// C sets them with `gpu_pager_configure` (or by name, `gpu_pager_configure_setting`),
+    /// C sets them with `gpu_pager_configure` (or by name, `gpu_pager_configure_text`),
     /// Python with `gpu_pager.configure`.
     pub struct PagerConfig;
 

@@ -140,8 +140,11 @@ def configure(
     with `prepin` on: its backup is pinned as the region is created (fixed) or as each
     buffer is allocated (growing), so that its first release pins nothing and copies at
     the link. Off (the default), the first release pins while it copies, bound by how
-    fast the host pins (the environment variable `GPU_PAGER_PREPIN=1` turns it on, for
-    engines that cannot pass the option)."""
+    fast the host pins. The host memory is taken for every such region, also one whose
+    contents a release usually drops (the vLLM drop-in's `kv_cache`): it suits processes
+    whose preserve regions are all saved, as a trainer's under the torch_memory_saver
+    drop-in (the environment variable `GPU_PAGER_PREPIN=1` turns it on, for engines that
+    cannot pass the option)."""
 # </settings:configure>
 
 def settings() -> list[tuple[str, Literal["bytes", "switch", "route"], int | bool | str, str]]:
@@ -283,7 +286,10 @@ class Config:
         backup is pinned as the region is created (fixed) or as each buffer is allocated
         (growing), so that its first release pins nothing and copies at the link. Off
         (the default), the first release pins while it copies, bound by how fast the host
-        pins (the environment variable `GPU_PAGER_PREPIN=1` turns it on, for engines that
+        pins. The host memory is taken for every such region, also one whose contents a
+        release usually drops (the vLLM drop-in's `kv_cache`): it suits processes whose
+        preserve regions are all saved, as a trainer's under the torch_memory_saver drop-
+        in (the environment variable `GPU_PAGER_PREPIN=1` turns it on, for engines that
         cannot pass the option)."""
 # </settings:Config>
 

@@ -112,11 +112,8 @@ impl CudaBackend {
     /// `module`, loaded into the context on first use. The caller holds a
     /// [`super::CtxScope`].
     fn module(&self, module: KernelModule) -> BackendResult<&Arc<CudaModule>> {
-        let index = KernelModule::ALL
-            .iter()
-            .position(|&m| m == module)
-            .unwrap_or(0);
-        let slot = &self.loaded.modules[index];
+        // Its variant's place, which is its place in `KernelModule::ALL` (a test below).
+        let slot = &self.loaded.modules[module as usize];
         if let Some(m) = slot.get() {
             return Ok(m);
         }
@@ -178,6 +175,13 @@ mod tests {
     fn each_kernel_sits_at_its_index_of_all() {
         for (i, k) in Kernel::ALL.iter().enumerate() {
             assert_eq!(k.index(), i, "{k:?}");
+        }
+    }
+
+    #[test]
+    fn each_module_sits_at_its_index_of_all() {
+        for (i, m) in crate::kernels::KernelModule::ALL.iter().enumerate() {
+            assert_eq!(*m as usize, i, "{m:?}");
         }
     }
 }

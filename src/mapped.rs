@@ -114,12 +114,11 @@ impl Mapped {
         self.remove_where(|r| r.start >= range.start && r.end <= range.end)
     }
 
-    /// Unmaps everything. Returns the bytes given back.
-    pub fn clear(&mut self) -> usize {
-        let freed = self.bytes;
-        self.spans.clear();
+    /// Takes every mapping out, in address order, for the caller to unmap (dropping them
+    /// does, one by one; [`crate::backend::Backend::unmap_runs`] first, a run at a time).
+    pub fn take_all(&mut self) -> Vec<Box<dyn Mapping>> {
         self.bytes = 0;
-        freed
+        std::mem::take(&mut self.spans).into_values().collect()
     }
 }
 
@@ -149,6 +148,7 @@ mod tests {
         fn len(&self) -> usize {
             self.0
         }
+        fn unmapped(&mut self) {}
     }
 
     fn maps(sizes: &[usize]) -> Vec<Box<dyn Mapping>> {
@@ -173,7 +173,8 @@ mod tests {
         assert_eq!(m.remove_within(&(10..16)), 5);
         assert_eq!(m.runs(), vec![15..20, 30..40]);
         assert_eq!(m.remove_where(|r| r.start >= 30), 10);
-        assert_eq!(m.clear(), 5);
+        let rest = m.take_all();
+        assert_eq!(rest.iter().map(|r| r.len()).collect::<Vec<_>>(), vec![5]);
         assert_eq!(m.bytes(), 0);
     }
 

@@ -693,12 +693,18 @@ impl Region {
         Ok(())
     }
 
-    /// Unmaps and releases everything mapped. Returns (bytes, time). The caller has
-    /// synchronized the device, so a pending restore is over.
-    pub fn unmap_all(&mut self) -> (usize, Duration) {
+    /// Unmaps and releases everything mapped, through `backend` (the region's). Returns
+    /// (bytes, time). The caller has synchronized the device, so a pending restore is over.
+    pub fn unmap_all(&mut self, backend: &dyn Backend) -> (usize, Duration) {
         self.pending = None;
         let t = Instant::now();
-        let bytes = self.mapped.clear();
+        let bytes = self.mapped.bytes();
+        let mut maps = self.mapped.take_all();
+        // SAFETY: the region's mappings are its backend's; the caller synchronized the
+        // device, and nothing uses the memory any more (a release checked the leases; an
+        // undone resume never handed the memory out).
+        unsafe { backend.unmap_runs(&mut maps) };
+        drop(maps);
         (bytes, t.elapsed())
     }
 

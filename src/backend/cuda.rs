@@ -654,6 +654,7 @@ impl Backend for CudaBackend {
             mappings.push(CudaMapping {
                 ptr,
                 len: size,
+                unmapped: false,
                 chunk,
                 _reservation: reservation.clone(),
             });
@@ -675,6 +676,20 @@ impl Backend for CudaBackend {
             .into_iter()
             .map(|m| Box::new(m) as Box<dyn Mapping>)
             .collect())
+    }
+
+    /// One `cuMemUnmap` per run (the driver takes a range covering several mappings laid
+    /// back to back, as long as it cuts none), under one context scope.
+    unsafe fn unmap_runs(&self, maps: &mut [Box<dyn Mapping>]) {
+        let Some(_scope) = self.dev.scope_in_drop("mappings") else {
+            return; // each mapping unmaps itself when dropped
+        };
+        crate::backend::unmap_by_runs(maps, |start, len| {
+            // SAFETY: `start .. start + len` is covered exactly by mappings of this backend
+            // (the caller's contract) laid back to back, so the range cuts no mapping; the
+            // caller waited for the device.
+            check(unsafe { sys::cuMemUnmap(start, len) }).is_ok()
+        });
     }
 
     fn synchronize(&self) -> BackendResult<()> {

@@ -25,6 +25,7 @@ pub(crate) mod reclaim;
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use crate::kernels::kv::{KvError, KvOp};
@@ -336,6 +337,10 @@ pub trait Mapping: Send + Sync + fmt::Debug {
     fn ptr(&self) -> u64;
     /// Length in bytes.
     fn len(&self) -> usize;
+    /// Its range has been unmapped already, with its neighbours', by its backend's
+    /// [`Backend::unmap_runs`]: dropping it then only releases the memory. A wrapper around
+    /// another backend's mapping passes this on.
+    fn unmapped(&mut self);
     /// Whether the mapping is empty (never true for a live mapping).
     fn is_empty(&self) -> bool {
         self.len() == 0
@@ -529,6 +534,19 @@ pub trait Backend: Send + Sync + fmt::Debug {
         chunk_sizes: &[usize],
     ) -> BackendResult<Vec<Box<dyn Mapping>>>;
 
+    /// Unmaps `maps` (in address order) one run of mappings laid back to back at a time,
+    /// where the backend can: one driver call per run instead of one per mapping, which a
+    /// release of hundreds of buffers pays for each. Each mapping so unmapped is told
+    /// ([`Mapping::unmapped`]); dropping it then releases its memory. A run the backend
+    /// cannot unmap whole is left as it was, and each of its mappings unmaps itself when
+    /// dropped, as always; so nothing fails here. [`unmap_each`] is the whole of it for a
+    /// backend without a faster way.
+    ///
+    /// # Safety
+    /// Every mapping is this backend's (from its [`Backend::map`], or a wrapper's around
+    /// those), and nothing on the device uses their ranges any more (the caller waited).
+    unsafe fn unmap_runs(&self, maps: &mut [Box<dyn Mapping>]);
+
     /// Waits until every operation queued on the device (by anyone in this process) has
     /// finished. Release calls this before it unmaps anything.
     fn synchronize(&self) -> BackendResult<()>;
@@ -714,6 +732,12 @@ macro_rules! forward_backend {
         ) -> $crate::backend::BackendResult<::std::vec::Vec<::std::boxed::Box<dyn $crate::backend::Mapping>>> {
             // SAFETY: the caller upholds `map`'s contract, the inner backend's.
             unsafe { self.$i.map(reservation, offset, chunk_sizes) }
+        }
+    };
+    (@one $i:ident unmap_runs) => {
+        unsafe fn unmap_runs(&self, maps: &mut [::std::boxed::Box<dyn $crate::backend::Mapping>]) {
+            // SAFETY: the caller upholds `unmap_runs`'s contract, the inner backend's.
+            unsafe { self.$i.unmap_runs(maps) }
         }
     };
     (@one $i:ident synchronize) => {
@@ -950,6 +974,45 @@ pub fn auto(ordinal: usize) -> BackendResult<(Arc<dyn Backend>, Option<String>)>
     Ok((Arc::new(host::HostBackend::new(config)), Some(why)))
 }
 
+/// [`Backend::unmap_runs`] for a backend without a faster way: nothing, so that each mapping
+/// unmaps itself when dropped.
+pub fn unmap_each(_maps: &mut [Box<dyn Mapping>]) {}
+
+/// [`Backend::unmap_runs`] given the backend's unmap of one address range: `unmap(start,
+/// len)` once per run of `maps` (in address order) laid back to back, a run of one mapping
+/// included; each mapping of a run it unmapped (`true`) is told so.
+pub fn unmap_by_runs(maps: &mut [Box<dyn Mapping>], mut unmap: impl FnMut(u64, usize) -> bool) {
+    for run in contiguous_runs(maps) {
+        let Some(run) = maps.get_mut(run) else {
+            continue;
+        };
+        let (Some(first), Some(last)) = (run.first(), run.last()) else {
+            continue;
+        };
+        let (start, end) = (first.ptr(), last.ptr() + last.len() as u64);
+        if unmap(start, (end - start) as usize) {
+            for m in run.iter_mut() {
+                m.unmapped();
+            }
+        }
+    }
+}
+
+/// The runs of `maps` (in address order) laid back to back, as index ranges into `maps`.
+fn contiguous_runs(maps: &[Box<dyn Mapping>]) -> Vec<Range<usize>> {
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    // Where the run so far ends, as an address.
+    let mut end = None;
+    for (k, m) in maps.iter().enumerate() {
+        match runs.last_mut() {
+            Some(r) if end == Some(m.ptr()) => r.end = k + 1,
+            _ => runs.push(k..k + 1),
+        }
+        end = Some(m.ptr() + m.len() as u64);
+    }
+    runs
+}
+
 /// [`Backend::alloc_pinned_many`] by one [`Backend::alloc_pinned`] per size, for a backend
 /// that cannot pin a batch faster.
 pub fn pin_each(b: &dyn Backend, sizes: &[usize]) -> BackendResult<Vec<Box<dyn HostBuffer>>> {
@@ -1071,5 +1134,69 @@ mod tests {
         unsafe { b.copy_to_device(m[0].ptr(), &[1, 2, 3]) }.expect("write");
         drop(m);
         assert_eq!(b.used_bytes(), 0);
+    }
+
+    /// A mapping at an address, recording whether it was told it is unmapped.
+    #[derive(Debug)]
+    struct At(u64, usize, Arc<std::sync::atomic::AtomicBool>);
+    impl Mapping for At {
+        fn ptr(&self) -> u64 {
+            self.0
+        }
+        fn len(&self) -> usize {
+            self.1
+        }
+        fn unmapped(&mut self) {
+            self.2.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn runs_are_unmapped_whole_and_only_what_was_unmapped_is_told() {
+        // 0..10 and 10..30 back to back, a gap, 40..45, a gap, 50..60 and 60..61.
+        let spans = [(0, 10), (10, 20), (40, 5), (50, 10), (60, 1)];
+        let told: Vec<Arc<std::sync::atomic::AtomicBool>> =
+            spans.iter().map(|_| Arc::default()).collect();
+        let mut maps: Vec<Box<dyn Mapping>> = spans
+            .iter()
+            .zip(&told)
+            .map(|(&(at, len), t)| Box::new(At(at, len, t.clone())) as Box<dyn Mapping>)
+            .collect();
+        let mut calls = Vec::new();
+        // The backend fails to unmap the run at 40.
+        unmap_by_runs(&mut maps, |start, len| {
+            calls.push((start, len));
+            start != 40
+        });
+        assert_eq!(calls, vec![(0, 30), (40, 5), (50, 11)]);
+        let told: Vec<bool> = told
+            .iter()
+            .map(|t| t.load(std::sync::atomic::Ordering::SeqCst))
+            .collect();
+        assert_eq!(told, vec![true, true, false, true, true]);
+        unmap_by_runs(&mut [], |_, _| panic!("no run in no mappings"));
+    }
+
+    #[test]
+    fn the_host_backend_unmaps_a_run_at_once_and_its_drops_only_release() {
+        let b = HostBackend::new(HostConfig::default());
+        let chunk = b.info().granularity;
+        let r = b.reserve(8 * chunk).expect("reserve");
+        // SAFETY: the reservation is this backend's and nothing is mapped in it.
+        let mut maps = unsafe { b.map(&r, 0, &[chunk, 2 * chunk, chunk]) }.expect("map");
+        // SAFETY: as above, at 6 chunks: a second run.
+        maps.extend(unsafe { b.map(&r, 6 * chunk, &[chunk]) }.expect("map"));
+        assert_eq!(b.used_bytes(), 5 * chunk);
+        // SAFETY: the mappings are this backend's; nothing uses them.
+        unsafe { b.unmap_runs(&mut maps) };
+        // Unmapped, not yet released: the memory is given back when they drop.
+        assert_eq!(b.used_bytes(), 5 * chunk);
+        drop(maps);
+        assert_eq!(b.used_bytes(), 0);
+        // The range is reserved again: it maps anew.
+        // SAFETY: nothing is mapped in the reservation any more.
+        let again = unsafe { b.map(&r, 0, &[4 * chunk]) }.expect("map again");
+        // SAFETY: mapped just now, unused.
+        unsafe { b.copy_to_device(again[0].ptr(), &[7]) }.expect("write");
     }
 }

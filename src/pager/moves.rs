@@ -76,7 +76,7 @@ pub(super) fn release(
     let out = regions
         .iter_mut()
         .zip(&mut parts)
-        .map(|(r, p)| unmap(r, p))
+        .map(|(r, p)| unmap(pager.backend.as_ref(), r, p))
         .collect();
     Ok(report(Move::Release, sync, out, start, copies, regions))
 }
@@ -337,7 +337,7 @@ fn undo_resume(backend: &dyn Backend, tags: &[&str], regions: &mut Locked<'_>, p
     }
     for (r, p) in regions.iter_mut().zip(parts) {
         if p.moves {
-            r.unmap_all();
+            r.unmap_all(backend);
         }
     }
 }
@@ -380,11 +380,11 @@ fn settle(
 
 /// The release's last step for one region: unmaps it, drops its contents if asked, marks it
 /// released.
-fn unmap(r: &mut Region, p: &mut Part) -> RegionReport {
+fn unmap(backend: &dyn Backend, r: &mut Region, p: &mut Part) -> RegionReport {
     if !p.moves {
         return already(&r.tag);
     }
-    let (bytes, unmap) = r.unmap_all();
+    let (bytes, unmap) = r.unmap_all(backend);
     p.steps.unmap = unmap;
     if p.dropped {
         r.drop_contents();

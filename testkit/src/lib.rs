@@ -246,6 +246,9 @@ impl Mapping for FaultyMapping {
     fn len(&self) -> usize {
         self.inner.len()
     }
+    fn unmapped(&mut self) {
+        self.inner.unmapped();
+    }
 }
 
 impl Drop for FaultyMapping {
@@ -440,8 +443,8 @@ fn splitmix64(x: u64) -> u64 {
 impl Backend for FaultyBackend {
     // No fault is injected into these; the KV kernels are the wrapped backend's.
     gpu_pager::forward_backend!(inner:
-        info, deferred_errors, set_reclaim_scrubbed, mem_info, processes, reserve, fence, fill,
-        chunk_hash, kv_kernels);
+        info, deferred_errors, set_reclaim_scrubbed, mem_info, processes, reserve, unmap_runs,
+        fence, fill, chunk_hash, kv_kernels);
 
     /// Pins, then copies, through this wrapper's own (faulty) `alloc_pinned` and
     /// `copy_to_host`.

@@ -187,6 +187,47 @@ fn map_copy_round_trip_and_unmap_frees_memory() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn unmap_runs_unmaps_each_run_once_and_the_drops_give_the_memory_back() {
+    let _lock = gpu_lock();
+    let b = backend();
+    let g = b.info().granularity;
+    let first = [g, 4 * g, round_up(64 * MIB, g)];
+    let second = [round_up(256 * MIB, g)];
+    let (n1, n2) = (first.iter().sum::<usize>(), second[0]);
+    let reservation = b.reserve(n1 + g + n2).expect("reserve");
+    let free_before = b.mem_info().expect("mem_info").free;
+    // SAFETY: two spans of the fresh reservation, a granule apart.
+    let mut maps = unsafe { b.map(&reservation, 0, &first) }.expect("map");
+    // SAFETY: as above.
+    maps.extend(unsafe { b.map(&reservation, n1 + g, &second) }.expect("map"));
+    upload(&b, reservation.base(), &vec![7; n1]);
+    b.synchronize().expect("synchronize");
+    // SAFETY: the mappings are this backend's; the device is idle.
+    unsafe { b.unmap_runs(&mut maps) };
+    drop(maps);
+    // A drop that unmapped its range a second time would have failed and been recorded.
+    assert_eq!(b.deferred_errors().take(), Vec::<String>::new());
+    let free_after = b.mem_info().expect("mem_info").free;
+    assert!(
+        free_after + SLACK >= free_before,
+        "{} bytes not given back",
+        free_before - free_after
+    );
+    // Both runs are address space again: the whole range maps at once.
+    // SAFETY: nothing is mapped in the reservation any more.
+    let again = unsafe { b.map(&reservation, 0, &[n1 + g + n2]) }.expect("map again");
+    let data = vec![9; 3 * g];
+    upload(&b, reservation.base() + n1 as u64 - g as u64, &data);
+    assert_bytes_eq(
+        "remapped",
+        &download(&b, reservation.base() + n1 as u64 - g as u64, 3 * g),
+        &data,
+    );
+    drop(again);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn invalid_arguments_are_errors() {
     let _lock = gpu_lock();
     let b = backend();

@@ -83,6 +83,8 @@ impl Drop for CudaChunk {
 pub(super) struct CudaMapping {
     pub(super) ptr: sys::CUdeviceptr,
     pub(super) len: usize,
+    /// Unmapped already by [`crate::backend::Backend::unmap_runs`], with its neighbours.
+    pub(super) unmapped: bool,
     // Both dropped after `Drop::drop` has unmapped the range.
     pub(super) chunk: CudaChunk,
     pub(super) _reservation: Arc<dyn Reservation>,
@@ -106,10 +108,17 @@ impl Mapping for CudaMapping {
     fn len(&self) -> usize {
         self.len
     }
+
+    fn unmapped(&mut self) {
+        self.unmapped = true;
+    }
 }
 
 impl Drop for CudaMapping {
     fn drop(&mut self) {
+        if self.unmapped {
+            return; // the chunk, dropped next, releases the memory
+        }
         let dev = &self.chunk.dev;
         let scope = dev.scope_in_drop("a mapping");
         // SAFETY: exactly this range was mapped by cuMemMap and is unmapped once, here. The

@@ -66,7 +66,8 @@ impl Broken {
 
 impl Backend for Broken {
     gpu_pager::forward_backend!(inner:
-        info, deferred_errors, mem_info, processes, set_reclaim_scrubbed, reserve, synchronize,
+        info, deferred_errors, mem_info, processes, set_reclaim_scrubbed, reserve, unmap_runs,
+        synchronize,
         alloc_pinned, alloc_pinned_many, alloc_pinned_many_from_device, copy_to_device,
         copy_to_host, fence, fill, chunk_hash);
     unsafe fn alloc_pinned_from_device(

@@ -4,7 +4,7 @@ in one process per release and allocator; the link's speed measured in the same 
 Prints one JSON line.
 
     python vllm_bench.py RELEASE_DIR stock|gpu_pager [--weights-gib 16] [--tensors 300]
-                         [--kv-gib 16] [--cycles 2]
+                         [--kv-gib 16] [--cycles 2] [--idle 0.5]
     python vllm_bench.py --all ENGINES_DIR [--only vllm-0.34.0] [--skip-fp8] [same options]
                          every vLLM release there (or those named), each allocator in a
                          process of its own, then the tables (JSON rows in
@@ -14,8 +14,11 @@ Prints one JSON line.
 Rows: the first level-1 sleep (host backups made), then per cycle, with every weight changed
 before it: level-1 sleep, wake-up of everything; a selective wake (weights, then the KV
 cache); a level-2 sleep and its wake; the KV cache's discard and wake-up. Medians over the
-cycles after the first. The fp8 rows (``--fp8``): bf16 weights quantized to fp8 inside the
-weights pool and the bf16 freed, then level-1 sleeps and wakes of what is left.
+cycles after the first. Each wake comes ``--idle`` seconds after its sleep, where an RL loop
+has its trainer's step: right after a release of 32 GiB, the driver is still scrubbing the
+freed memory, and the next allocations wait for it (about 30 ms of a back-to-back wake).
+The fp8 rows (``--fp8``, back to back): bf16 weights quantized to fp8 inside the weights
+pool and the bf16 freed, then level-1 sleeps and wakes of what is left.
 """
 
 from __future__ import annotations
@@ -116,7 +119,7 @@ def every(engines: str, options: list[str]) -> None:
               f"changed every cycle; KV {r0['kv_bytes'] / GIB:.0f} GiB; ms (median of the cycles)")
     _table(results, ROWS, ("sleep_x_link", "wake_x_link"))
     for r in ok:
-        for name in ("sleep", "level2", "discard"):
+        for name in ("sleep", "wake", "wake_weights", "level2", "discard"):
             if f"{name}_parts_s" in r:
                 parts = ", ".join(f"{k} {x * 1e3:.1f}" for k, x in r[f"{name}_parts_s"].items())
                 print(f"{r['release']} drop-in {name}, ms: {parts}")
@@ -189,9 +192,10 @@ def fp8_run(torch: Any, a: Any, args: Any, v: tuple[int, ...], d2h: float, h2d: 
 
 
 def _parts(torch: Any) -> dict[str, float]:
-    """Wraps the calls the drop-in's sleep is made of so that each one's seconds add up in
-    the returned dict (cleared by the caller before the call it looks at): torch pool trims,
-    the pager's release and its steps, ``gc.collect`` and ``torch.cuda.empty_cache``."""
+    """Wraps the calls the drop-in's sleep and wake are made of so that each one's seconds
+    add up in the returned dict (cleared by the caller before the call it looks at): torch
+    pool trims, the pager's release and resume and their steps, ``gc.collect`` and
+    ``torch.cuda.empty_cache``."""
     import gc
 
     import gpu_pager.torch as gpt
@@ -207,24 +211,27 @@ def _parts(torch: Any) -> dict[str, float]:
                 result = inner(*a, **k)
             finally:
                 parts[key] = parts.get(key, 0.0) + time.perf_counter() - t
-            if key == "release" and result is not None:
+            if key in ("release", "resume") and result is not None:
                 for region in result.regions:
                     steps = region.steps
                     for step in ("pin", "copy", "map", "unmap", "fill", "hash"):
-                        parts[f"release.{step}"] = parts.get(f"release.{step}", 0.0) + getattr(steps, step)
-                    parts[f"release.unmap[{region.tag}]"] = steps.unmap
-                parts["release.sync"] = parts.get("release.sync", 0.0) + result.sync_seconds
-                parts["release.pager"] = parts.get("release.pager", 0.0) + result.seconds
+                        parts[f"{key}.{step}"] = parts.get(f"{key}.{step}", 0.0) + getattr(steps, step)
+                    own = "map" if key == "resume" else "unmap"
+                    parts[f"{key}.{own}[{region.tag}]"] = getattr(steps, own)
+                parts[f"{key}.sync"] = parts.get(f"{key}.sync", 0.0) + result.sync_seconds
+                parts[f"{key}.pager"] = parts.get(f"{key}.pager", 0.0) + result.seconds
             return result
 
         setattr(owner, name, timed_call)
 
     wrap(gpt, "trim", "trim")
     wrap(gpt, "release", "release")
+    wrap(gpt, "resume", "resume")
     from gpu_pager.compat import vllm as drop_in
 
     wrap(drop_in.CuMemAllocator, "_before_unmap", "companions")
     wrap(drop_in.CuMemAllocator, "_leave_out", "leave_out")
+    wrap(drop_in.CuMemAllocator, "_save_again", "save_again")
     wrap(gc, "collect", "gc.collect")
     wrap(torch.cuda, "empty_cache", "empty_cache")
     return parts
@@ -242,6 +249,8 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=16)
     ap.add_argument("--cycles", type=int, default=2)
     ap.add_argument("--fp8", action="store_true", help="the fp8 online-quantization rows instead")
+    ap.add_argument("--idle", type=float, default=0.5,
+                    help="seconds between each sleep and its wake (a trainer's step in an RL loop; 0: back to back)")
     args = ap.parse_args()
     if args.impl == "stock":
         os.environ.pop("GPU_PAGER_DROP_IN", None)
@@ -297,21 +306,30 @@ def main() -> None:
         if parts is not None:
             breakdown[name] = dict(parts)
         return seconds
+
+    def rest() -> None:
+        time.sleep(args.idle)
+
     change()
     first_sleep = timed(torch, level1)
+    rest()
     first_wake = timed(torch, lambda: a.wake_up(None))
     for _ in range(args.cycles):
         change()
         rows["sleep"].append(observed("sleep", level1))
-        rows["wake"].append(timed(torch, lambda: a.wake_up(None)))
+        rest()
+        rows["wake"].append(observed("wake", lambda: a.wake_up(None)))
         change()
         level1()
-        rows["wake_weights"].append(timed(torch, lambda: a.wake_up(["weights"])))
+        rest()
+        rows["wake_weights"].append(observed("wake_weights", lambda: a.wake_up(["weights"])))
         rows["wake_kv"].append(timed(torch, lambda: a.wake_up(["kv_cache"])))
         rows["sleep_level2"].append(observed("level2", level2))
+        rest()
         rows["wake_level2"].append(timed(torch, lambda: a.wake_up(None)))
         if hasattr(a, "discard"):
             rows["kv_discard"].append(observed("discard", lambda: a.discard(("kv_cache",))))
+            rest()
             rows["kv_wake"].append(timed(torch, lambda: a.wake_up(["kv_cache"])))
     out = {
         "release": os.path.basename(os.path.normpath(args.release)),

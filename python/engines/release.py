@@ -56,9 +56,9 @@ def methods(source: str, names: tuple[str, ...]) -> dict[str, str]:
     found: dict[str, str] = {}
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, ast.ClassDef):
-            for f in node.body:
-                if isinstance(f, ast.FunctionDef) and f.name in names and f.name not in found:
-                    found[f.name] = _function_source(src, f)
+            for fn in node.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name in names and fn.name not in found:
+                    found[fn.name] = _function_source(src, fn)
     return found
 
 
@@ -79,7 +79,8 @@ def build_class(name: str, sources: dict[str, str], namespace: dict[str, Any]) -
     body = "\n".join(textwrap.indent(s, "    ") for s in sources.values()) or "    pass"
     code = f"from __future__ import annotations\n\nclass {name}:\n{body}\n"
     exec(compile(code, f"<release {name}>", "exec"), namespace)
-    return namespace[name]
+    built: type = namespace[name]
+    return built
 
 
 def build_functions(sources: dict[str, str], namespace: dict[str, Any]) -> None:

@@ -57,12 +57,12 @@ def main() -> None:
     child(release, mode)
 
 
-def child(release: str, mode: str) -> None:
-    name = os.path.basename(os.path.normpath(release))
+def child(release_dir: str, mode: str) -> None:
+    name = os.path.basename(os.path.normpath(release_dir))
     import torch
     import torch.distributed as dist
 
-    rel.import_root(release, "sglang")
+    rel.import_root(release_dir, "sglang")
     if mode == "torch":
         import torch_memory_saver
 
@@ -107,7 +107,7 @@ def child(release: str, mode: str) -> None:
     kv_bytes = kv.numel() * kv.element_size()
     x = torch.randn(8, hidden, dtype=torch.bfloat16, device="cuda")
     graph = torch.cuda.CUDAGraph()
-    backup = {"enable_cpu_backup": True} if rel.version_numbers(release) >= (0, 5, 23) else {}
+    backup = {"enable_cpu_backup": True} if rel.version_numbers(release_dir) >= (0, 5, 23) else {}
     graph_ctx = partial(adapter.cuda_graph, tag=c.GPU_MEMORY_TYPE_CUDA_GRAPH, **backup)
     stream = torch.cuda.Stream()
     with torch.no_grad():
@@ -130,7 +130,7 @@ def child(release: str, mode: str) -> None:
         "ResumeMemoryOccupationReqOutput": SimpleNamespace,
         "DisaggregationMode": SimpleNamespace(DECODE="decode", PREFILL="prefill", NULL="null"),
     }
-    source = os.path.join(release, "sources", "scheduler.py")
+    source = os.path.join(release_dir, "sources", "scheduler.py")
     rel.build_functions(rel.functions(source, STATE_FUNCTIONS), namespace)
     ReleaseScheduler = rel.build_class(
         "ReleaseScheduler", rel.methods(source, SCHEDULER_METHODS), namespace

@@ -299,6 +299,39 @@ def test_vllm_s_tag_hooks_run_around_unmapping_and_mapping() -> None:
     ]
 
 
+def test_without_vllm_s_tag_hooks_the_tags_have_no_companion() -> None:
+    """A vLLM without tag hooks (every release up to 0.34) gives the tags' regions no
+    companion, so that a release never waits for the GIL that the collection beside it
+    holds; sleep and wake-up work as before. With hooks, each tag has one."""
+    code = RECORDED + """
+    added = []
+    class Counting:
+        def add_companion(self, tag, *rest):
+            added.append(tag)
+            return real.add_companion(tag, *rest)
+        def __getattr__(self, name):
+            return getattr(real, name)
+    pager.pager = lambda device: Counting()
+    hooks = (va.run_before_unmap_hooks, va.run_after_map_hooks)
+    del va.run_before_unmap_hooks, va.run_after_map_hooks
+    a = allocator("weights", "kv_cache")
+    print("without", added)
+    step("sleep", lambda: a.sleep(("weights",)))
+    step("wake", lambda: a.wake_up())
+    va.run_before_unmap_hooks, va.run_after_map_hooks = hooks
+    allocator("draft")
+    print("with", added)
+    """
+    done = run(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "without []",
+        "sleep [('release', 'weights', 'kv_cache', 'drop', 'kv_cache')]",
+        "wake [('resume', 'weights', 'kv_cache')]",
+        "with ['draft']",
+    ]
+
+
 def test_a_raising_vllm_hook_undoes_the_sleep_and_the_wake_up() -> None:
     """A hook that raises (a transport that cannot deregister) fails the sleep with
     ``CompanionError`` and leaves every tag awake, the hooks that ran undone; at a wake-up

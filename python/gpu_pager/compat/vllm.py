@@ -311,11 +311,15 @@ class CuMemAllocator:
         return _gpt().pager(self._device)
 
     def _add_tag(self, tag: str) -> None:
-        """Takes ``tag`` on (once): its vLLM hooks become a companion of its region, run by
-        every release and resume of the tag, whoever calls them."""
+        """Takes ``tag`` on (once): where the running vLLM has tag hooks, they become a
+        companion of its region, run by every release and resume of the tag, whoever calls
+        them. Where it has none (every release up to 0.34), the region gets no companion: a
+        companion is Python, so the pager would wait mid-release for the GIL, which the
+        garbage collection that a sleep runs beside the release holds to its end."""
         if tag in self._tags:
             return
-        self._pager().add_companion(tag, _COMPANION, self._before_unmap, self._after_map)
+        if _vllm_tag_hooks() is not None:
+            self._pager().add_companion(tag, _COMPANION, self._before_unmap, self._after_map)
         self._tags.append(tag)
 
     def _before_unmap(self, tag: str) -> None:

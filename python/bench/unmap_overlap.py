@@ -15,7 +15,12 @@ Prints each mode's median over ``--rounds`` and the parts of ``serial`` (copy al
 unmap alone). Then the other question of a release's unmap: the weights' handles unmapped one
 ``cuMemUnmap`` each, or one ``cuMemUnmap`` over the whole span (the driver takes a range that
 covers several mappings laid back to back), each followed by the handles' ``cuMemRelease``
-(timed apart). On the GPU machine, from the repository root::
+(timed apart), and the handles released as soon as they are mapped (the driver frees the
+memory at the unmap then; the release's time moves to the map), with the free device memory
+checked after the unmap. Then, for each NUMA node of the host, the one-call unmap with this
+process's threads on that node's cores: is the unmap's time (which varies about two-fold
+from one process to the next) a matter of where the thread runs? On the GPU machine, from
+the repository root::
 
     bash .gpu/on-device py python/bench/unmap_overlap.py --weights-gib 16 --kv-gib 16 --rounds 4
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import random
 import statistics
 import threading
@@ -103,6 +109,21 @@ class Driver:
             offset += size
         return base.value, total, parts
 
+    def release_handles(self, mapped: Mapped) -> tuple[Mapped, float]:
+        """Releases every handle of ``mapped`` while it stays mapped (the memory is freed
+        when it is unmapped): the mapping without handles, and the releases' seconds."""
+        base, total, parts = mapped
+        t = time.perf_counter()
+        for _, _, handle in parts:
+            self.check(self.cu.cuMemRelease(ctypes.c_ulonglong(handle)), "cuMemRelease (mapped)")
+        return (base, total, [(a, n, 0) for a, n, _ in parts]), time.perf_counter() - t
+
+    def free_bytes(self) -> int:
+        """The device's free memory (``cuMemGetInfo``)."""
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        self.check(self.cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
+        return free.value
+
     def current_context(self) -> int:
         """This thread's current context (``cuCtxGetCurrent``)."""
         ctx = ctypes.c_void_p()
@@ -134,7 +155,8 @@ class Driver:
                 self.check(self.cu.cuMemUnmap(ctypes.c_uint64(address), ctypes.c_size_t(size)), "cuMemUnmap")
         t1 = time.perf_counter()
         for _, _, handle in parts:
-            self.check(self.cu.cuMemRelease(ctypes.c_ulonglong(handle)), "cuMemRelease")
+            if handle:  # 0: released when it was mapped
+                self.check(self.cu.cuMemRelease(ctypes.c_ulonglong(handle)), "cuMemRelease")
         t2 = time.perf_counter()
         self.check(self.cu.cuMemAddressFree(ctypes.c_uint64(base), ctypes.c_size_t(total)), "cuMemAddressFree")
         return t1 - t0, t2 - t1
@@ -155,6 +177,25 @@ def weight_sizes(total: int, n: int) -> list[int]:
     shares = [rng.uniform(0.5, 1.5) for _ in range(n)]
     scale = total / sum(shares)
     return [max(GRANULE, int(s * scale) // GRANULE * GRANULE) for s in shares]
+
+
+def numa_nodes() -> list[tuple[int, set[int]]]:
+    """The host's NUMA nodes that have cores this process may run on: (node, its cores)."""
+    root = "/sys/devices/system/node"
+    allowed = os.sched_getaffinity(0)
+    found = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if not (name.startswith("node") and name[4:].isdigit()):
+            continue
+        cpus: set[int] = set()
+        with open(os.path.join(root, name, "cpulist")) as f:
+            for part in f.read().strip().split(","):
+                if part:
+                    lo, _, hi = part.partition("-")
+                    cpus.update(range(int(lo), int(hi or lo) + 1))
+        if cpus & allowed:
+            found.append((int(name[4:]), cpus & allowed))
+    return found
 
 
 def main() -> None:
@@ -209,6 +250,24 @@ def main() -> None:
             how = "one call" if one_call else "a call per handle"
             rows.setdefault(f"weights unmap, {how}", []).append(unmapped)
             rows.setdefault(f"weights release after unmap, {how}", []).append(released)
+        weights = driver.map(sizes)
+        weights, released = driver.release_handles(weights)
+        torch.cuda.synchronize()
+        before = driver.free_bytes()
+        unmapped, _ = driver.unmap_timed(weights, True)
+        rows.setdefault("weights released at map: the releases", []).append(released)
+        rows.setdefault("weights released at map: unmap, one call", []).append(unmapped)
+        freed = driver.free_bytes() - before
+        if freed < weights[1]:
+            raise SystemExit(f"the unmap of handles released at map freed {freed} of {weights[1]} bytes")
+    for node, cpus in numa_nodes():
+        os.sched_setaffinity(0, cpus)
+        for _ in range(args.rounds):
+            weights = driver.map(sizes)
+            torch.cuda.synchronize()
+            unmapped, released = driver.unmap_timed(weights, True)
+            rows.setdefault(f"node {node} ({len(cpus)} cores): unmap, one call", []).append(unmapped)
+            rows.setdefault(f"node {node}: release after unmap", []).append(released)
     for name, xs in rows.items():
         print(f"{name}: median {statistics.median(xs) * 1e3:.1f} ms, "
               f"each {[round(x * 1e3, 1) for x in xs]}")

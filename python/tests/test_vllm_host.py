@@ -268,12 +268,19 @@ RECORDED = """
 """
 
 
+def run_recorded(code: str) -> list[str]:
+    """Runs ``RECORDED`` + ``code`` with the stand-in vLLM; the lines it printed."""
+    done = run(RECORDED + code)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
 def test_vllm_s_tag_hooks_run_around_unmapping_and_mapping() -> None:
     """Where vLLM has tag hooks (a KV connector's transport registration), a tag's
     before-unmap hooks run before its memory is unmapped and its after-map hooks after it is
     mapped back, as the pager's companions of the tag; a release that fails before them
     runs none."""
-    code = RECORDED + """
+    code = """
     for tag in ("kv_cache", "weights"):
         va.register_tag_hooks(
             tag, lambda t=tag: log.append(("before", t)), lambda t=tag: log.append(("after", t)))
@@ -288,9 +295,8 @@ def test_vllm_s_tag_hooks_run_around_unmapping_and_mapping() -> None:
     except RuntimeError:
         print("failed sleep", log, a._kept)
     """
-    done = run(code)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [
+    printed = run_recorded(code)
+    assert printed == [
         "discard [('before', 'kv_cache'), ('release', 'kv_cache', 'drop', 'kv_cache')]",
         "sleep [('before', 'weights'), ('release', 'weights')]",
         "wake weights [('resume', 'weights'), ('after', 'weights')]",
@@ -303,7 +309,7 @@ def test_without_vllm_s_tag_hooks_the_tags_have_no_companion() -> None:
     """A vLLM without tag hooks (every release up to 0.34) gives the tags' regions no
     companion, so that a release never waits for the GIL that the collection beside it
     holds; sleep and wake-up work as before. With hooks, each tag has one."""
-    code = RECORDED + """
+    code = """
     added = []
     class Counting:
         def add_companion(self, tag, *rest):
@@ -322,9 +328,8 @@ def test_without_vllm_s_tag_hooks_the_tags_have_no_companion() -> None:
     allocator("draft")
     print("with", added)
     """
-    done = run(code)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [
+    printed = run_recorded(code)
+    assert printed == [
         "without []",
         "sleep [('release', 'weights', 'kv_cache', 'drop', 'kv_cache')]",
         "wake [('resume', 'weights', 'kv_cache')]",
@@ -336,7 +341,7 @@ def test_a_raising_vllm_hook_undoes_the_sleep_and_the_wake_up() -> None:
     """A hook that raises (a transport that cannot deregister) fails the sleep with
     ``CompanionError`` and leaves every tag awake, the hooks that ran undone; at a wake-up
     it leaves every tag asleep, and the next wake-up, once the hook works, maps them."""
-    code = RECORDED + """
+    code = """
     broken = {"before": False, "after": False}
     def hook(kind, tag):
         if broken[kind] and tag == "weights":
@@ -362,9 +367,8 @@ def test_a_raising_vllm_hook_undoes_the_sleep_and_the_wake_up() -> None:
     broken["after"] = False
     step("wake", lambda: a.wake_up())
     """
-    done = run(code)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [
+    printed = run_recorded(code)
+    assert printed == [
         "sleep failed [('before', 'kv_cache'), ('after', 'kv_cache')] {} "
         "['resident', 'resident']",
         "sleep [('before', 'kv_cache'), ('before', 'weights'), "
@@ -379,7 +383,7 @@ def test_runtime_state_and_graphs_are_kept_at_every_sleep_level() -> None:
     """vLLM's runtime state (block tables) and the graphs' pool survive both levels:
     level 2 keeps nothing else, level 1 the weights too; an explicit discard still drops
     them."""
-    code = RECORDED + """
+    code = """
     a = allocator("weights", "runtime", "cuda_graph", "kv_cache")
     step("level 2", lambda: a.sleep(offload_tags=()))
     a.wake_up()
@@ -387,10 +391,9 @@ def test_runtime_state_and_graphs_are_kept_at_every_sleep_level() -> None:
     a.wake_up()
     step("discard", lambda: a.discard("runtime"))
     """
-    done = run(code)
-    assert done.returncode == 0, done.stderr
+    printed = run_recorded(code)
     every = "'weights', 'runtime', 'cuda_graph', 'kv_cache'"
-    assert done.stdout.splitlines() == [
+    assert printed == [
         f"level 2 [('release', {every}, 'drop', 'weights', 'kv_cache')]",
         f"level 1 [('release', {every}, 'drop', 'kv_cache')]",
         "discard [('release', 'runtime', 'drop', 'runtime')]",

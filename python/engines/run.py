@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import release as rel  # noqa: E402
@@ -48,7 +49,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="a file for the JSON rows")
     ap.add_argument("--timeout", type=float, default=240)
     args = ap.parse_args()
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     if args.out:
         open(args.out, "w").close()
     for script, path, switch in runs(args.engines):
@@ -84,7 +85,7 @@ def main() -> None:
     raise SystemExit(1 if failed or not rows else 0)
 
 
-def table(rows: list[dict]) -> None:
+def table(rows: list[dict[str, Any]]) -> None:
     """Release x switch x check, PASS or FAIL, and what each check measured."""
     checks = list(dict.fromkeys(r["check"] for r in rows))
     keys = list(dict.fromkeys((r["release"], r["switch"]) for r in rows))

@@ -48,7 +48,7 @@ def main() -> None:
     if mode == "preload" and "--child" not in sys.argv:
         # SGLang's engine starts its scheduler processes inside configure_subprocess().
         rel.import_root(release, "sglang")
-        from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
+        from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter  # type: ignore[import-not-found]  # the release's
 
         adapter = TorchMemorySaverAdapter.create(enable=True)
         with adapter.configure_subprocess():
@@ -67,7 +67,7 @@ def child(release_dir: str, mode: str) -> None:
         import torch_memory_saver
 
         torch_memory_saver.torch_memory_saver.hook_mode = "torch"
-    from sglang.srt import constants as c
+    from sglang.srt import constants as c  # type: ignore[attr-defined]  # the release's, over the shim's package
     from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
 
     adapter = TorchMemorySaverAdapter.create(enable=True)
@@ -85,7 +85,7 @@ def child(release_dir: str, mode: str) -> None:
     nn = torch.nn
     hidden = 2048
 
-    class Model(nn.Module):
+    class Model(nn.Module):  # type: ignore[name-defined,misc]  # torch is Any here
         def __init__(self) -> None:
             super().__init__()
             self.layers = nn.ModuleList(

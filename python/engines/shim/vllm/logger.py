@@ -2,21 +2,22 @@
 
 import functools
 import logging
+from typing import Any
 
 
-class _Logger(logging.LoggerAdapter):
+class _Logger(logging.LoggerAdapter[logging.Logger]):
     @functools.cache  # noqa: B019 (once per message, as vLLM's)
-    def warning_once(self, msg, *args):
+    def warning_once(self, msg: str, *args: Any) -> None:
         self.warning(msg, *args)
 
     @functools.cache  # noqa: B019
-    def info_once(self, msg, *args):
+    def info_once(self, msg: str, *args: Any) -> None:
         self.info(msg, *args)
 
     @functools.cache  # noqa: B019
-    def debug_once(self, msg, *args):
+    def debug_once(self, msg: str, *args: Any) -> None:
         self.debug(msg, *args)
 
 
-def init_logger(name):
+def init_logger(name: str) -> _Logger:
     return _Logger(logging.getLogger(name), {})

@@ -1,5 +1,5 @@
 """``sglang.srt.utils.common.is_xpu``: these checks run on CUDA."""
 
 
-def is_xpu():
+def is_xpu() -> bool:
     return False

@@ -229,7 +229,6 @@ def _parts(torch: Any) -> dict[str, float]:
     wrap(gpt, "resume", "resume")
     from gpu_pager.compat import vllm as drop_in
 
-    wrap(drop_in.CuMemAllocator, "_before_unmap", "companions")
     wrap(drop_in.CuMemAllocator, "_leave_out", "leave_out")
     wrap(drop_in.CuMemAllocator, "_save_again", "save_again")
     wrap(gc, "collect", "gc.collect")

@@ -17,9 +17,10 @@ unmap alone). Then the other question of a release's unmap: the weights' handles
 covers several mappings laid back to back), each followed by the handles' ``cuMemRelease``
 (timed apart), and the handles released as soon as they are mapped (the driver frees the
 memory at the unmap then; the release's time moves to the map), with the free device memory
-checked after the unmap. Then, for each NUMA node of the host, the one-call unmap with this
-process's threads on that node's cores: is the unmap's time (which varies about two-fold
-from one process to the next) a matter of where the thread runs? On the GPU machine, from
+checked after the unmap. The unmap's time varies about two-fold from one process to the
+next; two guesses are timed: the weights mapped right after 32 GiB were freed (the driver
+still scrubbing them) against 0.5 s after, and, for each NUMA node of the host, the
+one-call unmap with this process's threads on that node's cores. On the GPU machine, from
 the repository root::
 
     bash .gpu/on-device py python/bench/unmap_overlap.py --weights-gib 16 --kv-gib 16 --rounds 4
@@ -260,6 +261,17 @@ def main() -> None:
         freed = driver.free_bytes() - before
         if freed < weights[1]:
             raise SystemExit(f"the unmap of handles released at map freed {freed} of {weights[1]} bytes")
+    # Memory mapped while the driver still scrubs 32 GiB just freed, against memory mapped
+    # 0.5 s after the free: does where the pages come from change what unmapping them costs?
+    for wait in (0.0, 0.5):
+        for _ in range(args.rounds):
+            driver.unmap(driver.map(sizes + [2 * GIB] * (args.kv_gib // 2)))
+            time.sleep(wait)
+            weights = driver.map(sizes)
+            torch.cuda.synchronize()
+            unmapped, released = driver.unmap_timed(weights, True)
+            rows.setdefault(f"mapped {wait} s after a free: unmap, one call", []).append(unmapped)
+            rows.setdefault(f"mapped {wait} s after a free: release after unmap", []).append(released)
     for node, cpus in numa_nodes():
         os.sched_setaffinity(0, cpus)
         for _ in range(args.rounds):

@@ -14,9 +14,11 @@ Prints one JSON line.
 Rows: the first level-1 sleep (host backups made), then per cycle, with every weight changed
 before it: level-1 sleep, wake-up of everything; a selective wake (weights, then the KV
 cache); a level-2 sleep and its wake; the KV cache's discard and wake-up. Medians over the
-cycles after the first. Each wake comes ``--idle`` seconds after its sleep, where an RL loop
-has its trainer's step: right after a release of 32 GiB, the driver is still scrubbing the
-freed memory, and the next allocations wait for it (about 30 ms of a back-to-back wake).
+cycles after the first; on 0.34, with its own allocator, its extensible KV cache's
+release and zeroed recommit too (where the KV cache lives on its defaults). Each wake
+comes ``--idle`` seconds after its sleep, where an RL loop has its trainer's step: right
+after a release of 32 GiB, the driver is still scrubbing the freed memory, and the next
+allocations wait for it (about 30 ms of a back-to-back wake).
 The fp8 rows (``--fp8``, back to back): bf16 weights quantized to fp8 inside the weights
 pool and the bf16 freed, then level-1 sleeps and wakes of what is left.
 """
@@ -118,6 +120,14 @@ def every(engines: str, options: list[str]) -> None:
         print(f"{r0['device']}; {r0['weights_bytes'] / GIB:.1f} GiB of weights in {r0['tensors']} tensors, "
               f"changed every cycle; KV {r0['kv_bytes'] / GIB:.0f} GiB; ms (median of the cycles)")
     _table(results, ROWS, ("sleep_x_link", "wake_x_link"))
+    for r in ok:
+        if "ext_kv_release_s" in r:
+            ours = next((o for o in ok if o["release"] == r["release"] and o["impl"] == "gpu_pager"), {})
+            print(f"{r['release']} extensible KV cache (vLLM's own, {r['kv_bytes'] / GIB:.0f} GiB): "
+                  f"release_physical {r['ext_kv_release_s'] * 1e3:.1f} ms, recommit zeroed "
+                  f"{r['ext_kv_recommit_s'] * 1e3:.1f} ms; the drop-in's KV discard "
+                  f"{ours.get('kv_discard_s', float('nan')) * 1e3:.1f} ms, KV wake zeroed "
+                  f"{ours.get('kv_wake_s', float('nan')) * 1e3:.1f} ms")
     for r in ok:
         for name in ("sleep", "wake", "wake_weights", "level2", "discard"):
             if f"{name}_parts_s" in r:
@@ -347,7 +357,27 @@ def main() -> None:
         out[f"{name}_parts_s"] = found
     out["sleep_x_link"] = out["sleep_s"] / (nbytes / d2h)
     out["wake_x_link"] = out["wake_s"] / (nbytes / h2d)
+    if v >= (0, 34) and args.impl == "stock":
+        out.update(extensible_rows(torch, int(args.kv_gib * GIB), args.cycles, rest))
     print(json.dumps(out), flush=True)
+
+
+def extensible_rows(torch: Any, size: int, cycles: int, rest: Callable[[], None]) -> dict[str, float]:
+    """vLLM 0.34's extensible KV cache of ``size`` bytes (its own ``ExtensibleTensor``, outside
+    the allocator: where the KV cache lives on 0.34's defaults), as its worker's sleep and
+    wake reach it: ``release_physical``, then the recommit that zero-fills; medians. What the
+    drop-in's KV discard and zeroed KV wake are measured against."""
+    from vllm.utils.extensible_tensor import ExtensibleTensor
+
+    tensor = ExtensibleTensor(size)
+    tensor.resize_per_segment_(size, zero_new=True)
+    released, recommitted = [], []
+    for _ in range(cycles):
+        released.append(timed(torch, tensor.release_physical))
+        rest()
+        recommitted.append(timed(torch, lambda: tensor.resize_per_segment_(size, zero_new=True)))
+    tensor.free()
+    return {"ext_kv_release_s": statistics.median(released), "ext_kv_recommit_s": statistics.median(recommitted)}
 
 
 if __name__ == "__main__":

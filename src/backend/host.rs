@@ -275,9 +275,10 @@ impl Drop for HostMapping {
     fn drop(&mut self) {
         // Unmap (put the placeholder back so the address stays reserved): the mapping was
         // the memfd's last reference, so its memory goes back to the system.
-        if self.unmapped {
-            // by `unmap_runs`, with its neighbours
-        } else if let Err(e) = map_placeholder(self.ptr, self.len) {
+        // (Unmapped already by `unmap_runs`, with its neighbours: only the count is left.)
+        if !self.unmapped
+            && let Err(e) = map_placeholder(self.ptr, self.len)
+        {
             self.errors.record(format!(
                 "unmapping a {}-byte host chunk at {:#x} failed: {e}",
                 self.len, self.ptr

@@ -539,8 +539,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// release of hundreds of buffers pays for each. Each mapping so unmapped is told
     /// ([`Mapping::unmapped`]); dropping it then releases its memory. A run the backend
     /// cannot unmap whole is left as it was, and each of its mappings unmaps itself when
-    /// dropped, as always; so nothing fails here. [`unmap_each`] is the whole of it for a
-    /// backend without a faster way.
+    /// dropped, as always; so nothing fails here, and a backend without a faster way does
+    /// nothing.
     ///
     /// # Safety
     /// Every mapping is this backend's (from its [`Backend::map`], or a wrapper's around
@@ -973,10 +973,6 @@ pub fn auto(ordinal: usize) -> BackendResult<(Arc<dyn Backend>, Option<String>)>
     let config = host::HostConfig::from_env()?;
     Ok((Arc::new(host::HostBackend::new(config)), Some(why)))
 }
-
-/// [`Backend::unmap_runs`] for a backend without a faster way: nothing, so that each mapping
-/// unmaps itself when dropped.
-pub fn unmap_each(_maps: &mut [Box<dyn Mapping>]) {}
 
 /// [`Backend::unmap_runs`] given the backend's unmap of one address range: `unmap(start,
 /// len)` once per run of `maps` (in address order) laid back to back, a run of one mapping

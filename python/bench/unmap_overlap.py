@@ -12,7 +12,10 @@ handles is unmapped and released (``cuMemUnmap`` + ``cuMemRelease``):
 - ``overlap_thread``: the KV's unmap on a second thread while this one enqueues and waits.
 
 Prints each mode's median over ``--rounds`` and the parts of ``serial`` (copy alone, each
-unmap alone). Then the other question of a release's unmap: the weights' handles unmapped one
+unmap alone). Then the same call by call: how long the KV cache's unmap takes while the
+copies run and when the copies end (``beside``), and the weights unmapped ``--groups`` at a
+time, each group as soon as its copies are done, while the later groups copy (``pipelined``:
+what a release does). Then the other question of a release's unmap: the weights' handles unmapped one
 ``cuMemUnmap`` each, or one ``cuMemUnmap`` over the whole span (the driver takes a range that
 covers several mappings laid back to back), each followed by the handles' ``cuMemRelease``
 (timed apart), and the handles released as soon as they are mapped (the driver frees the
@@ -205,6 +208,7 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=300)
     ap.add_argument("--kv-gib", type=int, default=16, help="in 2 GiB handles")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--groups", type=int, default=8, help="the pipelined unmap's groups of weights")
     args = ap.parse_args()
     import torch
 
@@ -244,6 +248,53 @@ def main() -> None:
                 helper.join()
                 driver.unmap(weights)
             rows[mode].append(time.perf_counter() - t0)
+        # The unmap beside the copies, timed call by call: how long the KV's unmap takes
+        # while the copies run (its call returns within its own cost, or only once the
+        # copies end), and the weights unmapped a group at a time as each group's copies
+        # end (``--groups``), while the later groups' copies run.
+        weights = driver.map(sizes)
+        kv = driver.map([2 * GIB] * (args.kv_gib // 2))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        driver.copy_to_host(weights, host.data_ptr(), stream.cuda_stream)
+        t1 = time.perf_counter()
+        driver.unmap(kv)
+        t2 = time.perf_counter()
+        stream.synchronize()
+        t3 = time.perf_counter()
+        driver.unmap(weights)
+        rows.setdefault("beside: KV unmap call, during the copies", []).append(t2 - t1)
+        rows.setdefault("beside: the copies end after", []).append(t3 - t0)
+        rows.setdefault("beside: in all", []).append(time.perf_counter() - t0)
+        weights = driver.map(sizes)
+        torch.cuda.synchronize()
+        base, total, parts = weights
+        step = -(-len(parts) // args.groups)
+        groups = [parts[i:i + step] for i in range(0, len(parts), step)]
+        t0 = time.perf_counter()
+        events = []
+        offset = 0
+        for g in groups:
+            driver.copy_to_host((0, 0, g), host.data_ptr() + offset, stream.cuda_stream)
+            offset += sum(n for _, n, _ in g)
+            e = torch.cuda.Event()
+            e.record(stream)
+            events.append(e)
+        waited = unmapping = 0.0
+        for g, e in zip(groups, events):
+            ta = time.perf_counter()
+            e.synchronize()
+            tb = time.perf_counter()
+            for address, size, handle in g:
+                driver.check(driver.cu.cuMemUnmap(ctypes.c_uint64(address), ctypes.c_size_t(size)), "cuMemUnmap")
+                driver.check(driver.cu.cuMemRelease(ctypes.c_ulonglong(handle)), "cuMemRelease")
+            waited += tb - ta
+            unmapping += time.perf_counter() - tb
+        last = time.perf_counter() - tb
+        driver.check(driver.cu.cuMemAddressFree(ctypes.c_uint64(base), ctypes.c_size_t(total)), "cuMemAddressFree")
+        rows.setdefault(f"pipelined in {len(groups)} groups: in all", []).append(time.perf_counter() - t0)
+        rows.setdefault(f"pipelined in {len(groups)} groups: unmapping (all groups)", []).append(unmapping)
+        rows.setdefault(f"pipelined in {len(groups)} groups: the last group's unmap", []).append(last)
         for one_call in (False, True):
             weights = driver.map(sizes)
             torch.cuda.synchronize()

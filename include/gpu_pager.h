@@ -494,8 +494,9 @@ gpu_pager_code gpu_pager_set_overwritten(int device, uint64_t ptr, size_t len, b
 
 // Gives the physical memory of the `n_tags` regions `tags` of device `device` back to the
 // device: waits for outstanding device work, copies `GPU_PAGER_PRESERVE` regions to their
-// pinned host backups, unmaps. All or nothing; regions already released are counted in
-// `regions_already`. Fills `*report` unless it is NULL.
+// pinned host backups, unmapping each buffer as soon as its own copies are done. All or
+// nothing (after a failed copy what was unmapped is mapped and restored again); regions
+// already released are counted in `regions_already`. Fills `*report` unless it is NULL.
 //
 // # Safety
 // `tags` is NULL (an error unless `n_tags` is 0) or points to `n_tags` pointers, each

@@ -114,6 +114,20 @@ impl Mapped {
         self.remove_where(|r| r.start >= range.start && r.end <= range.end)
     }
 
+    /// Unmaps the first mapping lying inside `range`. Returns its bytes (0: none left).
+    pub fn remove_first_within(&mut self, range: &Range<usize>) -> usize {
+        let first = self
+            .spans
+            .range(range.clone())
+            .find(|&(&start, m)| start + m.len() <= range.end)
+            .map(|(&start, _)| start);
+        let freed = first
+            .and_then(|start| self.spans.remove(&start))
+            .map_or(0, |m| m.len());
+        self.bytes -= freed;
+        freed
+    }
+
     /// Takes every mapping out, in address order, for the caller to unmap (dropping them
     /// does, one by one; [`crate::backend::Backend::unmap_runs`] first, a run at a time).
     pub fn take_all(&mut self) -> Vec<Box<dyn Mapping>> {
@@ -175,6 +189,26 @@ mod tests {
         assert_eq!(m.remove_where(|r| r.start >= 30), 10);
         let rest = m.take_all();
         assert_eq!(rest.iter().map(|r| r.len()).collect::<Vec<_>>(), vec![5]);
+        assert_eq!(m.bytes(), 0);
+    }
+
+    #[test]
+    fn removing_the_first_mapping_within_a_range_goes_one_at_a_time() {
+        let mut m = Mapped::default();
+        m.insert(0, maps(&[4, 4, 4])); // 0..12
+        assert_eq!(
+            m.remove_first_within(&(2..12)),
+            4,
+            "4..8: 0..4 starts before the range"
+        );
+        assert_eq!(
+            m.remove_first_within(&(2..10)),
+            0,
+            "8..12 ends after the range"
+        );
+        assert_eq!(m.remove_first_within(&(0..12)), 4);
+        assert_eq!(m.remove_first_within(&(0..12)), 4);
+        assert_eq!(m.remove_first_within(&(0..12)), 0);
         assert_eq!(m.bytes(), 0);
     }
 

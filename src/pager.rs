@@ -404,9 +404,14 @@ impl Pager {
 
     /// Gives the physical memory of `tags` back to the device. Waits for all outstanding
     /// device work first; copies `Preserve` regions to their pinned backups (only the parts
-    /// that changed, with `skip_unchanged`); then unmaps. Regions already released are
-    /// reported as such. All or nothing: if any region is leased, or a copy fails, nothing
-    /// is released.
+    /// that changed, with `skip_unchanged`), unmapping each buffer once its own copies are
+    /// done and the regions it does not save at once, while the rest copies (unless a tag
+    /// has companions, which run between the copies and the unmap). Regions already
+    /// released are reported as such. All or nothing: if any region is leased, or a copy
+    /// fails, nothing is released (what was unmapped is mapped and restored again; a region
+    /// whose contents were being dropped comes back as its resume would bring it). Only if
+    /// mapping back fails too (the device is lost) is that region left released, with what
+    /// it had saved, and the failure recorded ([`Pager::take_deferred_errors`]).
     pub fn release(&self, tags: &[&str]) -> Result<Report> {
         self.release_with(tags, &ReleaseOptions::default())
     }

@@ -41,7 +41,9 @@
 //! alive and untouched (or, for a destination, unaliased) until every copy from or into it
 //! has finished. Device memory is a plain address: that it stays mapped and untouched until
 //! the scope returns is the one promise the caller makes, at [`Pump::push_to_device`] and
-//! [`Pump::push_to_host`].
+//! [`Pump::push_to_host`]; the source of a copy to the host may go once
+//! [`Pump::pushes_done`] has passed its push (a release unmaps what it has saved while the
+//! rest copies, see [`Pump::drain`]).
 //!
 //! **Errors.** The first failure (a unit that cannot be enqueued, a fence that reports an
 //! error) stops the feeding: queued units are dropped, the units in flight are waited for,
@@ -308,6 +310,8 @@ impl Pace {
 /// A unit started on a mover.
 struct InFlight {
     fence: Box<dyn Fence>,
+    /// The number of the push it was cut from.
+    push: u64,
     bytes: usize,
     direction: Direction,
 }
@@ -320,8 +324,10 @@ pub struct Pump<'e, 'h> {
     traffic: &'e Traffic,
     /// This pump's own units in flight, per direction (its share of `traffic`).
     own: [usize; 2],
-    /// Units not started yet, in order.
-    queue: VecDeque<RawCopy>,
+    /// Units not started yet, in order, each with the number of its push.
+    queue: VecDeque<(u64, RawCopy)>,
+    /// Pushes made so far: the next push's number.
+    pushes: u64,
     /// Units started and not seen finished, per mover.
     flight: [Vec<InFlight>; 2],
     /// The first failure, until it is returned.
@@ -390,6 +396,7 @@ fn run<'e, 'h, T, E>(
         traffic,
         own: [0, 0],
         queue: VecDeque::new(),
+        pushes: 0,
         flight: [Vec::new(), Vec::new()],
         failure: None,
         failed: false,
@@ -436,8 +443,9 @@ impl<'h> Pump<'_, 'h> {
     ///
     /// # Safety
     /// `src .. src + dst.len()` is mapped device memory of the pump's backend that stays
-    /// mapped, and that nothing writes, until the pump's [`scope`] returns; `dst` is memory
-    /// from that backend's [`Backend::alloc_pinned`].
+    /// mapped, and that nothing writes, until the pump's [`scope`] returns or
+    /// [`Pump::pushes_done`] exceeds this push's number ([`Pump::pushes`] before the call);
+    /// `dst` is memory from that backend's [`Backend::alloc_pinned`].
     pub unsafe fn push_to_host(&mut self, src: u64, dst: PinnedMut<'h>) -> BackendResult<()> {
         self.push(
             dst.span
@@ -452,12 +460,63 @@ impl<'h> Pump<'_, 'h> {
         self.take_failure()
     }
 
-    /// Queues a copy's units ([`Span::copies`]) and feeds.
+    /// Pushes made so far. A push's copies have all finished once [`Pump::pushes_done`]
+    /// exceeds its number (the value of `pushes` before it was made).
+    pub fn pushes(&self) -> u64 {
+        self.pushes
+    }
+
+    /// How many of the first pushes have finished every copy: all pushes numbered below it
+    /// have (as of the last push, poll or drain; a failed pump finishes nothing more). Their
+    /// device memory may be unmapped while the scope goes on.
+    pub fn pushes_done(&self) -> u64 {
+        let queued = self.queue.front().map(|(n, _)| *n);
+        let flying = self.flight.iter().flatten().map(|u| u.push).min();
+        [queued, flying]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(self.pushes)
+    }
+
+    /// Feeds the movers and waits until every push made so far has finished, calling
+    /// `meanwhile` with [`Pump::pushes_done`] between polls: it does a small piece of other
+    /// work and says whether it did any (when neither it nor the movers did, the thread
+    /// sleeps briefly). Returns the first copy failure, as [`Pump::poll`].
+    ///
+    /// Why: a release unmaps what it has saved while the rest still copies, a piece per
+    /// call so that the movers never run dry.
+    pub fn drain(&mut self, mut meanwhile: impl FnMut(u64) -> bool) -> BackendResult<()> {
+        loop {
+            let retired = self.retire();
+            if self.failed {
+                return Err(self.take_failure().err().unwrap_or_else(stopped));
+            }
+            let started = self.dispatch();
+            if self.failed {
+                return Err(self.take_failure().err().unwrap_or_else(stopped));
+            }
+            let worked = meanwhile(self.pushes_done());
+            let idle = self.queue.is_empty() && self.flight.iter().all(Vec::is_empty);
+            if idle {
+                // What finished last may have let `meanwhile` start more.
+                while meanwhile(self.pushes_done()) {}
+                return Ok(());
+            }
+            if !retired && !started && !worked {
+                std::thread::sleep(POLL);
+            }
+        }
+    }
+
+    /// Queues a copy's units ([`Span::copies`]) as one push and feeds.
     fn push(&mut self, units: impl Iterator<Item = RawCopy>) -> BackendResult<()> {
         if self.failed {
             return Err(self.take_failure().err().unwrap_or_else(stopped));
         }
-        self.queue.extend(units);
+        let n = self.pushes;
+        self.pushes += 1;
+        self.queue.extend(units.map(|u| (n, u)));
         self.feed(false);
         self.take_failure()
     }
@@ -692,13 +751,13 @@ impl<'h> Pump<'_, 'h> {
         let mut any = false;
         loop {
             self.cut_probe();
-            let Some(next) = self.queue.front() else {
+            let Some((_, next)) = self.queue.front() else {
                 break;
             };
             let Some(mover) = self.free_mover(next.direction, next.bytes) else {
                 break;
             };
-            let Some(unit) = self.queue.pop_front() else {
+            let Some((push, unit)) = self.queue.pop_front() else {
                 break;
             };
             // SAFETY: the unit was cut from a push, whose caller promised that its device
@@ -710,6 +769,7 @@ impl<'h> Pump<'_, 'h> {
                 Ok(fence) => {
                     self.flight[mover.index()].push(InFlight {
                         fence,
+                        push,
                         bytes: unit.bytes,
                         direction: unit.direction,
                     });
@@ -753,10 +813,11 @@ impl<'h> Pump<'_, 'h> {
         let quiet = self
             .queue
             .front()
-            .is_some_and(|next| self.others_back(next.direction) == 0);
-        let Some(next) = self.queue.front_mut() else {
+            .is_some_and(|(_, next)| self.others_back(next.direction) == 0);
+        let Some((push, next)) = self.queue.front_mut() else {
             return;
         };
+        let push = *push;
         if !quiet || left == 0 || next.bytes <= left {
             return;
         }
@@ -768,7 +829,7 @@ impl<'h> Pump<'_, 'h> {
             ..*next
         };
         next.bytes = left;
-        self.queue.insert(1, rest);
+        self.queue.insert(1, (push, rest));
     }
 
     /// Copies everything queued and waits for it. On a failure, stops and waits for what is

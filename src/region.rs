@@ -32,7 +32,10 @@ use crate::report::{RegionReport, Report};
 use crate::suballoc::{AllocError, SubAllocator};
 
 mod backups;
+mod early;
 mod types;
+
+pub(crate) use early::{EarlyUnmap, Unmapped};
 
 pub use types::{Medium, Policy, RegionInfo, RegionKind, RegionOptions, RegionStats, State};
 
@@ -596,7 +599,8 @@ impl Region {
 
     /// Maps the region and sends the restore of its backups to `sink`, overlapping the two:
     /// the ranges to map (the whole region, or the buffers of a growing one, cut at the
-    /// chunk size) are mapped run by run, a run being ranges that lie back to back (a
+    /// chunk size; of a resident region, only what is unmapped of them: what a failed
+    /// release had unmapped already) are mapped run by run, a run being ranges that lie back to back (a
     /// growing region's buffers usually do), in groups of doubling size
     /// ([`map_ahead::plan`]: one backend call and one access change per group, not per
     /// buffer), and each group's copies are pushed as soon as it is mapped. With `overlap`
@@ -619,8 +623,13 @@ impl Region {
         sink: &mut Sink<'s, 'e, 'h>,
         overlap: bool,
     ) -> Result<(Duration, usize)> {
-        debug_assert_eq!(self.mapped.bytes(), 0);
-        let wanted = self.wanted();
+        // All of it for a released region; what a failed release had unmapped already for
+        // a resident one.
+        let wanted: Vec<Range<usize>> = self
+            .wanted()
+            .iter()
+            .flat_map(|r| self.mapped.gaps(r))
+            .collect();
         let base = self.base();
         // The backups are lent to the sink for `'h`; the mappings stay ours to extend.
         let Region {
@@ -668,8 +677,8 @@ impl Region {
                 .map_err(|e| Error::backend(tag, "restoring contents from the backup", e))
         };
         // SAFETY: the groups lie inside this region's reservation (they cover the wanted
-        // ranges, which lie inside the region), and were wholly unmapped (the region is
-        // released; nothing else maps into its reservation).
+        // ranges, which lie inside the region), and are unmapped (gaps of `mapped`, which
+        // records every mapping of the region; nothing else maps into its reservation).
         let map_time = unsafe {
             map_ahead::map_in_order(backend, reservation, &groups, ahead, sink, feed, restore)
         }?;
@@ -793,14 +802,23 @@ impl Region {
     /// them) into `pump`, only the changed hash chunks when `skip_unchanged`. Each backup
     /// validly holds exactly what this save wanted of it once the caller calls
     /// [`Region::commit_saves`] after the pump's scope succeeded. Does not change state.
+    ///
+    /// With `early`, also returns an [`EarlyUnmap`] of the region's mappings: each backup
+    /// that saves its whole device range (a growing region's unmarked buffer, a fixed
+    /// region with no marks and no free space) has its range queued to be unmapped once its
+    /// copies are done, and a step of it runs after each backup's pushes; the caller steps
+    /// it on while it waits for the pump ([`Pump::drain`]). It comes back on failure too:
+    /// what it unmapped is mapped and restored again by [`Region::commit_saves_within`] and
+    /// [`Region::map_and_restore`].
     pub fn save<'h>(
         &'h mut self,
         backend: &dyn Backend,
         skip_unchanged: bool,
         hash_chunk: usize,
         gap: usize,
+        early: bool,
         pump: &mut Pump<'_, 'h>,
-    ) -> Result<Saved> {
+    ) -> (Result<Saved>, Option<EarlyUnmap<'h>>) {
         let base = self.base();
         let mut plan: BTreeMap<usize, (usize, Vec<Range<usize>>)> = self
             .save_plan(gap)
@@ -811,16 +829,23 @@ impl Region {
             .iter()
             .find(|(start, (_, want))| !want.is_empty() && !self.backups.contains_key(start))
         {
-            return Err(Error::backend(
+            let e = Error::backend(
                 &self.tag,
                 "copying contents to the host backup",
                 BackendError::Internal {
                     op: "save",
                     reason: format!("no backup pinned at offset {start}"),
                 },
-            ));
+            );
+            return (Err(e), None);
         }
-        let Region { backups, tag, .. } = self;
+        let Region {
+            backups,
+            tag,
+            mapped,
+            ..
+        } = self;
+        let mut unmap = early.then(|| EarlyUnmap::new(mapped));
         let mut out = Saved::default();
         // Every backup at once (each lent to the pump for `'h`): those the plan does not
         // name (freed buffers) are left alone.
@@ -831,8 +856,9 @@ impl Region {
             // SAFETY: the region is resident, so the backup's device range (the whole fixed
             // region, or a live buffer of a growing one) is mapped, and the pager holds its
             // lock after a synchronize until the pump's scope has returned, so nothing
-            // unmaps or writes it meanwhile (engine kernels launched later are the caller's
-            // contract, as for any raw pointer); the pump runs on `backend`.
+            // writes it meanwhile (engine kernels launched later are the caller's contract,
+            // as for any raw pointer) and only `unmap` unmaps it, once the pump has done
+            // these pushes; the pump runs on `backend`.
             let saved = unsafe {
                 backup.save(
                     backend,
@@ -844,11 +870,40 @@ impl Region {
                     pump,
                 )
             }
-            .map_err(|e| Error::backend(tag, "copying contents to the host backup", e))?;
+            .map_err(|e| Error::backend(tag, "copying contents to the host backup", e));
+            let saved = match saved {
+                Ok(saved) => saved,
+                Err(e) => return (Err(e), unmap),
+            };
             out.copied += saved.copied;
             out.hash += saved.hash;
+            if let Some(u) = &mut unmap {
+                if want.len() == 1 && want[0] == (0..len) {
+                    u.after(start..start + len, pump.pushes());
+                }
+                u.step(pump.pushes_done());
+            }
         }
-        Ok(out)
+        (Ok(out), unmap)
+    }
+
+    /// The whole region's memory to unmap at once while a release copies other regions'
+    /// (a region whose contents the release drops or never keeps).
+    pub fn early_unmap_all(&mut self) -> EarlyUnmap<'_> {
+        let all = 0..self.size();
+        let mut unmap = EarlyUnmap::new(&mut self.mapped);
+        unmap.after(all, 0);
+        unmap
+    }
+
+    /// Commits the last save of each backup that starts at one of `extents` (their copies
+    /// finished although the release failed later), so that they restore what was saved.
+    pub fn commit_saves_within(&mut self, extents: &[Range<usize>]) {
+        for e in extents {
+            if let Some(b) = self.backups.get_mut(&e.start) {
+                b.commit();
+            }
+        }
     }
 
     /// Makes the contents of the last save the backups', once its copies have finished.

@@ -597,8 +597,9 @@ fn within(buf: &gpu_pager::Buffer, offset: usize, bytes: usize) -> Result<()> {
 
 /// Gives the physical memory of the `n_tags` regions `tags` of device `device` back to the
 /// device: waits for outstanding device work, copies `GPU_PAGER_PRESERVE` regions to their
-/// pinned host backups, unmaps. All or nothing; regions already released are counted in
-/// `regions_already`. Fills `*report` unless it is NULL.
+/// pinned host backups, unmapping each buffer as soon as its own copies are done. All or
+/// nothing (after a failed copy what was unmapped is mapped and restored again); regions
+/// already released are counted in `regions_already`. Fills `*report` unless it is NULL.
 ///
 /// # Safety
 /// `tags` is NULL (an error unless `n_tags` is 0) or points to `n_tags` pointers, each

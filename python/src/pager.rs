@@ -464,8 +464,9 @@ impl PyPager {
 
     /// Gives the physical memory of ``tags`` (a str or a sequence of str) back to the
     /// device: waits for outstanding device work, copies ``PRESERVE`` regions to their
-    /// backups, unmaps. All or nothing (``BusyError`` if one is leased). Regions already
-    /// released are reported as such. ``drop`` (tags among ``tags``) drops those regions'
+    /// backups, unmapping each buffer as soon as its own copies are done. All or nothing
+    /// (``BusyError`` if one is leased; after a failed copy what was unmapped is mapped and
+    /// restored again). Regions already released are reported as such. ``drop`` (tags among ``tags``) drops those regions'
     /// contents for this cycle instead of backing them up: they come back zeroed at the next
     /// resume (a ``DISCARD`` region: undefined).
     #[pyo3(signature = (tags, drop = None))]

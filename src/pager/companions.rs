@@ -322,6 +322,12 @@ impl Pager {
 /// with `held` (every region the move holds locked) recorded for this thread's queries.
 /// On a failure the ones that ran are undone in reverse order and the error names the
 /// companion; an undo that fails too is a deferred error.
+/// Whether any of `tags` has a companion.
+pub(super) fn any(pager: &Pager, tags: &[&str]) -> bool {
+    let list = pager.companions.read().unwrap_or_else(|p| p.into_inner());
+    list.iter().any(|e| tags.contains(&e.tag.as_str()))
+}
+
 pub(super) fn run(pager: &Pager, phase: Phase, tags: &[&str], held: &[&Region]) -> Result<()> {
     let list: Vec<Arc<Entry>> = {
         let list = pager.companions.read().unwrap_or_else(|p| p.into_inner());

@@ -11,7 +11,7 @@ use crate::backend::{Backend, Fence, RawStream};
 use crate::backup::Saved;
 use crate::error::{Error, Result};
 use crate::pump::{self, PumpStats, Sink};
-use crate::region::{Policy, Region, remember};
+use crate::region::{EarlyUnmap, Policy, Region, Unmapped, remember};
 use crate::report::{Move, Outcome, RegionReport, Report, Steps};
 
 /// The locked regions of one call, in tag order.
@@ -29,6 +29,8 @@ struct Part {
     steps: Steps,
     /// Bytes copied for it (a first backup's fill included).
     copied: usize,
+    /// Release: bytes unmapped while the copies ran.
+    unmapped_early: usize,
 }
 
 /// The release of `regions` (the locked regions of `tags`): checks the leases, waits for
@@ -105,6 +107,13 @@ fn pin_backups(pager: &Pager, regions: &mut Locked<'_>, parts: &mut [Part]) -> R
 /// Copies the contents of every saved region to its backup through one pump, each
 /// region (each buffer of a growing one) hashed while the copies of the ones before it
 /// run; commits the saves once all succeeded.
+///
+/// Meanwhile it unmaps what it can (unless a moving tag has companions, which run between
+/// the save and the unmap): each buffer whose whole contents are saved once its copies are
+/// done, and the regions whose contents are not saved. On failure it maps and restores all
+/// of that again ([`map_back`]), so that every region is resident as before; the regions
+/// whose contents were to be dropped come back zero-filled (poisoned with
+/// `poison_discards`; a `Discard` region uninitialised), as their resume would.
 fn save_contents(
     pager: &Pager,
     tags: &[&str],
@@ -117,39 +126,149 @@ fn save_contents(
     let backend = pager.backend.as_ref();
     let c = &pager.config;
     let t = Instant::now();
+    let early = !companions::any(pager, &moving(regions, parts));
     let mut saved = vec![Saved::default(); parts.len()];
-    let ((), pumped) = pump::scope(
+    let mut unmapped = vec![Unmapped::default(); parts.len()];
+    let scoped = pump::scope(
         backend,
         pager.pump_config(c.save_route),
         &pager.traffic,
         |p| {
-            for ((r, part), s) in regions.iter_mut().zip(parts.iter()).zip(&mut saved) {
+            let mut unmaps: Vec<(usize, EarlyUnmap<'_>)> = Vec::new();
+            let mut done = Ok(());
+            for (i, ((r, part), s)) in regions
+                .iter_mut()
+                .zip(parts.iter())
+                .zip(&mut saved)
+                .enumerate()
+            {
+                // Not an elastic region: what it backs is the caller's to say, so a failed
+                // release could not map it again.
+                let early = early && (r.growing() || !r.on_demand());
                 if part.contents {
-                    *s = r.save(
+                    let (sv, u) = r.save(
                         backend,
                         c.skip_unchanged,
                         c.tuning.hash_chunk_bytes,
                         c.tuning.copy_gap_bytes,
+                        early,
                         p,
-                    )?;
+                    );
+                    unmaps.extend(u.map(|u| (i, u)));
+                    match sv {
+                        Ok(sv) => *s = sv,
+                        Err(e) => {
+                            done = Err(e);
+                            break;
+                        }
+                    }
+                } else if part.moves && early {
+                    unmaps.push((i, r.early_unmap_all()));
                 }
             }
-            Ok(())
+            if done.is_ok() {
+                done = p
+                    .drain(|pushed| unmaps.iter_mut().any(|(_, u)| u.step(pushed)))
+                    .map_err(|e| Error::backend_of(tags, "copying contents to the host backup", e));
+            }
+            for (i, u) in unmaps {
+                unmapped[i] = u.finish();
+            }
+            done
         },
         |e| Error::backend_of(tags, "copying contents to the host backup", e),
-    )?;
+    );
+    let pumped = match scoped {
+        Ok(((), pumped)) => pumped,
+        Err(e) => return Err(map_back(pager, regions, parts, &unmapped, e)),
+    };
     // The copy time: the call's copying less its hashing, by each region's share.
     let hashing: Duration = saved.iter().map(|s| s.hash).sum();
     let bytes: Vec<usize> = saved.iter().map(|s| s.copied).collect();
     charge(parts, &bytes, t.elapsed().saturating_sub(hashing));
-    for ((r, p), s) in regions.iter_mut().zip(parts.iter_mut()).zip(&saved) {
+    for (((r, p), s), u) in regions
+        .iter_mut()
+        .zip(parts.iter_mut())
+        .zip(&saved)
+        .zip(&unmapped)
+    {
         p.steps.hash += s.hash;
         p.copied += s.copied;
+        p.steps.unmap += u.time;
+        p.unmapped_early = u.bytes;
         if p.contents {
             r.commit_saves();
         }
     }
     Ok(pumped)
+}
+
+/// After a failed save: maps again what was unmapped while the copies ran, restoring each
+/// saved region's buffers from their backups (their copies had finished) and filling a
+/// region whose contents were to be dropped as its resume would. Returns `failure`, the
+/// release's error. Where even that fails (the device is lost, or another thread took the
+/// memory), the region is released instead, with what it had saved, and the failure is
+/// recorded.
+fn map_back(
+    pager: &Pager,
+    regions: &mut Locked<'_>,
+    parts: &[Part],
+    unmapped: &[Unmapped],
+    failure: Error,
+) -> Error {
+    let backend = pager.backend.as_ref();
+    for ((r, p), u) in regions.iter_mut().zip(parts).zip(unmapped) {
+        if u.extents.is_empty() {
+            continue;
+        }
+        let back = if p.contents {
+            r.commit_saves_within(&u.extents);
+            let tag = r.tag.clone();
+            pump::scope(
+                backend,
+                pager.pump_config(pager.config.restore_route),
+                &pager.traffic,
+                |pump| r.map_and_restore(backend, &mut Sink::Pump(pump), false),
+                |e| Error::backend(&tag, "restoring what a failed release had unmapped", e),
+            )
+            .map(|_| ())
+        } else {
+            r.map_all(backend, "release")
+                .and_then(|_| fill_dropped(pager, r).map(|_| ()))
+        };
+        if let Err(e) = back {
+            backend.deferred_errors().record(format!(
+                "the release of `{}` failed ({failure}), and mapping back the memory it had                  unmapped failed too ({e}): the region is released; a resume restores the                  buffers whose copies had finished, the others come back without contents",
+                r.tag
+            ));
+            if let Err(sync) = backend.synchronize() {
+                backend.deferred_errors().record(format!(
+                    "synchronize before releasing `{}` after a failed release: {sync}",
+                    r.tag
+                ));
+            }
+            r.unmap_all(backend);
+            if !p.contents {
+                r.drop_contents();
+            }
+            r.set_released();
+        }
+    }
+    failure
+}
+
+/// Fills a region mapped again whose contents a release was dropping: zeros, or the
+/// poison with `poison_discards`; a `Discard` region is left uninitialised (poisoned with
+/// `poison_discards`), as after its resume.
+fn fill_dropped(pager: &Pager, r: &Region) -> Result<Duration> {
+    let backend = pager.backend.as_ref();
+    if pager.config.poison_discards && r.policy != Policy::DiscardZeroed {
+        r.fill(backend, super::POISON)
+    } else if r.policy != Policy::Discard {
+        r.zero(backend)
+    } else {
+        Ok(Duration::ZERO)
+    }
 }
 
 /// The resume of `regions` (the locked regions of `tags`), on `stream` if given: maps
@@ -385,7 +504,8 @@ fn unmap(backend: &dyn Backend, r: &mut Region, p: &mut Part) -> RegionReport {
         return already(&r.tag);
     }
     let (bytes, unmap) = r.unmap_all(backend);
-    p.steps.unmap = unmap;
+    p.steps.unmap += unmap;
+    let bytes = bytes + p.unmapped_early;
     if p.dropped {
         r.drop_contents();
     }

@@ -725,3 +725,63 @@ fn the_config_is_normalized() {
     assert_eq!(c.unit_bytes, 2 * MIN_UNIT_BYTES);
     assert_eq!(PumpConfig::default().normalized(), PumpConfig::default());
 }
+
+#[test]
+fn pushes_done_counts_the_pushes_whose_units_all_finished_and_drain_waits_for_all() {
+    // Ten pushes of 3 MiB (three 1 MiB units each) on the copy engine, two units in flight:
+    // a push counts as done only once its last unit finished, in push order.
+    let script = Script::costing([10, 10]);
+    let buf = buffer(30 * MIB);
+    let all = Pinned::new(buf.as_ref());
+    let mut seen: Vec<(u64, usize)> = Vec::new();
+    run(
+        &script,
+        config(CopyRoute::Engine),
+        &script.traffic,
+        |p| {
+            for k in 0..10 {
+                assert_eq!(p.pushes(), k);
+                let src = all
+                    .get(k as usize * 3 * MIB..(k as usize + 1) * 3 * MIB)
+                    .unwrap();
+                // SAFETY: the scripted movers touch no memory.
+                unsafe { p.push_to_device(src, 0x1000_0000 + k * 3 * MIB as u64) }?;
+                assert!(p.pushes_done() <= p.pushes());
+            }
+            assert_eq!(
+                p.pushes_done(),
+                0,
+                "two units started: none of the pushes is done"
+            );
+            p.drain(|done| {
+                let c = script.state.lock().unwrap();
+                let finished = c.starts.len() - c.in_flight[0];
+                drop(c);
+                seen.push((done, finished));
+                false
+            })?;
+            assert_eq!(p.pushes_done(), 10);
+            Ok::<(), BackendError>(())
+        },
+        |e| e,
+    )
+    .unwrap();
+    let c = script.state.lock().unwrap();
+    assert_eq!(c.in_flight, [0, 0], "drain waited for every unit");
+    assert!(
+        seen.windows(2).all(|w| w[0].0 <= w[1].0),
+        "it never goes back"
+    );
+    for &(done, finished) in &seen {
+        // Units finish in order on one mover: `done` pushes need 3 × done units finished.
+        assert!(
+            3 * done as usize <= finished,
+            "{done} pushes done with {finished} units finished"
+        );
+        assert!(
+            finished < 3 * (done as usize + 1),
+            "{done} pushes done with {finished} units finished"
+        );
+    }
+    assert_eq!(seen.last().map(|s| s.0), Some(10));
+}

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use gpu_pager::backend::host::{HostBackend, HostConfig};
 use gpu_pager::backend::{Backend, RawStream};
-use gpu_pager::{Buffer, Pager, PagerConfig, Policy};
+use gpu_pager::{Buffer, Pager, PagerConfig, Policy, State};
 use gpu_pager_testkit::{FaultPlan, FaultyBackend};
 
 const KIB: usize = 1 << 10;
@@ -107,6 +107,12 @@ fn run(pager: &Pager, host: &HostBackend, tag: &'static str, seed: u64) {
                             .for_each(|m| m.marked_at_release = m.marked.clone());
                     }
                     resident = false;
+                } else if resident && pager.info(tag).unwrap().state == State::Released {
+                    // Mapping back what the failed release had unmapped beside its copies
+                    // failed too (`host_fault_model` checks that this is the only way): the
+                    // region is released with what it saved; its bytes are forgotten.
+                    resident = false;
+                    bufs.iter_mut().for_each(|m| m.known.fill(false));
                 }
             }
             _ => {

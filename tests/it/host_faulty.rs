@@ -345,3 +345,85 @@ fn a_map_made_ahead_that_fails_after_the_resume_failed_is_recorded_not_lost() {
         );
     }
 }
+
+/// `w`: a growing `Preserve` region of 40 buffers of 64–576 KiB (their contents returned);
+/// `kv`: a fixed `Discard` region of 2 MiB.
+fn many_buffers(pager: &Pager) -> Vec<(Buffer, Vec<u8>)> {
+    pager
+        .region_with("w", 0, Policy::Preserve, gpu_pager::RegionOptions::GROWING)
+        .unwrap();
+    pager.region("kv", 2 * MIB, Policy::Discard).unwrap();
+    (0..40u64)
+        .map(|i| {
+            let b = pager
+                .alloc("w", (64 << 10) * (1 + i as usize % 9) - 16)
+                .unwrap();
+            let data = bytes(100 + i, b.len());
+            pager.write(&b, 0, &data).unwrap();
+            (b, data)
+        })
+        .collect()
+}
+
+#[test]
+fn a_copy_fault_after_buffers_were_unmapped_beside_the_copies_maps_and_restores_them() {
+    // A release unmaps each buffer once its copies are done and the `Discard` region at
+    // once, while later buffers still copy; a copy that fails after that must leave every
+    // region resident with its contents: what was unmapped is mapped and restored again.
+    for (skip_unchanged, pass) in [(false, 30), (true, 30), (false, 39)] {
+        let (host, faulty, pager) = setup(skip_unchanged);
+        let mut bufs = many_buffers(&pager);
+        if skip_unchanged {
+            // A first cycle, then every buffer changed, so that each one copies again.
+            pager.release(&["kv", "w"]).unwrap();
+            pager.resume(&["kv", "w"]).unwrap();
+            for (i, (b, data)) in bufs.iter_mut().enumerate() {
+                *data = bytes(200 + i as u64, b.len());
+                pager.write(b, 0, data).unwrap();
+            }
+        }
+        let used = host.used_bytes();
+        let maps = faulty.calls(FaultPoint::Map);
+
+        faulty.fail_after(FaultPoint::CopyToHost, pass);
+        let err = pager.release(&["kv", "w"]).unwrap_err();
+        assert!(injected(&err), "{err}");
+        assert!(
+            faulty.calls(FaultPoint::Map) > maps,
+            "buffers were unmapped before the fault, and mapped again"
+        );
+        assert_eq!(state(&pager, "w"), State::Resident);
+        assert_eq!(state(&pager, "kv"), State::Resident);
+        assert_eq!(host.used_bytes(), used, "everything is mapped again");
+        for (i, (b, data)) in bufs.iter().enumerate() {
+            assert_eq!(&read_all(&pager, b), data, "buffer {i} (pass {pass})");
+        }
+        assert!(pager.take_deferred_errors().is_empty());
+
+        // The retry releases everything; a resume brings back every buffer.
+        pager.release(&["kv", "w"]).unwrap();
+        assert_eq!(host.used_bytes(), 0);
+        pager.resume(&["kv", "w"]).unwrap();
+        for (i, (b, data)) in bufs.iter().enumerate() {
+            assert_eq!(&read_all(&pager, b), data, "buffer {i} after the retry");
+        }
+    }
+}
+
+#[test]
+fn a_release_that_unmaps_beside_its_copies_reports_every_byte_and_frees_it() {
+    let (host, _faulty, pager) = setup(true);
+    let bufs = many_buffers(&pager);
+    let mapped = host.used_bytes();
+    let report = pager.release(&["kv", "w"]).unwrap();
+    assert_eq!(host.used_bytes(), 0);
+    assert_eq!(
+        report.regions.iter().map(|r| r.bytes).sum::<usize>(),
+        mapped,
+        "the report counts what was unmapped beside the copies: {report:?}"
+    );
+    pager.resume(&["kv", "w"]).unwrap();
+    for (b, data) in &bufs {
+        assert_eq!(&read_all(&pager, b), data);
+    }
+}

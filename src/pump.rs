@@ -328,6 +328,8 @@ pub struct Pump<'e, 'h> {
     queue: VecDeque<(u64, RawCopy)>,
     /// Pushes made so far: the next push's number.
     pushes: u64,
+    /// [`Pump::pushes_done`] as of the first failure: nothing counts as done after it.
+    done_at_failure: Option<u64>,
     /// Units started and not seen finished, per mover.
     flight: [Vec<InFlight>; 2],
     /// The first failure, until it is returned.
@@ -397,6 +399,7 @@ fn run<'e, 'h, T, E>(
         own: [0, 0],
         queue: VecDeque::new(),
         pushes: 0,
+        done_at_failure: None,
         flight: [Vec::new(), Vec::new()],
         failure: None,
         failed: false,
@@ -467,9 +470,13 @@ impl<'h> Pump<'_, 'h> {
     }
 
     /// How many of the first pushes have finished every copy: all pushes numbered below it
-    /// have (as of the last push, poll or drain; a failed pump finishes nothing more). Their
-    /// device memory may be unmapped while the scope goes on.
+    /// have (as of the last push, poll or drain; after a failure, as of the failure, which
+    /// a push that failed or was dropped never passes). Their device memory may be unmapped
+    /// while the scope goes on.
     pub fn pushes_done(&self) -> u64 {
+        if let Some(done) = self.done_at_failure {
+            return done;
+        }
         let queued = self.queue.front().map(|(n, _)| *n);
         let flying = self.flight.iter().flatten().map(|u| u.push).min();
         [queued, flying]
@@ -531,6 +538,9 @@ impl<'h> Pump<'_, 'h> {
     /// Notes a failure: the first is kept to be returned, later ones are recorded; nothing
     /// more starts.
     fn fail(&mut self, e: BackendError) {
+        if self.done_at_failure.is_none() {
+            self.done_at_failure = Some(self.pushes_done());
+        }
         self.queue.clear();
         if self.failed {
             self.movers.errors().record(format!(
@@ -788,6 +798,8 @@ impl<'h> Pump<'_, 'h> {
                     any = true;
                 }
                 Err(e) => {
+                    // Back in the queue for `fail` to see its push as not done.
+                    self.queue.push_front((push, unit));
                     self.fail(e);
                     break;
                 }

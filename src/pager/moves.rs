@@ -238,7 +238,9 @@ fn map_back(
         };
         if let Err(e) = back {
             backend.deferred_errors().record(format!(
-                "the release of `{}` failed ({failure}), and mapping back the memory it had                  unmapped failed too ({e}): the region is released; a resume restores the                  buffers whose copies had finished, the others come back without contents",
+                "the release of `{}` failed ({failure}), and mapping back the memory it had \
+                 unmapped failed too ({e}): the region is released; a resume restores the \
+                 buffers whose copies had finished, the others come back without contents",
                 r.tag
             ));
             if let Err(sync) = backend.synchronize() {

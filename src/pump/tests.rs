@@ -785,3 +785,45 @@ fn pushes_done_counts_the_pushes_whose_units_all_finished_and_drain_waits_for_al
     }
     assert_eq!(seen.last().map(|s| s.0), Some(10));
 }
+
+#[test]
+fn a_push_that_failed_or_was_dropped_never_counts_as_done() {
+    // One 1 MiB unit per push, each done as soon as it is polled; the third unit (the third
+    // push) fails to start once the first two are done: the third push and every later one
+    // stay not done, though nothing is queued or in flight any more.
+    let script = Script {
+        cost: [1, 1],
+        fail_start: Some(2),
+        ..Script::default()
+    };
+    let buf = buffer(10 * MIB);
+    let all = Pinned::new(buf.as_ref());
+    let err = run(
+        &script,
+        config(CopyRoute::Engine),
+        &script.traffic,
+        |p| {
+            for k in 0..10u64 {
+                let src = all.get(k as usize * MIB..(k as usize + 1) * MIB).unwrap();
+                // SAFETY: the scripted movers touch no memory.
+                let pushed = unsafe { p.push_to_device(src, 0x1000_0000 + k * MIB as u64) };
+                if pushed.is_err() {
+                    assert!(p.pushes_done() <= 2, "{}", p.pushes_done());
+                    return pushed;
+                }
+            }
+            let drained = p.drain(|done| {
+                assert!(done <= 2, "{done}");
+                false
+            });
+            assert!(p.pushes_done() <= 2, "{}", p.pushes_done());
+            drained
+        },
+        |e| e,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, BackendError::Injected { op: "start" }),
+        "{err}"
+    );
+}

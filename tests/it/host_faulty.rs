@@ -427,3 +427,31 @@ fn a_release_that_unmaps_beside_its_copies_reports_every_byte_and_frees_it() {
         assert_eq!(&read_all(&pager, b), data);
     }
 }
+
+#[test]
+fn when_mapping_back_fails_too_the_region_is_released_with_what_it_saved_and_says_so() {
+    // A copy fails after buffers were unmapped beside the copies, and mapping them back
+    // fails too (the device lost, or its memory taken meanwhile): the region is released,
+    // the failure is recorded, and a resume brings back the buffers whose copies had
+    // finished and been unmapped (the first ones).
+    let (host, faulty, pager) = setup(false);
+    let bufs = many_buffers(&pager);
+    faulty.fail_after(FaultPoint::CopyToHost, 30);
+    faulty.fail_next(FaultPoint::Map);
+    let err = pager.release(&["w"]).unwrap_err();
+    assert!(injected(&err), "{err}");
+    assert_eq!(faulty.injected().map, 1, "mapping back was tried");
+    assert_eq!(state(&pager, "w"), State::Released);
+    let recorded = pager.take_deferred_errors();
+    assert!(
+        recorded
+            .iter()
+            .any(|e| e.contains("mapping back the memory it had unmapped")),
+        "{recorded:?}"
+    );
+    assert_eq!(host.used_bytes(), 2 * MIB, "only `kv` is mapped");
+    pager.resume(&["w"]).unwrap();
+    for (i, (b, data)) in bufs.iter().enumerate().take(10) {
+        assert_eq!(&read_all(&pager, b), data, "buffer {i}");
+    }
+}

@@ -600,8 +600,8 @@ impl Region {
     /// Maps the region and sends the restore of its backups to `sink`, overlapping the two:
     /// the ranges to map (the whole region, or the buffers of a growing one, cut at the
     /// chunk size; of a resident region, only what is unmapped of them: what a failed
-    /// release had unmapped already) are mapped run by run, a run being ranges that lie back to back (a
-    /// growing region's buffers usually do), in groups of doubling size
+    /// release had unmapped already) are mapped run by run, a run being ranges that lie
+    /// back to back (a growing region's buffers usually do), in groups of doubling size
     /// ([`map_ahead::plan`]: one backend call and one access change per group, not per
     /// buffer), and each group's copies are pushed as soon as it is mapped. With `overlap`
     /// the groups are mapped ahead on a helper thread while this thread keeps the sink's

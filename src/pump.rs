@@ -459,7 +459,7 @@ impl<'h> Pump<'_, 'h> {
     /// Retires finished units and starts queued ones on free slots, without blocking. Call it
     /// between other work to keep the movers busy. Returns as [`Pump::push_to_device`].
     pub fn poll(&mut self) -> BackendResult<()> {
-        self.feed(false);
+        self.feed(false, |_| false);
         self.take_failure()
     }
 
@@ -493,39 +493,27 @@ impl<'h> Pump<'_, 'h> {
     ///
     /// Why: a release unmaps what it has saved while the rest still copies, a piece per
     /// call so that the movers never run dry.
-    pub fn drain(&mut self, mut meanwhile: impl FnMut(u64) -> bool) -> BackendResult<()> {
-        loop {
-            let retired = self.retire();
-            if self.failed {
-                return Err(self.take_failure().err().unwrap_or_else(stopped));
-            }
-            let started = self.dispatch();
-            if self.failed {
-                return Err(self.take_failure().err().unwrap_or_else(stopped));
-            }
-            let worked = meanwhile(self.pushes_done());
-            let idle = self.queue.is_empty() && self.flight.iter().all(Vec::is_empty);
-            if idle {
-                // What finished last may have let `meanwhile` start more.
-                while meanwhile(self.pushes_done()) {}
-                return Ok(());
-            }
-            if !retired && !started && !worked {
-                std::thread::sleep(POLL);
-            }
-        }
+    pub fn drain(&mut self, meanwhile: impl FnMut(u64) -> bool) -> BackendResult<()> {
+        self.feed(true, meanwhile);
+        self.stop_error()
     }
 
     /// Queues a copy's units ([`Span::copies`]) as one push and feeds.
     fn push(&mut self, units: impl Iterator<Item = RawCopy>) -> BackendResult<()> {
-        if self.failed {
-            return Err(self.take_failure().err().unwrap_or_else(stopped));
-        }
+        self.stop_error()?;
         let n = self.pushes;
         self.pushes += 1;
         self.queue.extend(units.map(|u| (n, u)));
-        self.feed(false);
+        self.feed(false, |_| false);
         self.take_failure()
+    }
+
+    /// After a failure, the failure if not returned yet, else [`stopped`].
+    fn stop_error(&mut self) -> BackendResult<()> {
+        if self.failed {
+            return Err(self.take_failure().err().unwrap_or_else(stopped));
+        }
+        Ok(())
     }
 
     fn take_failure(&mut self) -> BackendResult<()> {
@@ -554,19 +542,24 @@ impl<'h> Pump<'_, 'h> {
     }
 
     /// Retires and starts units; with `block`, until nothing is queued or in flight (or a
-    /// failure stops it).
-    fn feed(&mut self, block: bool) {
+    /// failure stops it), calling `meanwhile` between polls ([`Pump::drain`]).
+    fn feed(&mut self, block: bool, mut meanwhile: impl FnMut(u64) -> bool) {
         loop {
             let retired = self.retire();
             if self.failed {
                 return;
             }
             let started = self.dispatch();
-            let idle = self.queue.is_empty() && self.flight.iter().all(Vec::is_empty);
-            if self.failed || !block || idle {
+            if self.failed || !block {
                 return;
             }
-            if !retired && !started {
+            let worked = meanwhile(self.pushes_done());
+            if self.queue.is_empty() && self.flight.iter().all(Vec::is_empty) {
+                // What finished last may have let `meanwhile` start more.
+                while meanwhile(self.pushes_done()) {}
+                return;
+            }
+            if !retired && !started && !worked {
                 std::thread::sleep(POLL);
             }
         }
@@ -849,7 +842,7 @@ impl<'h> Pump<'_, 'h> {
     /// push already).
     fn finish(&mut self) -> BackendResult<PumpStats> {
         let t = Instant::now();
-        self.feed(true);
+        self.feed(true, |_| false);
         self.stats.waited = t.elapsed();
         if self.failed {
             let e = self.failure.take().unwrap_or_else(stopped);

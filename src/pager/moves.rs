@@ -233,8 +233,12 @@ fn map_back(
             )
             .map(|_| ())
         } else {
-            r.map_all(backend, "release")
-                .and_then(|_| fill_dropped(pager, r).map(|_| ()))
+            r.map_all(backend, "release").and_then(|_| {
+                match lost_contents_pattern(pager, r, true) {
+                    Some(pattern) => r.fill(backend, pattern).map(|_| ()),
+                    None => Ok(()),
+                }
+            })
         };
         if let Err(e) = back {
             backend.deferred_errors().record(format!(
@@ -259,17 +263,18 @@ fn map_back(
     failure
 }
 
-/// Fills a region mapped again whose contents a release was dropping: zeros, or the
-/// poison with `poison_discards`; a `Discard` region is left uninitialised (poisoned with
-/// `poison_discards`), as after its resume.
-fn fill_dropped(pager: &Pager, r: &Region) -> Result<Duration> {
-    let backend = pager.backend.as_ref();
-    if pager.config.poison_discards && r.policy != Policy::DiscardZeroed {
-        r.fill(backend, super::POISON)
-    } else if r.policy != Policy::Discard {
-        r.zero(backend)
-    } else {
-        Ok(Duration::ZERO)
+/// The 32-bit pattern that memory mapped for region `r` without its contents is filled
+/// with: zeros for `DiscardZeroed` and for a `Preserve` region whose contents were dropped
+/// (`dropped`), the poison instead with `poison_discards`, which also fills a `Discard`
+/// region; `None`: left as it is (a `Discard` region's uninitialised memory, or a
+/// `Preserve` region's restored contents).
+fn lost_contents_pattern(pager: &Pager, r: &Region, dropped: bool) -> Option<u32> {
+    let poison = pager.config.poison_discards.then_some(super::POISON);
+    match r.policy {
+        Policy::Discard => poison,
+        Policy::DiscardZeroed => Some(0),
+        Policy::Preserve if dropped => Some(poison.unwrap_or(0)),
+        Policy::Preserve => None,
     }
 }
 
@@ -412,13 +417,8 @@ fn fill_or_verify(
         if !p.moves {
             continue;
         }
-        let poison = pager.config.poison_discards
-            && (r.policy == Policy::Discard
-                || (r.zero_on_resume() && r.policy == Policy::Preserve));
-        if poison {
-            p.steps.fill = r.fill(backend, super::POISON)?;
-        } else if r.zero_on_resume() || r.policy == Policy::DiscardZeroed {
-            p.steps.fill = r.zero(backend)?;
+        if let Some(pattern) = lost_contents_pattern(pager, r, r.zero_on_resume()) {
+            p.steps.fill = r.fill(backend, pattern)?;
         } else if r.policy == Policy::Preserve && verify {
             let t = Instant::now();
             r.verify(backend, pager.config.tuning.hash_chunk_bytes)?;

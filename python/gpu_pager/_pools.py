@@ -88,8 +88,18 @@ def check_torch_version(version: str) -> None:
 def load_torch() -> Any:
     """torch, imported on first use and checked against ``TORCH_FLOOR`` once."""
     global _torch_checked
-    import torch
-
+    try:
+        import torch
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        floor = ".".join(map(str, TORCH_FLOOR))
+        raise ModuleNotFoundError(
+            f"gpu_pager.torch (and the drop-ins) need torch {floor} or newer, and this Python "
+            f"has no torch: install it (pip install 'torch>={floor}'), or use the pager without "
+            "torch: gpu_pager.Pager.for_device(0) with its region, alloc, release and resume",
+            name="torch",
+        ) from None
     if not _torch_checked:
         check_torch_version(str(torch.__version__))
         _torch_checked = True

@@ -92,6 +92,28 @@ def test_the_torch_layer_refuses_an_old_torch_at_first_use(tmp_path: Path) -> No
     assert "refused: gpu_pager.torch needs torch 2.8 or newer" in done.stdout, done.stdout
 
 
+def test_without_torch_use_says_what_it_needs_and_how_to_go_without(tmp_path: Path) -> None:
+    """No torch at all (a ``torch`` that cannot be imported): ``use()`` raises
+    ``ModuleNotFoundError`` naming the torch it needs and the pager that works without it,
+    not a bare "No module named 'torch'" (review item 17)."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    done = run_python(
+        """
+        import gpu_pager.torch as gpt
+        try:
+            with gpt.use("weights"):
+                pass
+        except ModuleNotFoundError as e:
+            print("refused:", e)
+        """,
+        PYTHONPATH=str(tmp_path),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "refused: gpu_pager.torch (and the drop-ins) need torch 2.8 or newer" in done.stdout, done.stdout
+    assert "gpu_pager.Pager.for_device(0)" in done.stdout
+
+
 def test_the_build_requirements_pin_the_toolchains_cuda() -> None:
     """pip install ./python and scripts/toolchain build with the same CUDA 12 compilers."""
     pyproject = tomllib.loads((ROOT / "python/pyproject.toml").read_text())

@@ -211,7 +211,8 @@ def _gpt() -> Any:
 class CuMemAllocator:
     """vLLM's ``CuMemAllocator`` on gpu_pager (see the module docs). One per process:
     ``CuMemAllocator.get_instance()``. Each tag is a growing ``PRESERVE`` region of the
-    device's pager; whether its contents survive is chosen at each ``sleep``."""
+    device's pager; whether its contents survive is chosen at each ``sleep``. Safe to call
+    from several threads: sleeps, wake-ups and discards run one at a time."""
 
     instance: CuMemAllocator | None = None
     default_tag: str = "default"
@@ -237,26 +238,30 @@ class CuMemAllocator:
         # The byte ranges of discardable tensors left out of the last sleep's backup, as
         # (buffer, offset, length), unmarked once their tag is awake again.
         self._unsaved: list[tuple[Any, int, int]] = []
+        # RL frameworks call the allocator from their own threads: one move at a time, so
+        # that the books above follow the pager's state.
+        self._lock = threading.RLock()
 
     def _ensure(self, tag: str) -> Any:
         """Makes tag ``tag``'s region and pool if they are new; returns the pool."""
         gpt = _gpt()
-        if self._device is None:
-            import torch
+        with self._lock:
+            if self._device is None:
+                import torch
 
-            self._device = int(torch.cuda.current_device())
-        if tag in self._kept:
-            raise RuntimeError(
-                f"tag {tag!r} is asleep: wake it up (wake_up([{tag!r}])) before allocating in it"
-            )
-        medium: Literal["host", "pinned"] = "host" if release_host_memory() else "pinned"
-        _pools.ensure_region(gpt.pager(self._device), tag, "preserve", None, False, medium)
-        self._add_tag(tag)
-        pool = gpt.graph_pool(tag, self._device) if tag in GRAPH_TAGS else gpt.pool(tag, self._device)
-        pools = self.allocator_and_pools.setdefault(tag, [])
-        if all(p is not pool for p, _ in pools):
-            pools.append((pool, gpt.allocator()))
-        return pool
+                self._device = int(torch.cuda.current_device())
+            if tag in self._kept:
+                raise RuntimeError(
+                    f"tag {tag!r} is asleep: wake it up (wake_up([{tag!r}])) before allocating in it"
+                )
+            medium: Literal["host", "pinned"] = "host" if release_host_memory() else "pinned"
+            _pools.ensure_region(gpt.pager(self._device), tag, "preserve", None, False, medium)
+            self._add_tag(tag)
+            pool = gpt.graph_pool(tag, self._device) if tag in GRAPH_TAGS else gpt.pool(tag, self._device)
+            pools = self.allocator_and_pools.setdefault(tag, [])
+            if all(p is not pool for p, _ in pools):
+                pools.append((pool, gpt.allocator()))
+            return pool
 
     @contextmanager
     def use_memory_pool(self, tag: str | None = None) -> Iterator[None]:
@@ -354,6 +359,10 @@ class CuMemAllocator:
         ``weights`` tag are left out of the backup (undefined after the wake-up), every
         other byte of the tag is kept. Tags already asleep keep how they went to sleep.
         Idempotent."""
+        with self._lock:
+            self._sleep(offload_tags, discardable)
+
+    def _sleep(self, offload_tags: tuple[str, ...] | str | None, discardable: Collection[int]) -> None:
         if offload_tags is None:
             offload_tags = (CuMemAllocator.default_tag,)
         elif isinstance(offload_tags, str):
@@ -426,9 +435,10 @@ class CuMemAllocator:
         zeroed when they wake), after the device's work. Tags already asleep are left as
         they are, and tags without allocations are ignored, as in vLLM."""
         names = (tags,) if isinstance(tags, str) else tuple(tags)
-        awake = [t for t in self._tags if t in names and t not in self._kept]
-        if awake:
-            self._unmap(awake, drop=awake)
+        with self._lock:
+            awake = [t for t in self._tags if t in names and t not in self._kept]
+            if awake:
+                self._unmap(awake, drop=awake)
 
     def _unmap(self, tags: list[str], drop: list[str], meanwhile: Callable[[], object] | None = None) -> None:
         """Releases ``tags`` (those in ``drop`` without a backup), running ``meanwhile``
@@ -461,16 +471,17 @@ class CuMemAllocator:
         also wakes every tag that is not in ``DEFERRABLE_TAGS``. All or nothing: out of
         memory raises ``gpu_pager.OutOfMemoryError`` (a ``RuntimeError``) and every tag
         stays asleep with its backup. Tags without allocations are ignored, as in vLLM. Idempotent."""
-        asleep = [t for t in self._tags if t in self._kept]
-        deferrable = DEFERRABLE_TAGS if _protocol().deferrable else asleep
-        want = [t for t in asleep if tags is None or t in tags or t not in deferrable]
-        if want:
-            _gpt().resume(want, self._device)
-            for t in want:
-                del self._kept[t]
-            if "weights" in want:
-                unsaved, self._unsaved = self._unsaved, []
-                self._save_again(unsaved)
+        with self._lock:
+            asleep = [t for t in self._tags if t in self._kept]
+            deferrable = DEFERRABLE_TAGS if _protocol().deferrable else asleep
+            want = [t for t in asleep if tags is None or t in tags or t not in deferrable]
+            if want:
+                _gpt().resume(want, self._device)
+                for t in want:
+                    del self._kept[t]
+                if "weights" in want:
+                    unsaved, self._unsaved = self._unsaved, []
+                    self._save_again(unsaved)
 
     def get_current_usage(self) -> int:
         """Bytes of the segments torch holds in this allocator's tags, asleep or not (as

@@ -59,7 +59,7 @@ impl SettingValue {
     /// what was expected.
     pub fn parse(kind: SettingKind, text: &str) -> std::result::Result<SettingValue, String> {
         let t = text.trim();
-        let bad = |what: &str| format!("{t:?} is not {what}");
+        let bad = |what: &str| format!("{} is not {what}", quoted(t));
         match kind {
             SettingKind::Bytes => parse_bytes(t)
                 .map(SettingValue::Bytes)
@@ -149,16 +149,18 @@ impl Setting {
 
     /// The setting named `name`, or [`Error::InvalidArgument`] naming every setting.
     pub fn find(name: &str) -> Result<&'static Setting> {
-        Self::named(name).ok_or_else(|| Error::InvalidArgument {
-            tag: None,
-            reason: format!(
-                "no setting is named {name:?}; the settings: {}",
-                SETTINGS
-                    .iter()
-                    .map(|s| s.name)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
+        Self::named(name).ok_or_else(|| {
+            let names = SETTINGS.iter().map(|s| s.name);
+            let hint = crate::error::nearest_tag(name, names.clone())
+                .map_or_else(String::new, |n| format!(" (did you mean {n}?)"));
+            Error::InvalidArgument {
+                tag: None,
+                reason: format!(
+                    "no setting is named {}{hint}; the settings: {}",
+                    quoted(name),
+                    names.collect::<Vec<_>>().join(", ")
+                ),
+            }
         })
     }
 
@@ -305,6 +307,7 @@ impl PagerConfig {
     /// defaults. An unknown name or a bad value is [`Error::InvalidArgument`] naming it.
     pub fn parse(text: &str) -> Result<PagerConfig> {
         let mut config = PagerConfig::default();
+        let mut seen: Vec<&str> = Vec::new();
         for pair in text
             .split(|c: char| c == ',' || c == ';' || c.is_whitespace())
             .filter(|p| !p.is_empty())
@@ -312,12 +315,33 @@ impl PagerConfig {
             let Some((name, value)) = pair.split_once('=') else {
                 return Err(Error::InvalidArgument {
                     tag: None,
-                    reason: format!("{pair:?} is not name=value, e.g. chunk_bytes=64M"),
+                    reason: format!("{} is not name=value, e.g. chunk_bytes=64M", quoted(pair)),
                 });
             };
-            Setting::find(name.trim())?.set_text(&mut config, value)?;
+            let setting = Setting::find(name.trim())?;
+            if seen.contains(&setting.name) {
+                return Err(Error::InvalidArgument {
+                    tag: None,
+                    reason: format!(
+                        "setting {} is given twice; give each setting once",
+                        setting.name
+                    ),
+                });
+            }
+            seen.push(setting.name);
+            setting.set_text(&mut config, value)?;
         }
         Ok(config)
+    }
+}
+
+/// `text` quoted for a message, cut to its first 60 characters (a setting's text may be
+/// long, and an error quotes it).
+fn quoted(text: &str) -> String {
+    const MOST: usize = 60;
+    match text.char_indices().nth(MOST) {
+        None => format!("{text:?}"),
+        Some((end, _)) => format!("{:?}... ({} bytes)", &text[..end], text.len()),
     }
 }
 
@@ -436,6 +460,37 @@ mod tests {
         );
         let e = PagerConfig::parse("chunks=1").unwrap_err().to_string();
         assert!(e.contains("no setting is named \"chunks\""), "{e}");
+    }
+
+    #[test]
+    fn a_setting_given_twice_is_refused_and_long_text_is_not_echoed_whole() {
+        let e = PagerConfig::parse("chunk_bytes=64M, skip_unchanged=false, chunk_bytes=2M")
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        assert!(
+            e.to_string().contains("setting chunk_bytes is given twice"),
+            "{e}"
+        );
+        let long = "x".repeat(1 << 20);
+        for text in [
+            format!("verify_restore={long}"),
+            format!("{long}=1"),
+            long.clone(),
+        ] {
+            let e = PagerConfig::parse(&text).unwrap_err().to_string();
+            assert!(e.len() < 1000, "{} bytes of message", e.len());
+            assert!(e.contains(&format!("({} bytes)", 1 << 20)), "{e}");
+        }
+    }
+
+    #[test]
+    fn an_unknown_setting_near_a_known_one_is_named() {
+        let e = PagerConfig::parse("chunk_byte=64M")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("(did you mean chunk_bytes?)"), "{e}");
+        let e = PagerConfig::parse("zzz=1").unwrap_err().to_string();
+        assert!(!e.contains("did you mean"), "{e}");
     }
 
     #[test]

@@ -153,16 +153,41 @@ pub unsafe extern "C" fn gpu_pager_configure(
         // gpu_pager_config, whose first field (offset 0) is its size (the contract).
         let size = unsafe { config.cast::<u64>().read() };
         let n = config_size(size, "config")?;
-        let mut c = gpu_pager_config::from(PagerConfig::default());
+        let mut raw = std::mem::MaybeUninit::new(gpu_pager_config::from(PagerConfig::default()));
         // SAFETY: the caller's struct holds `n` bytes (its own size, checked to be at most
-        // ours), and `c` is a distinct local of at least `n` bytes; plain data.
+        // ours), and `raw` is a distinct local of at least `n` bytes, read as bytes only.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                config.cast::<u8>(),
-                std::ptr::from_mut(&mut c).cast::<u8>(),
-                n,
-            )
+            std::ptr::copy_nonoverlapping(config.cast::<u8>(), raw.as_mut_ptr().cast::<u8>(), n)
         };
+        // A C `bool` may hold any byte; Rust's must be 0 or 1, so each is checked as a byte
+        // before the struct is read as Rust's.
+        for (offset, field) in [
+            (
+                std::mem::offset_of!(gpu_pager_config, skip_unchanged),
+                "skip_unchanged",
+            ),
+            (
+                std::mem::offset_of!(gpu_pager_config, verify_restore),
+                "verify_restore",
+            ),
+            (
+                std::mem::offset_of!(gpu_pager_config, poison_discards),
+                "poison_discards",
+            ),
+        ] {
+            // SAFETY: `offset` is a field's offset inside `raw`, so in bounds.
+            let at = unsafe { raw.as_ptr().cast::<u8>().add(offset) };
+            // SAFETY: that field's byte is initialized (the defaults, then the caller's
+            // bytes); read as a plain byte.
+            let byte = unsafe { at.read() };
+            if byte > 1 {
+                return Err(untagged(format!(
+                    "config.{field} holds the byte {byte}, not a bool: set it to true or false"
+                )));
+            }
+        }
+        // SAFETY: every field is initialized and each bool holds 0 or 1 (checked above).
+        let c = unsafe { raw.assume_init() };
         let route = |n: u32, field: &str| {
             gpu_pager_copy_route::from_number(n).ok_or_else(|| {
                 untagged(format!(

@@ -304,6 +304,10 @@ static void configure(int dev) {
     bad.restore_route = 7;
     EXPECT(gpu_pager_configure(dev, &bad), GPU_PAGER_ERROR_INVALID_ARGUMENT, "restore_route = 7");
     bad = gpu_pager_config_default();
+    *(unsigned char *)&bad.verify_restore = 2; /* a bool byte that is neither 0 nor 1 */
+    EXPECT(gpu_pager_configure(dev, &bad), GPU_PAGER_ERROR_INVALID_ARGUMENT,
+           "config.verify_restore holds the byte 2");
+    bad = gpu_pager_config_default();
     bad.size = 0; /* not initialized from the default */
     EXPECT(gpu_pager_configure(dev, &bad), GPU_PAGER_ERROR_INVALID_ARGUMENT, "config.size = 0");
     gpu_pager_config c = gpu_pager_config_default();

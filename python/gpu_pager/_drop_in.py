@@ -8,11 +8,14 @@ which Python runs at start-up: with the variable set it imports this module and 
 :func:`_startup`; without it, it reads the variable and imports nothing (the line runs in
 every Python process of the environment).
 
-The switch never stops or clutters a program: whatever goes wrong in it (a broken install,
-an exception of any kind, ``SystemExit`` included) leaves the program running without the
-drop-ins and costs at most one line on stderr; it runs once per process even where the
-``.pth`` file is seen twice (a venv's ``lib64`` symlink). ``0``, ``off``, ``false``, ``no``
-and ``none`` (any case) switch it off, as an empty value does.
+Names are matched in any case. A name that is no drop-in stops every Python process of the
+environment at start (one line on stderr, exit status 2): the variable exists only to switch
+a drop-in on, and a typo must not leave an engine on its own allocator unnoticed. Anything
+else that goes wrong in the switch (a broken install, an exception of any kind,
+``SystemExit`` included) leaves the program running without the drop-ins and costs at most
+one line on stderr; it runs once per process even where the ``.pth`` file is seen twice (a
+venv's ``lib64`` symlink). ``0``, ``off``, ``false``, ``no`` and ``none`` (any case) switch
+it off, as an empty value does.
 """
 
 from __future__ import annotations
@@ -51,11 +54,11 @@ def _short(text: str, most: int) -> str:
 
 
 def _named(asked: str) -> set[str]:
-    """The names in a value of ``$GPU_PAGER_DROP_IN`` (comma-separated, blanks ignored;
-    none for a value in :data:`OFF`)."""
+    """The names in a value of ``$GPU_PAGER_DROP_IN`` (comma-separated, blanks ignored, any
+    case; none for a value in :data:`OFF`)."""
     if asked.strip().lower() in OFF:
         return set()
-    return {n.strip() for n in asked.split(",") if n.strip()}
+    return {n.strip().lower() for n in asked.split(",") if n.strip()}
 
 
 def wanted(name: str) -> bool:
@@ -144,20 +147,21 @@ _started = False
 
 def _startup() -> None:
     """What the ``.pth`` file runs, once per process: :func:`install` when the variable is
-    set, with a bad value, or a ``VLLM_PLUGINS`` that keeps vLLM from switching, reported in
-    one line on stderr (an exception in a ``.pth`` line would print a traceback, or stop
-    the interpreter)."""
+    set. A name that is no drop-in stops the process at start with one line on stderr and
+    exit status 2: the variable exists only to switch a drop-in on, so a typo must not run
+    the engine on its own allocator unnoticed. A ``VLLM_PLUGINS`` that keeps vLLM from
+    switching is reported in one line and the process runs on (an exception in a ``.pth``
+    line would print a traceback, or stop the interpreter with a fatal error)."""
     global _started
     if _started or not _named(os.environ.get(ENV, "")):
         return
     _started = True
-    problems = []
     try:
         install()
     except ValueError as e:
-        problems.append(str(e))
+        sys.stderr.write(f"gpu_pager: {e}; fix the name or unset {ENV}\n")
+        sys.stderr.flush()
+        os._exit(2)
     problem = vllm_plugins_problem() if wanted("vllm") else None
     if problem:
-        problems.append(problem)
-    if problems:
-        print(f"gpu_pager: {'; '.join(problems)}", file=sys.stderr)
+        print(f"gpu_pager: {problem}", file=sys.stderr)

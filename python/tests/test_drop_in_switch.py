@@ -1,8 +1,8 @@
-"""The start-up switch (``GPU_PAGER_DROP_IN`` and the wheel's ``.pth`` file) can never stop
-or clutter a program (review items 13 and 14): whatever goes wrong in it, the program runs
-and exits as it would, with at most one line on stderr; off values switch it off; it runs
-once per process; and ``torch_memory_saver`` found through it looks like a module with
-files."""
+"""The start-up switch (``GPU_PAGER_DROP_IN`` and the wheel's ``.pth`` file) never clutters
+a program and stops it only for a name that is no drop-in: whatever else goes wrong in it,
+the program runs and exits as it would, with at most one line on stderr; names match in any
+case; off values switch it off; it runs once per process; and ``torch_memory_saver`` found
+through it looks like a module with files."""
 
 from __future__ import annotations
 
@@ -95,23 +95,41 @@ def test_the_pth_seen_twice_runs_the_switch_once(tmp_path: Path) -> None:
         [sys.executable, "-S", "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,
-        env={**os.environ, "GPU_PAGER_DROP_IN": "torch_memory_saverr"},
+        env={**os.environ, "GPU_PAGER_DROP_IN": "vllm", "VLLM_PLUGINS": "other"},
         timeout=120,
     )
     _check_unstopped(done)
-    assert done.stderr.count("unknown drop-in") == 1, done.stderr
+    assert done.stderr.count("gpu_pager:") == 1, done.stderr
 
 
-def test_a_bad_value_and_a_vllm_problem_share_one_line() -> None:
-    done = run_python(PROGRAM, GPU_PAGER_DROP_IN="vllm,nope", VLLM_PLUGINS="other")
-    _check_unstopped(done)
-    assert "unknown drop-in" in done.stderr and "VLLM_PLUGINS" in done.stderr
+@pytest.mark.parametrize("value", ["VLLM", "Torch_Memory_Saver", " vllm , TORCH_MEMORY_SAVER ", "ALL"])
+def test_names_match_in_any_case(value: str) -> None:
+    code = """
+        import sys
+        from gpu_pager import _drop_in
+        print(_drop_in.wanted("vllm") or _drop_in.wanted("torch_memory_saver"))
+    """
+    done = run_python(code, GPU_PAGER_DROP_IN=value)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True", done.stdout + done.stderr
+    assert done.stderr == ""
+
+
+@pytest.mark.parametrize("value", ["vlm", "vllm,nope", "torch_memory_saverr"])
+def test_an_unknown_name_stops_the_process_at_start(value: str) -> None:
+    """A typo in the variable must not run the engine on its own allocator unnoticed
+    (review item 13): one line naming the known drop-ins, exit status 2, nothing run."""
+    done = run_python(PROGRAM, GPU_PAGER_DROP_IN=value)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert "unknown drop-in" in done.stderr and "known: torch_memory_saver, vllm" in done.stderr
 
 
 def test_a_long_value_is_not_echoed_whole() -> None:
     """A 100 kB value costs one short line on stderr, not the value twice."""
     done = run_python(PROGRAM, GPU_PAGER_DROP_IN="x" * 100_000, VLLM_PLUGINS="y" * 100_000)
-    _check_unstopped(done)
+    assert done.returncode == 2
     assert "unknown drop-in" in done.stderr
     assert len(done.stderr) < 1000, len(done.stderr)
 

@@ -120,7 +120,7 @@ def test_without_the_switch_the_start_up_imports_nothing_of_gpu_pager() -> None:
 
 def test_a_bad_switch_value_names_the_known_ones() -> None:
     done = run_python("print('started')", GPU_PAGER_DROP_IN="torch_memory_saverr")
-    assert done.returncode == 0
+    assert done.returncode == 2 and "started" not in done.stdout
     assert "unknown drop-in" in done.stderr and "torch_memory_saver" in done.stderr
     from gpu_pager import _drop_in
 

@@ -195,7 +195,8 @@ impl Pager {
     /// release of `tag` runs its [`Companion::before_release`], each resume its
     /// [`Companion::after_resume`] (see the module docs for when, and what a failure
     /// undoes). A tag's companions run in registration order on resume and in reverse on
-    /// release. Returns the identity [`Pager::remove_companion`] takes.
+    /// release. A release or resume of `tag` running when it is added does not call it: it
+    /// runs from the next move on. Returns the identity [`Pager::remove_companion`] takes.
     /// `InvalidArgument` when called from a companion (register companions before the
     /// moves, not during one).
     pub fn add_companion(&self, tag: &str, companion: Arc<dyn Companion>) -> Result<u64> {
@@ -318,24 +319,43 @@ impl Pager {
     }
 }
 
-/// Runs `phase` for the companions of `tags` (the regions that move, in tag order),
-/// with `held` (every region the move holds locked) recorded for this thread's queries.
-/// On a failure the ones that ran are undone in reverse order and the error names the
-/// companion; an undo that fails too is a deferred error.
-/// Whether any of `tags` has a companion.
-pub(super) fn any(pager: &Pager, tags: &[&str]) -> bool {
-    let list = pager.companions.read().unwrap_or_else(|p| p.into_inner());
-    list.iter().any(|e| tags.contains(&e.tag.as_str()))
+/// The companions of a move's tags, taken once when the move starts: one added while the
+/// move runs is not called by it (a release that found none unmaps beside its copies, so a
+/// companion added then would run after the memory is gone), one removed meanwhile is not
+/// called once its removal returned.
+pub(super) struct Moving(Vec<Arc<Entry>>);
+
+impl Moving {
+    /// The companions registered now for any of `tags`.
+    pub(super) fn of(pager: &Pager, tags: &[&str]) -> Moving {
+        let list = pager.companions.read().unwrap_or_else(|p| p.into_inner());
+        Moving(
+            list.iter()
+                .filter(|e| tags.contains(&e.tag.as_str()))
+                .cloned()
+                .collect(),
+        )
+    }
+
+    /// Whether there are none.
+    pub(super) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
-pub(super) fn run(pager: &Pager, phase: Phase, tags: &[&str], held: &[&Region]) -> Result<()> {
-    let list: Vec<Arc<Entry>> = {
-        let list = pager.companions.read().unwrap_or_else(|p| p.into_inner());
-        list.iter()
-            .filter(|e| tags.contains(&e.tag.as_str()))
-            .cloned()
-            .collect()
-    };
+/// Runs `phase` for `companions` (those of the move's tags, taken when it started) of
+/// `tags` (the regions that move, in tag order), with `held` (every region the move holds
+/// locked) recorded for this thread's queries.
+/// On a failure the ones that ran are undone in reverse order and the error names the
+/// companion; an undo that fails too is a deferred error.
+pub(super) fn run(
+    pager: &Pager,
+    companions: &Moving,
+    phase: Phase,
+    tags: &[&str],
+    held: &[&Region],
+) -> Result<()> {
+    let list = &companions.0;
     if list.is_empty() {
         return Ok(());
     }

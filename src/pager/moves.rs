@@ -5,7 +5,7 @@
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::companions::{self, Phase};
+use super::companions::{self, Moving, Phase};
 use super::{Pager, ReleaseOptions, ResumeOptions};
 use crate::backend::{Backend, Fence, RawStream};
 use crate::backup::Saved;
@@ -67,10 +67,12 @@ pub(super) fn release(
             }
         })
         .collect();
+    let companions = Moving::of(pager, &moving(regions, &parts));
     pin_backups(pager, regions, &mut parts)?;
-    let copies = save_contents(pager, tags, regions, &mut parts)?;
+    let copies = save_contents(pager, tags, regions, &mut parts, companions.is_empty())?;
     companions::run(
         pager,
+        &companions,
         Phase::Release,
         &moving(regions, &parts),
         &held(regions),
@@ -119,6 +121,7 @@ fn save_contents(
     tags: &[&str],
     regions: &mut Locked<'_>,
     parts: &mut [Part],
+    early: bool,
 ) -> Result<PumpStats> {
     if !parts.iter().any(|p| p.contents) {
         return Ok(PumpStats::default());
@@ -126,7 +129,6 @@ fn save_contents(
     let backend = pager.backend.as_ref();
     let c = &pager.config;
     let t = Instant::now();
-    let early = !companions::any(pager, &moving(regions, parts));
     let mut saved = vec![Saved::default(); parts.len()];
     let mut unmapped = vec![Unmapped::default(); parts.len()];
     let scoped = pump::scope(
@@ -300,6 +302,7 @@ pub(super) fn resume(
             }
         })
         .collect();
+    let companions = Moving::of(pager, &moving(regions, &parts));
     let backend = pager.backend.as_ref();
     let mut copies = PumpStats::default();
     // With `resume_on`, pager access waits for this fence before touching the contents.
@@ -317,6 +320,7 @@ pub(super) fn resume(
         .and_then(|()| {
             companions::run(
                 pager,
+                &companions,
                 Phase::Resume,
                 &moving(regions, &parts),
                 &held(regions),

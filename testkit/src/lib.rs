@@ -159,6 +159,8 @@ pub enum HoldPoint {
     Map,
     /// [`Backend::synchronize`] (release, remove, trim).
     Synchronize,
+    /// [`Backend::copy_unit`] (a release's or resume's pumped copy), before the copy.
+    CopyUnit,
 }
 
 /// A call held by [`FaultyBackend::hold_next`]: it waits inside the backend until
@@ -207,7 +209,7 @@ impl Drop for Hold {
 /// Delegates to another backend, injecting faults; see the module docs.
 pub struct FaultyBackend {
     /// Holds armed per [`HoldPoint`] (map, synchronize), taken by the next such call.
-    holds: [Mutex<Option<HoldCell>>; 2],
+    holds: [Mutex<Option<HoldCell>>; 3],
     inner: Arc<dyn Backend>,
     plan: FaultPlan,
     enabled: AtomicBool,
@@ -549,6 +551,7 @@ impl Backend for FaultyBackend {
     /// # Safety
     /// As [`Backend::copy_unit`]. An injected fault returns before anything is enqueued.
     unsafe fn copy_unit(&self, copy: &RawCopy, mover: Mover) -> BackendResult<Box<dyn Fence>> {
+        self.held(HoldPoint::CopyUnit);
         self.check(copy_point(copy), "copy_unit")?;
         // SAFETY: the caller upholds `copy_unit`'s contract (lifetimes until the fence passes
         // included), the wrapped backend's.

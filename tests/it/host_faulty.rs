@@ -455,3 +455,59 @@ fn when_mapping_back_fails_too_the_region_is_released_with_what_it_saved_and_say
         assert_eq!(&read_all(&pager, b), data, "buffer {i}");
     }
 }
+
+/// Review item 3: a companion added while its tag's release copies (the release found none,
+/// so it unmaps each buffer beside its copies) is not called by that release, which would
+/// run it after the memory is gone; it runs from the next move on, and nothing is lost.
+#[test]
+fn a_companion_added_while_its_tag_releases_runs_from_the_next_move() {
+    use gpu_pager::{Companion, CompanionError};
+    use gpu_pager_testkit::HoldPoint;
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    struct Late(Mutex<Vec<String>>);
+    impl Companion for Late {
+        fn name(&self) -> &str {
+            "late"
+        }
+        fn before_release(&self, tag: &str) -> Result<(), CompanionError> {
+            self.0.lock().unwrap().push(format!("release {tag}"));
+            Ok(())
+        }
+        fn after_resume(&self, tag: &str) -> Result<(), CompanionError> {
+            self.0.lock().unwrap().push(format!("resume {tag}"));
+            Ok(())
+        }
+    }
+
+    let (_host, faulty, pager) = setup(false);
+    let (w, data) = weights(&pager, 3);
+    let late = Arc::new(Late(Mutex::new(Vec::new())));
+    let hold = faulty.hold_next(HoldPoint::CopyUnit);
+    std::thread::scope(|s| {
+        let releasing = s.spawn(|| pager.release(&["weights"]));
+        assert!(
+            hold.wait_entered(Duration::from_secs(30)),
+            "the release's copy never started"
+        );
+        pager.add_companion("weights", late.clone()).unwrap();
+        hold.open();
+        releasing.join().unwrap().unwrap();
+    });
+    assert_eq!(state(&pager, "weights"), State::Released);
+    assert!(
+        late.0.lock().unwrap().is_empty(),
+        "{:?}",
+        late.0.lock().unwrap()
+    );
+    pager.resume(&["weights"]).unwrap();
+    assert_eq!(read_all(&pager, &w), data);
+    pager.release(&["weights"]).unwrap();
+    pager.resume(&["weights"]).unwrap();
+    assert_eq!(read_all(&pager, &w), data);
+    assert_eq!(
+        *late.0.lock().unwrap(),
+        ["resume weights", "release weights", "resume weights"]
+    );
+}

@@ -131,28 +131,36 @@ fn find_cuda_lib(site_dirs: &[PathBuf], wheel_dir: &str, file: &str) -> Option<P
         .find(|p| p.is_file())
 }
 
-/// Loads NVRTC and nvFatbin 12.x (x ≥ [`NVRTC_MIN_MINOR`]), or panics saying how to get them.
+/// Ends the build with one error line that says what to do: a missing toolchain is the
+/// user's to fix, not a bug, so no panic and no backtrace.
+fn fail(message: String) -> ! {
+    println!("cargo::error={message}");
+    std::process::exit(1)
+}
+
+/// Loads NVRTC and nvFatbin 12.x (x ≥ [`NVRTC_MIN_MINOR`]), or fails saying how to get them.
 fn load_cuda12(site_dirs: &[PathBuf]) -> Cuda12 {
     let find = |wheel_dir, file| {
         find_cuda_lib(site_dirs, wheel_dir, file).unwrap_or_else(|| {
-            panic!(
+            fail(format!(
                 "{file} not found (looked in $CUDA_HOME/lib64, $CUDA_PATH/lib64 and \
                  nvidia/{wheel_dir}/lib of the Python environment and of .toolchain/); \
                  {INSTALL_HINT}"
-            )
+            ))
         })
     };
     let nvrtc = find("cuda_nvrtc", "libnvrtc.so.12");
     let fatbin = find("nvfatbin", "libnvfatbin.so.12");
     println!("cargo:rerun-if-changed={}", nvrtc.display());
-    let cuda = Cuda12::load(&nvrtc, &fatbin).unwrap_or_else(|e| panic!("{e}; {INSTALL_HINT}"));
+    let cuda =
+        Cuda12::load(&nvrtc, &fatbin).unwrap_or_else(|e| fail(format!("{e}; {INSTALL_HINT}")));
     let (major, minor) = cuda.version();
     if major != 12 || minor < NVRTC_MIN_MINOR {
-        panic!(
+        fail(format!(
             "{} is NVRTC {major}.{minor}; the kernels need NVRTC 12.{NVRTC_MIN_MINOR} or a later \
              12.x (the oldest that compiles for sm_100 and sm_120); {INSTALL_HINT}",
             nvrtc.display()
-        );
+        ));
     }
     cuda
 }
@@ -236,7 +244,7 @@ fn generate_abi(site_dirs: &[PathBuf], abi_h: &Path, out: &Path) {
     // bindgen panics ("Unable to find libclang") when libclang cannot be loaded; say how to
     // get it.
     let generated = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || builder.generate())).unwrap_or_else(|_| {
-        panic!("bindgen could not load libclang (looked at $LIBCLANG_PATH, .toolchain and the system); {INSTALL_HINT}")
+        fail(format!("bindgen could not load libclang (looked at $LIBCLANG_PATH, .toolchain and the system); {INSTALL_HINT}"))
     });
     let bindings =
         generated.unwrap_or_else(|e| panic!("bindgen failed on {}: {e}", abi_h.display()));

@@ -64,6 +64,14 @@ impl Pager {
 
 /// Same as [`Pager::configure`].
 pub fn configure(ordinal: usize, config: PagerConfig) -> Result<()> {
+    if config.chunk_bytes == 0 {
+        return Err(Error::invalid(
+            None,
+            "chunk_bytes = 0 is no chunk size: give one in bytes (rounded up to the device's \
+             granularity and to a power of two, e.g. 64M), or leave it out for the default \
+             (512 MiB)",
+        ));
+    }
     // Under the pagers' write lock, so a pager created concurrently sees either no settings
     // or these, and this call sees that pager.
     let map = PAGERS.write().unwrap_or_else(|p| p.into_inner());

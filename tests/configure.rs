@@ -20,6 +20,14 @@ fn settings_apply_to_the_pager_created_after_them_and_stay() {
     unsafe { std::env::set_var(gpu_pager::RECLAIM_SCRUBBED_ENV, " No ") };
     // SAFETY: as above.
     unsafe { std::env::set_var(gpu_pager::PREPIN_ENV, "yes") };
+    // A chunk of 0 bytes means nothing: refused, naming the setting (review item 15).
+    let zero = PagerConfig {
+        chunk_bytes: 0,
+        ..PagerConfig::default()
+    };
+    let e = Pager::configure(0, zero).unwrap_err();
+    assert_eq!(e.code(), ErrorCode::InvalidArgument);
+    assert!(e.to_string().contains("chunk_bytes = 0"), "{e}");
     // Before first use, a later call replaces an earlier one.
     Pager::configure(0, PagerConfig::default()).unwrap();
     Pager::configure(0, config).unwrap();

@@ -256,8 +256,8 @@ settings! {
     pub struct PagerConfig;
 
     /// Physical chunk size in bytes (default 512 MiB), rounded up to the device's
-    /// granularity and to a power of two. Mapping costs per chunk; a region's last chunk
-    /// wastes at most one chunk's rounding. A region's own chunk size overrides it.
+    /// granularity and to a power of two (0 is refused). Mapping costs per chunk; a region's
+    /// last chunk wastes at most one chunk's rounding. A region's own chunk size overrides it.
     chunk_bytes: usize = super::DEFAULT_CHUNK_BYTES;
     /// A release copies only the parts of a preserve region that changed since its last
     /// backup or restore (default on).

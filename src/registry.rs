@@ -76,7 +76,7 @@ pub fn configure(ordinal: usize, config: PagerConfig) -> Result<()> {
     // or these, and this call sees that pager.
     let map = PAGERS.write().unwrap_or_else(|p| p.into_inner());
     if let Some(p) = map.get(&ordinal) {
-        let effective = config.with_env().effective(p.backend().info().granularity);
+        let effective = config.with_env()?.effective(p.backend().info().granularity);
         if effective == p.config() {
             return Ok(());
         }
@@ -118,7 +118,7 @@ pub fn for_device(ordinal: usize) -> Result<Arc<Pager>> {
         .get(&ordinal)
         .copied()
         .unwrap_or_default()
-        .with_env();
+        .with_env()?;
     let pager = Arc::new(Pager::with_config(open(ordinal)?, config));
     map.insert(ordinal, pager.clone());
     Ok(pager)

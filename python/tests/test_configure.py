@@ -103,3 +103,30 @@ def test_the_environment_turns_prepin_on() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "forms"),
+    [
+        ("GPU_PAGER_HOST_BUDGET", "lots", "a byte count"),
+        ("GPU_PAGER_RECLAIM_SCRUBBED", "maybe", "a switch"),
+        ("GPU_PAGER_POISON_DISCARDS", "sure", "a switch"),
+        ("GPU_PAGER_PREPIN", "2", "a switch"),
+    ],
+)
+def test_an_environment_value_that_does_not_parse_is_an_error_naming_it(name: str, value: str, forms: str) -> None:
+    """One rule for every variable (review item 14): a value that does not parse fails the
+    pager's creation with ``InvalidArgument`` naming the variable, the value and the forms it
+    takes (it was a warning, or silently ignored, depending on the variable)."""
+    code = """
+    import gpu_pager
+    try:
+        gpu_pager.Pager.for_device(0)
+    except gpu_pager.InvalidArgumentError as e:
+        print("refused:", e)
+    """
+    done = run_python(code, **{name: value})
+    assert done.returncode == 0, done.stderr
+    assert "refused: " in done.stdout, done.stdout
+    assert f"{name}={value!r}".replace("'", '"') in done.stdout, done.stdout
+    assert forms in done.stdout and "fix or unset it" in done.stdout, done.stdout

@@ -7,6 +7,7 @@ use crate::backup::file;
 use crate::pump::{self, PumpConfig};
 
 use super::settings::PagerConfig;
+use crate::error::{Error, Result};
 
 /// Default physical chunk size: 512 MiB. Mapping costs per handle, so large chunks map
 /// fast, and a region's last chunk wastes at most one chunk's rounding.
@@ -37,7 +38,7 @@ pub const PREPIN_ENV: &str = "GPU_PAGER_PREPIN";
 
 /// The environment variable that sets [`Tuning::reclaim_scrubbed`] for the pagers of the
 /// registry ([`crate::Pager::for_device`]): `1`, `true` or `yes` turns it on, `0`, `false`
-/// or `no` off; unset or anything else leaves the configured setting.
+/// or `no` off; unset or blank leaves the configured setting (anything else is an error).
 pub const RECLAIM_SCRUBBED_ENV: &str = "GPU_PAGER_RECLAIM_SCRUBBED";
 
 /// Tuning knobs: each default is the measured best, and changing one trades speed, memory or
@@ -121,19 +122,21 @@ impl PagerConfig {
     /// [`PREPIN_ENV`] set to `1`, `true` or `yes` turn [`PagerConfig::poison_discards`] and
     /// [`PagerConfig::prepin`] on; [`HOST_BUDGET_ENV`] sets
     /// [`PagerConfig::host_budget_bytes`]; [`RECLAIM_SCRUBBED_ENV`] sets
-    /// [`Tuning::reclaim_scrubbed`].
-    pub fn with_env(self) -> PagerConfig {
-        PagerConfig {
-            poison_discards: self.poison_discards || env_switch(POISON_DISCARDS_ENV) == Some(true),
-            prepin: self.prepin || env_switch(PREPIN_ENV) == Some(true),
-            host_budget_bytes: env_bytes(HOST_BUDGET_ENV).unwrap_or(self.host_budget_bytes),
+    /// [`Tuning::reclaim_scrubbed`]. One rule for all: unset or blank leaves the setting,
+    /// and a value that does not parse is [`Error::InvalidArgument`] naming the variable,
+    /// its value and the forms it takes.
+    pub fn with_env(self) -> Result<PagerConfig> {
+        Ok(PagerConfig {
+            poison_discards: self.poison_discards || env_switch(POISON_DISCARDS_ENV)? == Some(true),
+            prepin: self.prepin || env_switch(PREPIN_ENV)? == Some(true),
+            host_budget_bytes: env_bytes(HOST_BUDGET_ENV)?.unwrap_or(self.host_budget_bytes),
             tuning: Tuning {
-                reclaim_scrubbed: env_switch(RECLAIM_SCRUBBED_ENV)
+                reclaim_scrubbed: env_switch(RECLAIM_SCRUBBED_ENV)?
                     .unwrap_or(self.tuning.reclaim_scrubbed),
                 ..self.tuning
             },
             ..self
-        }
+        })
     }
 
     /// The settings as a pager on a backend of granularity `g` applies them: sizes rounded
@@ -195,19 +198,41 @@ pub struct ResumeOptions {
 
 /// A byte-count environment variable (as the settings spell bytes, e.g. `64G`), if set; a
 /// value that does not read as one is logged and left out.
-fn env_bytes(name: &str) -> Option<usize> {
-    let text = std::env::var(name).ok()?;
-    match crate::names::parse_bytes(&text) {
-        Some(n) => Some(n),
-        None => {
-            log::warn!(target: "gpu_pager", "gpu-pager: {name}={text:?} is not a byte count (e.g. 64G); left out");
-            None
-        }
-    }
+fn env_bytes(name: &str) -> Result<Option<usize>> {
+    env_value(
+        name,
+        crate::names::parse_bytes,
+        "a byte count such as 64G, 512M or 1073741824",
+    )
 }
 
 /// An on/off environment variable: `Some(true)` for `1`, `true` or `yes`, `Some(false)` for
-/// `0`, `false` or `no` (any case, spaces trimmed), `None` when unset or anything else.
-fn env_switch(name: &str) -> Option<bool> {
-    crate::names::parse_switch(&std::env::var(name).ok()?)
+/// `0`, `false` or `no` (any case, spaces trimmed), `None` when unset or empty.
+fn env_switch(name: &str) -> Result<Option<bool>> {
+    env_value(
+        name,
+        crate::names::parse_switch,
+        "a switch: 1, true or yes turns it on, 0, false or no off",
+    )
+}
+
+/// Environment variable `name` read by `parse`: `None` when unset or empty (blank), an
+/// `InvalidArgument` naming the variable, its value and `forms` when it does not parse.
+fn env_value<T>(name: &str, parse: impl Fn(&str) -> Option<T>, forms: &str) -> Result<Option<T>> {
+    let Some(text) = std::env::var_os(name) else {
+        return Ok(None);
+    };
+    let text = text.to_string_lossy();
+    if text.trim().is_empty() {
+        return Ok(None);
+    }
+    parse(&text).map(Some).ok_or_else(|| {
+        Error::invalid(
+            None,
+            format!(
+                "the environment variable {name}={} is not {forms}; fix or unset it",
+                super::settings::quoted(&text)
+            ),
+        )
+    })
 }

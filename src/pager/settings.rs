@@ -337,7 +337,7 @@ impl PagerConfig {
 
 /// `text` quoted for a message, cut to its first 60 characters (a setting's text may be
 /// long, and an error quotes it).
-fn quoted(text: &str) -> String {
+pub(crate) fn quoted(text: &str) -> String {
     const MOST: usize = 60;
     match text.char_indices().nth(MOST) {
         None => format!("{text:?}"),

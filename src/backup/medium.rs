@@ -124,10 +124,15 @@ impl Medium {
         }
     }
 
-    /// Whether `prepin` (pinning the backup at creation) makes sense: not for a backup that
-    /// each resume gives back anyway.
+    /// Whether `prepin` (pinning the backup at creation) makes sense: only for pinned host
+    /// memory kept across cycles; not for a backup that each resume gives back, nor for a
+    /// file, which has no host memory to pin (and whose early creation would turn a full
+    /// disk into a failure at model load).
     pub fn can_prepin(self) -> bool {
-        !self.gives_back_after_resume()
+        match self {
+            Medium::Pinned => true,
+            Medium::Host | Medium::File => false,
+        }
     }
 
     /// Whether the backup lives in the pager's backup directory (file I/O).

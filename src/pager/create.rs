@@ -46,12 +46,17 @@ fn check_options(tag: &str, policy: Policy, options: &RegionOptions) -> Result<(
         ));
     }
     if options.prepin && !options.medium.can_prepin() {
-        return refuse(
-            "prepin pins the backup now, but a host-medium backup is given back after every \
-             resume and pinned again at the release; use prepin with the pinned medium, or \
-             leave it off"
-                .to_owned(),
-        );
+        let why = match options.medium {
+            Medium::File => "a file backup keeps its bytes on disk and has no host memory to pin",
+            _ => {
+                "a host-medium backup is given back after every resume and pinned again at the \
+                  release"
+            }
+        };
+        return refuse(format!(
+            "prepin pins the backup's host memory now, but {why}; use prepin with the pinned \
+             medium, or leave it off"
+        ));
     }
     if options.prepin && policy != Policy::Preserve {
         return refuse(format!(

@@ -577,3 +577,48 @@ fn swap_space_and_file_staging_count_against_the_host_budget() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Review item 8: `prepin` pins host memory only. With the setting on, a file-backed region
+/// creates no backup file at its creation (a full disk would fail the model's load), only at
+/// its first release; asked for explicitly on a file backup, `prepin` is refused naming why.
+#[test]
+fn prepin_pins_memory_only_and_creates_no_backup_file() {
+    let dir = scratch("prepin-file");
+    let backend = std::sync::Arc::new(HostBackend::new(HostConfig {
+        capacity: 256 * MIB,
+        granularity: 64 << 10,
+    }));
+    let pager = Pager::with_config(
+        backend,
+        PagerConfig {
+            prepin: true,
+            ..common::small_chunks()
+        },
+    );
+    pager.set_backup_files(&dir, BackupFiles::Named).unwrap();
+    let fixed = file_backed(gpu_pager::RegionKind::Fixed);
+    pager
+        .region_with("w", 4 * MIB, Policy::Preserve, fixed)
+        .unwrap();
+    let b = pager.alloc("w", MIB).unwrap();
+    pager.write(&b, 0, &vec![9u8; MIB]).unwrap();
+    assert!(spool::named(&dir).is_empty(), "{:?}", spool::named(&dir));
+    assert_eq!(pager.stats().regions[0].backup_bytes, 0);
+    pager.release(&["w"]).unwrap();
+    assert_eq!(spool::named(&dir).len(), 1);
+    pager.resume(&["w"]).unwrap();
+    let mut back = vec![0u8; MIB];
+    pager.read(&b, 0, &mut back).unwrap();
+    assert_eq!(back, vec![9u8; MIB]);
+
+    let asked = RegionOptions {
+        prepin: true,
+        ..fixed
+    };
+    let e = pager
+        .region_with("x", 4 * MIB, Policy::Preserve, asked)
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+    assert!(e.to_string().contains("no host memory to pin"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

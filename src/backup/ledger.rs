@@ -78,24 +78,18 @@ impl Ledger {
         Ok(l)
     }
 
-    /// A new entry in the ledger at `dir` (made `0700` if missing; refused if another user
-    /// owns it), locked until it is dropped.
+    /// A new entry in the ledger at `dir` (made `0700` if missing), locked until it is
+    /// dropped. The directory must be a real directory (not a symbolic link), owned by this
+    /// user, that no one else may enter (mode `0700`): its path is predictable, so another
+    /// local user could have made it first to squat the budget, or to point the sweep of
+    /// dead shares at a directory of this user's.
     pub(crate) fn open(dir: &Path) -> io::Result<Ledger> {
         match std::fs::DirBuilder::new().mode(0o700).create(dir) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(e),
         }
-        // SAFETY: getuid has no preconditions.
-        if std::fs::metadata(dir)?.uid() != unsafe { libc::getuid() } {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                format!(
-                    "the ledger directory {} belongs to another user",
-                    dir.display()
-                ),
-            ));
-        }
+        check_private_dir(dir)?;
         let name = format!(
             "{}-{:032x}.share",
             std::process::id(),
@@ -123,14 +117,62 @@ impl Ledger {
 
     /// Runs `f` with the ledger's lock held (the directory's `lock` file).
     fn exclusive<T>(&self, f: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
-        let lock = OpenOptions::new()
+        self.exclusive_within(LOCK_WAIT, f)
+    }
+
+    /// [`Ledger::exclusive`], waiting at most `wait` for the lock: a process that holds it
+    /// longer is stuck (a reservation holds it for a few file reads), and every release
+    /// with a budget would hang behind it. The error names the holder when it wrote its pid.
+    fn exclusive_within<T>(
+        &self,
+        wait: std::time::Duration,
+        f: impl FnOnce() -> io::Result<T>,
+    ) -> io::Result<T> {
+        let path = self.dir.join("lock");
+        let mut lock = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
+            .truncate(false)
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(self.dir.join("lock"))?;
-        flock(&lock, libc::LOCK_EX)?;
+            .open(&path)?;
+        let start = std::time::Instant::now();
+        let mut pause = std::time::Duration::from_micros(50);
+        loop {
+            match flock(&lock, libc::LOCK_EX | libc::LOCK_NB) {
+                Ok(()) => break,
+                Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => {}
+                Err(e) => return Err(e),
+            }
+            if start.elapsed() >= wait {
+                let mut holder = String::new();
+                let _ = (&lock).seek(SeekFrom::Start(0));
+                let _ = (&lock).read_to_string(&mut holder);
+                let holder = holder.trim();
+                let who = if holder.is_empty() {
+                    "another process".to_owned()
+                } else {
+                    format!("process {holder}")
+                };
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "the host-budget ledger's lock {} has been held by {who} for {:.0} s; \
+                         a reservation holds it for a few file reads, so that process is \
+                         stuck: stop it, or unset host_budget_bytes ({}) in this one",
+                        path.display(),
+                        wait.as_secs_f64(),
+                        crate::HOST_BUDGET_ENV
+                    ),
+                ));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(std::time::Duration::from_millis(10));
+        }
+        // Who holds it, for a process that waits too long.
+        let _ = lock.set_len(0);
+        let _ = write!(lock, "{}", std::process::id());
         f()
         // The lock goes with the descriptor.
     }
@@ -219,6 +261,48 @@ impl Ledger {
         let held = locked(&self.held);
         self.exclusive(|| self.shares_locked(*held))
     }
+}
+
+/// How long a reservation waits for the ledger's lock before it fails.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Refuses a ledger directory that another user could have made or could enter: not a
+/// directory itself (a symbolic link is not followed), owned by another user, or open to
+/// others (any mode bit beyond `0700`). The error says what is wrong and how to fix it.
+fn check_private_dir(dir: &Path) -> io::Result<()> {
+    let meta = std::fs::symlink_metadata(dir)?;
+    let refuse = |what: String| {
+        Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "the host-budget ledger's directory {} {what}; another local user may have \
+                 made it: remove it (a new one is made), or set {LEDGER_DIR_ENV} to a \
+                 directory of your own with mode 0700",
+                dir.display()
+            ),
+        ))
+    };
+    if meta.file_type().is_symlink() {
+        return refuse("is a symbolic link".to_owned());
+    }
+    if !meta.is_dir() {
+        return refuse("is not a directory".to_owned());
+    }
+    // SAFETY: getuid has no preconditions.
+    let me = unsafe { libc::getuid() };
+    if meta.uid() != me {
+        return refuse(format!(
+            "belongs to user {}, not to this one ({me})",
+            meta.uid()
+        ));
+    }
+    if meta.mode() & 0o077 != 0 {
+        return refuse(format!(
+            "has mode {:04o}, open to other users (it must be 0700)",
+            meta.mode() & 0o7777
+        ));
+    }
+    Ok(())
 }
 
 /// Deletes a share file left under its first name by a process that died between making
@@ -332,6 +416,69 @@ mod tests {
         ));
         let _ = std::fs::remove_dir_all(&d);
         d
+    }
+
+    #[test]
+    fn a_directory_others_could_have_made_or_enter_is_refused_saying_why() {
+        use std::os::unix::fs::PermissionsExt;
+        // A symbolic link to a directory of ours: the sweep would delete its *.share files.
+        let target = dir("target");
+        std::fs::create_dir_all(&target).unwrap();
+        std::fs::write(target.join("mine.share"), b"keep").unwrap();
+        let link = dir("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let e = Ledger::open(&link).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
+        assert!(e.to_string().contains("is a symbolic link"), "{e}");
+        assert!(target.join("mine.share").exists());
+        // Open to others: anyone could plant shares in it.
+        let open = dir("open");
+        std::fs::create_dir_all(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let e = Ledger::open(&open).unwrap_err();
+        assert!(e.to_string().contains("has mode 0755"), "{e}");
+        assert!(e.to_string().contains(LEDGER_DIR_ENV), "{e}");
+        // A file where the directory should be.
+        let file = dir("file");
+        std::fs::write(&file, b"").unwrap();
+        assert!(
+            Ledger::open(&file)
+                .unwrap_err()
+                .to_string()
+                .contains("not a directory")
+        );
+        // Made here: 0700, taken.
+        let fresh = dir("fresh");
+        Ledger::open(&fresh).unwrap();
+        assert_eq!(std::fs::metadata(&fresh).unwrap().mode() & 0o777, 0o700);
+        for d in [target, link, open, file, fresh] {
+            let _ = std::fs::remove_dir_all(&d).or_else(|_| std::fs::remove_file(&d));
+        }
+    }
+
+    #[test]
+    fn a_lock_held_too_long_fails_the_reservation_naming_the_holder() {
+        let d = dir("stuck");
+        let a = Ledger::open(&d).unwrap();
+        let mut stuck = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(d.join("lock"))
+            .unwrap();
+        flock(&stuck, libc::LOCK_EX).unwrap();
+        write!(stuck, "4242").unwrap();
+        let t = std::time::Instant::now();
+        let e = a
+            .exclusive_within(std::time::Duration::from_millis(100), || Ok(()))
+            .unwrap_err();
+        assert!(t.elapsed() < std::time::Duration::from_secs(5));
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(e.to_string().contains("held by process 4242"), "{e}");
+        drop(stuck);
+        assert_eq!(a.reserve(1, 10).unwrap(), Ok(()));
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]

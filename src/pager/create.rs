@@ -162,18 +162,24 @@ impl Pager {
         } else {
             bytes
         };
+        // Fix-its name only what every binding can do: the growing kind, not the elastic one
+        // (Rust's alone).
         let (limit, why, hint) = match kind {
             RegionKind::Fixed => (
                 info.total_bytes,
                 "a fixed region is mapped whole while resident and must fit in",
-                ", or create it growing to map only under its buffers, or elastic to map only \
-                 what is backed",
+                ", or create it growing to map only under its buffers",
             ),
             RegionKind::Elastic | RegionKind::Growing => (
                 reserve,
-                "an elastic or growing region reserves at most 4 times",
+                "a growing or elastic region reserves at most 4 times",
                 "",
             ),
+        };
+        let fix = if bytes == 0 {
+            "give it a size of at least 1 byte"
+        } else {
+            "ask for fewer bytes"
         };
         bytes
             .checked_next_multiple_of(g)
@@ -181,9 +187,11 @@ impl Pager {
             .ok_or_else(|| Error::InvalidSize {
                 tag: tag.to_owned(),
                 reason: format!(
-                    "{bytes} bytes: a region needs 1 to {limit} bytes ({why} the device's {} \
-                     bytes, {}); ask for fewer bytes{hint}",
-                    info.total_bytes, info.name,
+                    "{}: a region needs 1 byte to {} ({why} the device's {}, {}); {fix}{hint}",
+                    sized(bytes),
+                    sized(limit),
+                    sized(info.total_bytes),
+                    info.name,
                 ),
             })
     }
@@ -353,5 +361,19 @@ impl Pager {
             });
         }
         Ok(true)
+    }
+}
+
+/// `bytes` as users read a size: the count, and in GiB or MiB beside it.
+fn sized(bytes: usize) -> String {
+    if bytes >= 1 << 30 {
+        format!("{bytes} bytes ({})", crate::names::gib(bytes))
+    } else if bytes >= 1 << 20 {
+        format!(
+            "{bytes} bytes ({:.1} MiB)",
+            bytes as f64 / f64::from(1 << 20)
+        )
+    } else {
+        format!("{bytes} bytes")
     }
 }

@@ -82,6 +82,31 @@ fn sizes_beyond_the_device_are_invalid_sizes_with_the_bound() {
     assert!(p.info("huge").is_err(), "nothing was created");
 }
 
+/// Review item 12: a size's fix-it names only what every binding can do (growing, not the
+/// elastic kind that only Rust has), a 0-byte region is not told to ask for fewer bytes, and
+/// sizes read as users read them.
+#[test]
+fn size_errors_advise_what_every_binding_can_do_in_sizes_users_read() {
+    let p = pager(64 * MIB);
+    let msg = p
+        .region("huge", 65 * MIB, Policy::Discard)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("create it growing"), "{msg}");
+    assert!(!msg.contains("elastic to"), "{msg}");
+    assert!(
+        msg.contains("(65.0 MiB)") && msg.contains("(64.0 MiB)"),
+        "{msg}"
+    );
+    assert!(msg.contains("ask for fewer bytes"), "{msg}");
+    let msg = p
+        .region("empty", 0, Policy::Discard)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("at least 1 byte"), "{msg}");
+    assert!(!msg.contains("fewer"), "{msg}");
+}
+
 #[test]
 fn out_of_memory_at_creation_speaks_of_creation() {
     let p = pager(64 * MIB);

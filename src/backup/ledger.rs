@@ -160,10 +160,10 @@ impl Ledger {
                     format!(
                         "the host-budget ledger's lock {} has been held by {who} for {:.0} s; \
                          a reservation holds it for a few file reads, so that process is \
-                         stuck: stop it, or unset host_budget_bytes ({}) in this one",
+                         stuck: stop it, or unset host_budget_bytes (GPU_PAGER_HOST_BUDGET) \
+                         in this one",
                         path.display(),
                         wait.as_secs_f64(),
-                        crate::HOST_BUDGET_ENV
                     ),
                 ));
             }

@@ -108,11 +108,11 @@ def configure(
     settings. Until the pager exists a later call replaces the settings; afterwards the
     same settings are accepted and others are ``InvalidArgumentError``, changing nothing.
     The settings: ``chunk_bytes`` (bytes, default ``536870912``): Physical chunk size in
-    bytes (default 512 MiB), rounded up to the device's granularity and to a power of
-    two. Mapping costs per chunk; a region's last chunk wastes at most one chunk's
-    rounding. A region's own chunk size overrides it. ``skip_unchanged`` (switch, default
-    ``True``): A release copies only the parts of a preserve region that changed since
-    its last backup or restore (default on). ``verify_restore`` (switch, default
+    bytes (default 512 MiB), rounded up to the device's granularity and to a power of two
+    (0 is refused). Mapping costs per chunk; a region's last chunk wastes at most one
+    chunk's rounding. A region's own chunk size overrides it. ``skip_unchanged`` (switch,
+    default ``True``): A release copies only the parts of a preserve region that changed
+    since its last backup or restore (default on). ``verify_restore`` (switch, default
     ``False``): After each restore, compare the device contents with the backup's hashes;
     a mismatch fails the resume as corrupted (default off: one hash pass per resume).
     ``save_route`` (route, default ``'engine'``): Who copies contents to the backup on
@@ -233,8 +233,9 @@ class Config:
     @property
     def chunk_bytes(self) -> int:
         """Physical chunk size in bytes (default 512 MiB), rounded up to the device's
-        granularity and to a power of two. Mapping costs per chunk; a region's last chunk
-        wastes at most one chunk's rounding. A region's own chunk size overrides it."""
+        granularity and to a power of two (0 is refused). Mapping costs per chunk; a
+        region's last chunk wastes at most one chunk's rounding. A region's own chunk
+        size overrides it."""
 
     @property
     def skip_unchanged(self) -> bool:

@@ -19,31 +19,16 @@ from __future__ import annotations
 
 import glob
 import importlib
-import json
 import os
-import random
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
-BATCH = 8
-PROMPT = 48
-TOKENS = 48
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import e2e_rows as rows  # noqa: E402
+from e2e_rows import BATCH, TOKENS, call, emit  # noqa: E402
 
-
-def emit(**row: Any) -> None:
-    row.setdefault("ok", True)
-    print(json.dumps(row), flush=True)
-
-
-def used_bytes() -> int:
-    pynvml: Any = importlib.import_module("pynvml")
-    pynvml.nvmlInit()
-    try:
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def main() -> None:
@@ -66,8 +51,7 @@ def main() -> None:
     )
     emit(check="start", kind="info", detail=f"Engine up in {time.perf_counter() - t:.1f} s")
 
-    rng = random.Random(0)
-    ids = [[rng.randrange(3, 32000) for _ in range(PROMPT)] for _ in range(BATCH)]
+    ids = rows.prompts()
     params = {"temperature": 0.0, "max_new_tokens": TOKENS, "ignore_eos": True}
 
     def generate() -> list[list[int]]:
@@ -85,21 +69,8 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
     emit(check="weights-bytes", kind="info", bytes=nbytes, detail=f"{len(weights)} tensors")
 
-    def call(name: str, fn: Callable[[], Any], sleep: bool = False) -> None:
-        before = used_bytes() if sleep else 0
-        t = time.perf_counter()
-        fn()
-        seconds = time.perf_counter() - t
-        row: dict[str, Any] = {"check": name, "kind": "call", "seconds": seconds}
-        if sleep:
-            row["freed"] = before - used_bytes()
-        emit(detail=f"{seconds * 1e3:.1f} ms", **row)
-
     def same(cycle: str) -> None:
-        got = generate()
-        diff = sum(a != b for ra, rb in zip(got, reference) for a, b in zip(ra, rb))
-        emit(check=f"{cycle}: tokens", ok=got == reference,
-             detail="identical" if got == reference else f"{diff} of {BATCH * TOKENS} tokens differ")
+        rows.same(cycle, generate(), reference)
 
     for cycle in ("seed", "seed again"):
         prefix = "" if cycle == "seed" else "again: "

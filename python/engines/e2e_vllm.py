@@ -18,29 +18,14 @@ core is another process).
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
-BATCH = 8
-PROMPT = 48
-TOKENS = 48
-
-
-def emit(**row: Any) -> None:
-    row.setdefault("ok", True)
-    print(json.dumps(row), flush=True)
-
-
-def used_bytes() -> int:
-    pynvml: Any = importlib.import_module("pynvml")
-    pynvml.nvmlInit()
-    try:
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
-    finally:
-        pynvml.nvmlShutdown()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import e2e_rows as rows  # noqa: E402
+from e2e_rows import BATCH, TOKENS, call, emit  # noqa: E402
 
 
 def zero_weights(worker: Any) -> int:
@@ -83,10 +68,7 @@ def main() -> None:
     emit(check="allocator", ok=(allocator.startswith("gpu_pager")) == bool(switch), detail=allocator)
     emit(check="weights-bytes", kind="info", bytes=llm.collective_rpc(weights_bytes)[0], detail="")
 
-    import random
-
-    rng = random.Random(0)
-    prompts = [inputs.TokensPrompt(prompt_token_ids=[rng.randrange(3, 32000) for _ in range(PROMPT)]) for _ in range(BATCH)]
+    prompts = [inputs.TokensPrompt(prompt_token_ids=ids) for ids in rows.prompts()]
     params = vllm.SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, detokenize=False)
 
     def generate() -> list[list[int]]:
@@ -95,21 +77,8 @@ def main() -> None:
     reference = generate()
     emit(check="reference", tokens=reference, detail=f"{BATCH} x {TOKENS} greedy tokens")
 
-    def call(name: str, fn: Callable[[], Any], sleep: bool = False) -> None:
-        before = used_bytes() if sleep else 0
-        t = time.perf_counter()
-        fn()
-        seconds = time.perf_counter() - t
-        row: dict[str, Any] = {"check": name, "kind": "call", "seconds": seconds}
-        if sleep:
-            row["freed"] = before - used_bytes()
-        emit(detail=f"{seconds * 1e3:.1f} ms", **row)
-
     def same(cycle: str) -> None:
-        got = generate()
-        diff = sum(a != b for ra, rb in zip(got, reference) for a, b in zip(ra, rb))
-        emit(check=f"{cycle}: tokens", ok=got == reference,
-             detail="identical" if got == reference else f"{diff} of {BATCH * TOKENS} tokens differ")
+        rows.same(cycle, generate(), reference)
 
     call("sleep(1)", lambda: llm.sleep(level=1), sleep=True)
     call("wake weights", lambda: llm.wake_up(["weights"]))

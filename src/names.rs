@@ -57,3 +57,15 @@ pub(crate) fn parse_switch(t: &str) -> Option<bool> {
 pub(crate) fn gib(bytes: usize) -> String {
     format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
+
+/// `bytes` as a message shows a size of any magnitude: in GiB from 1 GiB, in MiB from
+/// 1 MiB, else in bytes.
+pub(crate) fn size(bytes: usize) -> String {
+    if bytes >= 1 << 30 {
+        gib(bytes)
+    } else if bytes >= 1 << 20 {
+        format!("{:.1} MiB", bytes as f64 / f64::from(1 << 20))
+    } else {
+        format!("{bytes} bytes")
+    }
+}

@@ -90,7 +90,7 @@ pub struct MemInfo {
 pub(crate) fn shown_shares(shares: &[(u32, usize)]) -> String {
     let parts: Vec<String> = shares
         .iter()
-        .map(|&(p, b)| format!("pid {p}: {}", crate::names::gib(b)))
+        .map(|&(p, b)| format!("pid {p}: {}", crate::names::size(b)))
         .collect();
     parts.join(", ")
 }
@@ -119,10 +119,14 @@ pub enum BackendError {
     #[error(
         "the host-memory budget of this node's gpu-pager processes ({}) would be passed: \
          {} more asked for, shares now {}; raise host_budget_bytes (GPU_PAGER_HOST_BUDGET), \
-         release fewer regions with backups at once, or back this region up to a file (the \
-         file backup medium)",
-        crate::names::gib(*budget), crate::names::gib(*requested),
-        shown_shares(shares)
+         release fewer regions with backups at once{}",
+        crate::names::size(*budget), crate::names::size(*requested),
+        shown_shares(shares),
+        if *staging {
+            " (a file backup takes host memory only for this staging buffer, once per pager)"
+        } else {
+            ", or back this region up to a file (the file backup medium)"
+        }
     )]
     HostBudget {
         /// The budget, in bytes.
@@ -131,6 +135,9 @@ pub enum BackendError {
         requested: usize,
         /// Each live process's share, largest first: (pid, bytes).
         shares: Vec<(u32, usize)>,
+        /// Whether it was a file backup's staging buffer (backing up to a file is no way
+        /// out then).
+        staging: bool,
     },
     /// A driver call failed.
     #[error("{op} failed: {message}")]

@@ -390,7 +390,20 @@ impl FileIo {
     ) -> BackendResult<T> {
         let mut slot = self.staging.lock().unwrap_or_else(PoisonError::into_inner);
         if slot.is_none() {
-            let share = Share::within(2 * self.chunk, self.host_budget)?;
+            let share = Share::within(2 * self.chunk, self.host_budget).map_err(|e| match e {
+                BackendError::HostBudget {
+                    budget,
+                    requested,
+                    shares,
+                    ..
+                } => BackendError::HostBudget {
+                    budget,
+                    requested,
+                    shares,
+                    staging: true,
+                },
+                e => e,
+            })?;
             *slot = Some((backend.alloc_pinned(2 * self.chunk)?, share));
         }
         match slot.as_mut() {

@@ -375,6 +375,7 @@ impl Share {
                 budget: over.budget,
                 requested: over.requested,
                 shares: over.shares,
+                staging: false,
             }),
             Err(error) => Err(BackendError::Os {
                 op: "opening the host-memory budget's ledger",

@@ -366,13 +366,8 @@ impl Pager {
 
 /// `bytes` as users read a size: the count, and in GiB or MiB beside it.
 fn sized(bytes: usize) -> String {
-    if bytes >= 1 << 30 {
-        format!("{bytes} bytes ({})", crate::names::gib(bytes))
-    } else if bytes >= 1 << 20 {
-        format!(
-            "{bytes} bytes ({:.1} MiB)",
-            bytes as f64 / f64::from(1 << 20)
-        )
+    if bytes >= 1 << 20 {
+        format!("{bytes} bytes ({})", crate::names::size(bytes))
     } else {
         format!("{bytes} bytes")
     }

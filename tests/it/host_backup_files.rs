@@ -622,3 +622,42 @@ fn prepin_pins_memory_only_and_creates_no_backup_file() {
     assert!(e.to_string().contains("no host memory to pin"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Review item 6: a file backup's staging buffer refused by the host budget is advised as
+/// what it is, not told to back the region up to a file (it is one); nothing is lost.
+#[test]
+fn a_file_backup_s_staging_over_the_budget_is_not_told_to_use_a_file() {
+    let dir = scratch("staging-budget");
+    let backend = std::sync::Arc::new(HostBackend::new(HostConfig {
+        capacity: 256 * MIB,
+        granularity: 64 << 10,
+    }));
+    let pager = Pager::with_config(
+        backend,
+        PagerConfig {
+            host_budget_bytes: MIB,
+            ..common::small_chunks()
+        },
+    );
+    pager.set_backup_files(&dir, BackupFiles::Unnamed).unwrap();
+    pager
+        .region_with(
+            "w",
+            4 * MIB,
+            Policy::Preserve,
+            file_backed(gpu_pager::RegionKind::Fixed),
+        )
+        .unwrap();
+    let b = pager.alloc("w", MIB).unwrap();
+    pager.write(&b, 0, &vec![3u8; MIB]).unwrap();
+    let e = pager.release(&["w"]).unwrap_err();
+    let msg = e.to_string();
+    assert_eq!(e.code(), gpu_pager::ErrorCode::OutOfMemory, "{msg}");
+    assert!(msg.contains("staging buffer"), "{msg}");
+    assert!(!msg.contains("back this region up to a file"), "{msg}");
+    assert_eq!(pager.info("w").unwrap().state, State::Resident);
+    let mut back = vec![0u8; MIB];
+    pager.read(&b, 0, &mut back).unwrap();
+    assert_eq!(back, vec![3u8; MIB]);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -77,8 +77,8 @@ def test_the_budget_holds_across_processes_and_a_killed_one_gives_its_share_back
         assert asker.stdout is not None and asker.stdin is not None
         refused = asker.stdout.readline()
         assert refused.startswith("refused:"), refused + (asker.stderr.read() if asker.stderr else "")
-        assert "host-memory budget" in refused and "(0.09 GiB)" in refused, refused
-        assert f"pid {holder.pid}: 0.06 GiB" in refused, refused
+        assert "host-memory budget" in refused and "(96.0 MiB)" in refused, refused
+        assert f"pid {holder.pid}: 64.0 MiB" in refused, refused
         assert "GPU_PAGER_HOST_BUDGET" in refused, refused
         audit = asker.stdout.readline().split()
         assert audit[0] == "audit:" and audit[1] == str(96 * MIB) and audit[-1] == "True", audit

@@ -2,7 +2,8 @@
 //! and a growing `Preserve` region (hashes on, so a release skips unchanged chunks) go
 //! through random alloc / free / write / mark / release / resume sequences while copies,
 //! maps and pinning fail at random points, first backups pinned and filled in one pass or
-//! not (`first_save_overlap`, switched at random). A failed release must leave everything resident
+//! not (`first_save_overlap`, switched at random), backed up in pinned memory, in host memory
+//! given back after each resume, or in a file (chosen at random). A failed release must leave everything resident
 //! and intact (unless mapping back what it had unmapped beside its copies failed too: that
 //! region is released), a failed resume everything released with its backup intact, and every byte
 //! that was not marked at the last release must read back bit-exact after every step.
@@ -13,7 +14,7 @@ use std::sync::Arc;
 
 use gpu_pager::backend::Backend;
 use gpu_pager::backend::host::{HostBackend, HostConfig};
-use gpu_pager::{Buffer, CopyRoute, Pager, PagerConfig, Policy};
+use gpu_pager::{Buffer, CopyRoute, Medium, Pager, PagerConfig, Policy};
 use gpu_pager_testkit::{FaultPlan, FaultPoint, FaultyBackend};
 use proptest::prelude::*;
 
@@ -112,8 +113,11 @@ proptest! {
         // First backups pinned and filled in one pass, or pinned and then saved through
         // the pump.
         first_save_overlap in any::<bool>(),
+        // Every backup medium: pinned memory, host memory given back after each resume, a
+        // file (through the staging buffer).
+        medium in prop_oneof![Just(Medium::Pinned), Just(Medium::Host), Just(Medium::File)],
     ) {
-        check(ops, gap, route, first_save_overlap)?;
+        check(ops, gap, route, first_save_overlap, medium)?;
     }
 }
 
@@ -145,6 +149,7 @@ fn check(
     gap: usize,
     route: CopyRoute,
     first_save_overlap: bool,
+    medium: Medium,
 ) -> Result<(), TestCaseError> {
     let host = Arc::new(HostBackend::new(HostConfig {
         capacity: 4 << 20,
@@ -169,13 +174,27 @@ fn check(
             ..PagerConfig::default()
         },
     );
+    let files = (medium == Medium::File).then(|| {
+        let dir =
+            std::env::temp_dir().join(format!("gpu-pager-fault-model-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    });
+    if let Some(dir) = &files {
+        pager
+            .set_backup_files(dir, gpu_pager::BackupFiles::Unnamed)
+            .unwrap();
+    }
     for (tag, bytes) in TAGS {
         common::table_region(
             &pager,
             tag,
             bytes,
             Policy::Preserve,
-            gpu_pager::RegionOptions::default(),
+            gpu_pager::RegionOptions {
+                medium,
+                ..Default::default()
+            },
         )
         .unwrap();
     }

@@ -495,8 +495,11 @@ gpu_pager_code gpu_pager_set_overwritten(int device, uint64_t ptr, size_t len, b
 // Gives the physical memory of the `n_tags` regions `tags` of device `device` back to the
 // device: waits for outstanding device work, copies `GPU_PAGER_PRESERVE` regions to their
 // pinned host backups, unmapping each buffer as soon as its own copies are done. All or
-// nothing (after a failed copy what was unmapped is mapped and restored again); regions
-// already released are counted in `regions_already`. Fills `*report` unless it is NULL.
+// nothing for what it saves: after a failed copy every region is resident again, its
+// saved contents restored; a region whose contents it does not keep (a
+// `GPU_PAGER_DISCARD` region, or one dropped) comes back as its resume would bring it,
+// its old contents gone. Regions already released are counted in `regions_already`.
+// Fills `*report` unless it is NULL.
 //
 // # Safety
 // `tags` is NULL (an error unless `n_tags` is 0) or points to `n_tags` pointers, each
@@ -508,7 +511,8 @@ gpu_pager_code gpu_pager_release(int device,
 
 // `gpu_pager_release` that drops, for this cycle, the contents of the `n_drop` regions
 // `drop` (each also one of `tags`) instead of backing them up: they come back zeroed at the
-// next resume (a `GPU_PAGER_DISCARD` region: uninitialised). All or nothing.
+// next resume (a `GPU_PAGER_DISCARD` region: uninitialised). On failure, as
+// `gpu_pager_release`.
 //
 // # Safety
 // As `gpu_pager_release`, for `tags` and for `drop`.

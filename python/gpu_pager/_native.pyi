@@ -664,11 +664,13 @@ class Pager:
     def release(self, tags: _Tags, drop: _Tags | None = None) -> Report:
         """Gives the physical memory of ``tags`` (a str or a sequence of str) back to the device:
         waits for outstanding device work, copies ``PRESERVE`` regions to their backups,
-        unmapping each buffer as soon as its own copies are done. All or nothing (``BusyError``
-        if one is leased; after a failed copy what was unmapped is mapped and restored again).
-        Regions already released are reported as such. ``drop`` (tags among ``tags``) drops those regions' contents for this cycle instead
-        of backing them up: they come back zeroed at the next resume (a ``DISCARD`` region:
-        undefined)."""
+        unmapping each buffer as soon as its own copies are done. All or nothing for what it
+        saves (``BusyError`` if one is leased; after a failed copy every region is resident
+        again, its saved contents restored; a region whose contents it does not keep, a
+        ``DISCARD`` region or one dropped, comes back as its resume would bring it).
+        Regions already released are reported as such. ``drop`` (tags among ``tags``) drops
+        those regions' contents for this cycle instead of backing them up: they come back
+        zeroed at the next resume (a ``DISCARD`` region: undefined)."""
     def resume(self, tags: _Tags, keep_host_backups: bool = False) -> Report:
         """Maps physical memory back under ``tags`` at the same addresses and restores ``PRESERVE``
         contents bit-exact. All or nothing: on ``OutOfMemoryError`` every region stays released

@@ -464,11 +464,13 @@ impl PyPager {
 
     /// Gives the physical memory of ``tags`` (a str or a sequence of str) back to the
     /// device: waits for outstanding device work, copies ``PRESERVE`` regions to their
-    /// backups, unmapping each buffer as soon as its own copies are done. All or nothing
-    /// (``BusyError`` if one is leased; after a failed copy what was unmapped is mapped and
-    /// restored again). Regions already released are reported as such. ``drop`` (tags among ``tags``) drops those regions'
-    /// contents for this cycle instead of backing them up: they come back zeroed at the next
-    /// resume (a ``DISCARD`` region: undefined).
+    /// backups, unmapping each buffer as soon as its own copies are done. All or nothing for
+    /// what it saves (``BusyError`` if one is leased; after a failed copy every region is
+    /// resident again, its saved contents restored; a region whose contents it does not
+    /// keep, a ``DISCARD`` region or one dropped, comes back as its resume would bring it).
+    /// Regions already released are reported as such. ``drop`` (tags among ``tags``) drops
+    /// those regions' contents for this cycle instead of backing them up: they come back
+    /// zeroed at the next resume (a ``DISCARD`` region: undefined).
     #[pyo3(signature = (tags, drop = None))]
     fn release(
         &self,

@@ -410,8 +410,9 @@ impl Pager {
     /// released are reported as such. All or nothing: if any region is leased, or a copy
     /// fails, nothing is released (what was unmapped is mapped and restored again; a region
     /// whose contents were being dropped comes back as its resume would bring it). Only if
-    /// mapping back fails too (the device is lost) is that region left released, with what
-    /// it had saved, and the failure recorded ([`Pager::take_deferred_errors`]).
+    /// mapping back fails too (the device is lost) is that region left released and the
+    /// failure recorded ([`Pager::take_deferred_errors`]): its resume restores the buffers
+    /// the release had unmapped, and the others come back without contents.
     pub fn release(&self, tags: &[&str]) -> Result<Report> {
         self.release_with(tags, &ReleaseOptions::default())
     }

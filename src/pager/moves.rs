@@ -209,8 +209,9 @@ fn save_contents(
 /// saved region's buffers from their backups (their copies had finished) and filling a
 /// region whose contents were to be dropped as its resume would. Returns `failure`, the
 /// release's error. Where even that fails (the device is lost, or another thread took the
-/// memory), the region is released instead, with what it had saved, and the failure is
-/// recorded.
+/// memory), the region is released instead, and the failure is recorded: its resume
+/// restores the buffers this release had unmapped (their copies had finished), and every
+/// other buffer comes back without contents.
 fn map_back(
     pager: &Pager,
     regions: &mut Locked<'_>,
@@ -246,7 +247,8 @@ fn map_back(
             backend.deferred_errors().record(format!(
                 "the release of `{}` failed ({failure}), and mapping back the memory it had \
                  unmapped failed too ({e}): the region is released; a resume restores the \
-                 buffers whose copies had finished, the others come back without contents",
+                 buffers it had unmapped after their copies finished, and every other buffer \
+                 of the region comes back without contents",
                 r.tag
             ));
             if let Err(sync) = backend.synchronize() {

@@ -511,3 +511,71 @@ fn a_companion_added_while_its_tag_releases_runs_from_the_next_move() {
         ["resume weights", "release weights", "resume weights"]
     );
 }
+
+/// Review item 1: a release whose copy fails after it unmapped a buffer, and whose mapping
+/// back fails too, leaves the region released. Its resume brings back the buffer it had
+/// unmapped (its copies had finished) with this cycle's bytes and every other buffer without
+/// contents (a buffer whose copies finished but was still mapped included), never a previous
+/// cycle's bytes; the recorded failure says exactly that.
+#[test]
+fn a_double_failure_restores_what_it_unmapped_and_says_so() {
+    let host = Arc::new(HostBackend::new(HostConfig {
+        capacity: 64 * MIB,
+        granularity: 64 << 10,
+    }));
+    let faulty = Arc::new(FaultyBackend::new(host.clone(), FaultPlan::none()));
+    let pager = Pager::with_config(
+        faulty.clone(),
+        PagerConfig {
+            chunk_bytes: MIB,
+            tuning: gpu_pager::Tuning {
+                copy_unit_bytes: 256 << 10,
+                ..gpu_pager::Tuning::default()
+            },
+            ..PagerConfig::default()
+        },
+    );
+    let growing = gpu_pager::RegionOptions {
+        kind: gpu_pager::RegionKind::Growing,
+        ..Default::default()
+    };
+    pager
+        .region_with("w", 16 * MIB, Policy::Preserve, growing)
+        .unwrap();
+    let bufs: Vec<Buffer> = (0..4).map(|_| pager.alloc("w", MIB).unwrap()).collect();
+    let old: Vec<Vec<u8>> = (0..4).map(|i| bytes(100 + i, MIB)).collect();
+    for (b, data) in bufs.iter().zip(&old) {
+        pager.write(b, 0, data).unwrap();
+    }
+    pager.release(&["w"]).unwrap();
+    pager.resume(&["w"]).unwrap();
+    let new: Vec<Vec<u8>> = (0..4).map(|i| bytes(200 + i, MIB)).collect();
+    for (b, data) in bufs.iter().zip(&new) {
+        // As an engine's kernels write: at the raw address, the pager unaware.
+        let at = pager.ptr(b).unwrap() as usize as *mut u8;
+        // SAFETY: on the host backend a resident buffer's address is host memory of its
+        // length; nothing else touches it meanwhile.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len()) };
+    }
+    // Buffers 0 and 1 (4 copy units each) and one unit of buffer 2 pass, the next copy
+    // fails; by then buffer 0 was unmapped, and mapping it back fails too.
+    faulty.fail_after(FaultPoint::CopyToHost, 9);
+    faulty.fail_next(FaultPoint::Map);
+    assert!(injected(&pager.release(&["w"]).unwrap_err()));
+    assert_eq!(state(&pager, "w"), State::Released);
+    let recorded = faulty.deferred_errors().take().join("\n");
+    assert!(
+        recorded.contains("restores the buffers it had unmapped after their copies finished"),
+        "{recorded}"
+    );
+    pager.resume(&["w"]).unwrap();
+    assert_eq!(read_all(&pager, &bufs[0]), new[0]);
+    for (i, b) in bufs.iter().enumerate().skip(1) {
+        let back = read_all(&pager, b);
+        assert!(
+            back != old[i],
+            "buffer {i} came back with the previous cycle's bytes"
+        );
+        assert!(back != new[i], "buffer {i} was not saved, yet came back");
+    }
+}

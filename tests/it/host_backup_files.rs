@@ -578,30 +578,45 @@ fn swap_space_and_file_staging_count_against_the_host_budget() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A pager with `config` on a host backend (64 KiB granules), its backups in `files` in a
+/// fresh directory for `test`, and fixed region `w` of 4 MiB backed up in a file, holding
+/// one 1 MiB buffer filled with `fill`.
+fn one_file_buffer(
+    test: &str,
+    config: PagerConfig,
+    files: BackupFiles,
+    fill: u8,
+) -> (PathBuf, Pager, gpu_pager::Buffer) {
+    let dir = scratch(test);
+    let backend = std::sync::Arc::new(HostBackend::new(HostConfig {
+        capacity: 256 * MIB,
+        granularity: 64 << 10,
+    }));
+    let pager = Pager::with_config(backend, config);
+    pager.set_backup_files(&dir, files).unwrap();
+    pager
+        .region_with(
+            "w",
+            4 * MIB,
+            Policy::Preserve,
+            file_backed(gpu_pager::RegionKind::Fixed),
+        )
+        .unwrap();
+    let b = pager.alloc("w", MIB).unwrap();
+    pager.write(&b, 0, &vec![fill; MIB]).unwrap();
+    (dir, pager, b)
+}
+
 /// Review item 8: `prepin` pins host memory only. With the setting on, a file-backed region
 /// creates no backup file at its creation (a full disk would fail the model's load), only at
 /// its first release; asked for explicitly on a file backup, `prepin` is refused naming why.
 #[test]
 fn prepin_pins_memory_only_and_creates_no_backup_file() {
-    let dir = scratch("prepin-file");
-    let backend = std::sync::Arc::new(HostBackend::new(HostConfig {
-        capacity: 256 * MIB,
-        granularity: 64 << 10,
-    }));
-    let pager = Pager::with_config(
-        backend,
-        PagerConfig {
-            prepin: true,
-            ..common::small_chunks()
-        },
-    );
-    pager.set_backup_files(&dir, BackupFiles::Named).unwrap();
-    let fixed = file_backed(gpu_pager::RegionKind::Fixed);
-    pager
-        .region_with("w", 4 * MIB, Policy::Preserve, fixed)
-        .unwrap();
-    let b = pager.alloc("w", MIB).unwrap();
-    pager.write(&b, 0, &vec![9u8; MIB]).unwrap();
+    let config = PagerConfig {
+        prepin: true,
+        ..common::small_chunks()
+    };
+    let (dir, pager, b) = one_file_buffer("prepin-file", config, BackupFiles::Named, 9);
     assert!(spool::named(&dir).is_empty(), "{:?}", spool::named(&dir));
     assert_eq!(pager.stats().regions[0].backup_bytes, 0);
     pager.release(&["w"]).unwrap();
@@ -613,7 +628,7 @@ fn prepin_pins_memory_only_and_creates_no_backup_file() {
 
     let asked = RegionOptions {
         prepin: true,
-        ..fixed
+        ..file_backed(gpu_pager::RegionKind::Fixed)
     };
     let e = pager
         .region_with("x", 4 * MIB, Policy::Preserve, asked)
@@ -627,29 +642,11 @@ fn prepin_pins_memory_only_and_creates_no_backup_file() {
 /// what it is, not told to back the region up to a file (it is one); nothing is lost.
 #[test]
 fn a_file_backup_s_staging_over_the_budget_is_not_told_to_use_a_file() {
-    let dir = scratch("staging-budget");
-    let backend = std::sync::Arc::new(HostBackend::new(HostConfig {
-        capacity: 256 * MIB,
-        granularity: 64 << 10,
-    }));
-    let pager = Pager::with_config(
-        backend,
-        PagerConfig {
-            host_budget_bytes: MIB,
-            ..common::small_chunks()
-        },
-    );
-    pager.set_backup_files(&dir, BackupFiles::Unnamed).unwrap();
-    pager
-        .region_with(
-            "w",
-            4 * MIB,
-            Policy::Preserve,
-            file_backed(gpu_pager::RegionKind::Fixed),
-        )
-        .unwrap();
-    let b = pager.alloc("w", MIB).unwrap();
-    pager.write(&b, 0, &vec![3u8; MIB]).unwrap();
+    let config = PagerConfig {
+        host_budget_bytes: MIB,
+        ..common::small_chunks()
+    };
+    let (dir, pager, b) = one_file_buffer("staging-budget", config, BackupFiles::Unnamed, 3);
     let e = pager.release(&["w"]).unwrap_err();
     let msg = e.to_string();
     assert_eq!(e.code(), gpu_pager::ErrorCode::OutOfMemory, "{msg}");

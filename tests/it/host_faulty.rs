@@ -519,13 +519,9 @@ fn a_companion_added_while_its_tag_releases_runs_from_the_next_move() {
 /// cycle's bytes; the recorded failure says exactly that.
 #[test]
 fn a_double_failure_restores_what_it_unmapped_and_says_so() {
-    let host = Arc::new(HostBackend::new(HostConfig {
-        capacity: 64 * MIB,
-        granularity: 64 << 10,
-    }));
-    let faulty = Arc::new(FaultyBackend::new(host.clone(), FaultPlan::none()));
-    let pager = Pager::with_config(
-        faulty.clone(),
+    let (_host, faulty, pager) = crate::common::faulty_host_pager(
+        64 * MIB,
+        64 << 10,
         PagerConfig {
             chunk_bytes: MIB,
             tuning: gpu_pager::Tuning {
